@@ -1,0 +1,36 @@
+"""int8_linear against F.linear in the activation dtype and torch._weight_int8pack_mm."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gptfast_kernels import ops
+
+ROWS = (1, 4, 16, 256)
+SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K): Llama-3-8B attention / MLP
+
+
+def run(h) -> None:
+    device = h.device
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = SHAPES[:1] if h.quick else SHAPES
+    for N, K in shapes:
+        weight = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
+        qweight, scales = ops.quantize_int8(weight)
+        for M in ROWS:
+            x = torch.randn(M, K, device=device, dtype=dtype)
+            candidates = {f"F.linear_{str(dtype)[6:]}": lambda: F.linear(x, weight)}
+            if device.type == "cpu" or dtype != torch.float32:
+                # _weight_int8pack_mm takes the same per-channel int8 layout (scales in x's dtype)
+                candidates["torch._weight_int8pack_mm"] = (
+                    lambda: torch._weight_int8pack_mm(x, qweight, scales.to(dtype)))
+            candidates["ours_auto"] = lambda: ops.int8_linear(x, qweight, scales)
+            if device.type == "cuda":
+                candidates["ours_cuda"] = lambda: ops.int8_linear(x, qweight, scales, backend="cuda")
+                candidates["ours_triton"] = lambda: ops.int8_linear(x, qweight, scales,
+                                                                    backend="triton")
+            # minimum bytes: int8 weights + scales + activations in + out
+            nbytes = N * K + 4 * N + x.element_size() * M * (K + N)
+            h.compare("int8_linear", {"M": M, "N": N, "K": K, "dtype": str(dtype)[6:]},
+                      candidates, baseline=f"F.linear_{str(dtype)[6:]}", nbytes=nbytes)

@@ -1,0 +1,133 @@
+"""The one benchmark harness: timing, metadata and JSON output shared by every bench_<op>.py.
+
+GPU: triton.testing.do_bench (L2 flushed between runs) reporting the 20th / 50th / 80th percentile.
+CPU: a plain timer loop with warm-up, same percentiles. Every row carries the device, torch
+version, commit and date, so results from different machines never get mixed up.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+QUANTILES = (0.2, 0.5, 0.8)
+CPU_WARMUP = 3
+CPU_MIN_REPEATS = 10
+CPU_MIN_SECONDS = 0.5
+
+
+def _commit() -> str:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, CPU)"
+
+
+def time_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
+    """(p20, median, p80) milliseconds of fn()."""
+    if device.type == "cuda":
+        import triton.testing
+
+        p20, p50, p80 = triton.testing.do_bench(fn, quantiles=list(QUANTILES))
+        return p20, p50, p80
+    for _ in range(CPU_WARMUP):
+        fn()
+    samples = []
+    start = time.perf_counter()
+    while len(samples) < CPU_MIN_REPEATS or time.perf_counter() - start < CPU_MIN_SECONDS:
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    qs = statistics.quantiles(samples, n=10)  # deciles: qs[1] = p20, qs[7] = p80
+    return qs[1], statistics.median(samples), qs[7]
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Measured device-memory copy bandwidth: bytes read + bytes written per second."""
+    if device.type == "cpu":
+        nbytes = min(nbytes, 256 << 20)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    _, median_ms, _ = time_ms(lambda: dst.copy_(src), device)
+    return 2 * nbytes / (median_ms * 1e-3) / 1e9
+
+
+@dataclass
+class Harness:
+    device: torch.device
+    quick: bool = False
+    rows: list[dict] = field(default_factory=list)
+    copy_gbps: float | None = None
+
+    def __post_init__(self):
+        self.meta = {
+            "device": device_name(self.device),
+            "torch": torch.__version__,
+            "commit": _commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+
+    def measure_copy_bandwidth(self) -> float:
+        if self.copy_gbps is None:
+            self.copy_gbps = copy_bandwidth_gbps(self.device)
+        return self.copy_gbps
+
+    def compare(self, op: str, case: dict, candidates: dict[str, Callable[[], object]],
+                baseline: str, nbytes: int | None = None) -> list[dict]:
+        """Times every candidate in the same run and records each as a row with its ratio
+        (speed-up) over ``baseline`` and, when ``nbytes`` (minimum bytes moved) is given, its
+        achieved GB/s and fraction of the measured copy bandwidth."""
+        timings = {name: time_ms(fn, self.device) for name, fn in candidates.items()}
+        base_ms = timings[baseline][1]
+        new_rows = []
+        for name, (p20, p50, p80) in timings.items():
+            row = {"op": op, **case, "impl": name, "baseline": baseline, "ms_p20": p20,
+                   "ms_median": p50, "ms_p80": p80, "speedup_vs_baseline": base_ms / p50, **self.meta}
+            if nbytes is not None:
+                gbps = nbytes / (p50 * 1e-3) / 1e9
+                row["gbps"] = gbps
+                if self.copy_gbps:
+                    row["fraction_of_copy_bw"] = gbps / self.copy_gbps
+            new_rows.append(row)
+        self.rows.extend(new_rows)
+        return new_rows
+
+    def write_json(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"meta": {**self.meta, "copy_gbps": self.copy_gbps}, "rows": self.rows}, f,
+                      indent=1)
+
+    def table(self) -> str:
+        if not self.rows:
+            return "(no rows)"
+        skip = set(self.meta) | {"baseline", "ms_p20", "ms_p80"}
+        keys = [k for k in self.rows[0] if k not in skip]
+        for row in self.rows:
+            keys += [k for k in row if k not in keys and k not in skip]
+
+        def fmt(v):
+            return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+        cells = [[fmt(r.get(k, "")) for k in keys] for r in self.rows]
+        widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+        lines = ["  ".join(k.ljust(w) for k, w in zip(keys, widths))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths)) for cell in cells]
+        return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""Runs the kernel microbenchmarks: ``python -m bench.run [--ops a,b] [--quick] [--out FILE]``
+(also ``python -m gptfast_kernels bench``). Each bench/bench_<op>.py defines run(harness)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import importlib
+import os
+import re
+
+import torch
+
+from bench.harness import Harness
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def available_benches() -> list[str]:
+    names = [os.path.basename(p)[len("bench_"):-len(".py")]
+             for p in glob.glob(os.path.join(BENCH_DIR, "bench_*.py"))]
+    return sorted(names)
+
+
+def default_output(harness: Harness) -> str:
+    device = re.sub(r"[^A-Za-z0-9]+", "-", harness.meta["device"]).strip("-").lower()
+    date = datetime.date.today().isoformat()
+    return os.path.join(BENCH_DIR, "results", f"{device}_{date}_{harness.meta['commit']}.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gptfast_kernels bench", description=__doc__)
+    parser.add_argument("--ops", default=",".join(available_benches()),
+                        help=f"comma-separated subset of {available_benches()}")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="fewer, smaller cases")
+    parser.add_argument("--out", default=None, help="JSON output path (default bench/results/...)")
+    args = parser.parse_args(argv)
+
+    harness = Harness(torch.device(args.device), quick=args.quick)
+    print(f"copy bandwidth on {harness.meta['device']}: {harness.measure_copy_bandwidth():.1f} GB/s")
+    for name in args.ops.split(","):
+        if name not in available_benches():
+            parser.error(f"--ops: unknown benchmark {name!r}; choose from {available_benches()}")
+        importlib.import_module(f"bench.bench_{name}").run(harness)
+    print(harness.table())
+    out = args.out or default_output(harness)
+    harness.write_json(out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

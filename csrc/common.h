@@ -1,0 +1,23 @@
+// Shared input checks for every op's C++ entry points (CPU and CUDA).
+// The Python wrappers in gptfast_kernels/ops check inputs first and raise ValueError naming the
+// argument; these checks (op is a const char* naming the op) are the last line of defence for callers of torch.ops directly.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#define GPTFAST_CHECK_DEVICE(op, x, device)                                                     \
+  TORCH_CHECK((x).device() == (device), op, ": " #x " must be on ", (device), ", got ", (x).device())
+#define GPTFAST_CHECK_DTYPE(op, x, dtype) \
+  TORCH_CHECK((x).scalar_type() == (dtype), op, ": " #x " must be ", (dtype), ", got ", (x).scalar_type())
+#define GPTFAST_CHECK_DIM(op, x, ndim) \
+  TORCH_CHECK((x).dim() == (ndim), op, ": " #x " must have ", (ndim), " dimensions, got ", (x).dim())
+#define GPTFAST_CHECK_CONTIGUOUS(op, x) \
+  TORCH_CHECK((x).is_contiguous(), op, ": " #x " must be contiguous")
+#define GPTFAST_CHECK_SIZE(op, x, d, expected)                                                 \
+  TORCH_CHECK((x).size(d) == (expected), op, ": " #x ".size(", d, ") must be ", (expected),   \
+              ", got ", (x).size(d))
+#define GPTFAST_CHECK_FLOATING(op, x)                                                            \
+  TORCH_CHECK((x).scalar_type() == at::kFloat || (x).scalar_type() == at::kHalf ||               \
+                  (x).scalar_type() == at::kBFloat16,                                            \
+              op, ": " #x " must be float16, bfloat16 or float32, got ", (x).scalar_type())

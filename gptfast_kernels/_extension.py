@@ -1,0 +1,67 @@
+"""Loads the compiled extension and says which backends are usable.
+
+Importing gptfast_kernels never fails because of the extension: without it (not built, or built
+without CUDA) the affected backends are simply unavailable and the "reference" path remains.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+NAMESPACE = "gptfast_kernels"
+_OPS_WITH_KERNELS = ("int8_linear", "kv_cache_attention", "verify_draft")
+
+try:
+    from gptfast_kernels import _C  # noqa: F401  (registers torch.ops.gptfast_kernels.*)
+
+    EXTENSION_ERROR: str | None = None
+except ImportError as exc:  # not built: CPU/CUDA backends unavailable, reference still works
+    EXTENSION_ERROR = str(exc)
+
+
+def extension_loaded() -> bool:
+    return EXTENSION_ERROR is None
+
+
+def has_kernel(op: str, dispatch_key: str) -> bool:
+    """Whether torch.ops.gptfast_kernels.<op> has a compiled kernel for CPU or CUDA."""
+    if not extension_loaded():
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", dispatch_key)
+    except RuntimeError:  # op not registered in this build
+        return False
+
+
+def cuda_compiled() -> bool:
+    """Whether the extension was built with its CUDA kernels (a GPU need not be present)."""
+    return any(has_kernel(op, "CUDA") for op in _OPS_WITH_KERNELS)
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def usable_backends(device: torch.device) -> list[str]:
+    """The backends that can run on tensors of this device, in no particular order."""
+    backends = ["reference"]
+    if device.type == "cpu":
+        if extension_loaded():
+            backends.append("cpu")
+        if triton_available() and triton_interpreting():
+            backends.append("triton")
+    elif device.type == "cuda":
+        if cuda_compiled():
+            backends.append("cuda")
+        if triton_available() and not triton_interpreting():
+            backends.append("triton")
+    return backends

@@ -1,0 +1,70 @@
+"""``python -m gptfast_kernels <info|demo|bench>`` (installed as ``gptfast-kernels``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+
+import torch
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cmd_info(_args) -> int:
+    import gptfast_kernels
+    from gptfast_kernels import _extension
+
+    print(f"gptfast_kernels {gptfast_kernels.__version__}")
+    print(f"torch           {torch.__version__} (CUDA {torch.version.cuda})")
+    print(f"triton          {_version('triton')}")
+    print(f"transformers    {_version('transformers')}")
+    if _extension.extension_loaded():
+        print("extension       gptfast_kernels._C loaded")
+    else:
+        print(f"extension       NOT loaded ({_extension.EXTENSION_ERROR})")
+    print(f"compiled        cpu={_extension.extension_loaded()} cuda={_extension.cuda_compiled()}")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    print(f"GPU             {gpu}")
+    print(f"usable on cpu   {sorted(_extension.usable_backends(torch.device('cpu')))}")
+    if torch.cuda.is_available():
+        print(f"usable on cuda  {sorted(_extension.usable_backends(torch.device('cuda')))}")
+    return 0
+
+
+def cmd_bench(bench_argv: list[str]) -> int:
+    # bench/ lives beside the package in a source checkout (pip install -e .).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isdir(os.path.join(root, "bench")):
+        print("gptfast_kernels bench: needs a source checkout (bench/ beside the package); "
+              "install with `pip install --no-build-isolation -e .`", file=sys.stderr)
+        return 2
+    sys.path.insert(0, root)
+    from bench.run import main as bench_main
+
+    return bench_main(bench_argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gptfast_kernels")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions and which backends are compiled / usable")
+    sub.add_parser("bench", help="kernel microbenchmarks (table + JSON); `bench --help` for options")
+    commands = {"info": cmd_info}
+    try:
+        from gptfast_kernels.demo import add_demo_parser
+    except ImportError:
+        add_demo_parser = None
+    if add_demo_parser is not None:
+        commands["demo"] = add_demo_parser(sub)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # bench/run.py owns its options
+        return cmd_bench(argv[1:])
+    args = parser.parse_args(argv)
+    return commands[args.command](args)

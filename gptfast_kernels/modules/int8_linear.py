@@ -1,0 +1,92 @@
+"""``Int8Linear``: a drop-in replacement for nn.Linear (and GPT-2's Conv1D) with int8 weights."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from gptfast_kernels.ops.int8_linear import int8_linear, quantize_int8
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    # transformers' GPT-2 Conv1D stores weight as [in, out]; import lazily (transformers optional).
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return False
+    return isinstance(module, Conv1D)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ dequant(qweight).T + bias with per-output-channel int8 weights.
+
+    Buffers: qweight [out_features, in_features] int8, scales [out_features] float32,
+    bias [out_features] (activation dtype) or None.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 device=None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8,
+                                                    device=device))
+        self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+
+    @classmethod
+    def from_float(cls, module: nn.Module) -> "Int8Linear":
+        """Quantises an nn.Linear or a transformers Conv1D (weight [in, out])."""
+        if isinstance(module, nn.Linear):
+            weight = module.weight.detach()
+        elif _is_conv1d(module):
+            weight = module.weight.detach().t()
+        else:
+            raise TypeError(f"Int8Linear.from_float: module must be nn.Linear or transformers "
+                            f"Conv1D, got {type(module).__name__}")
+        out_features, in_features = weight.shape
+        bias = module.bias
+        new = cls(in_features, out_features, bias=bias is not None, device=weight.device,
+                  dtype=weight.dtype)
+        qweight, scales = quantize_int8(weight)
+        new.qweight.copy_(qweight)
+        new.scales.copy_(scales)
+        if bias is not None:
+            new.bias.copy_(bias.detach())
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.qweight, self.scales, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+def _skipped(name: str, skip: Iterable[str]) -> bool:
+    # A pattern matches the full dotted name, its last component, or a glob over either.
+    leaf = name.rsplit(".", 1)[-1]
+    return any(name == pattern or leaf == pattern or fnmatch.fnmatch(name, pattern)
+               or fnmatch.fnmatch(leaf, pattern) for pattern in skip)
+
+
+def quantize_int8_(model: nn.Module, skip: Iterable[str] = ("lm_head",)) -> nn.Module:
+    """Replaces every nn.Linear / Conv1D of ``model`` in place with an Int8Linear, except those
+    whose dotted name (or last name component) matches a pattern in ``skip``. Returns model."""
+    if isinstance(skip, str):
+        skip = (skip,)
+    skip = tuple(skip)
+    targets = [(name, module) for name, module in model.named_modules()
+               if name and (isinstance(module, nn.Linear) or _is_conv1d(module))
+               and not _skipped(name, skip)]
+    for name, module in targets:
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child_name, Int8Linear.from_float(module))
+    return model

@@ -1,0 +1,67 @@
+"""Backend selection and the input checks shared by every op wrapper."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from gptfast_kernels import _extension
+
+BACKENDS = ("auto", "cuda", "triton", "cpu", "reference")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def resolve_backend(op: str, backend: str, device: torch.device,
+                    auto: Callable[[list[str]], str] | None = None) -> str:
+    """Turns ``backend`` into a concrete backend usable on ``device``.
+
+    ``auto`` picks among the usable backends for "auto"; by default the compiled kernel for the
+    device (cuda / cpu), then Triton, then the reference.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
+    usable = _extension.usable_backends(device)
+    if backend == "auto":
+        if auto is not None:
+            return auto(usable)
+        for candidate in ("cuda", "cpu", "triton", "reference"):
+            if candidate in usable:
+                return candidate
+    if backend not in usable:
+        raise ValueError(
+            f"{op}: backend={backend!r} is not usable for {device.type} tensors here "
+            f"(usable: {usable}; see `python -m gptfast_kernels info`)")
+    return backend
+
+
+def is_tracing() -> bool:
+    """True under torch.compile / export or CUDA-graph capture, where host-side value checks
+    (which synchronise) must be skipped; the kernels still never access out of bounds."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_tensor(op: str, name: str, value, *, dtypes: Sequence[torch.dtype] | None = None,
+                 ndim: int | Sequence[int] | None = None) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if dtypes is not None and value.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{op}: {name} must have dtype in ({names}), got {value.dtype}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if value.dim() not in allowed:
+            raise ValueError(f"{op}: {name} must have {' or '.join(map(str, allowed))} dimensions, "
+                             f"got shape {tuple(value.shape)}")
+
+
+def check_same_device(op: str, **tensors) -> torch.device:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    first_name, first = next(iter(devices.items()))
+    for name, device in devices.items():
+        if device != first:
+            raise ValueError(f"{op}: {name} is on {device} but {first_name} is on {first}; "
+                             "all tensors must be on one device")
+    return first

@@ -1,0 +1,73 @@
+"""int8 weight-only linear: ``quantize_int8`` and ``int8_linear`` (API.md section 1)."""
+
+from __future__ import annotations
+
+import torch
+
+from gptfast_kernels import _extension
+from gptfast_kernels.ops import reference
+from gptfast_kernels.ops._dispatch import FLOAT_DTYPES, check_same_device, check_tensor, resolve_backend
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] float16/bfloat16/float32 -> (qweight [N, K] int8, scales [N] float32).
+
+    Symmetric per output channel: scales = max|w[n, :]| / 127 (1 for an all-zero row)."""
+    check_tensor("quantize_int8", "weight", weight, dtypes=FLOAT_DTYPES, ndim=2)
+    if _extension.extension_loaded():
+        return torch.ops.gptfast_kernels.quantize_int8(weight)
+    return reference.quantize_int8(weight)
+
+
+def _check_int8_linear(x, qweight, scales, bias) -> None:
+    op = "int8_linear"
+    check_tensor(op, "x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have at least 1 dimension [..., K], got a scalar")
+    check_tensor(op, "qweight", qweight, dtypes=(torch.int8,), ndim=2)
+    N, K = qweight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"{op}: x's last dimension ({x.shape[-1]}) must equal qweight's in_features "
+                         f"K = {K} (qweight is [N, K] = {list(qweight.shape)})")
+    check_tensor(op, "scales", scales, dtypes=(torch.float32, x.dtype), ndim=1)
+    if scales.shape[0] != N:
+        raise ValueError(f"{op}: scales must have shape [N] = [{N}], got {list(scales.shape)}")
+    if bias is not None:
+        check_tensor(op, "bias", bias, dtypes=FLOAT_DTYPES, ndim=1)
+        if bias.shape[0] != N:
+            raise ValueError(f"{op}: bias must have shape [N] = [{N}], got {list(bias.shape)}")
+    check_same_device(op, x=x, qweight=qweight, scales=scales, bias=bias)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
+    """y = (x @ qweight.T) * scales + bias, accumulated in float32.
+
+    x [..., K] float16/bfloat16/float32, qweight [N, K] int8, scales [N] float32 (or x's dtype),
+    bias [N] or None -> [..., N] in x's dtype. backend: "auto" | "cuda" | "triton" | "cpu" |
+    "reference".
+    """
+    _check_int8_linear(x, qweight, scales, bias)
+    chosen = resolve_backend("int8_linear", backend, x.device)
+    if chosen == "reference":
+        return reference.int8_linear(x, qweight, scales, bias)
+    lead_shape = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    qweight = qweight.contiguous()
+    scales = scales.to(torch.float32).contiguous()
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    if chosen == "triton":
+        from gptfast_kernels.triton.int8_linear import int8_linear_triton
+
+        y = int8_linear_triton(x2d, qweight, scales, bias)
+    else:  # the compiled CPU or CUDA kernel, chosen by the dispatcher from x's device
+        y = torch.ops.gptfast_kernels.int8_linear(x2d.contiguous(), qweight, scales, bias)
+    return y.reshape(*lead_shape, qweight.shape[0])
+
+
+if _extension.extension_loaded():
+
+    @torch.library.register_fake("gptfast_kernels::int8_linear")
+    def _int8_linear_fake(x, qweight, scales, bias):
+        return x.new_empty((x.shape[0], qweight.shape[0]))

@@ -1,0 +1,99 @@
+"""Fused static-KV-cache attention with position scatter (API.md section 1)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gptfast_kernels import _extension
+from gptfast_kernels.ops import reference
+from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, is_tracing,
+                                           resolve_backend)
+
+OP = "kv_cache_attention"
+MAX_HEAD_DIM = 256
+
+
+def _check_inputs(q, k, v, k_cache, v_cache, positions, scale) -> None:
+    check_tensor(OP, "q", q, dtypes=FLOAT_DTYPES, ndim=4)
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(OP, name, t, ndim=4)
+        if t.dtype != q.dtype:
+            raise ValueError(f"{OP}: {name} must have q's dtype {q.dtype}, got {t.dtype}")
+    check_tensor(OP, "positions", positions, dtypes=(torch.int32, torch.int64), ndim=(1, 2))
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    if tuple(k.shape) != (B, Hkv, T, D):
+        raise ValueError(f"{OP}: k must have shape [B, Hkv, T, D] = [{B}, Hkv, {T}, {D}] to match "
+                         f"q {list(q.shape)}, got {list(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"{OP}: v must have k's shape {list(k.shape)}, got {list(v.shape)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"{OP}: q's heads (Hq = {Hq}) must be a positive multiple of k's heads "
+                         f"(Hkv = {Hkv})")
+    if D == 0 or D > MAX_HEAD_DIM:
+        raise ValueError(f"{OP}: head dim D must be in 1..{MAX_HEAD_DIM}, got {D}")
+    if k_cache.dim() != 4 or k_cache.shape[0] != B or k_cache.shape[1] != Hkv or k_cache.shape[3] != D:
+        raise ValueError(f"{OP}: k_cache must have shape [B, Hkv, S, D] = [{B}, {Hkv}, S, {D}], "
+                         f"got {list(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"{OP}: v_cache must have k_cache's shape {list(k_cache.shape)}, "
+                         f"got {list(v_cache.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            raise ValueError(f"{OP}: {name} must be contiguous (it is written in place)")
+    expected_positions = ((T,), (B, T))
+    if tuple(positions.shape) not in expected_positions:
+        raise ValueError(f"{OP}: positions must have shape [T] = [{T}] or [B, T] = [{B}, {T}], "
+                         f"got {list(positions.shape)}")
+    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ValueError(f"{OP}: scale must be a finite number or None, got {scale!r}")
+    check_same_device(OP, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions)
+
+
+def _check_position_values(positions: torch.Tensor, S: int) -> None:
+    """Value checks that need the data (one host synchronisation); skipped while tracing."""
+    if positions.numel() == 0:
+        return
+    low, high = int(positions.min()), int(positions.max())
+    if low < -1 or high >= S:
+        raise ValueError(f"{OP}: positions must lie in [-1, S) = [-1, {S}) (-1 marks padding); "
+                         f"got values from {low} to {high}")
+    rows = positions if positions.dim() == 2 else positions.unsqueeze(0)
+    sorted_rows, _ = rows.sort(dim=-1)
+    repeated = (sorted_rows[:, 1:] == sorted_rows[:, :-1]) & (sorted_rows[:, 1:] >= 0)
+    if bool(repeated.any()):
+        raise ValueError(f"{OP}: positions must not repeat a slot within a row (two tokens "
+                         "cannot be written to one cache slot)")
+
+
+def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
+                       *, backend: str = "auto") -> torch.Tensor:
+    """Writes k, v into the caches at ``positions`` and attends, in one kernel launch.
+
+    q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] (mutated in place);
+    positions [B, T] or [T] int32/int64, -1 = padding -> out [B, Hq, T, D] in q's dtype.
+    Query (b, t) attends to cache slots 0..positions[b, t] of its head group.
+    """
+    _check_inputs(q, k, v, k_cache, v_cache, positions, scale)
+    if not is_tracing():
+        _check_position_values(positions, k_cache.shape[2])
+    chosen = resolve_backend(OP, backend, q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if chosen == "reference":
+        return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale)
+    positions = reference.broadcast_positions(positions, q.shape[0]).contiguous()
+    if chosen == "triton":
+        from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
+
+        return kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, scale)
+    return torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale)
+
+
+if _extension.has_kernel(OP, "CPU"):
+
+    @torch.library.register_fake(f"gptfast_kernels::{OP}")
+    def _kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale):
+        return torch.empty_like(q)

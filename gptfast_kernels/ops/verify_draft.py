@@ -1,0 +1,88 @@
+"""Batched draft-token verification for speculative decoding (API.md section 1)."""
+
+from __future__ import annotations
+
+import torch
+
+from gptfast_kernels import _extension
+from gptfast_kernels.ops import reference
+from gptfast_kernels.ops._dispatch import check_same_device, check_tensor, is_tracing, resolve_backend
+
+OP = "verify_draft"
+
+
+def _check_inputs(target_probs, draft_probs, draft_tokens, uniforms) -> None:
+    check_tensor(OP, "target_probs", target_probs, dtypes=(torch.float32,), ndim=3)
+    B, k_plus_1, V = target_probs.shape
+    if k_plus_1 < 1 or V < 1:
+        raise ValueError(f"{OP}: target_probs must be [B, k + 1, V] with k >= 0 and V >= 1, "
+                         f"got {list(target_probs.shape)}")
+    k = k_plus_1 - 1
+    check_tensor(OP, "draft_tokens", draft_tokens, dtypes=(torch.int64,), ndim=2)
+    if tuple(draft_tokens.shape) != (B, k):
+        raise ValueError(f"{OP}: draft_tokens must have shape [B, k] = [{B}, {k}], "
+                         f"got {list(draft_tokens.shape)}")
+    if draft_probs is not None:
+        check_tensor(OP, "draft_probs", draft_probs, dtypes=(torch.float32,), ndim=3)
+        if tuple(draft_probs.shape) != (B, k, V):
+            raise ValueError(f"{OP}: draft_probs must have shape [B, k, V] = [{B}, {k}, {V}], "
+                             f"got {list(draft_probs.shape)}")
+    if uniforms is not None:
+        check_tensor(OP, "uniforms", uniforms, dtypes=(torch.float32,), ndim=2)
+        if tuple(uniforms.shape) != (B, k + 1):
+            raise ValueError(f"{OP}: uniforms must have shape [B, k + 1] = [{B}, {k + 1}], "
+                             f"got {list(uniforms.shape)}")
+    check_same_device(OP, target_probs=target_probs, draft_probs=draft_probs,
+                      draft_tokens=draft_tokens, uniforms=uniforms)
+
+
+def _check_values(target_probs, draft_probs, draft_tokens, uniforms) -> None:
+    """Value checks that need the data (host synchronisations); skipped while tracing."""
+    V = target_probs.shape[-1]
+    if draft_tokens.numel() and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):
+        raise ValueError(f"{OP}: draft_tokens must be token ids in [0, V) = [0, {V})")
+    for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
+        if probs is not None and probs.numel() and not bool(((probs >= 0) & probs.isfinite()).all()):
+            raise ValueError(f"{OP}: {name} must be finite and non-negative (no NaN, inf or "
+                             "negative probabilities)")
+    if uniforms is not None and uniforms.numel() and not bool(((uniforms >= 0) & (uniforms < 1)).all()):
+        raise ValueError(f"{OP}: uniforms must lie in [0, 1)")
+
+
+def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                 draft_tokens: torch.Tensor, uniforms: torch.Tensor | None = None,
+                 generator: torch.Generator | None = None, *,
+                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepts or rejects k draft tokens per row and emits one more token per row.
+
+    target_probs [B, k+1, V] float32; draft_probs [B, k, V] float32 or None (greedy);
+    draft_tokens [B, k] int64; uniforms [B, k+1] float32 in [0, 1) or None (drawn from
+    ``generator``) -> (tokens [B, k+1] int64: accepted drafts, the emitted token, then -1;
+    num_emitted [B] int64). Rows of probabilities need not sum to 1 (they are used as weights).
+    """
+    _check_inputs(target_probs, draft_probs, draft_tokens, uniforms)
+    if not is_tracing():
+        _check_values(target_probs, draft_probs, draft_tokens, uniforms)
+    B, k_plus_1, _ = target_probs.shape
+    if uniforms is None:
+        uniforms = torch.rand((B, k_plus_1), generator=generator, device=target_probs.device,
+                              dtype=torch.float32)
+    chosen = resolve_backend(OP, backend, target_probs.device)
+    if chosen == "reference":
+        return reference.verify_draft(target_probs, draft_probs, draft_tokens, uniforms)
+    args = (target_probs.contiguous(), None if draft_probs is None else draft_probs.contiguous(),
+            draft_tokens.contiguous(), uniforms.contiguous())
+    if chosen == "triton":
+        from gptfast_kernels.triton.verify_draft import verify_draft_triton
+
+        return verify_draft_triton(*args)
+    return torch.ops.gptfast_kernels.verify_draft(*args)
+
+
+if _extension.has_kernel(OP, "CPU"):
+
+    @torch.library.register_fake(f"gptfast_kernels::{OP}")
+    def _verify_draft_fake(target_probs, draft_probs, draft_tokens, uniforms):
+        B, k_plus_1, _ = target_probs.shape
+        return (target_probs.new_empty((B, k_plus_1), dtype=torch.int64),
+                target_probs.new_empty((B,), dtype=torch.int64))

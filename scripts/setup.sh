@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One-step set-up on a fresh machine: torch, the test/runtime dependencies, and this package
+# built in place with its C++ and (when nvcc is found) CUDA kernels. Idempotent: a second run
+# only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.14.1}
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
+  "$PYTHON" -m pip install -q "torch==$TORCH_VERSION"
+fi
+"$PYTHON" -m pip install -q ninja "transformers>=5,<6" numpy "pytest>=8" "hypothesis>=6" scipy
+
+if [ -x "$CUDA_HOME/bin/nvcc" ]; then
+  # nvcc is here: the CUDA kernels must build, or set-up fails loudly (no silent CPU-only build).
+  export GPTFAST_KERNELS_REQUIRE_CUDA=${GPTFAST_KERNELS_REQUIRE_CUDA:-1}
+  export PATH="$CUDA_HOME/bin:$PATH"
+else
+  echo "setup: no nvcc at $CUDA_HOME; building the CPU kernels only" >&2
+fi
+# --no-build-isolation: the extension must be compiled against the torch installed above.
+MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" -m pip install -q --no-build-isolation -e .
+
+"$PYTHON" - <<'PY'
+import os, sys
+from gptfast_kernels import _extension
+if not _extension.extension_loaded():
+    sys.exit(f"setup: gptfast_kernels._C failed to load: {_extension.EXTENSION_ERROR}")
+if os.environ.get("GPTFAST_KERNELS_REQUIRE_CUDA") == "1":
+    missing = [op for op in _extension._OPS_WITH_KERNELS if not _extension.has_kernel(op, "CUDA")]
+    if missing:
+        sys.exit(f"setup: the extension loaded but has no CUDA kernels for {missing}")
+    print("setup: CUDA kernels compiled, linked and registered for", list(_extension._OPS_WITH_KERNELS))
+PY

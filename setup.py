@@ -1,0 +1,73 @@
+"""Builds the one compiled extension, ``gptfast_kernels._C``.
+
+C++ (CPU) sources in csrc/ are always compiled. CUDA sources in csrc/cuda/ are compiled whenever
+torch was built with CUDA and nvcc is found; no GPU is needed to build them.
+
+Environment switches:
+  GPTFAST_KERNELS_SKIP_CUDA=1   skip the CUDA sources (fast local CPU-only build)
+  GPTFAST_KERNELS_REQUIRE_CUDA=1  fail the build instead of silently skipping CUDA (CI sets it)
+  TORCH_CUDA_ARCH_LIST          target architectures; default "8.0;9.0a" (A100, H100/H200)
+  MAX_JOBS                      parallel compile jobs (ninja)
+"""
+
+import glob
+import os
+
+from setuptools import setup
+
+import torch
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CUDA_ARCHS = "8.0;9.0a"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _cuda_build_reason():
+    """Returns None when CUDA sources should be built, else why not."""
+    if _flag("GPTFAST_KERNELS_SKIP_CUDA"):
+        return "GPTFAST_KERNELS_SKIP_CUDA is set"
+    if torch.version.cuda is None:
+        return "this torch was built without CUDA"
+    if CUDA_HOME is None:
+        return "nvcc was not found (set CUDA_HOME)"
+    return None
+
+
+def _extension():
+    cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cxx_flags = ["-O3", "-fopenmp", "-DPy_LIMITED_API=0x03090000"]
+    skip_reason = _cuda_build_reason()
+    if skip_reason is not None:
+        if _flag("GPTFAST_KERNELS_REQUIRE_CUDA"):
+            raise RuntimeError(f"GPTFAST_KERNELS_REQUIRE_CUDA=1 but CUDA cannot be built: {skip_reason}")
+        print(f"gptfast_kernels: building CPU kernels only ({skip_reason})")
+        return CppExtension(
+            "gptfast_kernels._C",
+            cpp_sources,
+            extra_compile_args={"cxx": cxx_flags},
+            py_limited_api=True,
+        )
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+    print(f"gptfast_kernels: building CPU + CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']}")
+    return CUDAExtension(
+        "gptfast_kernels._C",
+        cpp_sources + cuda_sources,
+        extra_compile_args={
+            "cxx": cxx_flags + ["-DGPTFAST_WITH_CUDA"],
+            "nvcc": ["-O3", "--use_fast_math", "-lineinfo", "-DGPTFAST_WITH_CUDA",
+                     "--expt-relaxed-constexpr"],
+        },
+        py_limited_api=True,
+    )
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)

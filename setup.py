@@ -39,7 +39,7 @@ def _cuda_build_reason():
 
 def _extension():
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
-    cxx_flags = ["-O3", "-fopenmp", "-DPy_LIMITED_API=0x03090000"]
+    cxx_flags = ["-O3", "-fopenmp"]
     skip_reason = _cuda_build_reason()
     if skip_reason is not None:
         if _flag("GPTFAST_KERNELS_REQUIRE_CUDA"):

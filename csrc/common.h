@@ -4,10 +4,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <torch/library.h>
 
-#define GPTFAST_CHECK_DEVICE(op, x, device)                                                     \
-  TORCH_CHECK((x).device() == (device), op, ": " #x " must be on ", (device), ", got ", (x).device())
+#define GPTFAST_CHECK_DEVICE(op, x, expected_device)                                    \
+  TORCH_CHECK((x).device() == (expected_device), op, ": " #x " must be on ", (expected_device), \
+              ", got ", (x).device())
 #define GPTFAST_CHECK_DTYPE(op, x, dtype) \
   TORCH_CHECK((x).scalar_type() == (dtype), op, ": " #x " must be ", (dtype), ", got ", (x).scalar_type())
 #define GPTFAST_CHECK_DIM(op, x, ndim) \
@@ -21,3 +23,10 @@
   TORCH_CHECK((x).scalar_type() == at::kFloat || (x).scalar_type() == at::kHalf ||               \
                   (x).scalar_type() == at::kBFloat16,                                            \
               op, ": " #x " must be float16, bfloat16 or float32, got ", (x).scalar_type())
+
+// The activation dtypes every kernel supports.
+#define GPTFAST_DISPATCH_FLOAT_HALF_BF16(TYPE, NAME, ...)        \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                 \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)   \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)    \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))

@@ -6,7 +6,6 @@ without CUDA) the affected backends are simply unavailable and the "reference" p
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -46,9 +45,11 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_FOUND
 
 
 def usable_backends(device: torch.device) -> list[str]:

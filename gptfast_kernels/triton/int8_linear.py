@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gptfast_kernels import _extension
+
 # Rows of x up to which the GEMV kernel is used; above it tl.dot tiles win (tensor cores need
 # at least 16 rows per tile, and a 16-row tile with 1-4 real rows wastes most of the MMA).
 GEMV_MAX_ROWS = 4
@@ -50,7 +52,7 @@ def _int8_linear_gemv_kernel(X_ptr, W_ptr, S_ptr, B_ptr, Y_ptr, N, K,
 @triton.jit
 def _int8_linear_tiled_kernel(X_ptr, W_ptr, S_ptr, B_ptr, Y_ptr, M, N, K,
                               stride_xm, stride_xk, stride_wn, stride_ym,
-                              HAS_BIAS: tl.constexpr, FP32_INPUTS: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -67,8 +69,8 @@ def _int8_linear_tiled_kernel(X_ptr, W_ptr, S_ptr, B_ptr, Y_ptr, M, N, K,
         w = tl.load(W_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
                     mask=mask_n[None, :] & mask_k[:, None], other=0)
         # int8 values in [-127, 127] are exact in fp16/bf16, so the MMA runs in x's dtype.
-        if FP32_INPUTS:
-            acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
+        if FP32_DOT:
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
     acc *= tl.load(S_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
@@ -76,6 +78,12 @@ def _int8_linear_tiled_kernel(X_ptr, W_ptr, S_ptr, B_ptr, Y_ptr, M, N, K,
         acc += tl.load(B_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(Y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    # fp32 activations keep full-precision products (no tf32). The Triton interpreter computes
+    # dots with numpy, which has no bfloat16, so it upcasts bf16 tiles (exact for the int8 side).
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _extension.triton_interpreting())
 
 
 @torch.library.custom_op("gptfast_kernels::int8_linear_triton", mutates_args=())
@@ -99,7 +107,7 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, TILE_BLOCK_N))
         _int8_linear_tiled_kernel[grid](
             x, qweight, scales, bias_arg, y, M, N, K, x.stride(0), x.stride(1), qweight.stride(0),
-            y.stride(0), HAS_BIAS=bias is not None, FP32_INPUTS=x.dtype == torch.float32,
+            y.stride(0), HAS_BIAS=bias is not None, FP32_DOT=_dot_in_fp32(x.dtype),
             BLOCK_M=block_m, BLOCK_N=TILE_BLOCK_N, BLOCK_K=TILE_BLOCK_K)
     return y
 

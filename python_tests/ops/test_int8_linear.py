@@ -1,0 +1,158 @@
+"""quantize_int8 and int8_linear: every backend against the reference."""
+
+import pytest
+import torch
+
+from gptfast_kernels import ops
+from gptfast_kernels.ops import reference
+from python_tests.backends import kernel_backends
+
+DTYPES = [
+    pytest.param(torch.float32, 1e-3, 1e-4, id="fp32"),
+    pytest.param(torch.float16, 5e-2, 2e-3, id="fp16"),
+    pytest.param(torch.bfloat16, 2e-1, 1.6e-2, id="bf16"),
+]
+
+
+def _make(N, K, dtype, device, bias=False):
+    weight = torch.randn(N, K, device=device, dtype=torch.float32).to(dtype)
+    qweight, scales = ops.quantize_int8(weight)
+    b = torch.randn(N, device=device, dtype=dtype) if bias else None
+    return qweight, scales, b
+
+
+def _expected(x, qweight, scales, bias):
+    """float64 ground truth of the contract's formula, rounded to x's dtype last."""
+    y = reference.int8_linear(x.double(), qweight, scales, None if bias is None else bias.double())
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_quantize_int8_matches_contract(dtype):
+    weight = torch.randn(33, 70).to(dtype)
+    weight[5] = 0  # an all-zero row gets scale 1
+    qweight, scales = ops.quantize_int8(weight)
+    ref_q, ref_s = reference.quantize_int8(weight)
+    assert qweight.dtype == torch.int8 and scales.dtype == torch.float32
+    assert torch.equal(qweight, ref_q) and torch.equal(scales, ref_s)
+    assert scales[5] == 1 and not qweight[5].any()
+    assert qweight.abs().max() == 127
+    # round-trip error is at most half a quantisation step per element
+    err = (qweight.float() * scales[:, None] - weight.float()).abs()
+    assert (err <= scales[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("backend, device", kernel_backends("int8_linear"))
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 16, 37])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_linear_matches_reference(backend, device, dtype, atol, rtol, M, with_bias):
+    N, K = 72, 200  # K not a multiple of 16 on purpose (the vector paths need a tail)
+    qweight, scales, bias = _make(N, K, dtype, device, with_bias)
+    x = torch.randn(M, K, device=device, dtype=dtype)
+    y = ops.int8_linear(x, qweight, scales, bias, backend=backend)
+    assert y.dtype == dtype and y.shape == (M, N)
+    torch.testing.assert_close(y.double(), _expected(x, qweight, scales, bias), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("backend, device", kernel_backends("int8_linear"))
+def test_int8_linear_aligned_decode_and_prefill_shapes(backend, device):
+    # K % 16 == 0 takes the vectorised GEMV path; M = 300 the tiled prefill path.
+    N, K = 96, 256
+    qweight, scales, bias = _make(N, K, torch.float32, device, bias=True)
+    for M in (1, 16, 300):
+        x = torch.randn(M, K, device=device)
+        y = ops.int8_linear(x, qweight, scales, bias, backend=backend)
+        torch.testing.assert_close(y.double(), _expected(x, qweight, scales, bias), atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("N, K", [(50257, 64), (24, 4095)])
+def test_int8_linear_odd_shapes_cpu(N, K):
+    qweight, scales, bias = _make(N, K, torch.float32, "cpu", bias=True)
+    for M in (1, 3, 300):
+        x = torch.randn(M, K)
+        y = ops.int8_linear(x, qweight, scales, bias, backend="cpu")
+        torch.testing.assert_close(y.double(), _expected(x, qweight, scales, bias), atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend, device", kernel_backends("int8_linear"))
+def test_int8_linear_3d_and_non_contiguous_x(backend, device):
+    N, K = 40, 64
+    qweight, scales, bias = _make(N, K, torch.float32, device, bias=True)
+    x3d = torch.randn(2, 5, K, device=device)
+    y = ops.int8_linear(x3d, qweight, scales, bias, backend=backend)
+    assert y.shape == (2, 5, N)
+    torch.testing.assert_close(y.double(), _expected(x3d, qweight, scales, bias), atol=1e-3, rtol=1e-4)
+    x_t = torch.randn(K, 7, device=device).t()  # [7, K] with stride (1, 7)
+    assert not x_t.is_contiguous()
+    y = ops.int8_linear(x_t, qweight, scales, None, backend=backend)
+    torch.testing.assert_close(y.double(), _expected(x_t, qweight, scales, None), atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend, device", kernel_backends("int8_linear"))
+def test_int8_linear_scales_in_activation_dtype_and_empty_batch(backend, device):
+    qweight, scales, _ = _make(16, 32, torch.float16, device)
+    x = torch.randn(4, 32, device=device, dtype=torch.float16)
+    y = ops.int8_linear(x, qweight, scales.half(), backend=backend)
+    torch.testing.assert_close(y.double(), _expected(x, qweight, scales.half().float(), None),
+                               atol=5e-2, rtol=2e-3)
+    empty = ops.int8_linear(x[:0], qweight, scales, backend=backend)
+    assert empty.shape == (0, 16)
+
+
+def test_int8_linear_bad_inputs():
+    qweight, scales, bias = _make(8, 16, torch.float32, "cpu", bias=True)
+    x = torch.randn(2, 16)
+    cases = [
+        (dict(x=x.to(torch.int32)), "x"),
+        (dict(x=torch.randn(2, 15)), "x"),
+        (dict(qweight=qweight.float()), "qweight"),
+        (dict(qweight=qweight[None]), "qweight"),
+        (dict(scales=scales[:4]), "scales"),
+        (dict(scales=scales.double()), "scales"),
+        (dict(bias=bias[:3]), "bias"),
+        (dict(x=x.to("meta")), "on meta"),
+    ]
+    for overrides, needle in cases:
+        args = dict(x=x, qweight=qweight, scales=scales, bias=bias) | overrides
+        with pytest.raises(ValueError, match=needle):
+            ops.int8_linear(**args)
+    with pytest.raises(TypeError, match="x"):
+        ops.int8_linear([[1.0] * 16], qweight, scales)
+    with pytest.raises(ValueError, match="backend"):
+        ops.int8_linear(x, qweight, scales, backend="tpu")
+    with pytest.raises(ValueError, match="backend='cuda' is not usable"):
+        ops.int8_linear(x, qweight, scales, backend="cuda")
+    with pytest.raises(ValueError, match="weight"):
+        ops.quantize_int8(torch.randn(3, 4, 5))
+
+
+def test_opcheck_int8_ops():
+    qweight, scales, bias = _make(24, 48, torch.float32, "cpu", bias=True)
+    x = torch.randn(5, 48)
+    torch.library.opcheck(torch.ops.gptfast_kernels.int8_linear.default, (x, qweight, scales, bias))
+    torch.library.opcheck(torch.ops.gptfast_kernels.int8_linear.default, (x, qweight, scales, None))
+    torch.library.opcheck(torch.ops.gptfast_kernels.quantize_int8.default, (torch.randn(6, 10),))
+
+
+@pytest.mark.parametrize("backend, device", [p for p in kernel_backends("int8_linear")
+                                             if p.values[0] == "triton"])
+def test_opcheck_int8_linear_triton(backend, device):
+    from gptfast_kernels.triton.int8_linear import int8_linear_triton
+
+    qweight, scales, bias = _make(24, 48, torch.float32, device, bias=True)
+    x = torch.randn(5, 48, device=device)
+    torch.library.opcheck(int8_linear_triton, (x, qweight, scales, bias))
+
+
+@pytest.mark.parametrize("backend, device", kernel_backends("int8_linear"))
+def test_int8_linear_torch_compile_fullgraph(backend, device):
+    qweight, scales, bias = _make(32, 64, torch.float32, device, bias=True)
+
+    @torch.compile(fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    def layer(x):
+        return torch.relu(ops.int8_linear(x, qweight, scales, bias, backend=backend)) * 2
+
+    x = torch.randn(3, 64, device=device)
+    expected = torch.relu(_expected(x, qweight, scales, bias)) * 2
+    torch.testing.assert_close(layer(x).double(), expected, atol=1e-3, rtol=1e-4)

@@ -14,6 +14,9 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Symmetric per output channel: scales = max|w[n, :]| / 127 (1 for an all-zero row)."""
     check_tensor("quantize_int8", "weight", weight, dtypes=FLOAT_DTYPES, ndim=2)
+    if weight.shape[1] == 0:
+        raise ValueError("quantize_int8: weight must have at least one input feature (K >= 1), "
+                         f"got shape {list(weight.shape)}")
     if _extension.extension_loaded():
         return torch.ops.gptfast_kernels.quantize_int8(weight)
     return reference.quantize_int8(weight)
@@ -26,6 +29,9 @@ def _check_int8_linear(x, qweight, scales, bias) -> None:
         raise ValueError(f"{op}: x must have at least 1 dimension [..., K], got a scalar")
     check_tensor(op, "qweight", qweight, dtypes=(torch.int8,), ndim=2)
     N, K = qweight.shape
+    if K == 0:
+        raise ValueError(f"{op}: qweight must have at least one input feature (K >= 1), "
+                         f"got shape {list(qweight.shape)}")
     if x.shape[-1] != K:
         raise ValueError(f"{op}: x's last dimension ({x.shape[-1]}) must equal qweight's in_features "
                          f"K = {K} (qweight is [N, K] = {list(qweight.shape)})")

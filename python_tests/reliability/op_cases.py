@@ -1,0 +1,134 @@
+"""Bad inputs for every public op. Each case must raise ValueError/TypeError naming the argument;
+ops that write in place must leave their caches unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from gptfast_kernels import ops
+
+
+@dataclass
+class Case:
+    run: Callable[[], object]
+    needle: str                     # must appear in the message: the argument's name
+    errors: tuple = (ValueError,)
+
+
+def _int8(backend="auto", **overrides):
+    def run():
+        torch.manual_seed(0)
+        weight = torch.randn(8, 16)
+        qweight, scales = ops.quantize_int8(weight)
+        args = dict(x=torch.randn(3, 16), qweight=qweight, scales=scales, bias=torch.randn(8))
+        args.update({k: (v() if callable(v) else v) for k, v in overrides.items()})
+        return ops.int8_linear(**args, backend=backend)
+    return run
+
+
+def _attention(backend="auto", **overrides):
+    """kv_cache_attention with valid defaults replaced by ``overrides``; checks the caches stay
+    unchanged when it raises."""
+    def run():
+        torch.manual_seed(0)
+        B, Hq, Hkv, T, D, S = 2, 4, 2, 3, 16, 8
+        args = dict(q=torch.randn(B, Hq, T, D), k=torch.randn(B, Hkv, T, D),
+                    v=torch.randn(B, Hkv, T, D), k_cache=torch.randn(B, Hkv, S, D),
+                    v_cache=torch.randn(B, Hkv, S, D), positions=torch.tensor([[0, 1, 2], [4, 5, 6]]))
+        args.update({k: (v(args) if callable(v) else v) for k, v in overrides.items()})
+        before = [t.clone() if isinstance(t, torch.Tensor) else t for t in (args["k_cache"], args["v_cache"])]
+        try:
+            return ops.kv_cache_attention(**args, backend=backend)
+        except (ValueError, TypeError):
+            for name, old, new in zip(("k_cache", "v_cache"), before, (args["k_cache"], args["v_cache"])):
+                if isinstance(new, torch.Tensor) and new.shape == old.shape and not torch.equal(old, new):
+                    raise AssertionError(f"{name} was modified by a call that raised")
+            raise
+    return run
+
+
+def _verify(backend="auto", sampling=True, **overrides):
+    def run():
+        torch.manual_seed(0)
+        B, k, V = 3, 4, 11
+        args = dict(target_probs=torch.softmax(torch.randn(B, k + 1, V), -1),
+                    draft_probs=torch.softmax(torch.randn(B, k, V), -1) if sampling else None,
+                    draft_tokens=torch.randint(0, V, (B, k)), uniforms=torch.rand(B, k + 1))
+        args.update({key: (v(args) if callable(v) else v) for key, v in overrides.items()})
+        return ops.verify_draft(**args, backend=backend)
+    return run
+
+
+def _nan_at(name, value):
+    def make(args):
+        t = args[name].clone()
+        t.view(-1)[1] = value
+        return t
+    return make
+
+
+CASES: dict[str, Case] = {
+    # int8_linear / quantize_int8
+    "int8_x_int_dtype": Case(_int8(x=lambda: torch.ones(3, 16, dtype=torch.int32)), "x"),
+    "int8_x_float64": Case(_int8(x=lambda: torch.randn(3, 16, dtype=torch.float64)), "x"),
+    "int8_x_scalar": Case(_int8(x=lambda: torch.tensor(1.0)), "x"),
+    "int8_k_mismatch": Case(_int8(x=lambda: torch.randn(3, 15)), "x"),
+    "int8_qweight_float": Case(_int8(qweight=lambda: torch.randn(8, 16)), "qweight"),
+    "int8_qweight_3d": Case(_int8(qweight=lambda: torch.zeros(1, 8, 16, dtype=torch.int8)), "qweight"),
+    "int8_k_zero": Case(_int8(x=lambda: torch.randn(3, 0), qweight=lambda: torch.zeros(8, 0, dtype=torch.int8)),
+                        "qweight"),
+    "int8_scales_shape": Case(_int8(scales=lambda: torch.ones(7)), "scales"),
+    "int8_scales_int": Case(_int8(scales=lambda: torch.ones(8, dtype=torch.int32)), "scales"),
+    "int8_bias_shape": Case(_int8(bias=lambda: torch.ones(9)), "bias"),
+    "int8_bias_2d": Case(_int8(bias=lambda: torch.ones(1, 8)), "bias"),
+    "int8_mixed_devices": Case(_int8(x=lambda: torch.randn(3, 16, device="meta")), "x"),
+    "int8_not_a_tensor": Case(_int8(x=lambda: [[0.0] * 16]), "x", (TypeError,)),
+    "int8_bad_backend": Case(_int8(backend="gpu"), "backend"),
+    "quantize_k_zero": Case(lambda: ops.quantize_int8(torch.randn(4, 0)), "weight"),
+    "quantize_int_weight": Case(lambda: ops.quantize_int8(torch.ones(4, 4, dtype=torch.int64)), "weight"),
+    "quantize_1d": Case(lambda: ops.quantize_int8(torch.randn(4)), "weight"),
+    # kv_cache_attention
+    "attn_position_eq_S": Case(_attention(positions=lambda a: torch.tensor([[0, 1, 2], [6, 7, 8]])), "positions"),
+    "attn_position_huge": Case(_attention(positions=lambda a: torch.tensor([[0, 1, 2**40], [0, 1, 2]])), "positions"),
+    "attn_position_below_minus_one": Case(_attention(positions=lambda a: torch.tensor([[0, 1, -2], [0, 1, 2]])),
+                                          "positions"),
+    "attn_position_repeated": Case(_attention(positions=lambda a: torch.tensor([[0, 1, 1], [0, 1, 2]])), "positions"),
+    "attn_positions_float": Case(_attention(positions=lambda a: torch.tensor([[0.0, 1, 2], [0, 1, 2]])), "positions"),
+    "attn_positions_shape": Case(_attention(positions=lambda a: torch.tensor([[0, 1], [0, 1]])), "positions"),
+    "attn_q_int": Case(_attention(q=lambda a: a["q"].to(torch.int32)), "q"),
+    "attn_k_dtype": Case(_attention(k=lambda a: a["k"].half()), "k"),
+    "attn_cache_dtype": Case(_attention(v_cache=lambda a: a["v_cache"].half()), "v_cache"),
+    "attn_gqa_ratio": Case(_attention(q=lambda a: torch.randn(2, 3, 3, 16)), "Hq"),
+    "attn_cache_heads": Case(_attention(k_cache=lambda a: torch.randn(2, 1, 8, 16)), "k_cache"),
+    "attn_cache_batch": Case(_attention(v_cache=lambda a: torch.randn(3, 2, 8, 16)), "v_cache"),
+    "attn_cache_head_dim": Case(_attention(k_cache=lambda a: torch.randn(2, 2, 8, 8)), "k_cache"),
+    "attn_cache_non_contiguous": Case(_attention(k_cache=lambda a: torch.randn(2, 2, 16, 8).transpose(2, 3)),
+                                      "k_cache"),
+    "attn_q_3d": Case(_attention(q=lambda a: a["q"][0]), "q"),
+    "attn_head_dim_too_big": Case(_attention(q=lambda a: torch.randn(2, 4, 3, 512), k=lambda a: torch.randn(2, 2, 3, 512),
+                                             v=lambda a: torch.randn(2, 2, 3, 512), k_cache=lambda a: torch.randn(2, 2, 8, 512),
+                                             v_cache=lambda a: torch.randn(2, 2, 8, 512)), "D"),
+    "attn_scale_nan": Case(_attention(scale=float("nan")), "scale"),
+    "attn_mixed_devices": Case(_attention(positions=lambda a: a["positions"].to("meta")), "positions"),
+    # verify_draft
+    "verify_nan_target": Case(_verify(target_probs=_nan_at("target_probs", float("nan"))), "target_probs"),
+    "verify_inf_draft": Case(_verify(draft_probs=_nan_at("draft_probs", float("inf"))), "draft_probs"),
+    "verify_negative_target": Case(_verify(target_probs=_nan_at("target_probs", -0.5)), "target_probs"),
+    "verify_token_too_big": Case(_verify(draft_tokens=lambda a: torch.full((3, 4), 11)), "draft_tokens"),
+    "verify_token_negative": Case(_verify(draft_tokens=lambda a: torch.full((3, 4), -1)), "draft_tokens"),
+    "verify_greedy_token_too_big": Case(_verify(sampling=False, draft_tokens=lambda a: torch.full((3, 4), 2**40)),
+                                        "draft_tokens"),
+    "verify_uniform_one": Case(_verify(uniforms=lambda a: torch.ones(3, 5)), "uniforms"),
+    "verify_uniform_negative": Case(_verify(uniforms=lambda a: -torch.rand(3, 5)), "uniforms"),
+    "verify_target_float64": Case(_verify(target_probs=lambda a: a["target_probs"].double()), "target_probs"),
+    "verify_tokens_int32": Case(_verify(draft_tokens=lambda a: a["draft_tokens"].int()), "draft_tokens"),
+    "verify_draft_shape": Case(_verify(draft_probs=lambda a: a["draft_probs"][:, :3]), "draft_probs"),
+    "verify_vocab_mismatch": Case(_verify(draft_probs=lambda a: torch.softmax(torch.randn(3, 4, 12), -1)),
+                                  "draft_probs"),
+    "verify_tokens_shape": Case(_verify(draft_tokens=lambda a: a["draft_tokens"][:, :2]), "draft_tokens"),
+    "verify_uniforms_shape": Case(_verify(uniforms=lambda a: torch.rand(3, 4)), "uniforms"),
+    "verify_target_2d": Case(_verify(target_probs=lambda a: a["target_probs"][0]), "target_probs"),
+}

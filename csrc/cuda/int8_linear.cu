@@ -31,6 +31,8 @@ constexpr int GEMV_WARPS = 8;
 constexpr int WARP = 32;
 // int8 weights per lane per step: one 16-byte vector load.
 constexpr int GEMV_VEC = 16;
+// Weight vectors in flight per lane (4 x 16 B); K = 4096 is then two trips of the unrolled loop.
+constexpr int GEMV_UNROLL = 4;
 
 // WMMA tile for fp16/bf16 prefill: 64 x 64 outputs per block, 4 warps of 32 x 32, K step 32.
 constexpr int TC_BLOCK_M = 64;
@@ -74,24 +76,38 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
   for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
 
   if constexpr (VECTORIZED) {
-    for (int64_t k = static_cast<int64_t>(lane) * GEMV_VEC; k < K; k += WARP * GEMV_VEC) {
-      const int4 packed = __ldg(reinterpret_cast<const int4*>(w_row + k));
-      const int8_t* w8 = reinterpret_cast<const int8_t*>(&packed);
-      float w[GEMV_VEC];
+    // GEMV_UNROLL independent 16-byte loads per lane are issued before any is used, so each warp
+    // keeps 2 KiB of weights in flight (latency hiding without needing more resident warps).
+    constexpr int64_t WARP_STEP = WARP * GEMV_VEC;
+    for (int64_t k_base = static_cast<int64_t>(lane) * GEMV_VEC; k_base < K;
+         k_base += WARP_STEP * GEMV_UNROLL) {
+      int4 packed[GEMV_UNROLL];
 #pragma unroll
-      for (int i = 0; i < GEMV_VEC; ++i) w[i] = static_cast<float>(w8[i]);
+      for (int u = 0; u < GEMV_UNROLL; ++u) {
+        const int64_t k = k_base + u * WARP_STEP;
+        packed[u] = k < K ? __ldg(reinterpret_cast<const int4*>(w_row + k)) : make_int4(0, 0, 0, 0);
+      }
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        if (r < rows) {
-          // 16 activations = 16 * sizeof(scalar_t) bytes, loaded as 16-byte vectors.
-          constexpr int X_VECS = GEMV_VEC * sizeof(scalar_t) / 16;
-          int4 xv[X_VECS];
-          const int4* x_src = reinterpret_cast<const int4*>(x_rows + r * stride_xm + k);
+      for (int u = 0; u < GEMV_UNROLL; ++u) {
+        const int64_t k = k_base + u * WARP_STEP;
+        if (k >= K) break;
+        const int8_t* w8 = reinterpret_cast<const int8_t*>(&packed[u]);
+        float w[GEMV_VEC];
 #pragma unroll
-          for (int j = 0; j < X_VECS; ++j) xv[j] = __ldg(x_src + j);
-          const scalar_t* xs = reinterpret_cast<const scalar_t*>(xv);
+        for (int i = 0; i < GEMV_VEC; ++i) w[i] = static_cast<float>(w8[i]);
 #pragma unroll
-          for (int i = 0; i < GEMV_VEC; ++i) acc[r] = fmaf(to_float(xs[i]), w[i], acc[r]);
+        for (int r = 0; r < ROWS; ++r) {
+          if (r < rows) {
+            // 16 activations = 16 * sizeof(scalar_t) bytes, loaded as 16-byte vectors.
+            constexpr int X_VECS = GEMV_VEC * sizeof(scalar_t) / 16;
+            int4 xv[X_VECS];
+            const int4* x_src = reinterpret_cast<const int4*>(x_rows + r * stride_xm + k);
+#pragma unroll
+            for (int j = 0; j < X_VECS; ++j) xv[j] = __ldg(x_src + j);
+            const scalar_t* xs = reinterpret_cast<const scalar_t*>(xv);
+#pragma unroll
+            for (int i = 0; i < GEMV_VEC; ++i) acc[r] = fmaf(to_float(xs[i]), w[i], acc[r]);
+          }
         }
       }
     }

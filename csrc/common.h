@@ -6,8 +6,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#define GPTFAST_CHECK_DEVICE(op, x, device)                                                     \
-  TORCH_CHECK((x).device() == (device), op, ": " #x " must be on ", (device), ", got ", (x).device())
+#define GPTFAST_CHECK_DEVICE(op, x, expected_device)                                            \
+  TORCH_CHECK((x).device() == (expected_device), op, ": " #x " must be on ", (expected_device), \
+              ", got ", (x).device())
 #define GPTFAST_CHECK_DTYPE(op, x, dtype) \
   TORCH_CHECK((x).scalar_type() == (dtype), op, ": " #x " must be ", (dtype), ", got ", (x).scalar_type())
 #define GPTFAST_CHECK_DIM(op, x, ndim) \

@@ -92,27 +92,19 @@ int64_t sample_inverse_cdf(const Weights& w, int64_t V, double total, float u) {
   return w(0) > 0.f ? 0 : V - 1;
 }
 
-// First index of the maximum: a vectorised max pass, then a vectorised search for its first
-// occurrence.
+// First index of the maximum: a vectorised max pass, then a search for its first occurrence in
+// blocks of FIND_BLOCK (branch-free inside a block, so it vectorises too).
+constexpr int64_t FIND_BLOCK = 16;
+
 int64_t argmax_first(const float* row, int64_t V) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  f32x8 best8 = {neg_inf, neg_inf, neg_inf, neg_inf, neg_inf, neg_inf, neg_inf, neg_inf};
+  float best = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : best)
+  for (int64_t j = 0; j < V; ++j) best = row[j] > best ? row[j] : best;
   int64_t j = 0;
-  for (; j + LANES <= V; j += LANES) {
-    const f32x8 v = load8(row + j);
-    const i32x8 greater = v > best8;
-    best8 = reinterpret_cast<f32x8>((reinterpret_cast<i32x8>(v) & greater) |
-                                    (reinterpret_cast<i32x8>(best8) & ~greater));
-  }
-  float best = neg_inf;
-  for (int l = 0; l < LANES; ++l) best = best8[l] > best ? best8[l] : best;
-  for (; j < V; ++j) best = row[j] > best ? row[j] : best;
-  j = 0;
-  for (; j + LANES <= V; j += LANES) {
-    const i32x8 equal = load8(row + j) == best;
-    bool any = false;
-    for (int l = 0; l < LANES; ++l) any |= equal[l] != 0;
-    if (any) break;
+  for (; j + FIND_BLOCK <= V; j += FIND_BLOCK) {
+    int hit = 0;
+    for (int64_t l = 0; l < FIND_BLOCK; ++l) hit |= row[j + l] == best;
+    if (hit) break;
   }
   for (; j < V; ++j) {
     if (row[j] == best) return j;

@@ -20,7 +20,9 @@ BLOCK_V = 1024
 NUM_WARPS = 4
 
 
-@triton.jit
+# k and V are never specialised: Triton would turn a value of 1 into a constexpr, which breaks the
+# loop-carried variables initialised from them (n = k, going = k >= 0).
+@triton.jit(do_not_specialize=["k", "V"])
 def _verify_draft_kernel(T_ptr, D_ptr, Tok_ptr, U_ptr, Out_ptr, N_ptr, k, V,
                          GREEDY: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -40,7 +42,7 @@ def _verify_draft_kernel(T_ptr, D_ptr, Tok_ptr, U_ptr, Out_ptr, N_ptr, k, V,
         going = k >= 0
         for i in range(0, K1):
             row = t_rows + i * V64
-            best = -float("inf")
+            best = tl.full((), -float("inf"), dtype=tl.float32)
             idx = tl.zeros((), dtype=tl.int32)
             for tile in range(0, tl.where(going, num_tiles, 0)):  # no reads after the stop
                 offs = tile * BLOCK_V + offs_v

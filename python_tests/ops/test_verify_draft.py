@@ -61,6 +61,17 @@ def _final_weights(target, draft, num_accepted):
     return weights
 
 
+def _assert_inverse_cdf_pick(j, weights, u, where, rel_tol=1e-4):
+    """j is the inverse-CDF pick for u over float64 weights [V], up to float32 rounding."""
+    cdf = weights.cumsum(-1)
+    total = float(cdf[-1])
+    threshold = u * total
+    assert 0 <= j < weights.shape[-1] and weights[j] > 0, f"{where}: zero-weight token {j}"
+    below = float(cdf[j - 1]) if j > 0 else 0.0
+    assert below <= threshold + rel_tol * total and float(cdf[j]) >= threshold - rel_tol * total, \
+        f"{where}: token {j} is not the inverse-CDF pick (nor a rounding tie)"
+
+
 def assert_matches_reference(got, target, draft, tokens, uniforms, rel_tol=1e-4):
     target, uniforms = target.cpu(), uniforms.cpu()
     draft = None if draft is None else draft.cpu()
@@ -79,14 +90,9 @@ def assert_matches_reference(got, target, draft, tokens, uniforms, rel_tol=1e-4)
         assert differ.numel() == 0, "greedy results must be exact"
         return
     weights = _final_weights(target, draft, want_n - 1)
-    cdf = weights.cumsum(-1)
     for b in differ.tolist():
-        j, total = int(got_final[b]), float(cdf[b, -1])
-        threshold = float(uniforms[b, K1 - 1]) * total
-        assert 0 <= j < target.shape[-1] and weights[b, j] > 0, f"row {b}: zero-weight token {j}"
-        below = float(cdf[b, j - 1]) if j > 0 else 0.0
-        assert below <= threshold + rel_tol * total and float(cdf[b, j]) >= threshold - rel_tol * total, \
-            f"row {b}: token {j} is not a rounding tie of the inverse CDF"
+        _assert_inverse_cdf_pick(int(got_final[b]), weights[b], float(uniforms[b, K1 - 1]),
+                                 f"row {b}", rel_tol)
     assert differ.numel() <= max(1, B // 20), "too many inverse-CDF ties to be rounding"
 
 
@@ -272,6 +278,32 @@ def test_compiled_op_rejects_out_of_range_tokens():
     target, draft, tokens, uniforms = _valid_case()
     with pytest.raises(RuntimeError, match="draft_tokens"):
         torch.ops.gptfast_kernels.verify_draft(target, draft, tokens.clone().fill_(13), uniforms)
+
+
+@pytest.mark.parametrize("backend, device", [b for b in BACKENDS if b.id != "cpu"])
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampling", "greedy"])
+def test_gpu_kernels_treat_out_of_range_tokens_as_rejected(backend, device, greedy):
+    """Without the wrapper's checks (as under torch.compile), ids outside [0, V) are never read:
+    the CUDA and Triton kernels count them as rejected (sampling) or mismatched (greedy)."""
+    target, draft, tokens, uniforms = make_case(4, 3, 37, greedy=greedy, device=device)
+    bad = tokens.clone()
+    bad[:, 0] = torch.tensor([37, -1, 1 << 40, -(1 << 40)], device=device)
+    if backend == "cuda":
+        out, n = torch.ops.gptfast_kernels.verify_draft(target, draft, bad, uniforms)
+    else:
+        from gptfast_kernels.triton.verify_draft import verify_draft_triton
+
+        out, n = verify_draft_triton(target, draft, bad, uniforms)
+    assert n.tolist() == [1, 1, 1, 1]
+    assert bool(((out[:, 0] >= 0) & (out[:, 0] < 37)).all()) and bool((out[:, 1:] == -1).all())
+    # the emitted token is what API.md emits after a rejection at position 0
+    target, out = target.cpu(), out.cpu()
+    if greedy:
+        assert torch.equal(out[:, 0], target[:, 0].argmax(-1))
+        return
+    weights = _final_weights(target, draft.cpu(), torch.zeros(4, dtype=torch.int64))
+    for b in range(4):
+        _assert_inverse_cdf_pick(int(out[b, 0]), weights[b], float(uniforms[b, -1]), f"row {b}")
 
 
 @pytest.mark.parametrize("greedy", [False, True], ids=["sampling", "greedy"])

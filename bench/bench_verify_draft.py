@@ -2,11 +2,11 @@
 per-row argmax matching for greedy, as assisted generation runs them) and against the batched
 pure-PyTorch reference.
 
-GB/s counts the probability bytes the op actually needs for the drawn inputs: the 2 * accepted-so-far
-token probabilities plus the stop row (target, and draft when a draft was rejected) for sampling;
-the rows 0..stop for greedy. "ours_auto_checked" is the eager wrapper, whose value checks read every
-probability; "ours_kernel" is the op alone, as under torch.compile or CUDA graphs. Drafts are sampled from a draft model close to the target, so that
-acceptance lengths vary as in real speculative decoding.
+GB/s counts the probability bytes the op actually needs for the drawn inputs: 2 * accepted token
+probabilities plus the stop row (target, and draft when a draft was rejected) for sampling; rows
+0..stop for greedy. "ours_auto_checked" is the eager wrapper, whose value checks read every
+probability; "ours_kernel" is the op alone, as under torch.compile or CUDA graphs. Drafts are
+sampled from a draft model close to the target, so acceptance lengths vary as in real use.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def assert_matches_reference(got, target, draft, tokens, uniforms, rel_tol=1e-4)
 def _shapes(backend, device):
     if _is_interpreter(backend, device):
         return [(1, 1, 37), (5, 4, 37), (3, 0, 1000), (4, 4, 1000)]
-    return [(1, 1, 50257), (6, 4, 50257), (3, 0, 101), (33, 4, 1000)]
+    return [(1, 1, 50257), (6, 4, 50257), (3, 0, 101), (33, 4, 1000), (2, 16, 1000)]
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)

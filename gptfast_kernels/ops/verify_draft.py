@@ -37,16 +37,34 @@ def _check_inputs(target_probs, draft_probs, draft_tokens, uniforms) -> None:
 
 
 def _check_values(target_probs, draft_probs, draft_tokens, uniforms) -> None:
-    """Value checks that need the data (host synchronisations); skipped while tracing."""
+    """Value checks that need the data; skipped while tracing. One fused min/max pass per tensor
+    (NaN propagates through min/max, so it fails the range tests) and a single host sync."""
     V = target_probs.shape[-1]
-    if draft_tokens.numel() and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):
-        raise ValueError(f"{OP}: draft_tokens must be token ids in [0, V) = [0, {V})")
+    checks = {}  # argument name -> 0-d bool tensor, True when valid
+    if draft_tokens.numel():
+        lo, hi = torch.aminmax(draft_tokens)
+        checks["draft_tokens"] = (lo >= 0) & (hi < V)
     for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
-        if probs is not None and probs.numel() and not bool(((probs >= 0) & probs.isfinite()).all()):
-            raise ValueError(f"{OP}: {name} must be finite and non-negative (no NaN, inf or "
-                             "negative probabilities)")
-    if uniforms is not None and uniforms.numel() and not bool(((uniforms >= 0) & (uniforms < 1)).all()):
-        raise ValueError(f"{OP}: uniforms must lie in [0, 1)")
+        if probs is not None and probs.numel():
+            lo, hi = torch.aminmax(probs)
+            checks[name] = (lo >= 0) & (hi < float("inf"))
+    if uniforms is not None and uniforms.numel():
+        lo, hi = torch.aminmax(uniforms)
+        checks["uniforms"] = (lo >= 0) & (hi < 1)
+    if not checks:
+        return
+    valid = torch.stack(list(checks.values())).tolist()
+    messages = {
+        "draft_tokens": f"draft_tokens must be token ids in [0, V) = [0, {V})",
+        "target_probs": "target_probs must be finite and non-negative (no NaN, inf or negative "
+                        "probabilities)",
+        "draft_probs": "draft_probs must be finite and non-negative (no NaN, inf or negative "
+                       "probabilities)",
+        "uniforms": "uniforms must lie in [0, 1) (no NaN)",
+    }
+    for name, ok in zip(checks, valid):
+        if not ok:
+            raise ValueError(f"{OP}: {messages[name]}")
 
 
 def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -59,6 +77,10 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
     draft_tokens [B, k] int64; uniforms [B, k+1] float32 in [0, 1) or None (drawn from
     ``generator``) -> (tokens [B, k+1] int64: accepted drafts, the emitted token, then -1;
     num_emitted [B] int64). Rows of probabilities need not sum to 1 (they are used as weights).
+    k = 0 is allowed: plain sampling (or argmax) from target_probs[:, 0].
+    In eager mode the values are checked (one fused min/max pass per tensor and one host sync);
+    under torch.compile / CUDA-graph capture they are skipped; an out-of-range draft token then
+    raises in the CPU kernel and counts as rejected in the CUDA / Triton kernels (never read).
     """
     _check_inputs(target_probs, draft_probs, draft_tokens, uniforms)
     if not is_tracing():

@@ -1,0 +1,274 @@
+// verify_draft CUDA kernel: one thread block per batch row.
+//
+// Sampling: warp 0 tests up to 32 drafts at a time (reading only p = target[b, i, t_i] and
+// q = draft[b, i, t_i]) and a ballot finds the first rejection n. The block then makes one pass
+// over the row at n (max(0, target - draft), or target when all k were accepted or the residual is
+// all zero) for the total, and an inverse-CDF scan in chunks of SCAN_CHUNK elements (block prefix
+// scan per chunk) that stops at the chunk holding the sampled index.
+// Greedy: block argmax of row 0, 1, ... stopping at the first draft that differs from it.
+// The vocabulary is streamed in strided / chunked tiles, never held whole in registers. All sums
+// are float32. No host synchronisation; the accept counts are written on the device.
+// A draft token outside [0, V) (the wrapper rejects them in eager mode) is never used as an index:
+// sampling treats it as rejected, greedy as a mismatch.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <climits>
+
+namespace gptfast_kernels {
+namespace {
+
+// One block per row: 16 warps keep enough loads in flight to stream a 128k-entry row from one SM,
+// and B = 64 rows fill about half of an H100's 132 SMs (the issue's target shape).
+constexpr int THREADS = 512;
+constexpr int WARPS = THREADS / 32;
+// Strided loads issued back to back per thread in the sum / argmax passes (memory-level parallelism).
+constexpr int UNROLL = 4;
+// Consecutive elements per thread per scan chunk; a chunk (2048 entries) costs a few barriers.
+constexpr int SCAN_ITEMS = 4;
+constexpr int64_t SCAN_CHUNK = static_cast<int64_t>(THREADS) * SCAN_ITEMS;
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+// Sampling weights: max(0, target - draft), or the target row when draft is null.
+__device__ __forceinline__ float weight(const float* __restrict__ t, const float* __restrict__ d,
+                                        int64_t j) {
+  return d != nullptr ? fmaxf(t[j] - d[j], 0.f) : t[j];
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
+  return v;
+}
+
+// Sum over the block, returned to every thread (same order in every thread, so identical values).
+__device__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  return warp_sum(lane < WARPS ? scratch[lane] : 0.f);
+}
+
+__device__ long long block_min(long long v, long long* scratch) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = min(v, __shfl_xor_sync(FULL_MASK, v, offset));
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  long long result = LLONG_MAX;
+  for (int w = 0; w < WARPS; ++w) result = min(result, scratch[w]);
+  return result;
+}
+
+// (value, index) that wins an argmax: the larger value, the smaller index on ties.
+__device__ __forceinline__ void argmax_merge(float& best, long long& idx, float v, long long j) {
+  if (v > best || (v == best && j < idx)) {
+    best = v;
+    idx = j;
+  }
+}
+
+// First index of the maximum of row[0, V), returned to every thread.
+__device__ long long block_argmax(const float* __restrict__ row, int64_t V, float* scratch_f,
+                                  long long* scratch_i) {
+  float best = -INFINITY;
+  long long idx = LLONG_MAX;
+  for (int64_t j = threadIdx.x; j < V; j += THREADS) {  // ascending j: strict > keeps the first
+    const float v = row[j];
+    if (v > best || idx == LLONG_MAX) {
+      best = v;
+      idx = j;
+    }
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    argmax_merge(best, idx, __shfl_xor_sync(FULL_MASK, best, offset),
+                 __shfl_xor_sync(FULL_MASK, idx, offset));
+  }
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) {
+    scratch_f[threadIdx.x / 32] = best;
+    scratch_i[threadIdx.x / 32] = idx;
+  }
+  __syncthreads();
+  for (int w = 0; w < WARPS; ++w) argmax_merge(best, idx, scratch_f[w], scratch_i[w]);
+  return idx == LLONG_MAX ? 0 : idx;
+}
+
+__device__ float weight_total(const float* __restrict__ t, const float* __restrict__ d, int64_t V,
+                              float* scratch) {
+  float acc[UNROLL] = {};
+  int64_t j = threadIdx.x;
+  for (; j + (UNROLL - 1) * THREADS < V; j += UNROLL * THREADS) {
+#pragma unroll
+    for (int r = 0; r < UNROLL; ++r) acc[r] += weight(t, d, j + r * THREADS);
+  }
+  for (; j < V; j += THREADS) acc[0] += weight(t, d, j);
+  float local = 0.f;
+#pragma unroll
+  for (int r = 0; r < UNROLL; ++r) local += acc[r];
+  return block_sum(local, scratch);
+}
+
+// The smallest j whose running sum exceeds u * total (and whose weight is non-zero, so float32
+// rounding between chunks can never pick a zero-weight entry); if none, the last non-zero entry.
+__device__ long long block_inverse_cdf(const float* __restrict__ t, const float* __restrict__ d,
+                                       int64_t V, float total, float u, float* scratch_f,
+                                       long long* scratch_i) {
+  const float threshold = u * total;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float carry = 0.f;
+  for (int64_t base = 0; base < V; base += SCAN_CHUNK) {
+    const int64_t j0 = base + static_cast<int64_t>(threadIdx.x) * SCAN_ITEMS;
+    float vals[SCAN_ITEMS];
+    float local = 0.f;
+#pragma unroll
+    for (int it = 0; it < SCAN_ITEMS; ++it) {
+      vals[it] = j0 + it < V ? weight(t, d, j0 + it) : 0.f;
+      local += vals[it];
+    }
+    float inclusive = local;  // warp inclusive scan
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const float up = __shfl_up_sync(FULL_MASK, inclusive, offset);
+      if (lane >= offset) inclusive += up;
+    }
+    __syncthreads();
+    if (lane == 31) scratch_f[warp] = inclusive;
+    __syncthreads();
+    float before = 0.f, chunk_total = 0.f;
+    for (int w = 0; w < WARPS; ++w) {
+      if (w < warp) before += scratch_f[w];
+      chunk_total += scratch_f[w];
+    }
+    float running = carry + before + (inclusive - local);
+    long long candidate = LLONG_MAX;
+#pragma unroll
+    for (int it = 0; it < SCAN_ITEMS; ++it) {
+      running += vals[it];
+      if (candidate == LLONG_MAX && vals[it] > 0.f && running > threshold) candidate = j0 + it;
+    }
+    const long long found = block_min(candidate, scratch_i);
+    if (found != LLONG_MAX) return found;
+    carry += chunk_total;
+  }
+  long long last = -1;  // rounding fallback
+  for (int64_t j = threadIdx.x; j < V; j += THREADS) {
+    if (weight(t, d, j) > 0.f) last = j;
+  }
+  last = -block_min(-last, scratch_i);
+  return last >= 0 ? last : V - 1;
+}
+
+__global__ void __launch_bounds__(THREADS)
+    verify_draft_kernel(const float* __restrict__ target, const float* __restrict__ draft,
+                        const int64_t* __restrict__ draft_tokens, const float* __restrict__ uniforms,
+                        int64_t* __restrict__ out_tokens, int64_t* __restrict__ num_emitted,
+                        int64_t k, int64_t V, bool greedy) {
+  __shared__ float scratch_f[WARPS];
+  __shared__ long long scratch_i[WARPS];
+  __shared__ long long first_rejection;
+  const int64_t b = blockIdx.x;
+  const int64_t K1 = k + 1;
+  const float* t_rows = target + b * K1 * V;  // int64: B * (k + 1) * V passes 2^31 at B = 64, V = 256k
+  const int64_t* ids = draft_tokens + b * k;
+  const float* u = uniforms + b * K1;
+  int64_t n = 0;
+  long long final_token = 0;
+  if (greedy) {
+    for (;; ++n) {  // uniform across the block: every thread sees the same argmax
+      final_token = block_argmax(t_rows + n * V, V, scratch_f, scratch_i);
+      if (n == k || ids[n] != final_token) break;
+    }
+  } else {
+    const float* d_rows = draft + b * k * V;
+    if (threadIdx.x < 32) {
+      long long rejected_at = k;
+      for (int64_t i0 = 0; i0 < k; i0 += 32) {
+        const int64_t i = i0 + threadIdx.x;
+        bool reject = false;
+        if (i < k) {
+          const int64_t tok = ids[i];
+          if (tok < 0 || tok >= V) {
+            reject = true;
+          } else {
+            const float p = t_rows[i * V + tok], q = d_rows[i * V + tok];
+            reject = !(q > 0.f && __fmul_rn(u[i], q) < p);
+          }
+        }
+        const unsigned mask = __ballot_sync(FULL_MASK, reject);
+        if (mask != 0u) {
+          rejected_at = i0 + __ffs(mask) - 1;
+          break;
+        }
+      }
+      if (threadIdx.x == 0) first_rejection = rejected_at;
+    }
+    __syncthreads();
+    n = first_rejection;
+    const float* t_row = t_rows + n * V;
+    const float* d_row = n < k ? d_rows + n * V : nullptr;
+    float total = weight_total(t_row, d_row, V, scratch_f);
+    if (d_row != nullptr && !(total > 0.f)) {  // all-zero residual: sample from the target row
+      d_row = nullptr;
+      total = weight_total(t_row, nullptr, V, scratch_f);
+    }
+    final_token = block_inverse_cdf(t_row, d_row, V, total, u[k], scratch_f, scratch_i);
+  }
+  for (int64_t i = threadIdx.x; i < K1; i += THREADS) {
+    out_tokens[b * K1 + i] = i < n ? ids[i] : (i == n ? final_token : -1);
+  }
+  if (threadIdx.x == 0) num_emitted[b] = n + 1;
+}
+
+void check_inputs(const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs,
+                  const at::Tensor& draft_tokens, const at::Tensor& uniforms) {
+  constexpr const char* op = "verify_draft";
+  const auto device = target_probs.device();
+  TORCH_CHECK(target_probs.dim() == 3 && target_probs.size(1) >= 1 && target_probs.size(2) >= 1,
+              op, ": target_probs must be [B, k + 1, V] with V >= 1, got ", target_probs.sizes());
+  const int64_t B = target_probs.size(0), K1 = target_probs.size(1), V = target_probs.size(2);
+  auto check = [&](const at::Tensor& x, const char* name, at::ScalarType dtype,
+                   c10::IntArrayRef shape) {
+    TORCH_CHECK(x.device() == device, op, ": ", name, " must be on ", device, ", got ", x.device());
+    TORCH_CHECK(x.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ",
+                x.scalar_type());
+    TORCH_CHECK(x.sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ",
+                x.sizes());
+    TORCH_CHECK(x.is_contiguous(), op, ": ", name, " must be contiguous");
+  };
+  check(target_probs, "target_probs", at::kFloat, {B, K1, V});
+  check(draft_tokens, "draft_tokens", at::kLong, {B, K1 - 1});
+  check(uniforms, "uniforms", at::kFloat, {B, K1});
+  if (draft_probs.has_value()) check(*draft_probs, "draft_probs", at::kFloat, {B, K1 - 1, V});
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& target_probs,
+                                                     const std::optional<at::Tensor>& draft_probs,
+                                                     const at::Tensor& draft_tokens,
+                                                     const at::Tensor& uniforms) {
+  check_inputs(target_probs, draft_probs, draft_tokens, uniforms);
+  const c10::cuda::CUDAGuard guard(target_probs.device());
+  const int64_t B = target_probs.size(0), K1 = target_probs.size(1), V = target_probs.size(2);
+  at::Tensor tokens = at::empty({B, K1}, draft_tokens.options());
+  at::Tensor num_emitted = at::empty({B}, draft_tokens.options());
+  if (B == 0) return {tokens, num_emitted};
+  TORCH_CHECK(B <= INT_MAX, "verify_draft: batch size ", B, " exceeds the CUDA grid");
+  const bool greedy = !draft_probs.has_value();
+  verify_draft_kernel<<<static_cast<unsigned>(B), THREADS, 0,
+                        c10::cuda::getCurrentCUDAStream()>>>(
+      target_probs.data_ptr<float>(), greedy ? nullptr : draft_probs->data_ptr<float>(),
+      draft_tokens.data_ptr<int64_t>(), uniforms.data_ptr<float>(), tokens.data_ptr<int64_t>(),
+      num_emitted.data_ptr<int64_t>(), K1 - 1, V, greedy);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {tokens, num_emitted};
+}
+
+TORCH_LIBRARY_IMPL(gptfast_kernels, CUDA, m) {
+  m.impl("verify_draft", &verify_draft_cuda);
+}
+
+}  // namespace gptfast_kernels

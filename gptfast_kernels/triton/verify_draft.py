@@ -1,0 +1,135 @@
+"""Triton verify_draft: one program per batch row, the vocabulary streamed in BLOCK_V tiles.
+
+Sampling gathers only the k draft tokens' probabilities to find the first rejection n, then makes
+one pass over the row at n for the total and a tiled inverse-CDF scan (tl.cumsum per tile plus a
+running carry) that stops at the tile holding the sampled index. Greedy walks rows 0..k with a
+tiled argmax and stops at the first mismatch. All sums are float32; no host synchronisation.
+Registered as the custom op ``gptfast_kernels::verify_draft_triton`` (opaque to torch.compile);
+``gptfast_kernels.ops.verify_draft(..., backend="triton")`` calls it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Vocabulary entries per tile: 4 KiB of float32 per load, a few wide loads per thread with
+# NUM_WARPS warps, and few tiles (loop iterations) for V = 128k. Not yet tuned on a GPU.
+BLOCK_V = 1024
+NUM_WARPS = 4
+
+
+# k and V are never specialised: Triton would turn a value of 1 into a constexpr, which breaks the
+# loop-carried variables initialised from them (n = k, going = k >= 0).
+@triton.jit(do_not_specialize=["k", "V"])
+def _verify_draft_kernel(T_ptr, D_ptr, Tok_ptr, U_ptr, Out_ptr, N_ptr, k, V,
+                         GREEDY: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    K1 = k + 1
+    V64 = V.to(tl.int64)
+    t_rows = T_ptr + b * K1 * V64  # int64: B * (k + 1) * V passes 2^31 at B = 64, V = 256k
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < k
+    toks = tl.load(Tok_ptr + b * k + offs_k, mask=mask_k, other=-1)
+    # Ids outside [0, V) are never used as an index: rejected (sampling) or a mismatch (greedy).
+    valid = mask_k & (toks >= 0) & (toks < V)
+    offs_v = tl.arange(0, BLOCK_V)
+    num_tiles = tl.cdiv(V, BLOCK_V)
+    if GREEDY:
+        n = k
+        final = tl.zeros((), dtype=tl.int32)
+        going = k >= 0
+        for i in range(0, K1):
+            row = t_rows + i * V64
+            best = tl.full((), -float("inf"), dtype=tl.float32)
+            idx = tl.zeros((), dtype=tl.int32)
+            for tile in range(0, tl.where(going, num_tiles, 0)):  # no reads after the stop
+                offs = tile * BLOCK_V + offs_v
+                x = tl.load(row + offs, mask=offs < V, other=-float("inf"))
+                tile_best = tl.max(x, axis=0)
+                better = tile_best > best  # strict: an earlier tile keeps ties
+                idx = tl.where(better, tile * BLOCK_V + tl.argmax(x, axis=0), idx)
+                best = tl.where(better, tile_best, best)
+            draft_i = tl.sum(tl.where(offs_k == i, toks, 0), axis=0)
+            mismatch = (i == k) | (draft_i != idx)
+            stop = going & mismatch
+            n = tl.where(stop, i, n)
+            final = tl.where(stop, idx, final)
+            going = going & (~mismatch)
+    else:
+        p = tl.load(t_rows + offs_k * V64 + toks, mask=valid, other=0.0)
+        q = tl.load(D_ptr + (b * k + offs_k) * V64 + toks, mask=valid, other=0.0)
+        u = tl.load(U_ptr + b * K1 + offs_k, mask=mask_k, other=0.0)
+        accept = valid & (q > 0) & (u * q < p)
+        n = tl.min(tl.where(mask_k & (~accept), offs_k, k), axis=0)
+        t_row = t_rows + n * V64
+        d_row = D_ptr + (b * k + n) * V64  # read only when n < k
+        has_draft = n < k
+        acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
+        for start in range(0, tl.where(has_draft, V, 0), BLOCK_V):
+            offs = start + offs_v
+            t = tl.load(t_row + offs, mask=offs < V, other=0.0)
+            d = tl.load(d_row + offs, mask=offs < V, other=0.0)
+            acc += tl.maximum(t - d, 0.0)
+        residual_total = tl.sum(acc, axis=0)
+        use_residual = has_draft & (residual_total > 0)  # else sample from the target row
+        acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
+        for start in range(0, tl.where(use_residual, 0, V), BLOCK_V):
+            offs = start + offs_v
+            acc += tl.load(t_row + offs, mask=offs < V, other=0.0)
+        total = tl.where(use_residual, residual_total, tl.sum(acc, axis=0))
+        threshold = tl.load(U_ptr + b * K1 + k) * total
+        # Inverse CDF: the smallest j (with non-zero weight) whose running sum exceeds u * total.
+        carry = tl.zeros((), dtype=tl.float32)
+        found = tl.full((), -1, dtype=tl.int32)
+        start = tl.zeros((), dtype=tl.int32)
+        while (found < 0) & (start < V):
+            offs = start + offs_v
+            in_row = offs < V
+            t = tl.load(t_row + offs, mask=in_row, other=0.0)
+            d = tl.load(d_row + offs, mask=in_row & use_residual, other=0.0)
+            w = tl.where(use_residual, tl.maximum(t - d, 0.0), t)
+            running = carry + tl.cumsum(w, axis=0)
+            hit = tl.min(tl.where(in_row & (w > 0) & (running > threshold), offs, V), axis=0)
+            found = tl.where(hit < V, hit, -1)
+            carry += tl.sum(w, axis=0)
+            start += BLOCK_V
+        last = tl.full((), -1, dtype=tl.int32)  # rounding fallback: the last non-zero weight
+        for start2 in range(0, tl.where(found < 0, V, 0), BLOCK_V):
+            offs = start2 + offs_v
+            in_row = offs < V
+            t = tl.load(t_row + offs, mask=in_row, other=0.0)
+            d = tl.load(d_row + offs, mask=in_row & use_residual, other=0.0)
+            w = tl.where(use_residual, tl.maximum(t - d, 0.0), t)
+            last = tl.maximum(last, tl.max(tl.where(in_row & (w > 0), offs, -1), axis=0))
+        final = tl.where(found >= 0, found, tl.where(last >= 0, last, V - 1))
+    out = tl.where(offs_k < n, toks, tl.where(offs_k == n, final.to(tl.int64), -1))
+    tl.store(Out_ptr + b * K1 + offs_k, out, mask=offs_k < K1)
+    tl.store(N_ptr + b, (n + 1).to(tl.int64))
+
+
+@torch.library.custom_op("gptfast_kernels::verify_draft_triton", mutates_args=())
+def verify_draft_triton(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                        draft_tokens: torch.Tensor,
+                        uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_probs [B, k+1, V], draft_probs [B, k, V] or None (greedy), draft_tokens [B, k] int64,
+    uniforms [B, k+1] float32, all contiguous -> (tokens [B, k+1] int64, num_emitted [B] int64)."""
+    B, k_plus_1, V = target_probs.shape
+    tokens = torch.empty((B, k_plus_1), dtype=torch.int64, device=target_probs.device)
+    num_emitted = torch.empty((B,), dtype=torch.int64, device=target_probs.device)
+    if B == 0:
+        return tokens, num_emitted
+    greedy = draft_probs is None
+    _verify_draft_kernel[(B,)](
+        target_probs, target_probs if greedy else draft_probs, draft_tokens, uniforms, tokens,
+        num_emitted, k_plus_1 - 1, V, GREEDY=greedy, BLOCK_K=triton.next_power_of_2(k_plus_1),
+        BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+    return tokens, num_emitted
+
+
+@verify_draft_triton.register_fake
+def _(target_probs, draft_probs, draft_tokens, uniforms):
+    B, k_plus_1, _ = target_probs.shape
+    return (target_probs.new_empty((B, k_plus_1), dtype=torch.int64),
+            target_probs.new_empty((B,), dtype=torch.int64))

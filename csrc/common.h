@@ -30,3 +30,11 @@
                      AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)   \
                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)    \
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+namespace gptfast_kernels {
+// kv_cache_attention's shape / dtype / device / contiguity checks, shared by the CPU and CUDA
+// entry points (defined in kv_cache_attention.cpp). Position values are checked by each backend.
+void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& positions);
+}  // namespace gptfast_kernels

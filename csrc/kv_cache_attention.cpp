@@ -1,0 +1,218 @@
+// Fused static-KV-cache attention with position scatter: the kv_cache_attention schema and its CPU
+// kernel.
+//
+//   for (b, t) with positions[b, t] >= 0:  k_cache[b, :, positions[b, t]] = k[b, :, t]  (same for v)
+//   out[b, h, t] = softmax(scale * q[b, h, t] . k_cache[b, h / G, 0..positions[b, t]]) @ v_cache[...]
+//   out[b, h, t] = 0 where positions[b, t] < 0 (padding)
+//
+// Each query reads only slots 0..position, never the whole preallocated cache. The scatter runs
+// first (one parallel pass), then the attention, parallel over (batch, kv head, query token);
+// each work item computes the whole head group of G = Hq / Hkv query heads, so a key / value row
+// is loaded once per group and reused G times (GQA / MQA). Online softmax over blocks of
+// SLOT_BLOCK slots, accumulated in float32 whatever the cache dtype.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+namespace gptfast_kernels {
+namespace {
+
+// Slots scored per online-softmax step: scores for a block of slots are computed first, then the
+// running max / sum are corrected once per block instead of once per slot.
+constexpr int64_t SLOT_BLOCK = 64;
+// Work items (query token x kv head) per parallel_for task; decode has few items, prefill many.
+constexpr int64_t ATTENTION_GRAIN = 1;
+// Largest head dim any backend supports (API.md).
+constexpr int64_t MAX_HEAD_DIM = 256;
+
+struct Strides4 {
+  int64_t b, h, t, d;
+  explicit Strides4(const at::Tensor& x) : b(x.stride(0)), h(x.stride(1)), t(x.stride(2)), d(x.stride(3)) {}
+  int64_t at(int64_t ib, int64_t ih, int64_t it) const { return ib * b + ih * h + it * t; }
+};
+
+template <typename scalar_t>
+inline float dot_f32(const float* a, const scalar_t* b, int64_t D) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < D; ++d) acc += a[d] * static_cast<float>(b[d]);
+  return acc;
+}
+
+template <typename scalar_t>
+void scatter_new_tokens(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                        const int64_t* positions) {
+  const int64_t B = k.size(0), Hkv = k.size(1), T = k.size(2), D = k.size(3), S = k_cache.size(2);
+  const Strides4 ks(k), vs(v);
+  const scalar_t* k_ptr = k.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v.data_ptr<scalar_t>();
+  scalar_t* kc = k_cache.data_ptr<scalar_t>();
+  scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t pos = positions[b * T + t];
+        if (pos < 0) continue;
+        const int64_t dst = ((b * Hkv + h) * S + pos) * D;
+        const scalar_t* k_src = k_ptr + ks.at(b, h, t);
+        const scalar_t* v_src = v_ptr + vs.at(b, h, t);
+        for (int64_t d = 0; d < D; ++d) {
+          kc[dst + d] = k_src[d * ks.d];
+          vc[dst + d] = v_src[d * vs.d];
+        }
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* positions,
+            double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = k_cache.size(1), S = k_cache.size(2), G = Hq / Hkv;
+  const Strides4 qs(q);
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  scalar_t* o_ptr = out.data_ptr<scalar_t>();  // contiguous [B, Hq, T, D]
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * Hkv * T, ATTENTION_GRAIN, [&](int64_t begin, int64_t end) {
+    // Per-task scratch: the group's scaled queries, accumulators, running max / sum, block scores.
+    std::vector<float> qf(G * D), acc(G * D), row_max(G), row_sum(G), scores(G * SLOT_BLOCK);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item % T, h = (item / T) % Hkv, b = item / (T * Hkv);
+      const int64_t pos = positions[b * T + t];
+      if (pos < 0) {  // padding query: zero output
+        for (int64_t g = 0; g < G; ++g) {
+          scalar_t* o = o_ptr + ((b * Hq + h * G + g) * T + t) * D;
+          std::fill(o, o + D, static_cast<scalar_t>(0.f));
+        }
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const scalar_t* qrow = q_ptr + qs.at(b, h * G + g, t);
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qrow[d * qs.d]) * fscale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      const scalar_t* k_head = kc + (b * Hkv + h) * S * D;
+      const scalar_t* v_head = vc + (b * Hkv + h) * S * D;
+      const int64_t length = pos + 1;  // slots 0..pos inclusive
+      for (int64_t s0 = 0; s0 < length; s0 += SLOT_BLOCK) {
+        const int64_t n = std::min(SLOT_BLOCK, length - s0);
+        for (int64_t j = 0; j < n; ++j) {
+          const scalar_t* krow = k_head + (s0 + j) * D;
+          for (int64_t g = 0; g < G; ++g) scores[g * SLOT_BLOCK + j] = dot_f32(qf.data() + g * D, krow, D);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sc = scores.data() + g * SLOT_BLOCK;
+          float block_max = sc[0];
+          for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sc[j]);
+          const float new_max = std::max(row_max[g], block_max);
+          const float correction = std::exp(row_max[g] - new_max);  // exp(-inf) = 0 on the first block
+          row_max[g] = new_max;
+          float block_sum = 0.f;
+          for (int64_t j = 0; j < n; ++j) {
+            sc[j] = std::exp(sc[j] - new_max);
+            block_sum += sc[j];
+          }
+          row_sum[g] = row_sum[g] * correction + block_sum;
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] *= correction;
+          for (int64_t j = 0; j < n; ++j) {
+            const scalar_t* vrow = v_head + (s0 + j) * D;
+            const float p = sc[j];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vrow[d]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        scalar_t* o = o_ptr + ((b * Hq + h * G + g) * T + t) * D;
+        const float inv = 1.f / row_sum[g];
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Checks shared by the CPU and CUDA entry points (declared in common.h): shapes, dtypes,
+// contiguity of the caches and of positions. Position values are checked by each backend.
+void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& positions) {
+  constexpr const char* op = "kv_cache_attention";
+  GPTFAST_CHECK_DIM(op, q, 4);
+  GPTFAST_CHECK_FLOATING(op, q);
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
+  for (const auto* x : {&k, &v, &k_cache, &v_cache}) {
+    TORCH_CHECK(x->dim() == 4, op, ": k, v, k_cache and v_cache must have 4 dimensions, got ", x->sizes());
+    TORCH_CHECK(x->scalar_type() == q.scalar_type(), op, ": k, v, k_cache and v_cache must have q's dtype ",
+                q.scalar_type(), ", got ", x->scalar_type());
+    TORCH_CHECK(x->device() == q.device(), op, ": all tensors must be on q's device ", q.device(), ", got ",
+                x->device());
+  }
+  const int64_t Hkv = k.size(1);
+  TORCH_CHECK(k.sizes() == c10::IntArrayRef({B, Hkv, T, D}), op, ": k must be [B, Hkv, T, D] matching q ",
+              q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, op, ": Hq (", Hq, ") must be a positive multiple of Hkv (", Hkv, ")");
+  TORCH_CHECK(D > 0 && D <= MAX_HEAD_DIM, op, ": head dim D must be in 1..", MAX_HEAD_DIM, ", got ", D);
+  TORCH_CHECK(k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D, op,
+              ": k_cache must be [B, Hkv, S, D] = [", B, ", ", Hkv, ", S, ", D, "], got ", k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have k_cache's shape ", k_cache.sizes(),
+              ", got ", v_cache.sizes());
+  GPTFAST_CHECK_CONTIGUOUS(op, k_cache);
+  GPTFAST_CHECK_CONTIGUOUS(op, v_cache);
+  for (const auto* x : {&q, &k, &v}) {
+    TORCH_CHECK(x->numel() == 0 || x->stride(3) == 1, op, ": q, k and v must be contiguous in the head dim");
+  }
+  GPTFAST_CHECK_DTYPE(op, positions, at::kLong);
+  GPTFAST_CHECK_DEVICE(op, positions, q.device());
+  TORCH_CHECK(positions.sizes() == c10::IntArrayRef({B, T}), op, ": positions must be [B, T] = [", B, ", ", T,
+              "], got ", positions.sizes());
+  GPTFAST_CHECK_CONTIGUOUS(op, positions);
+}
+
+// q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] contiguous (written in
+// place); positions [B, T] int64 contiguous, -1 = padding -> out [B, Hq, T, D] contiguous.
+at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
+                                  double scale) {
+  constexpr const char* op = "kv_cache_attention";
+  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions);
+  const int64_t S = k_cache.size(2);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < positions.numel(); ++i) {  // before anything is written
+    TORCH_CHECK(pos[i] >= -1 && pos[i] < S, op, ": positions must lie in [-1, S) = [-1, ", S, "), got ", pos[i]);
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (q.numel() == 0) return out;
+  GPTFAST_DISPATCH_FLOAT_HALF_BF16(q.scalar_type(), "kv_cache_attention_cpu", [&] {
+    scatter_new_tokens<scalar_t>(k, v, k_cache, v_cache, pos);
+    attend<scalar_t>(q, k_cache, v_cache, pos, scale, out);
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
+  m.def("kv_cache_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor positions, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gptfast_kernels, CPU, m) {
+  m.impl("kv_cache_attention", &kv_cache_attention_cpu);
+}
+
+}  // namespace gptfast_kernels

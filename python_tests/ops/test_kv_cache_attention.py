@@ -1,0 +1,228 @@
+"""kv_cache_attention: every kernel backend against the reference (outputs and cache writes), for
+decode (T = 1), verification (T = k + 1) and prefill shapes, GQA / MQA, ragged and padded rows,
+shuffled positions, stale slots after a crop, non-contiguous inputs, bad inputs (caches untouched),
+opcheck and torch.compile.
+
+Tolerance (flash-attention's rule): a kernel's max error against a float64 reference may be at most
+twice the error of the same attention computed by PyTorch in the low-precision dtype.
+"""
+
+import pytest
+import torch
+
+from gptfast_kernels import _extension, ops
+from gptfast_kernels.ops import reference
+from python_tests.backends import kernel_backends
+
+BACKENDS = kernel_backends("kv_cache_attention")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# An absolute floor on the allowed error: float32 results differ from float64 by rounding only.
+ERROR_FLOOR = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _is_interpreter(backend, device):
+    return backend == "triton" and device == "cpu"
+
+
+def make_case(B, Hq, Hkv, T, D, S, positions, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    q, k, v = rand(B, Hq, T, D), rand(B, Hkv, T, D), rand(B, Hkv, T, D)
+    k_cache, v_cache = rand(B, Hkv, S, D), rand(B, Hkv, S, D)
+    positions = torch.as_tensor(positions, dtype=torch.int64).to(device)
+    return q, k, v, k_cache, v_cache, positions
+
+
+def _attention_in_dtype(q, k, v, k_cache, v_cache, positions):
+    """The same attention computed by PyTorch in q's dtype throughout (the low-precision baseline)."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    B, Hq, T, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    pos = reference.broadcast_positions(positions, B)
+    rows, cols = (pos >= 0).nonzero(as_tuple=True)
+    k_cache[rows, :, pos[rows, cols]] = k[rows, :, cols]
+    v_cache[rows, :, pos[rows, cols]] = v[rows, :, cols]
+    group = Hq // Hkv
+    keys = k_cache.repeat_interleave(group, dim=1)
+    values = v_cache.repeat_interleave(group, dim=1)
+    scores = (q @ keys.transpose(-1, -2)) * D ** -0.5
+    allowed = torch.arange(S, device=q.device)[None, None, :] <= pos[:, :, None]
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    out = (torch.softmax(scores, dim=-1).nan_to_num(0.0) @ values) * (pos >= 0)[:, None, :, None]
+    return out
+
+
+def check_against_reference(backend, device, q, k, v, k_cache, v_cache, positions, scale=None):
+    """Runs the backend and checks its output and both caches against the float64 reference."""
+    inputs64 = [t.cpu().double() for t in (q, k, v, k_cache, v_cache)]
+    want_k_cache, want_v_cache = inputs64[3].clone(), inputs64[4].clone()
+    want = reference.kv_cache_attention(*inputs64[:3], want_k_cache, want_v_cache, positions.cpu(), scale)
+    got = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, backend=backend)
+    assert got.shape == q.shape and got.dtype == q.dtype and got.device == q.device
+    # the scatter is a copy: the caches must hold exactly the new k / v at the written slots
+    assert torch.equal(k_cache.cpu().double(), want_k_cache), "k_cache differs from the reference"
+    assert torch.equal(v_cache.cpu().double(), want_v_cache), "v_cache differs from the reference"
+    error = (got.cpu().double() - want).abs().max().item() if got.numel() else 0.0
+    if q.dtype == torch.float32:
+        allowed = ERROR_FLOOR[q.dtype]
+    else:
+        cpu = [t.cpu() for t in (q, k, v, k_cache, v_cache)]
+        baseline = _attention_in_dtype(*cpu[:3], *cpu[3:], positions.cpu()).double()
+        allowed = max(2 * (baseline - want).abs().max().item(), ERROR_FLOOR[q.dtype]) if scale is None else \
+            ERROR_FLOOR[q.dtype] * 4
+    assert error <= allowed, f"max error {error:.3g} > allowed {allowed:.3g}"
+    return got
+
+
+def _contiguous_positions(B, T, starts):
+    return torch.stack([torch.arange(s, s + T) for s in starts])
+
+
+# (B, Hq, Hkv, T, D, S, starts): decode, verification and prefill, MHA / GQA / MQA, odd sizes
+SHAPES = {
+    "decode-gqa": (3, 8, 2, 1, 64, 50, [0, 17, 49]),
+    "decode-mqa-d80": (2, 4, 1, 1, 80, 33, [5, 32]),
+    "verify-k4-d96": (2, 6, 3, 5, 96, 40, [10, 0]),
+    "verify-k4-d128": (2, 4, 2, 5, 128, 24, [19, 3]),
+    "prefill-t37-mha": (2, 4, 4, 37, 64, 48, [0, 11]),
+    "prefill-t7-d256": (1, 2, 1, 7, 256, 16, [2]),
+}
+# the interpreter runs each Triton program in Python: keep its shapes few and small
+INTERPRETER_SHAPES = ("decode-gqa", "verify-k4-d96", "prefill-t7-d256")
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_matches_reference(backend, device, shape, dtype):
+    if _is_interpreter(backend, device) and (shape not in INTERPRETER_SHAPES or dtype == torch.float16):
+        pytest.skip("Triton interpreter: a subset of shapes keeps the suite fast")
+    B, Hq, Hkv, T, D, S, starts = SHAPES[shape]
+    case = make_case(B, Hq, Hkv, T, D, S, _contiguous_positions(B, T, starts), dtype, device)
+    check_against_reference(backend, device, *case)
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_ragged_rows_padding_and_shuffled_positions(backend, device):
+    # row 0: left padding; row 1: right padding; row 2: all padding; row 3: positions out of order
+    positions = [[-1, -1, 4, 5, 6], [20, 21, 22, -1, -1], [-1, -1, -1, -1, -1], [9, 3, 30, 0, 12]]
+    case = make_case(4, 4, 2, 5, 32, 31, positions, device=device)
+    out = check_against_reference(backend, device, *case)
+    assert torch.all(out[2] == 0) and torch.all(out[0, :, :2] == 0) and torch.all(out[1, :, 3:] == 0)
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("positions_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_positions_shared_by_all_rows(backend, device, positions_dtype):
+    q, k, v, k_cache, v_cache, _ = make_case(3, 4, 2, 3, 16, 12, [[0, 1, 2]] * 3, device=device)
+    check_against_reference(backend, device, q, k, v, k_cache, v_cache,
+                            torch.tensor([4, 5, 6], dtype=positions_dtype, device=device))
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_stale_slots_after_crop_do_not_leak(backend, device):
+    """After a crop to length L, slots >= L hold stale (here: huge) values; a query at position p
+    attends 0..p only, so the result must equal the one with a clean cache."""
+    B, Hq, Hkv, T, D, S = 2, 4, 2, 2, 32, 64
+    lengths = [7, 20]
+    positions = torch.stack([torch.arange(n, n + T) for n in lengths]).to(device)
+    q, k, v, k_cache, v_cache, _ = make_case(B, Hq, Hkv, T, D, S, positions, device=device)
+    clean_k, clean_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lengths):
+        clean_k[b, :, n:] = 0
+        clean_v[b, :, n:] = 0
+        k_cache[b, :, n:] = 1e4
+        v_cache[b, :, n:] = -1e4
+    stale = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend=backend)
+    clean = ops.kv_cache_attention(q, k, v, clean_k, clean_v, positions, backend=backend)
+    torch.testing.assert_close(stale, clean, atol=0, rtol=0)
+    assert stale.abs().max() < 100
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_non_contiguous_inputs_and_custom_scale(backend, device):
+    # HF layout: projections are [B, T, H, D], transposed to [B, H, T, D] without a copy
+    B, Hq, Hkv, T, D, S = 2, 4, 2, 3, 16, 10
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, T, Hq, D, generator=g).to(device).transpose(1, 2)
+    k = torch.randn(B, T, Hkv, D, generator=g).to(device).transpose(1, 2)
+    v = torch.randn(B, T, Hkv, D, generator=g).to(device).transpose(1, 2)
+    k_cache = torch.randn(B, Hkv, S, D, generator=g).to(device)
+    v_cache = torch.randn(B, Hkv, S, D, generator=g).to(device)
+    assert not q.is_contiguous()
+    check_against_reference(backend, device, q, k, v, k_cache, v_cache,
+                            torch.tensor([[0, 1, 2], [5, 6, 7]], device=device), scale=0.3)
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_decode_steps_accumulate_in_the_cache(backend, device):
+    """Prefill then 6 decode steps through the kernel equals attention over the whole sequence."""
+    B, H, D, S, prompt, steps = 2, 2, 16, 16, 4, 6
+    total = prompt + steps
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, H, total, D, generator=g).to(device) for _ in range(3))
+    k_cache = torch.zeros(B, H, S, D, device=device)
+    v_cache = torch.zeros(B, H, S, D, device=device)
+    outs = [ops.kv_cache_attention(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], k_cache, v_cache,
+                                   torch.arange(prompt, device=device), backend=backend)]
+    for t in range(prompt, total):
+        outs.append(ops.kv_cache_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], k_cache,
+                                           v_cache, torch.tensor([t], device=device), backend=backend))
+    got = torch.cat(outs, dim=2)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_empty_batch_and_all_padding(backend, device):
+    q, k, v, k_cache, v_cache, positions = make_case(0, 4, 2, 1, 16, 8, torch.zeros(0, 1), device=device)
+    assert ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend=backend).shape == (0, 4, 1, 16)
+    q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, 3, 16, 8, [[-1] * 3] * 2, device=device)
+    before = k_cache.clone()
+    out = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend=backend)
+    assert torch.all(out == 0) and torch.equal(k_cache, before)
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("bad", [[[0, 8]], [[-2, 1]], [[3, 3]]], ids=["eq-S", "below-minus-one", "repeated"])
+def test_bad_positions_raise_before_writing(backend, device, bad):
+    q, k, v, k_cache, v_cache, _ = make_case(1, 2, 1, 2, 16, 8, [[0, 1]], device=device)
+    before = (k_cache.clone(), v_cache.clone())
+    with pytest.raises(ValueError, match="positions"):
+        ops.kv_cache_attention(q, k, v, k_cache, v_cache, torch.tensor(bad, device=device), backend=backend)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.skipif(not _extension.has_kernel("kv_cache_attention", "CPU"), reason="extension not built")
+def test_cpu_kernel_refuses_out_of_range_positions_when_called_directly():
+    q, k, v, k_cache, v_cache, _ = make_case(1, 2, 1, 1, 16, 8, [[0]])
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="positions"):
+        torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, torch.tensor([[8]]), 0.25)
+    assert torch.equal(k_cache, before)
+
+
+@pytest.mark.skipif(not _extension.has_kernel("kv_cache_attention", "CPU"), reason="extension not built")
+def test_opcheck_cpu():
+    q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, 3, 16, 8, [[0, 1, 2], [4, -1, 5]])
+    torch.library.opcheck(torch.ops.gptfast_kernels.kv_cache_attention.default,
+                          (q, k, v, k_cache, v_cache, positions, 0.25))
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_torch_compile_fullgraph(backend, device):
+    q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, 1, 16, 8, [[3], [6]], device=device)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = ops.kv_cache_attention(q, k, v, want_k, want_v, positions, backend=backend)
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, v, k_cache, v_cache, positions):
+        return ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend=backend) * 2
+
+    got = step(q, k, v, k_cache, v_cache, positions)
+    torch.testing.assert_close(got, want * 2)
+    # the compiled graph must keep the in-place cache writes
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

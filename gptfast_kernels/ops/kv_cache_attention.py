@@ -85,6 +85,8 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     if chosen == "reference":
         return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale)
     positions = reference.broadcast_positions(positions, q.shape[0]).contiguous()
+    # kernels take any strides except in the head dim (HF's [B, T, H, D] -> [B, H, T, D] views pass)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if chosen == "triton":
         from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 

@@ -8,6 +8,24 @@ plus drop-in modules and generation built on them.
 __version__ = "0.1.0"
 
 from gptfast_kernels import ops  # noqa: E402
-from gptfast_kernels.modules import Int8Linear, quantize_int8_  # noqa: E402
+from gptfast_kernels.modules.int8_linear import Int8Linear, quantize_int8_  # noqa: E402
 
-__all__ = ["__version__", "ops", "Int8Linear", "quantize_int8_"]
+# The Hugging Face integration imports transformers (slow): loaded on first use.
+_LAZY = {
+    "StaticKVCache": "gptfast_kernels.modules.static_kv_cache",
+    "patch_model": "gptfast_kernels.models.patch",
+    "generate": "gptfast_kernels.generation.generate",
+    "GenerateOutput": "gptfast_kernels.generation.generate",
+    "speculative_generate": "gptfast_kernels.generation.speculative",
+    "SpeculativeOutput": "gptfast_kernels.generation.speculative",
+}
+
+__all__ = ["__version__", "ops", "Int8Linear", "quantize_int8_", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gptfast_kernels' has no attribute {name!r}")

@@ -70,15 +70,18 @@ def _check_position_values(positions: torch.Tensor, S: int) -> None:
 
 def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
-                       *, backend: str = "auto") -> torch.Tensor:
+                       *, backend: str = "auto", check_positions: bool = True) -> torch.Tensor:
     """Writes k, v into the caches at ``positions`` and attends, in one kernel launch.
 
     q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] (mutated in place);
     positions [B, T] or [T] int32/int64, -1 = padding -> out [B, Hq, T, D] in q's dtype.
     Query (b, t) attends to cache slots 0..positions[b, t] of its head group.
+    In eager mode the position values are checked (one host synchronisation) unless
+    ``check_positions=False``, for callers that validated them already (StaticKVCache checks them
+    once per forward, not once per layer); the kernels never access memory out of bounds either way.
     """
     _check_inputs(q, k, v, k_cache, v_cache, positions, scale)
-    if not is_tracing():
+    if check_positions and not is_tracing():
         _check_position_values(positions, k_cache.shape[2])
     chosen = resolve_backend(OP, backend, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

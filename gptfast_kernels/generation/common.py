@@ -1,0 +1,104 @@
+"""Input checks and small helpers shared by generate and speculative_generate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gptfast_kernels.models.patch import is_patched
+from gptfast_kernels.ops._dispatch import check_tensor
+
+
+@dataclass
+class Prompt:
+    """A validated batch of prompts: input_ids [B, P] int64, attention_mask [B, P] bool and each row's
+    number of real tokens (host ints: read once, before generation starts)."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    lengths: list[int]
+
+    @property
+    def ends_aligned(self) -> bool:
+        """Every row's last real token is in the last column (left padding or none)."""
+        return bool(self.attention_mask[:, -1].all())
+
+
+def check_model(op: str, name: str, model) -> None:
+    if not hasattr(model, "config") or not callable(model):
+        raise TypeError(f"{op}: {name} must be a transformers causal LM, got {type(model).__name__}")
+    if not is_patched(model):
+        raise ValueError(f"{op}: {name} is not patched; call gptfast_kernels.patch_model({name}) first")
+
+
+def check_prompt(op: str, input_ids, attention_mask, device: torch.device) -> Prompt:
+    check_tensor(op, "input_ids", input_ids, dtypes=(torch.int64, torch.int32), ndim=2)
+    B, P = input_ids.shape
+    if B == 0 or P == 0:
+        raise ValueError(f"{op}: input_ids must hold at least one prompt of at least one token, "
+                         f"got shape {list(input_ids.shape)}")
+    if input_ids.device != device:
+        raise ValueError(f"{op}: input_ids is on {input_ids.device} but the model is on {device}")
+    if attention_mask is None:
+        mask = torch.ones_like(input_ids, dtype=torch.bool)
+    else:
+        check_tensor(op, "attention_mask", attention_mask, ndim=2)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"{op}: attention_mask must have input_ids' shape {list(input_ids.shape)}, "
+                             f"got {list(attention_mask.shape)}")
+        if attention_mask.device != device:
+            raise ValueError(f"{op}: attention_mask is on {attention_mask.device} but the model is on {device}")
+        if attention_mask.is_floating_point() or attention_mask.is_complex():
+            raise ValueError(f"{op}: attention_mask must hold integers or booleans (1 = token, 0 = padding), "
+                             f"got {attention_mask.dtype}")
+        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise ValueError(f"{op}: attention_mask must hold only 0 and 1")
+        mask = attention_mask != 0
+    lengths = mask.sum(dim=1).tolist()
+    if min(lengths) == 0:
+        raise ValueError(f"{op}: every row of attention_mask needs at least one real token (row "
+                         f"{lengths.index(0)} is all padding)")
+    return Prompt(input_ids.to(torch.int64), mask, lengths)
+
+
+def check_max_new_tokens(op: str, max_new_tokens) -> int:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"{op}: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    return max_new_tokens
+
+
+def resolve_special_tokens(op: str, model, eos_token_id) -> tuple[list[int], int]:
+    """(eos ids, pad id). eos_token_id None means the model's generation_config's, as in
+    transformers; the pad id is the model's pad token, else the first eos id, else 0."""
+    config = getattr(model, "generation_config", None)
+    if eos_token_id is None:
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None:
+        eos = []
+    elif isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
+        eos = [eos_token_id]
+    elif isinstance(eos_token_id, (list, tuple)) and all(isinstance(e, int) for e in eos_token_id):
+        eos = list(eos_token_id)
+    else:
+        raise ValueError(f"{op}: eos_token_id must be None, an int or a list of ints, got {eos_token_id!r}")
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        pad = eos[0] if eos else 0
+    return eos, int(pad)
+
+
+def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
+    """Where the model runs and its activation dtype (its first floating-point parameter / buffer)."""
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.is_floating_point():
+            return tensor.device, tensor.dtype
+    raise ValueError("the model has no floating-point weights")
+
+
+def last_real_logits(logits: torch.Tensor, prompt: Prompt) -> torch.Tensor:
+    """[B, P or 1, V] prefill logits -> [B, V] at each row's last real token."""
+    if logits.shape[1] == 1:
+        return logits[:, 0]
+    P = prompt.attention_mask.shape[1]
+    last = P - 1 - prompt.attention_mask.flip(1).to(torch.int64).argmax(dim=1)
+    return logits[torch.arange(logits.shape[0], device=logits.device), last]

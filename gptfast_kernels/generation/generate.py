@@ -1,0 +1,70 @@
+"""``generate``: prefill + decode on a StaticKVCache with the fused kernels (API.md section 2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gptfast_kernels.generation import common
+from gptfast_kernels.generation.sampling import check_sampling_args, pick_tokens
+from gptfast_kernels.modules.static_kv_cache import StaticKVCache
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor  # [B, P + new] int64: the prompts (layout kept) then the new tokens
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
+             past_key_values: StaticKVCache | None = None) -> GenerateOutput:
+    """Decodes up to ``max_new_tokens`` per row from a model patched with ``patch_model``.
+
+    input_ids [B, P]; attention_mask [B, P] (0 = padding, left or right) or None. Rows are
+    independent: each row's real tokens sit at cache positions 0.., whatever its padding, so
+    greedy decoding matches transformers' ``generate(do_sample=False)``. A row that emits an eos
+    token is finished: it gets the pad id from then on (and writes nothing more to the cache);
+    decoding stops when every row has finished. ``past_key_values``: an optional StaticKVCache to
+    reuse (reset first); by default one of exactly the needed size is allocated.
+    Returns GenerateOutput(sequences [B, P + n]) with n <= max_new_tokens.
+    """
+    op = "generate"
+    common.check_model(op, "model", model)
+    device, dtype = common.model_device_dtype(model)
+    prompt = common.check_prompt(op, input_ids, attention_mask, device)
+    max_new_tokens = common.check_max_new_tokens(op, max_new_tokens)
+    check_sampling_args(op, temperature, top_k, top_p)
+    eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
+    B = prompt.input_ids.shape[0]
+    if max_new_tokens == 0:
+        return GenerateOutput(prompt.input_ids.clone())
+    needed = max(prompt.lengths) + max_new_tokens - 1  # the last token is emitted, never cached
+    if past_key_values is None:
+        cache = StaticKVCache(model.config, B, needed, device=device, dtype=dtype)
+    else:
+        cache = past_key_values
+        if not isinstance(cache, StaticKVCache) or cache.batch_size != B or cache.max_cache_len < needed:
+            raise ValueError(f"{op}: past_key_values must be a StaticKVCache with batch_size {B} and "
+                             f"max_cache_len >= {needed} (longest prompt + max_new_tokens - 1)")
+        cache.reset()
+
+    prefill_kwargs = {"logits_to_keep": 1} if prompt.ends_aligned else {}
+    logits = model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=cache,
+                   **prefill_kwargs).logits
+    logits = common.last_real_logits(logits, prompt)
+    eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    new_tokens = []
+    for step in range(max_new_tokens):
+        tokens = pick_tokens(logits, temperature, top_k, top_p, generator)
+        tokens = torch.where(finished, pad, tokens)
+        new_tokens.append(tokens)
+        finished |= torch.isin(tokens, eos_ids)
+        if step == max_new_tokens - 1 or bool(finished.all()):
+            break
+        # finished rows are padding from now on: nothing written, their lengths stay put
+        logits = model(tokens[:, None], attention_mask=~finished[:, None], past_key_values=cache).logits[:, -1]
+    return GenerateOutput(torch.cat([prompt.input_ids, torch.stack(new_tokens, dim=1)], dim=1))

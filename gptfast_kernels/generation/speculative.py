@@ -1,0 +1,156 @@
+"""Batched speculative decoding (API.md section 2): a draft model proposes k tokens per row, the
+target scores all k + 1 positions in one forward (kv_cache_attention with T = k + 1) and
+``verify_draft`` accepts a prefix per row; rows advance by different amounts and finish
+independently. Greedy output equals the target's own greedy decoding; sampled output follows the
+target's distribution (after temperature / top-k / top-p), whatever the draft.
+
+Cache invariant at the start of a round, per row: the target cache holds every token so far except
+the last one emitted (``last``); the draft cache holds the same, except that when the previous
+round accepted all k drafts, the k-th draft token is not in it yet (``pending``). The draft's first
+forward of a round therefore takes two tokens, [pending, last], the first one padding (-1
+position) in rows with nothing pending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gptfast_kernels.generation import common
+from gptfast_kernels.generation.sampling import check_sampling_args, logits_to_probs
+from gptfast_kernels.modules.static_kv_cache import StaticKVCache
+from gptfast_kernels.ops.verify_draft import verify_draft
+
+
+@dataclass
+class SpeculativeOutput:
+    sequences: torch.Tensor     # [B, P + new] int64, padded with the pad (or eos) id
+    num_proposed: torch.Tensor  # [B] int64: draft tokens proposed to each row
+    num_accepted: torch.Tensor  # [B] int64: draft tokens the target accepted, per row
+    acceptance_rate: float      # accepted / proposed over the batch (0 when nothing was proposed)
+
+
+def _vocab_size(model) -> int:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and hasattr(head, "out_features"):
+        return int(head.out_features)
+    return int(model.config.get_text_config(decoder=True).vocab_size)
+
+
+def _sample(probs: torch.Tensor, greedy: bool, generator) -> torch.Tensor:
+    if greedy:
+        return probs.argmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         *, max_new_tokens: int, speculate_k: int = 4, temperature: float = 0.0,
+                         top_k: int | None = None, top_p: float | None = None,
+                         eos_token_id: int | list[int] | None = None,
+                         generator: torch.Generator | None = None) -> SpeculativeOutput:
+    """input_ids [B, P] (attention_mask [B, P], 0 = padding, left or right) -> SpeculativeOutput.
+    Both models must be patched (patch_model) and share a vocabulary."""
+    op = "speculative_generate"
+    common.check_model(op, "model", model)
+    common.check_model(op, "draft_model", draft_model)
+    target_vocab, draft_vocab = _vocab_size(model), _vocab_size(draft_model)
+    if target_vocab != draft_vocab:
+        raise ValueError(f"{op}: draft_model's vocabulary ({draft_vocab} tokens) differs from model's "
+                         f"({target_vocab}); the two models must share a tokenizer")
+    if isinstance(speculate_k, bool) or not isinstance(speculate_k, int) or speculate_k < 1:
+        raise ValueError(f"{op}: speculate_k must be an int >= 1, got {speculate_k!r}")
+    device, dtype = common.model_device_dtype(model)
+    draft_device, draft_dtype = common.model_device_dtype(draft_model)
+    if draft_device != device:
+        raise ValueError(f"{op}: draft_model is on {draft_device} but model is on {device}")
+    prompt = common.check_prompt(op, input_ids, attention_mask, device)
+    max_new_tokens = common.check_max_new_tokens(op, max_new_tokens)
+    check_sampling_args(op, temperature, top_k, top_p)
+    eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
+    k, greedy = speculate_k, temperature == 0
+    B = prompt.input_ids.shape[0]
+    zeros = torch.zeros(B, dtype=torch.int64, device=device)
+    if max_new_tokens == 0:
+        return SpeculativeOutput(prompt.input_ids.clone(), zeros, zeros.clone(), 0.0)
+
+    capacity = max(prompt.lengths) + max_new_tokens + k
+    target_cache = StaticKVCache(model.config, B, capacity, device=device, dtype=dtype)
+    draft_cache = StaticKVCache(draft_model.config, B, capacity, device=device, dtype=draft_dtype)
+
+    def shape(logits):
+        return logits_to_probs(logits, temperature, top_k, top_p)
+
+    prefill_kwargs = {"logits_to_keep": 1} if prompt.ends_aligned else {}
+    logits = model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=target_cache,
+                   **prefill_kwargs).logits
+    draft_model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=draft_cache,
+                logits_to_keep=1)
+    last = _sample(shape(common.last_real_logits(logits, prompt)), greedy, generator)
+
+    eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)
+    # generated tokens; a round writes up to k + 1 more, and column `dump` absorbs masked writes
+    out = torch.full((B, max_new_tokens + 2 * (k + 1)), pad, dtype=torch.int64, device=device)
+    dump = out.shape[1] - 1
+    out[:, 0] = last
+    num_generated = torch.ones(B, dtype=torch.int64, device=device)
+    finished = torch.isin(last, eos_ids) | (num_generated >= max_new_tokens)
+    pending = torch.full((B,), -1, dtype=torch.int64, device=device)
+    proposed, accepted = zeros.clone(), zeros.clone()
+    columns = torch.arange(k + 1, device=device)
+
+    while not bool(finished.all()):
+        active = ~finished
+        # 1. the draft proposes k tokens per row (finished rows are padding: nothing written)
+        first_input = torch.stack([pending.clamp(min=0), last], dim=1)
+        first_mask = torch.stack([(pending >= 0) & active, active], dim=1)
+        draft_logits = draft_model(first_input, attention_mask=first_mask,
+                                   past_key_values=draft_cache).logits[:, -1]
+        draft_probs, draft_tokens = [], []
+        for i in range(k):
+            probs = shape(draft_logits)
+            token = _sample(probs, greedy, generator)
+            draft_probs.append(probs)
+            draft_tokens.append(token)
+            if i < k - 1:
+                draft_logits = draft_model(token[:, None], attention_mask=active[:, None],
+                                           past_key_values=draft_cache).logits[:, -1]
+        draft_tokens = torch.stack(draft_tokens, dim=1)  # [B, k]
+
+        # 2. the target scores last + k drafts in one forward, 3. verify every row at once
+        target_input = torch.cat([last[:, None], draft_tokens], dim=1)
+        target_logits = model(target_input, attention_mask=active[:, None].expand(B, k + 1),
+                              past_key_values=target_cache).logits
+        tokens, num_emitted = verify_draft(shape(target_logits), None if greedy else torch.stack(draft_probs, 1),
+                                           draft_tokens, generator=generator)
+        num_emitted = torch.where(active, num_emitted, 0)
+        num_accepted = (num_emitted - 1).clamp(min=0)
+        proposed += k * active
+        accepted += num_accepted
+
+        # 4. each row's caches keep its committed tokens: last + accepted drafts
+        committed = target_cache.seq_lengths - k + num_accepted  # the target wrote k + 1 tokens
+        target_cache.crop(torch.where(active, committed, target_cache.seq_lengths))
+        draft_cache.crop(torch.where(active, committed, draft_cache.seq_lengths))
+        pending = torch.where(active & (num_accepted == k), draft_tokens[:, -1], -1)
+        last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], last)
+
+        # 5. append the emitted tokens, cut each row at its first eos and at max_new_tokens
+        emitted = columns[None, :] < num_emitted[:, None]
+        is_eos = torch.isin(tokens, eos_ids) & emitted
+        after_eos = (is_eos.to(torch.int64).cumsum(dim=1) - is_eos.to(torch.int64)) > 0
+        emitted &= ~after_eos
+        slots = torch.where(emitted, num_generated[:, None] + columns[None, :], dump)
+        out.scatter_(1, slots, torch.where(emitted, tokens, pad))
+        num_generated += emitted.sum(dim=1)
+        finished |= is_eos.any(dim=1) | (num_generated >= max_new_tokens)
+
+    new = min(int(num_generated.max()), max_new_tokens)
+    generated = out[:, :new]
+    # positions past a row's own length hold pad already; rows cut by max_new_tokens lose the rest
+    generated = torch.where(torch.arange(new, device=device)[None, :] < num_generated[:, None].clamp(
+        max=max_new_tokens), generated, pad)
+    total_proposed = int(proposed.sum())
+    rate = int(accepted.sum()) / total_proposed if total_proposed else 0.0
+    return SpeculativeOutput(torch.cat([prompt.input_ids, generated], dim=1), proposed, accepted, rate)

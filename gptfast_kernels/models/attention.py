@@ -1,0 +1,83 @@
+"""How a patched model reaches ``kv_cache_attention``, through transformers' own hooks.
+
+- Two attention functions are registered with transformers' AttentionInterface: "gptfast_kernels"
+  (the fused kernel) and "gptfast_kernels_unfused" (the same semantics in plain PyTorch: a scatter,
+  then masked attention). Without a StaticKVCache both defer to transformers' SDPA attention.
+- A forward pre-hook on the patched model sees ``past_key_values``: for a StaticKVCache it plans the
+  step's positions once (per-row lengths, padding from ``attention_mask``), passes them to RoPE /
+  position embeddings as ``position_ids``, drops the 2-D mask (positions carry padding and
+  causality) and hands the cache to every attention layer as the keyword ``gptfast_cache``, which
+  transformers forwards to the attention function. A forward hook then advances the row lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from gptfast_kernels.modules.static_kv_cache import StaticKVCache
+from gptfast_kernels.ops.kv_cache_attention import kv_cache_attention
+
+FUSED = "gptfast_kernels"
+UNFUSED = "gptfast_kernels_unfused"
+
+
+def _cached_attention(module, query, key, value, attention_mask, *, backend: str, scaling=None, dropout=0.0,
+                      gptfast_cache: StaticKVCache | None = None, **kwargs):
+    """transformers attention-function signature; q [B, Hq, T, D], k / v [B, Hkv, T, D] (the new
+    tokens only, when a StaticKVCache is active) -> ([B, T, Hq, D], None)."""
+    if gptfast_cache is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    layer = gptfast_cache.layers[module.layer_idx]
+    dtype = layer.dtype
+    out = kv_cache_attention(query.to(dtype), key.to(dtype), value.to(dtype), layer.keys, layer.values,
+                             gptfast_cache.step_positions(), scaling, backend=backend,
+                             check_positions=False)  # checked once per forward by plan_step
+    return out.to(query.dtype).transpose(1, 2), None
+
+
+def fused_attention(module, query, key, value, attention_mask, **kwargs):
+    return _cached_attention(module, query, key, value, attention_mask, backend="auto", **kwargs)
+
+
+def unfused_attention(module, query, key, value, attention_mask, **kwargs):
+    return _cached_attention(module, query, key, value, attention_mask, backend="reference", **kwargs)
+
+
+def register_attention_functions() -> None:
+    """Idempotent: registers both attention functions and their mask builder (SDPA's)."""
+    for name, function in ((FUSED, fused_attention), (UNFUSED, unfused_attention)):
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def _tokens_of(args, kwargs) -> torch.Tensor:
+    for value in (kwargs.get("input_ids"), args[0] if args else None, kwargs.get("inputs_embeds")):
+        if isinstance(value, torch.Tensor):
+            return value
+    raise ValueError("a patched model needs input_ids or inputs_embeds")
+
+
+def before_forward(model, args, kwargs):
+    """Forward pre-hook (with_kwargs=True) of a patched model."""
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, StaticKVCache):
+        return None
+    tokens = _tokens_of(args, kwargs)
+    if tokens.dim() < 2 or tokens.shape[0] != cache.batch_size:
+        raise ValueError(f"input_ids must be [B, T] with B = the StaticKVCache's batch_size "
+                         f"({cache.batch_size}), got {list(tokens.shape)}")
+    positions = cache.plan_step(tokens.shape[1], kwargs.get("attention_mask"), kwargs.get("position_ids"))
+    kwargs = {**kwargs, "position_ids": positions.clamp(min=0), "attention_mask": None, "gptfast_cache": cache}
+    return args, kwargs
+
+
+def after_forward(model, args, kwargs, output):
+    """Forward hook (with_kwargs=True): the step succeeded, so the rows' lengths advance."""
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, StaticKVCache):
+        cache.commit_step()
+    return None

@@ -1,0 +1,54 @@
+"""The supported model families, as a table: what patching and the cache need to know per family.
+
+Every supported family already routes attention through transformers' AttentionInterface and its
+KV cache through ``Cache.update`` (transformers 5.x), so patching needs no per-family forward: the
+table records the attention module class (to check a model really has the structure we rely on),
+where the config keeps the KV-head count and head size, and config features we refuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    attention_class: str            # class name of the self-attention modules
+    kv_heads_attr: str | None       # config attribute with the KV-head count (None: MHA)
+    head_dim_attr: str | None       # config attribute with the head size (None: hidden / heads)
+
+    def cache_geometry(self, config) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) for this family's config."""
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, self.kv_heads_attr, None) if self.kv_heads_attr else None
+        head_dim = getattr(config, self.head_dim_attr, None) if self.head_dim_attr else None
+        return config.num_hidden_layers, kv_heads or heads, head_dim or config.hidden_size // heads
+
+    def check_config(self, config) -> None:
+        if getattr(config, "add_cross_attention", False):
+            raise ValueError(f"{self.model_type} models with cross-attention are not supported")
+
+
+FAMILIES: dict[str, Family] = {
+    family.model_type: family
+    for family in (
+        Family("llama", "LlamaAttention", "num_key_value_heads", "head_dim"),
+        Family("mistral", "MistralAttention", "num_key_value_heads", "head_dim"),
+        Family("qwen2", "Qwen2Attention", "num_key_value_heads", "head_dim"),
+        Family("gpt2", "GPT2Attention", None, None),
+        Family("gpt_neox", "GPTNeoXAttention", None, None),
+    )
+}
+
+
+def family_of(config) -> Family:
+    """The Family of a (decoder) config; ValueError naming the supported families otherwise."""
+    config = config.get_text_config(decoder=True)
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(f"gptfast_kernels does not support model_type {model_type!r}; supported model "
+                         f"families: {', '.join(sorted(FAMILIES))}")
+    family.check_config(config)
+    return family

@@ -1,0 +1,36 @@
+"""``patch_model``: int8 weights and fused static-KV-cache attention for a Hugging Face model."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from gptfast_kernels.models import attention
+from gptfast_kernels.models.families import family_of
+from gptfast_kernels.modules.int8_linear import quantize_int8_
+
+
+def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = True) -> nn.Module:
+    """Swaps in Int8Linear (every Linear / Conv1D but lm_head, when ``int8``) and makes the model's
+    attention run ``kv_cache_attention`` whenever it is called with a StaticKVCache
+    (``fused_attention=False``: the same semantics in plain PyTorch). In place; returns model.
+    Supported families: see gptfast_kernels.models.families.FAMILIES."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"patch_model: model must be a transformers model, got {type(model).__name__}")
+    family = family_of(model.config)
+    if not any(type(m).__name__ == family.attention_class for m in model.modules()):
+        raise ValueError(f"patch_model: a {family.model_type} model should contain {family.attention_class} "
+                         "modules and this one has none; its transformers version may be unsupported")
+    if int8:
+        quantize_int8_(model)
+    attention.register_attention_functions()
+    model.set_attn_implementation(attention.FUSED if fused_attention else attention.UNFUSED)
+    if getattr(model, "_gptfast_hooks", None) is None:
+        model._gptfast_hooks = (model.register_forward_pre_hook(attention.before_forward, with_kwargs=True),
+                                model.register_forward_hook(attention.after_forward, with_kwargs=True))
+    model._gptfast_patch = {"int8": int8 or getattr(model, "_gptfast_patch", {}).get("int8", False),
+                            "fused_attention": fused_attention}
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    return getattr(model, "_gptfast_hooks", None) is not None

@@ -1,0 +1,254 @@
+"""``StaticKVCache``: a transformers ``Cache`` with preallocated [B, Hkv, S, D] buffers per layer and
+one length per batch row, so rows of a batch can sit at different positions (ragged prompts,
+speculative rounds that accepted different numbers of tokens).
+
+With a patched model (``patch_model``) the cache does not copy anything itself: each forward plans
+the positions of its new tokens once (``plan_step``), and every attention layer hands its new K/V
+and the cache buffers to ``kv_cache_attention``, which writes and attends in one call. The lengths
+advance when the forward returns (``commit_step``), so a forward that raises leaves them unchanged.
+
+An unpatched model may use the cache as well (HF calls ``update``); rows then share one length, as
+in transformers' own ``StaticCache``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from gptfast_kernels.ops._dispatch import is_tracing
+
+
+def cache_geometry(config) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a decoder config, for the supported families."""
+    from gptfast_kernels.models.families import family_of
+
+    return family_of(config).cache_geometry(config.get_text_config(decoder=True))
+
+
+class StaticKVLayer(CacheLayerMixin):
+    """One layer's buffers: keys / values [B, Hkv, S, D], allocated up front at static addresses."""
+
+    is_compileable = True
+    is_sliding = False
+    supports_early_init = True
+
+    def __init__(self, batch_size: int, num_heads: int, max_cache_len: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.batch_size, self.num_heads = batch_size, num_heads
+        self.max_cache_len, self.head_dim = max_cache_len, head_dim
+        self.device, self.dtype = device, dtype
+        shape = (batch_size, num_heads, max_cache_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        if not torch.compiler.is_compiling():
+            # fixed data pointers: a compiled decode step can be captured in a CUDA graph
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
+        return None
+
+    def update(self, key_states, value_states, *args, **kwargs):  # StaticKVCache.update does the work
+        raise NotImplementedError("StaticKVLayer is updated through StaticKVCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> int:
+        raise NotImplementedError("lengths are per row: use StaticKVCache.get_seq_length / seq_lengths")
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"StaticKVCache: {name} must be a positive int, got {value!r}")
+    return value
+
+
+class StaticKVCache(Cache):
+    """Preallocated KV cache with per-row lengths.
+
+    StaticKVCache(config, batch_size, max_cache_len, *, device=None, dtype=None): buffers
+    [batch_size, Hkv, max_cache_len, D] per layer, in ``dtype`` (default: the config's dtype, else
+    float32) on ``device`` (default: CPU). ``seq_lengths`` [B] int64 holds each row's length.
+    """
+
+    def __init__(self, config, batch_size: int, max_cache_len: int, *, device=None, dtype=None):
+        batch_size = _positive_int("batch_size", batch_size)
+        max_cache_len = _positive_int("max_cache_len", max_cache_len)
+        num_layers, num_heads, head_dim = cache_geometry(config)
+        text_config = config.get_text_config(decoder=True)
+        if dtype is None:
+            dtype = getattr(text_config, "dtype", None)
+            dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"StaticKVCache: dtype must be float16, bfloat16 or float32, got {dtype}")
+        window = _sliding_window(text_config)
+        if window is not None and max_cache_len > window:
+            raise ValueError(f"StaticKVCache: max_cache_len ({max_cache_len}) exceeds the model's sliding window "
+                             f"({window}); sliding-window attention is not supported, so keep "
+                             "max_cache_len <= sliding_window")
+        device = torch.device("cpu") if device is None else torch.device(device)
+        layers = [StaticKVLayer(batch_size, num_heads, max_cache_len, head_dim, device, dtype)
+                  for _ in range(num_layers)]
+        super().__init__(layers=layers)
+        self.max_cache_len = max_cache_len
+        self.device, self.dtype = device, dtype
+        self.seq_lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.seq_lengths)
+        self._step_positions: torch.Tensor | None = None  # [B, T] positions of the current forward
+        self._fused_step = False
+
+    # -- the per-forward protocol (driven by the hooks patch_model installs) -------------------------
+
+    def plan_step(self, num_tokens: int, attention_mask: torch.Tensor | None = None,
+                  position_ids: torch.Tensor | None = None, *, fused: bool = True) -> torch.Tensor:
+        """Positions [B, T] int64 of the next forward's T new tokens: each row's tokens go at its
+        current length onwards (or at ``position_ids``); tokens whose ``attention_mask`` entry is 0
+        are padding (-1: neither written nor attended). ``attention_mask`` is [B, T] or HF's
+        [B, past + T] (its last T columns are used)."""
+        B = self.batch_size
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < num_tokens:
+                raise ValueError(f"StaticKVCache: attention_mask must be [B, T] or [B, past + T] with B = {B}, "
+                                 f"T = {num_tokens}; got {list(attention_mask.shape)}")
+            real = attention_mask[:, attention_mask.shape[1] - num_tokens:].to(self.device) != 0
+        else:
+            real = torch.ones(B, num_tokens, dtype=torch.bool, device=self.device)
+        if position_ids is not None:
+            position_ids = position_ids.to(self.device, torch.int64)
+            if position_ids.dim() == 1:
+                position_ids = position_ids.unsqueeze(0)
+            if position_ids.dim() != 2 or position_ids.shape[-1] != num_tokens or position_ids.shape[0] not in (1, B):
+                raise ValueError(f"StaticKVCache: position_ids must be [B, T] or [1, T] with B = {B}, "
+                                 f"T = {num_tokens}; got {list(position_ids.shape)}")
+            positions = torch.where(real, position_ids.expand(B, -1), -1)
+        else:
+            offsets = real.to(torch.int64).cumsum(dim=1) - 1
+            positions = torch.where(real, self.seq_lengths[:, None] + offsets, -1)
+        if not is_tracing() and positions.numel():
+            low, high = (int(x) for x in torch.aminmax(positions))
+            if high >= self.max_cache_len:
+                raise ValueError(f"StaticKVCache is full: a token would go to position {high} but max_cache_len is "
+                                 f"{self.max_cache_len}; allocate a larger cache (or crop it)")
+            if low < -1:
+                raise ValueError(f"StaticKVCache: position_ids must be >= 0, got {low}")
+        self._step_positions = positions
+        self._fused_step = fused
+        return positions
+
+    def commit_step(self) -> None:
+        """Advances every row's length past the largest position written by the last forward."""
+        if self._step_positions is None:
+            return
+        written = self._step_positions.max(dim=1).values + 1  # 0 for an all-padding row
+        self.seq_lengths.copy_(torch.maximum(self.seq_lengths, written))
+        self._step_positions = None
+        self._fused_step = False
+
+    def step_positions(self) -> torch.Tensor:
+        if self._step_positions is None:
+            raise RuntimeError("StaticKVCache: no forward is in progress (plan_step was not called)")
+        return self._step_positions
+
+    # -- transformers' Cache interface ----------------------------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Fused path: returns the new states untouched (kv_cache_attention writes them). Unpatched
+        path: copies them at the planned positions and returns the whole buffers, as HF expects."""
+        if self._fused_step:
+            return key_states, value_states
+        if layer_idx == 0 or self._step_positions is None:
+            if self._step_positions is not None:  # an unpatched forward has no hook: commit here
+                self.commit_step()
+            self.plan_step(key_states.shape[-2], fused=False)
+        layer = self.layers[layer_idx]
+        positions = self._step_positions
+        rows, cols = (positions >= 0).nonzero(as_tuple=True)
+        layer.keys[rows, :, positions[rows, cols]] = key_states[rows, :, cols].to(layer.dtype)
+        layer.values[rows, :, positions[rows, cols]] = value_states[rows, :, cols].to(layer.dtype)
+        if layer_idx == len(self.layers) - 1:
+            self.commit_step()
+        return layer.keys, layer.values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The longest row's length (``seq_lengths`` has every row's)."""
+        if is_tracing():
+            return self.seq_lengths.max()
+        return int(self.seq_lengths.max()) if self.seq_lengths.numel() else 0
+
+    def get_query_offset(self, layer_idx: int = 0):
+        # fused: no mask is built, and reading the lengths would cost a host synchronisation
+        return 0 if self._fused_step else self.get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        # The fused kernel needs no mask (positions carry causality and padding): report a cache
+        # as long as the query, so transformers skips building a [B, 1, T, S] mask.
+        if self._fused_step:
+            return query_length, 0
+        return self.max_cache_len, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_cache_len
+
+    @property
+    def batch_size(self) -> int:
+        return self.seq_lengths.shape[0]
+
+    def crop(self, num_tokens) -> None:
+        """Shortens rows. An int n < 0 removes |n| tokens from every row (transformers' current
+        convention), n > 0 keeps at most n tokens in every row (the older absolute convention), n = 0
+        does nothing (as in transformers); a [B] integer tensor gives each row's new length (rows
+        already shorter keep theirs). Slots past a row's length are stale and never read (a query at position p
+        attends only 0..p, and new tokens overwrite from the length on)."""
+        if isinstance(num_tokens, torch.Tensor):
+            if num_tokens.shape != self.seq_lengths.shape or num_tokens.is_floating_point():
+                raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or an integer tensor of shape "
+                                 f"[B] = {list(self.seq_lengths.shape)}, got {num_tokens.dtype} "
+                                 f"{list(num_tokens.shape)}")
+            new = num_tokens.to(self.seq_lengths.device, torch.int64)
+            if not is_tracing() and bool((new < 0).any()):
+                raise ValueError("StaticKVCache.crop: per-row lengths must be >= 0")
+            self.seq_lengths.copy_(torch.minimum(self.seq_lengths, new))
+        elif isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
+            if num_tokens > 0:
+                self.seq_lengths.clamp_(max=num_tokens)
+            elif num_tokens < 0:
+                self.seq_lengths.add_(num_tokens).clamp_(min=0)
+        else:
+            raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or a [B] tensor, got {num_tokens!r}")
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self.seq_lengths.zero_()
+        self._step_positions = None
+        self._fused_step = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        beam_idx = beam_idx.to(self.device)
+        for layer in self.layers:
+            layer.keys.copy_(layer.keys.index_select(0, beam_idx))
+            layer.values.copy_(layer.values.index_select(0, beam_idx))
+        self.seq_lengths.copy_(self.seq_lengths.index_select(0, beam_idx))
+
+    def __repr__(self) -> str:
+        return (f"StaticKVCache(layers={len(self.layers)}, batch_size={self.batch_size}, "
+                f"max_cache_len={self.max_cache_len}, dtype={self.dtype}, device={self.device})")
+
+
+def _sliding_window(config) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)

@@ -1,0 +1,176 @@
+"""generate: token-for-token equal to transformers' greedy generate on every family (left- and
+right-padded ragged batches), int8 equal to HF on the dequantised weights, eos per row, sampling
+(temperature / top-k / top-p as transformers' warpers), reproducibility and bad inputs."""
+
+import copy
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from gptfast_kernels import Int8Linear, StaticKVCache, generate
+from gptfast_kernels.generation.sampling import logits_to_probs
+from python_tests.tiny_models import EOS, FAMILIES, PAD, patched_copy, ragged_prompts, tiny_model
+
+NEW = 12
+
+
+def hf_greedy(model, ids, mask, new=NEW, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **kwargs)
+
+
+def left_pad(ids, mask):
+    """The same prompts left-padded (transformers only generates correctly from left padding)."""
+    out_ids, out_mask = torch.full_like(ids, PAD), torch.zeros_like(mask)
+    for b in range(ids.shape[0]):
+        real = ids[b][mask[b] == 1]
+        out_ids[b, ids.shape[1] - len(real):] = real
+        out_mask[b, ids.shape[1] - len(real):] = 1
+    return out_ids, out_mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_transformers_left_padded(family):
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=False)
+    ids, mask = ragged_prompts(3, 7, "left")
+    want = hf_greedy(model, ids, mask, eos_token_id=None)
+    got = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_right_padded_continues_each_row(family):
+    """A right-padded row continues after its last real token (transformers would read the pad
+    position's logits, so the reference is transformers on the same prompts left-padded)."""
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=False)
+    ids, mask = ragged_prompts(3, 7, "right")
+    got = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    assert torch.equal(got[:, :7], ids)  # the prompt layout is kept
+    want = hf_greedy(model, *left_pad(ids, mask), eos_token_id=None)
+    assert torch.equal(got[:, 7:], want[:, 7:])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_int8_equals_transformers_on_dequantised_weights(family):
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=True)
+    dequantised = copy.deepcopy(model)
+    for name, module in patched.named_modules():
+        if isinstance(module, Int8Linear):
+            original = dequantised.get_submodule(name)
+            weight = module.qweight.float() * module.scales[:, None]
+            original.weight.data.copy_(weight if isinstance(original, torch.nn.Linear) else weight.t())
+    ids, mask = ragged_prompts(2, 6, "left", seed=3)
+    want = hf_greedy(dequantised, ids, mask, eos_token_id=None)
+    assert torch.equal(generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences, want)
+
+
+def test_rows_stop_at_eos_independently():
+    model = tiny_model("llama")
+    patched = patched_copy(model, int8=False)
+    ids, mask = ragged_prompts(3, 5, "left")
+    free = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    stop = int(free[0, 5 + 2])  # row 0's third new token becomes "eos"
+    got = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=stop).sequences
+    want = hf_greedy(model, ids, mask, eos_token_id=stop, pad_token_id=PAD)
+    assert torch.equal(got, want)
+    row0 = got[0, 5:].tolist()
+    cut = row0.index(stop)
+    assert all(t == PAD for t in row0[cut + 1:])
+    # the default eos is the model's generation_config's, as in transformers
+    assert torch.equal(generate(patched, ids, mask, max_new_tokens=NEW).sequences,
+                       hf_greedy(model, ids, mask))
+    assert model.generation_config.eos_token_id == EOS
+
+
+def test_reusing_a_cache_and_zero_new_tokens():
+    patched = patched_copy(tiny_model("gpt_neox"), int8=False)
+    ids, mask = ragged_prompts(2, 5, "left")
+    cache = StaticKVCache(patched.config, 2, 32)
+    first = generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[], past_key_values=cache).sequences
+    again = generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[], past_key_values=cache).sequences
+    assert torch.equal(first, again)
+    assert torch.equal(generate(patched, ids, mask, max_new_tokens=0).sequences, ids)
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy():
+    patched = patched_copy(tiny_model("llama"), int8=False)
+    ids, mask = ragged_prompts(4, 5, "left")
+
+    def sample(seed, **kw):
+        g = torch.Generator().manual_seed(seed)
+        return generate(patched, ids, mask, max_new_tokens=8, temperature=1.0, generator=g, eos_token_id=[],
+                        **kw).sequences
+
+    assert torch.equal(sample(1), sample(1)) and not torch.equal(sample(1), sample(2))
+    greedy = generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[]).sequences
+    assert torch.equal(sample(5, top_k=1), greedy)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, None, None), (1.3, 5, None), (1.0, None, 0.8),
+                                                       (0.9, 20, 0.5), (1.0, None, 1.0)])
+def test_probabilities_match_transformers_warpers(temperature, top_k, top_p):
+    logits = torch.randn(6, 97) * 3
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k is not None:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p is not None and top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    want = torch.softmax(scores, dim=-1)
+    torch.testing.assert_close(logits_to_probs(logits, temperature, top_k, top_p), want, atol=1e-6, rtol=1e-5)
+
+
+def test_sampled_tokens_follow_the_distribution():
+    """One step sampled for 20000 identical rows: the token counts fit the model's top-k
+    distribution (chi-square), so sampling is exact, not "returns some token"."""
+    from scipy.stats import chisquare
+
+    patched = patched_copy(tiny_model("gpt2"), int8=False)
+    rows = 20000
+    ids = torch.tensor([[7, 8, 9]]).expand(rows, -1).contiguous()
+    g = torch.Generator().manual_seed(0)
+    out = generate(patched, ids, max_new_tokens=1, temperature=1.5, top_k=8, generator=g, eos_token_id=[])
+    with torch.no_grad():
+        probs = logits_to_probs(patched(ids[:1]).logits[0, -1], 1.5, 8)
+    counts = torch.bincount(out.sequences[:, -1], minlength=probs.numel()).double()
+    support = probs > 0
+    assert counts[~support].sum() == 0
+    expected = probs[support].double() / probs[support].double().sum() * rows
+    assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("kwargs, needle, error", [
+    (dict(input_ids=torch.ones(2, 3)), "input_ids", ValueError),
+    (dict(input_ids=torch.ones(3, dtype=torch.int64)), "input_ids", ValueError),
+    (dict(input_ids=torch.ones(0, 3, dtype=torch.int64)), "input_ids", ValueError),
+    (dict(attention_mask=torch.ones(2, 4)), "attention_mask", ValueError),
+    (dict(attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]])), "attention_mask", ValueError),
+    (dict(attention_mask=torch.tensor([[1, 2, 1], [1, 1, 1]])), "attention_mask", ValueError),
+    (dict(max_new_tokens=-1), "max_new_tokens", ValueError),
+    (dict(max_new_tokens=2.5), "max_new_tokens", ValueError),
+    (dict(temperature=-0.5), "temperature", ValueError),
+    (dict(temperature=float("nan")), "temperature", ValueError),
+    (dict(top_k=0), "top_k", ValueError),
+    (dict(top_p=0.0), "top_p", ValueError),
+    (dict(eos_token_id="eos"), "eos_token_id", ValueError),
+    (dict(past_key_values="cache"), "past_key_values", ValueError),
+])
+def test_bad_inputs(kwargs, needle, error):
+    patched = patched_copy(tiny_model("llama"), int8=False)
+    args = dict(input_ids=torch.tensor([[2, 3, 4], [5, 6, 7]]), attention_mask=None, max_new_tokens=3)
+    args.update(kwargs)
+    with pytest.raises(error, match=needle):
+        generate(patched, **args)
+
+
+def test_unpatched_model_and_short_cache_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="patch_model"):
+        generate(model, torch.tensor([[2, 3]]), max_new_tokens=2)
+    patched = patched_copy(model, int8=False)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        generate(patched, torch.tensor([[2, 3]]), max_new_tokens=9,
+                 past_key_values=StaticKVCache(patched.config, 1, 4))

@@ -1,0 +1,120 @@
+"""speculative_generate: greedy output equals the target's own greedy decoding (B = 1 and ragged
+B = 4, Llama and GPT-2, int8 on and off, any draft), sampled output follows the target's
+distribution (chi-square on a small vocabulary), rows finish independently, bad inputs."""
+
+import itertools
+
+import pytest
+import torch
+
+from gptfast_kernels import generate, patch_model, speculative_generate
+from gptfast_kernels.generation.sampling import logits_to_probs
+from python_tests.tiny_models import draft_of, patched_copy, ragged_prompts, tiny_model
+
+NEW = 20
+
+
+def _pair(family, int8, draft_layers=2, seed=0, **config):
+    target = tiny_model(family, layers=3, seed=seed, **config)
+    draft = patch_model(draft_of(target, draft_layers), int8=int8)
+    return target, patched_copy(target, int8=int8), draft
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("batch, k", [(1, 4), (4, 4), (4, 1)])
+def test_greedy_equals_target_greedy(family, int8, batch, k):
+    target, patched, draft = _pair(family, int8)
+    ids, mask = ragged_prompts(batch, 6, "left", seed=batch)
+    out = speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=k, eos_token_id=[])
+    if int8:  # the int8 target's own greedy decoding
+        want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    else:     # transformers' greedy decoding of the unpatched target
+        with torch.no_grad():
+            want = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    assert torch.equal(out.sequences, want)
+    assert torch.all(out.num_proposed > 0) and torch.all(out.num_accepted <= out.num_proposed)
+    assert 0 < out.acceptance_rate < 1  # a 2-layer draft of a 3-layer target: partial agreement
+
+
+def test_right_padding_unrelated_draft_and_eos_per_row():
+    target, patched, _ = _pair("llama", False)
+    unrelated = patch_model(tiny_model("llama", layers=1, seed=7), int8=False)
+    ids, mask = ragged_prompts(4, 6, "right")
+    own = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    out = speculative_generate(patched, unrelated, ids, mask, max_new_tokens=NEW, speculate_k=3, eos_token_id=[])
+    assert torch.equal(out.sequences, own)
+    stop = int(own[1, 6 + 4])  # row 1's fifth new token becomes "eos"
+    own_eos = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=stop).sequences
+    out_eos = speculative_generate(patched, unrelated, ids, mask, max_new_tokens=NEW, speculate_k=3,
+                                   eos_token_id=stop)
+    assert torch.equal(out_eos.sequences, own_eos)
+
+
+def test_identical_draft_accepts_everything():
+    _, patched, _ = _pair("gpt2", False)
+    ids, mask = ragged_prompts(3, 5, "left")
+    out = speculative_generate(patched, patched, ids, mask, max_new_tokens=13, speculate_k=4, eos_token_id=[])
+    assert out.acceptance_rate == 1.0
+    # 1 token from the prefill, then rounds of k + 1 = 5: 3 rounds reach 13 (the last one cut)
+    assert out.num_proposed.tolist() == [12, 12, 12]
+    assert out.sequences.shape == (3, 5 + 13)
+
+
+def _exact_target_distribution(model, prompt, steps, vocab, temperature):
+    """P(t1..t_steps | prompt) for every sequence, by enumeration: [vocab] * steps array."""
+    seqs = torch.tensor(list(itertools.product(range(vocab), repeat=steps - 1)), dtype=torch.int64)
+    full = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
+    with torch.no_grad():
+        probs = logits_to_probs(model(full).logits[:, prompt.shape[1] - 1:], temperature)  # [N, steps, V]
+    joint = torch.ones(len(seqs), vocab, dtype=torch.float64)
+    for i in range(steps - 1):
+        joint *= probs[:, i].double().gather(1, seqs[:, i:i + 1])
+    joint = joint * probs[:, steps - 1].double()
+    return joint.reshape([vocab] * steps)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_sampling_follows_the_target_distribution(int8):
+    """20000 rows sample 3 tokens with a draft that disagrees with the target; the joint
+    distribution of (t1, t2, t3) — t2 and t3 come from verification — fits the target's exact
+    distribution (chi-square over the cells with enough mass)."""
+    from scipy.stats import chisquare
+
+    vocab, rows, steps, temperature = 6, 20000, 3, 1.0
+    target = patched_copy(tiny_model("llama", vocab=vocab, seed=1), int8=int8)
+    draft = patch_model(tiny_model("llama", vocab=vocab, layers=1, seed=2), int8=False)
+    prompt = torch.tensor([[2, 3]])
+    g = torch.Generator().manual_seed(0)
+    out = speculative_generate(target, draft, prompt.expand(rows, -1).contiguous(), max_new_tokens=steps,
+                               speculate_k=2, temperature=temperature, generator=g, eos_token_id=[])
+    assert 0.05 < out.acceptance_rate < 0.95
+    tokens = out.sequences[:, 2:]
+    cells = (tokens * torch.tensor([vocab * vocab, vocab, 1])).sum(1)
+    counts = torch.bincount(cells, minlength=vocab ** steps).double()
+    expected = _exact_target_distribution(target, prompt, steps, vocab, temperature).flatten() * rows
+    enough = expected >= 5
+    observed, wanted = counts[enough], expected[enough]
+    if not bool(enough.all()):  # pool the rare cells into one
+        observed = torch.cat([observed, counts[~enough].sum()[None]])
+        wanted = torch.cat([wanted, expected[~enough].sum()[None]])
+    wanted = wanted / wanted.sum() * observed.sum()
+    assert chisquare(observed.numpy(), wanted.numpy()).pvalue > 1e-3
+
+
+def test_bad_inputs_raise_before_any_work():
+    _, patched, draft = _pair("llama", False)
+    ids = torch.tensor([[2, 3, 4]])
+    other_vocab = patch_model(tiny_model("llama", vocab=50, layers=1), int8=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative_generate(patched, other_vocab, ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="speculate_k"):
+        speculative_generate(patched, draft, ids, max_new_tokens=4, speculate_k=0)
+    with pytest.raises(ValueError, match="draft_model"):
+        speculative_generate(patched, tiny_model("llama"), ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(patched, draft, ids, max_new_tokens=-2)
+    with pytest.raises(ValueError, match="top_p"):
+        speculative_generate(patched, draft, ids, max_new_tokens=2, temperature=1.0, top_p=1.5)
+    out = speculative_generate(patched, draft, ids, max_new_tokens=0)
+    assert torch.equal(out.sequences, ids) and out.acceptance_rate == 0.0

@@ -1,0 +1,121 @@
+"""patch_model on every supported family (tiny models from configs): logits with a StaticKVCache
+match the unpatched model, prefill + decode steps equal one full forward, ragged rows, one
+kv_cache_attention call per layer per forward, int8 within quantization error, clear errors."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, BertConfig, DynamicCache
+
+import gptfast_kernels.models.attention as attention
+from gptfast_kernels import Int8Linear, StaticKVCache, patch_model
+from python_tests.tiny_models import FAMILIES, patched_copy, ragged_prompts, tiny_model
+
+TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_patched_logits_match_unpatched(family, fused):
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=False, fused_attention=fused)
+    ids, _ = ragged_prompts(2, 9, "left")
+    with torch.no_grad():
+        want = model(ids).logits
+        cache = StaticKVCache(patched.config, 2, 16)
+        got = torch.cat([patched(ids[:, :6], past_key_values=cache).logits,
+                         patched(ids[:, 6:8], past_key_values=cache).logits,
+                         patched(ids[:, 8:], past_key_values=cache).logits], dim=1)
+    torch.testing.assert_close(got, want, **TOL)
+    assert cache.seq_lengths.tolist() == [9, 9]
+    # without a StaticKVCache the patched model is transformers' SDPA model, unchanged
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, want, **TOL)
+        torch.testing.assert_close(patched(ids, past_key_values=DynamicCache(config=patched.config)).logits,
+                                   want, **TOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_ragged_rows_match_each_row_alone(family):
+    """Left- and right-padded rows in one batch: each row's logits equal the row run alone."""
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=False)
+    for side in ("left", "right"):
+        ids, mask = ragged_prompts(3, 7, side)
+        with torch.no_grad():
+            cache = StaticKVCache(patched.config, 3, 12)
+            logits = patched(ids, attention_mask=mask, past_key_values=cache).logits
+            step = patched(torch.tensor([[5], [6], [7]]), past_key_values=cache).logits
+            assert cache.seq_lengths.tolist() == (mask.sum(1) + 1).tolist()
+            for b in range(3):
+                real = ids[b][mask[b] == 1][None]
+                alone = model(torch.cat([real, torch.tensor([[5 + b]])], dim=1)).logits[0]
+                torch.testing.assert_close(logits[b][mask[b] == 1], alone[:-1], **TOL)
+                torch.testing.assert_close(step[b, 0], alone[-1], **TOL)
+
+
+def test_explicit_position_ids_and_padding_rows():
+    model = tiny_model("llama")
+    patched = patched_copy(model, int8=False)
+    ids = torch.randint(2, 90, (2, 4))
+    with torch.no_grad():
+        cache = StaticKVCache(patched.config, 2, 10)
+        patched(ids[:, :3], past_key_values=cache)
+        # row 1 sits this step out (mask 0): nothing written, its length stays
+        patched(ids[:, 3:], attention_mask=torch.tensor([[1], [0]]), past_key_values=cache)
+        assert cache.seq_lengths.tolist() == [4, 3]
+        # rewrite row 0's slot 3 explicitly through position_ids (a rollback without crop)
+        out = patched(ids[:, 3:], position_ids=torch.tensor([[3], [3]]), past_key_values=cache).logits
+        assert cache.seq_lengths.tolist() == [4, 4]
+        torch.testing.assert_close(out[:, 0], model(ids).logits[:, 3], **TOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
+    calls = []
+    real = attention.kv_cache_attention
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("backend"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "kv_cache_attention", counting)
+    patched = patched_copy(tiny_model(family, layers=3), int8=False)
+    with torch.no_grad():
+        cache = StaticKVCache(patched.config, 1, 8)
+        patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
+        assert len(calls) == 3
+        patched(torch.tensor([[6]]), past_key_values=cache)
+        assert len(calls) == 6 and set(calls) == {"auto"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int8_logits_within_quantization_error(family):
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=True)
+    assert any(isinstance(m, Int8Linear) for m in patched.modules())
+    assert not isinstance(patched.get_output_embeddings(), Int8Linear)  # lm_head stays float
+    ids, mask = ragged_prompts(2, 8, "left")
+    with torch.no_grad():
+        # the cache puts each row's first real token at position 0 (as transformers' generate does)
+        want = model(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        got = patched(ids, attention_mask=mask, past_key_values=StaticKVCache(patched.config, 2, 8)).logits
+    real = mask.bool()
+    error = (got[real] - want[real]).abs().max()
+    assert error < 0.05 * want[real].abs().max(), f"int8 error {error:.3g}"
+
+
+def test_patch_is_idempotent_and_switchable():
+    model = tiny_model("llama")
+    patched = patch_model(patch_model(model, int8=False), int8=False, fused_attention=False)
+    assert len(patched._forward_pre_hooks) == 1 and patched.config._attn_implementation == attention.UNFUSED
+    patch_model(patched, int8=False)
+    assert patched.config._attn_implementation == attention.FUSED
+
+
+def test_unsupported_model_names_supported_families():
+    model = AutoModelForCausalLM.from_config(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                        intermediate_size=64, vocab_size=50, is_decoder=True))
+    with pytest.raises(ValueError, match="llama.*mistral|gpt2"):
+        patch_model(model)
+    with pytest.raises(TypeError, match="model"):
+        patch_model(torch.nn.Linear(2, 2))

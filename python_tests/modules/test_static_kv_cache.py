@@ -1,0 +1,112 @@
+"""StaticKVCache: buffers and geometry per family, per-row lengths, planning positions, crop /
+reset, a full cache refusing cleanly, use by an unpatched model, bad arguments."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from gptfast_kernels import StaticKVCache
+from python_tests.tiny_models import FAMILIES, tiny_config, tiny_model
+
+GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "gpt2": (2, 4, 16),
+            "gpt_neox": (2, 4, 16)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_buffers_follow_the_config(family):
+    layers, kv_heads, head_dim = GEOMETRY[family]
+    cache = StaticKVCache(tiny_config(family), 3, 20, dtype=torch.bfloat16)
+    assert isinstance(cache, Cache) and len(cache.layers) == layers
+    for layer in cache.layers:
+        assert layer.keys.shape == (3, kv_heads, 20, head_dim) == layer.values.shape
+        assert layer.keys.dtype == torch.bfloat16
+    assert cache.get_seq_length() == 0 and cache.get_max_length() == 20 and cache.batch_size == 3
+    assert cache.is_compileable
+
+
+def test_plan_step_positions_follow_lengths_and_padding():
+    cache = StaticKVCache(tiny_config("llama"), 3, 12)
+    cache.seq_lengths.copy_(torch.tensor([0, 4, 7]))
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [1, 0, 0]])
+    positions = cache.plan_step(3, mask)
+    assert positions.tolist() == [[-1, 0, 1], [4, 5, 6], [7, -1, -1]]
+    cache.commit_step()
+    assert cache.seq_lengths.tolist() == [2, 7, 8]
+    # HF-style [B, past + T] masks: the last T columns describe the new tokens
+    assert cache.plan_step(1, torch.ones(3, 9)).tolist() == [[2], [7], [8]]
+    cache.commit_step()
+    assert cache.plan_step(2, None, torch.tensor([[0, 1]])).tolist() == [[0, 1]] * 3
+
+
+def test_full_cache_refuses_before_writing():
+    model = tiny_model("llama")
+    from gptfast_kernels import patch_model
+
+    patch_model(model, int8=False)
+    cache = StaticKVCache(model.config, 1, 5)
+    with torch.no_grad():
+        model(torch.tensor([[2, 3, 4, 5]]), past_key_values=cache)
+        before = cache.layers[0].keys.clone()
+        with pytest.raises(ValueError, match="full.*max_cache_len"):
+            model(torch.tensor([[6, 7]]), past_key_values=cache)
+    assert cache.seq_lengths.tolist() == [4] and torch.equal(cache.layers[0].keys, before)
+
+
+def test_crop_and_reset():
+    cache = StaticKVCache(tiny_config("gpt2"), 3, 10)
+    cache.seq_lengths.copy_(torch.tensor([5, 8, 2]))
+    cache.crop(-2)
+    assert cache.seq_lengths.tolist() == [3, 6, 0]
+    cache.crop(0)  # transformers' "remove nothing"
+    assert cache.seq_lengths.tolist() == [3, 6, 0]
+    cache.crop(4)
+    assert cache.seq_lengths.tolist() == [3, 4, 0]
+    cache.crop(torch.tensor([1, 9, 0]))  # per row; a longer target leaves a row as it is
+    assert cache.seq_lengths.tolist() == [1, 4, 0] and cache.get_seq_length() == 4
+    cache.layers[1].keys.fill_(3.0)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and torch.all(cache.layers[1].keys == 0)
+    with pytest.raises(ValueError, match="num_tokens"):
+        cache.crop(torch.tensor([1.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match="num_tokens"):
+        cache.crop(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="num_tokens"):
+        cache.crop("all")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_unpatched_model_uses_it_like_a_static_cache(family):
+    model = tiny_model(family)
+    ids = torch.randint(2, 90, (2, 6))
+    with torch.no_grad():
+        cache = StaticKVCache(model.config, 2, 8)
+        ours = torch.cat([model(ids[:, :4], past_key_values=cache).logits,
+                          model(ids[:, 4:], past_key_values=cache).logits], dim=1)
+        dynamic = DynamicCache(config=model.config)
+        want = torch.cat([model(ids[:, :4], past_key_values=dynamic).logits,
+                          model(ids[:, 4:], past_key_values=dynamic).logits], dim=1)
+    torch.testing.assert_close(ours, want, atol=2e-5, rtol=1e-4)
+    assert cache.seq_lengths.tolist() == [6, 6]
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(batch_size=0, max_cache_len=4), "batch_size"),
+    (dict(batch_size=2, max_cache_len=-1), "max_cache_len"),
+    (dict(batch_size=2.0, max_cache_len=4), "batch_size"),
+    (dict(batch_size=2, max_cache_len=4, dtype=torch.int8), "dtype"),
+])
+def test_bad_arguments(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        StaticKVCache(tiny_config("llama"), **kwargs)
+
+
+def test_sliding_window_and_unsupported_families_refused():
+    config = tiny_config("mistral", sliding_window=8)
+    with pytest.raises(ValueError, match="sliding"):
+        StaticKVCache(config, 1, 16)
+    assert StaticKVCache(config, 1, 8).max_cache_len == 8  # within the window: exact
+    from transformers import BertConfig
+
+    with pytest.raises(ValueError, match="supported model families"):
+        StaticKVCache(BertConfig(), 1, 8)

@@ -1,0 +1,78 @@
+"""Tiny Hugging Face models built from configs (never downloaded), one per supported family."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import (AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig,
+                          Qwen2Config)
+
+VOCAB = 97
+PAD, EOS = 0, 1
+# a larger initializer spreads the logits, so float-rounding differences cannot flip an argmax
+INIT_RANGE = 0.1
+
+
+def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides):
+    common = dict(vocab_size=vocab, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS,
+                  initializer_range=INIT_RANGE)
+    if family == "llama":
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=256, **common)
+    elif family == "mistral":
+        config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=None,
+                               max_position_embeddings=256, **common)
+    elif family == "qwen2":
+        config = Qwen2Config(hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=6,
+                             num_key_value_heads=1, max_position_embeddings=256, **common)
+    elif family == "gpt2":
+        config = GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=256, **common)
+    elif family == "gpt_neox":
+        config = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                               num_attention_heads=4, max_position_embeddings=256, **common)
+    else:
+        raise ValueError(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
+
+
+def tiny_model(family: str, *, seed: int = 0, **kwargs):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(family, **kwargs)).eval()
+
+
+def patched_copy(model, **kwargs):
+    from gptfast_kernels import patch_model
+
+    return patch_model(copy.deepcopy(model), **kwargs)
+
+
+def ragged_prompts(batch: int, length: int, side: str, *, seed: int = 0, vocab: int = VOCAB):
+    """input_ids [B, length] with rows of different real lengths padded on ``side``, and the mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        pad = (b * 2) % length if b else 0
+        if side == "left":
+            mask[b, :pad] = 0
+        else:
+            mask[b, length - pad:] = 0
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+def draft_of(target, layers: int = 1):
+    """A draft that shares the target's embeddings, head and first ``layers`` blocks: it agrees
+    with the target often but not always, like a real draft model."""
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    draft = AutoModelForCausalLM.from_config(config).eval()
+    missing, unexpected = draft.load_state_dict(target.state_dict(), strict=False)
+    assert not missing, missing
+    return draft

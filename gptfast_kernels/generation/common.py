@@ -31,7 +31,7 @@ def check_model(op: str, name: str, model) -> None:
         raise ValueError(f"{op}: {name} is not patched; call gptfast_kernels.patch_model({name}) first")
 
 
-def check_prompt(op: str, input_ids, attention_mask, device: torch.device) -> Prompt:
+def check_prompt(op: str, input_ids, attention_mask, device: torch.device, vocab_size: int) -> Prompt:
     check_tensor(op, "input_ids", input_ids, dtypes=(torch.int64, torch.int32), ndim=2)
     B, P = input_ids.shape
     if B == 0 or P == 0:
@@ -39,6 +39,11 @@ def check_prompt(op: str, input_ids, attention_mask, device: torch.device) -> Pr
                          f"got shape {list(input_ids.shape)}")
     if input_ids.device != device:
         raise ValueError(f"{op}: input_ids is on {input_ids.device} but the model is on {device}")
+    # an id outside the embedding table would be a device-side assert on CUDA: refuse it here
+    low, high = (int(x) for x in torch.aminmax(input_ids))
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{op}: input_ids must be token ids in [0, {vocab_size}) (the model's embedding "
+                         f"table, padding included), got values from {low} to {high}")
     if attention_mask is None:
         mask = torch.ones_like(input_ids, dtype=torch.bool)
     else:
@@ -85,6 +90,10 @@ def resolve_special_tokens(op: str, model, eos_token_id) -> tuple[list[int], int
     if pad is None:
         pad = eos[0] if eos else 0
     return eos, int(pad)
+
+
+def input_vocab_size(model) -> int:
+    return int(model.get_input_embeddings().num_embeddings)
 
 
 def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:

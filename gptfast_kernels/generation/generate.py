@@ -34,7 +34,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     op = "generate"
     common.check_model(op, "model", model)
     device, dtype = common.model_device_dtype(model)
-    prompt = common.check_prompt(op, input_ids, attention_mask, device)
+    prompt = common.check_prompt(op, input_ids, attention_mask, device, common.input_vocab_size(model))
     max_new_tokens = common.check_max_new_tokens(op, max_new_tokens)
     check_sampling_args(op, temperature, top_k, top_p)
     eos, pad = common.resolve_special_tokens(op, model, eos_token_id)

@@ -65,7 +65,8 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     draft_device, draft_dtype = common.model_device_dtype(draft_model)
     if draft_device != device:
         raise ValueError(f"{op}: draft_model is on {draft_device} but model is on {device}")
-    prompt = common.check_prompt(op, input_ids, attention_mask, device)
+    prompt = common.check_prompt(op, input_ids, attention_mask, device,
+                                 min(common.input_vocab_size(model), common.input_vocab_size(draft_model)))
     max_new_tokens = common.check_max_new_tokens(op, max_new_tokens)
     check_sampling_args(op, temperature, top_k, top_p)
     eos, pad = common.resolve_special_tokens(op, model, eos_token_id)

@@ -5,10 +5,11 @@ import re
 
 import pytest
 
-from python_tests.reliability import op_cases
+from python_tests.reliability import generation_cases, op_cases
 from python_tests.reliability.isolated import run_isolated
 
-BATTERIES = {"python_tests.reliability.op_cases": op_cases.CASES}
+BATTERIES = {"python_tests.reliability.op_cases": op_cases.CASES,
+             "python_tests.reliability.generation_cases": generation_cases.CASES}
 
 
 @pytest.fixture(scope="module")

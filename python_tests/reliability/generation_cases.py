@@ -1,0 +1,102 @@
+"""Bad inputs for patch_model, StaticKVCache, generate and speculative_generate, each run in a child
+process (see isolated.py): each must raise ValueError/TypeError naming the argument."""
+
+from __future__ import annotations
+
+import torch
+
+from python_tests.reliability.op_cases import Case
+
+
+def _models(int8=False):
+    from gptfast_kernels import patch_model
+    from python_tests.tiny_models import patched_copy, tiny_model
+
+    target = tiny_model("llama")
+    return target, patched_copy(target, int8=int8), patch_model(tiny_model("llama", layers=1, seed=3), int8=int8)
+
+
+def _generate(**overrides):
+    def run():
+        from gptfast_kernels import generate
+
+        _, patched, _ = _models()
+        args = dict(input_ids=torch.tensor([[2, 3, 4], [5, 6, 7]]), attention_mask=None, max_new_tokens=4)
+        args.update({k: (v() if callable(v) else v) for k, v in overrides.items()})
+        return generate(patched, **args)
+    return run
+
+
+def _speculative(**overrides):
+    def run():
+        from gptfast_kernels import speculative_generate
+
+        _, patched, draft = _models()
+        args = dict(model=patched, draft_model=draft, input_ids=torch.tensor([[2, 3, 4]]), max_new_tokens=4)
+        args.update({k: (v() if callable(v) else v) for k, v in overrides.items()})
+        return speculative_generate(**args)
+    return run
+
+
+def _patch_unsupported():
+    from transformers import AutoModelForCausalLM, BertConfig
+
+    from gptfast_kernels import patch_model
+
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                        vocab_size=50, is_decoder=True)
+    patch_model(AutoModelForCausalLM.from_config(config))
+
+
+def _full_cache():
+    from gptfast_kernels import StaticKVCache
+
+    _, patched, _ = _models()
+    cache = StaticKVCache(patched.config, 1, 4)
+    before = cache.layers[0].keys.clone()
+    try:
+        patched(torch.tensor([[2, 3, 4, 5, 6]]), past_key_values=cache)
+    finally:
+        if not torch.equal(before, cache.layers[0].keys) or cache.get_seq_length() != 0:
+            raise AssertionError("a refused forward modified the cache")
+
+
+def _cache_batch_mismatch():
+    from gptfast_kernels import StaticKVCache
+
+    _, patched, _ = _models()
+    patched(torch.tensor([[2, 3]]), past_key_values=StaticKVCache(patched.config, 3, 4))
+
+
+def _short_cache():
+    from gptfast_kernels import StaticKVCache, generate
+
+    _, patched, _ = _models()
+    generate(patched, torch.tensor([[2, 3]]), max_new_tokens=10, past_key_values=StaticKVCache(patched.config, 1, 5))
+
+
+CASES: dict[str, Case] = {
+    "patch_not_a_model": Case(lambda: __import__("gptfast_kernels").patch_model(object()), "model", (TypeError,)),
+    "patch_unsupported_family": Case(_patch_unsupported, "supported model families"),
+    "cache_full": Case(_full_cache, "max_cache_len"),
+    "cache_batch_mismatch": Case(_cache_batch_mismatch, "batch_size"),
+    "cache_too_short_for_max_new_tokens": Case(_short_cache, "max_cache_len"),
+    "generate_unpatched": Case(lambda: __import__("gptfast_kernels").generate(_models()[0], torch.tensor([[2]]),
+                                                                             max_new_tokens=2), "patch_model"),
+    "generate_ids_float": Case(_generate(input_ids=lambda: torch.ones(2, 3)), "input_ids"),
+    "generate_ids_too_big": Case(_generate(input_ids=lambda: torch.tensor([[2, 3, 97], [5, 6, 7]])), "input_ids"),
+    "generate_ids_negative": Case(_generate(input_ids=lambda: torch.tensor([[2, -1, 4], [5, 6, 7]])), "input_ids"),
+    "generate_empty_batch": Case(_generate(input_ids=lambda: torch.zeros(0, 3, dtype=torch.int64)), "input_ids"),
+    "generate_mask_shape": Case(_generate(attention_mask=lambda: torch.ones(2, 2)), "attention_mask"),
+    "generate_mask_all_padding_row": Case(_generate(attention_mask=lambda: torch.tensor([[1, 1, 1], [0, 0, 0]])),
+                                          "attention_mask"),
+    "generate_negative_new_tokens": Case(_generate(max_new_tokens=-1), "max_new_tokens"),
+    "generate_nan_temperature": Case(_generate(temperature=float("nan")), "temperature"),
+    "generate_top_p_zero": Case(_generate(temperature=1.0, top_p=0.0), "top_p"),
+    "spec_k_zero": Case(_speculative(speculate_k=0), "speculate_k"),
+    "spec_vocab_mismatch": Case(_speculative(draft_model=lambda: __import__("gptfast_kernels").patch_model(
+        __import__("python_tests.tiny_models", fromlist=["x"]).tiny_model("llama", vocab=40))), "vocabulary"),
+    "spec_draft_unpatched": Case(_speculative(draft_model=lambda: _models()[0]), "draft_model"),
+    "spec_ids_too_big": Case(_speculative(input_ids=lambda: torch.tensor([[2, 300]])), "input_ids"),
+    "spec_negative_temperature": Case(_speculative(temperature=-1.0), "temperature"),
+}

@@ -9,10 +9,14 @@ from gptfast_kernels.models.families import family_of
 from gptfast_kernels.modules.int8_linear import quantize_int8_
 
 
-def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = True) -> nn.Module:
-    """Swaps in Int8Linear (every Linear / Conv1D but lm_head, when ``int8``) and makes the model's
-    attention run ``kv_cache_attention`` whenever it is called with a StaticKVCache
-    (``fused_attention=False``: the same semantics in plain PyTorch). In place; returns model.
+def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = True,
+                int8_skip: tuple[str, ...] = ()) -> nn.Module:
+    """Swaps in Int8Linear (when ``int8``: every Linear / Conv1D, lm_head included as in gpt-fast
+    and torchao, except names matching ``int8_skip``) and makes the model's attention run
+    ``kv_cache_attention`` whenever it is called with a StaticKVCache (``fused_attention=False``:
+    the same semantics in plain PyTorch). In place; returns model. Decoding reads every weight
+    once per token, and the lm_head is a large share of a small model's weights (a quarter of a
+    125M Llama with a 32k vocabulary), so it is quantized too unless skipped.
     Supported families: see gptfast_kernels.models.families.FAMILIES."""
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"patch_model: model must be a transformers model, got {type(model).__name__}")
@@ -21,7 +25,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         raise ValueError(f"patch_model: a {family.model_type} model should contain {family.attention_class} "
                          "modules and this one has none; its transformers version may be unsupported")
     if int8:
-        quantize_int8_(model)
+        quantize_int8_(model, skip=int8_skip)
     attention.register_attention_functions()
     model.set_attn_implementation(attention.FUSED if fused_attention else attention.UNFUSED)
     if getattr(model, "_gptfast_hooks", None) is None:

@@ -93,7 +93,9 @@ def test_int8_logits_within_quantization_error(family):
     model = tiny_model(family)
     patched = patched_copy(model, int8=True)
     assert any(isinstance(m, Int8Linear) for m in patched.modules())
-    assert not isinstance(patched.get_output_embeddings(), Int8Linear)  # lm_head stays float
+    assert isinstance(patched.get_output_embeddings(), Int8Linear)  # lm_head too, unless skipped
+    kept = patched_copy(model, int8=True, int8_skip=("lm_head",))
+    assert not isinstance(kept.get_output_embeddings(), Int8Linear)
     ids, mask = ragged_prompts(2, 8, "left")
     with torch.no_grad():
         # the cache puts each row's first real token at position 0 (as transformers' generate does)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from gptfast_kernels.generation import common
+from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.sampling import check_sampling_args, pick_tokens
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
@@ -20,7 +21,7 @@ class GenerateOutput:
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
-             past_key_values: StaticKVCache | None = None) -> GenerateOutput:
+             past_key_values: StaticKVCache | None = None, compile: bool = False) -> GenerateOutput:
     """Decodes up to ``max_new_tokens`` per row from a model patched with ``patch_model``.
 
     input_ids [B, P]; attention_mask [B, P] (0 = padding, left or right) or None. Rows are
@@ -28,7 +29,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     greedy decoding matches transformers' ``generate(do_sample=False)``. A row that emits an eos
     token is finished: it gets the pad id from then on (and writes nothing more to the cache);
     decoding stops when every row has finished. ``past_key_values``: an optional StaticKVCache to
-    reuse (reset first); by default one of exactly the needed size is allocated.
+    reuse (its rows are emptied first); by default one of the needed size is allocated.
+    ``compile``: run each decode step through torch.compile (a CUDA graph on GPUs); the model then
+    keeps its compiled step and its cache for later calls (see generation/forward.py).
     Returns GenerateOutput(sequences [B, P + n]) with n <= max_new_tokens.
     """
     op = "generate"
@@ -43,13 +46,14 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         return GenerateOutput(prompt.input_ids.clone())
     needed = max(prompt.lengths) + max_new_tokens - 1  # the last token is emitted, never cached
     if past_key_values is None:
-        cache = StaticKVCache(model.config, B, needed, device=device, dtype=dtype)
+        cache = cache_for(model, B, needed, device, dtype, reuse=compile)
     else:
         cache = past_key_values
         if not isinstance(cache, StaticKVCache) or cache.batch_size != B or cache.max_cache_len < needed:
             raise ValueError(f"{op}: past_key_values must be a StaticKVCache with batch_size {B} and "
                              f"max_cache_len >= {needed} (longest prompt + max_new_tokens - 1)")
-        cache.reset()
+        cache.crop(torch.zeros_like(cache.seq_lengths))  # stale slots are never read
+    forward_step = step_function(model, compile)
 
     prefill_kwargs = {"logits_to_keep": 1} if prompt.ends_aligned else {}
     logits = model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=cache,
@@ -66,5 +70,5 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         if step == max_new_tokens - 1 or bool(finished.all()):
             break
         # finished rows are padding from now on: nothing written, their lengths stay put
-        logits = model(tokens[:, None], attention_mask=~finished[:, None], past_key_values=cache).logits[:, -1]
+        logits = forward_step(tokens[:, None], ~finished[:, None], cache)[:, -1]
     return GenerateOutput(torch.cat([prompt.input_ids, torch.stack(new_tokens, dim=1)], dim=1))

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from gptfast_kernels.generation import common
+from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.sampling import check_sampling_args, logits_to_probs
-from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops.verify_draft import verify_draft
 
 
@@ -49,9 +49,11 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
                          *, max_new_tokens: int, speculate_k: int = 4, temperature: float = 0.0,
                          top_k: int | None = None, top_p: float | None = None,
                          eos_token_id: int | list[int] | None = None,
-                         generator: torch.Generator | None = None) -> SpeculativeOutput:
+                         generator: torch.Generator | None = None, compile: bool = False) -> SpeculativeOutput:
     """input_ids [B, P] (attention_mask [B, P], 0 = padding, left or right) -> SpeculativeOutput.
-    Both models must be patched (patch_model) and share a vocabulary."""
+    Both models must be patched (patch_model) and share a vocabulary. ``compile``: run the draft's
+    and the target's per-round forwards through torch.compile (CUDA graphs on GPUs), as in
+    ``generate``."""
     op = "speculative_generate"
     common.check_model(op, "model", model)
     common.check_model(op, "draft_model", draft_model)
@@ -77,8 +79,9 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
         return SpeculativeOutput(prompt.input_ids.clone(), zeros, zeros.clone(), 0.0)
 
     capacity = max(prompt.lengths) + max_new_tokens + k
-    target_cache = StaticKVCache(model.config, B, capacity, device=device, dtype=dtype)
-    draft_cache = StaticKVCache(draft_model.config, B, capacity, device=device, dtype=draft_dtype)
+    target_cache = cache_for(model, B, capacity, device, dtype, reuse=compile)
+    draft_cache = cache_for(draft_model, B, capacity, device, draft_dtype, reuse=compile)
+    target_step, draft_step = step_function(model, compile), step_function(draft_model, compile)
 
     def shape(logits):
         return logits_to_probs(logits, temperature, top_k, top_p)
@@ -106,8 +109,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
         # 1. the draft proposes k tokens per row (finished rows are padding: nothing written)
         first_input = torch.stack([pending.clamp(min=0), last], dim=1)
         first_mask = torch.stack([(pending >= 0) & active, active], dim=1)
-        draft_logits = draft_model(first_input, attention_mask=first_mask,
-                                   past_key_values=draft_cache).logits[:, -1]
+        draft_logits = draft_step(first_input, first_mask, draft_cache)[:, -1]
         draft_probs, draft_tokens = [], []
         for i in range(k):
             probs = shape(draft_logits)
@@ -115,14 +117,12 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
             draft_probs.append(probs)
             draft_tokens.append(token)
             if i < k - 1:
-                draft_logits = draft_model(token[:, None], attention_mask=active[:, None],
-                                           past_key_values=draft_cache).logits[:, -1]
+                draft_logits = draft_step(token[:, None], active[:, None], draft_cache)[:, -1]
         draft_tokens = torch.stack(draft_tokens, dim=1)  # [B, k]
 
         # 2. the target scores last + k drafts in one forward, 3. verify every row at once
         target_input = torch.cat([last[:, None], draft_tokens], dim=1)
-        target_logits = model(target_input, attention_mask=active[:, None].expand(B, k + 1),
-                              past_key_values=target_cache).logits
+        target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
         tokens, num_emitted = verify_draft(shape(target_logits), None if greedy else torch.stack(draft_probs, 1),
                                            draft_tokens, generator=generator)
         num_emitted = torch.where(active, num_emitted, 0)

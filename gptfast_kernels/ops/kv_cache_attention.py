@@ -101,4 +101,4 @@ if _extension.has_kernel(OP, "CPU"):
 
     @torch.library.register_fake(f"gptfast_kernels::{OP}")
     def _kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale):
-        return torch.empty_like(q)
+        return q.new_empty(q.shape)  # the kernels return a contiguous tensor, whatever q's strides

@@ -174,3 +174,17 @@ def test_unpatched_model_and_short_cache_refused():
     with pytest.raises(ValueError, match="max_cache_len"):
         generate(patched, torch.tensor([[2, 3]]), max_new_tokens=9,
                  past_key_values=StaticKVCache(patched.config, 1, 4))
+
+
+def test_compiled_decode_step_gives_the_same_tokens():
+    """compile=True: the decode step runs through torch.compile(fullgraph=True) (a CUDA graph on
+    GPUs); tokens equal the eager run, and a second call reuses the model's compiled step."""
+    patched = patched_copy(tiny_model("llama"), int8=True)
+    ids, mask = ragged_prompts(2, 6, "left")
+    eager = generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[]).sequences
+    compiled = generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[], compile=True).sequences
+    assert torch.equal(compiled, eager)
+    step, cache = patched._gptfast_compiled_forward, patched._gptfast_cache
+    again = generate(patched, ids[:, 1:], mask[:, 1:], max_new_tokens=5, eos_token_id=[], compile=True).sequences
+    assert torch.equal(again, generate(patched, ids[:, 1:], mask[:, 1:], max_new_tokens=5, eos_token_id=[]).sequences)
+    assert patched._gptfast_compiled_forward is step and patched._gptfast_cache is cache

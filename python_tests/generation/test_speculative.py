@@ -118,3 +118,13 @@ def test_bad_inputs_raise_before_any_work():
         speculative_generate(patched, draft, ids, max_new_tokens=2, temperature=1.0, top_p=1.5)
     out = speculative_generate(patched, draft, ids, max_new_tokens=0)
     assert torch.equal(out.sequences, ids) and out.acceptance_rate == 0.0
+
+
+def test_compiled_rounds_give_the_same_tokens():
+    _, patched, draft = _pair("llama", True)
+    ids, mask = ragged_prompts(2, 6, "left")
+    eager = speculative_generate(patched, draft, ids, mask, max_new_tokens=12, speculate_k=3, eos_token_id=[])
+    compiled = speculative_generate(patched, draft, ids, mask, max_new_tokens=12, speculate_k=3, eos_token_id=[],
+                                    compile=True)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch.equal(compiled.num_accepted, eager.num_accepted)

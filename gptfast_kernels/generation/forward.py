@@ -1,0 +1,52 @@
+"""One model forward on a StaticKVCache, eager or compiled.
+
+Compiled (``compile=True``): one ``torch.compile(fullgraph=True)`` function per model, kept on the
+model so later calls reuse it; on CUDA in "reduce-overhead" mode, i.e. replayed as a CUDA graph
+(the cache buffers and lengths have static addresses, and no step synchronises with the host).
+Each distinct token count T (1 for decode, 2 and k + 1 for speculation) is its own graph. Prefill,
+whose length changes from call to call, runs eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from gptfast_kernels.modules.static_kv_cache import StaticKVCache
+
+# Cache lengths are rounded up to a multiple of this when a compiled model allocates its cache, so
+# later calls with somewhat longer prompts reuse the same cache (and the same compiled graphs).
+CACHE_LEN_QUANTUM = 256
+
+
+def _forward(model, tokens: torch.Tensor, attention_mask: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    return model(tokens, attention_mask=attention_mask, past_key_values=cache).logits
+
+
+def step_function(model, compile: bool):
+    """(tokens [B, T], attention_mask [B, T], cache) -> logits [B, T, V]."""
+    if not compile:
+        return functools.partial(_forward, model)
+    compiled = getattr(model, "_gptfast_compiled_forward", None)
+    if compiled is None:
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        compiled = torch.compile(functools.partial(_forward, model), fullgraph=True, dynamic=False,
+                                 mode="reduce-overhead" if on_cuda else None)
+        model._gptfast_compiled_forward = compiled
+    return compiled
+
+
+def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool) -> StaticKVCache:
+    """A StaticKVCache with room for ``needed`` tokens per row, its rows emptied. With ``reuse`` the
+    model keeps one cache (rounded-up length) and hands it out again while it fits, so compiled
+    graphs, which are specialised on the cache's buffers, are not rebuilt on every call."""
+    if not reuse:
+        return StaticKVCache(model.config, batch_size, needed, device=device, dtype=dtype)
+    cache = getattr(model, "_gptfast_cache", None)
+    if cache is None or cache.batch_size != batch_size or cache.max_cache_len < needed or cache.dtype != dtype:
+        length = -(-needed // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
+        cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype)
+        model._gptfast_cache = cache
+    cache.crop(torch.zeros_like(cache.seq_lengths))
+    return cache

@@ -89,9 +89,14 @@ SHAPES = {
     "verify-k4-d128": (2, 4, 2, 5, 128, 24, [19, 3]),
     "prefill-t37-mha": (2, 4, 4, 37, 64, 48, [0, 11]),
     "prefill-t7-d256": (1, 2, 1, 7, 256, 16, [2]),
+    "decode-long-cache": (1, 4, 2, 1, 32, 300, [290]),  # many KV splits (flash-decoding kernels)
+    "verify-mqa-g8": (2, 8, 1, 5, 32, 70, [60, 3]),     # group x tokens rows span several tiles
 }
-# the interpreter runs each Triton program in Python: keep its shapes few and small
-INTERPRETER_SHAPES = ("decode-gqa", "verify-k4-d96", "prefill-t7-d256")
+# the interpreter runs each Triton program in Python: keep its shapes few and small (the Triton
+# kernel switches to its prefill kernels above T = 16: prefill-t37 covers them)
+INTERPRETER_SHAPES = ("decode-gqa", "verify-k4-d96", "prefill-t7-d256", "prefill-t37-mha",
+                      "decode-long-cache", "verify-mqa-g8")
+TRITON_BACKENDS = [p for p in BACKENDS if p.id.startswith("triton")]
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
@@ -210,6 +215,36 @@ def test_opcheck_cpu():
     q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, 3, 16, 8, [[0, 1, 2], [4, -1, 5]])
     torch.library.opcheck(torch.ops.gptfast_kernels.kv_cache_attention.default,
                           (q, k, v, k_cache, v_cache, positions, 0.25))
+
+
+@pytest.mark.parametrize("backend, device", TRITON_BACKENDS)
+def test_opcheck_triton(backend, device):
+    from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton  # noqa: F401
+
+    for T, rows in ((3, [[0, 1, 2], [4, -1, 5]]), (17, [list(range(17)), [-1] * 2 + list(range(5, 20))])):
+        q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, T, 16, 24, rows, device=device)
+        torch.library.opcheck(torch.ops.gptfast_kernels.kv_cache_attention_triton.default,
+                              (q, k, v, k_cache, v_cache, positions, 0.25))
+
+
+@pytest.mark.parametrize("backend, device", TRITON_BACKENDS)
+@pytest.mark.parametrize("T", [2, 17], ids=["decode-kernel", "prefill-kernel"])
+def test_triton_kernel_treats_out_of_range_positions_as_padding(backend, device, T):
+    """Under torch.compile / CUDA graphs the wrapper cannot check position values: the kernel
+    itself must then write nothing and return zeros for positions outside [-1, S)."""
+    from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
+
+    S = 20
+    rows = [list(range(T)), list(range(T))]
+    rows[0][1], rows[1][0], rows[1][-1] = S, -7, S + 1000  # out of range at both ends
+    q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, T, 16, S, rows, device=device)
+    cleaned = torch.where((positions >= 0) & (positions < S), positions, -1)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = ops.kv_cache_attention(q, k, v, want_k, want_v, cleaned, 0.25, backend="reference")
+    got = kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, 0.25)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert torch.all(got[0, :, 1] == 0) and torch.all(got[1, :, 0] == 0) and torch.all(got[1, :, -1] == 0)
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)

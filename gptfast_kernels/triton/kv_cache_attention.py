@@ -1,0 +1,388 @@
+"""Triton kv_cache_attention: the new K/V scattered into a static cache at per-row positions, and
+causal attention of the queries over cache slots 0..position (API.md section 1).
+
+Two regimes, chosen on T (host-known, never on position values):
+
+* decode / verification (T <= DECODE_MAX_T): flash-decoding. The grid is splits x kv heads x batch;
+  one program owns one contiguous range of a row's slots and computes every query head of the group
+  and every one of the T queries on it, so each K/V tile is loaded once per group. Ranges are cut
+  on the device from the row's largest position, so a quarter-full cache still spreads its work
+  over every split, and programs whose range starts past that position exit at once. The scatter is
+  fused race-free: within a tile, a slot that this call writes is read from the k / v inputs (the
+  tile's slot indices matched against the row's T positions) instead of from the cache, and only the
+  program owning that slot range stores it into the cache. With more than one split, a second small
+  kernel combines the splits' partial results by log-sum-exp (Triton has no grid-wide barrier; an
+  atomic "last program combines" scheme would save one launch but not bandwidth).
+* prefill (T > DECODE_MAX_T): every new K/V row is read by many query tiles and programs, so a small
+  scatter kernel writes them into the cache first (same stream, so it completes before the next
+  launch), then a tiled flash-attention kernel (tl.dot) reads only the cache: each query tile runs
+  an online softmax over key tiles up to its own largest position.
+
+Positions outside [-1, S) are treated as padding (zero output, nothing written): the wrapper
+raises for them in eager mode but cannot under torch.compile or CUDA-graph capture. All sums are
+float32; no host synchronisation. Registered as ``gptfast_kernels::kv_cache_attention_triton``
+(mutating k_cache and v_cache); ``ops.kv_cache_attention(..., backend="triton")`` calls it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from gptfast_kernels import _extension
+
+# Largest T handled by the flash-decoding kernel. Speculative verification uses k + 1 <= 16; every
+# (query head of the group, token) pair is one row of a single tile, and the [BLOCK_N, BLOCK_T]
+# slot/position match that fuses the scatter stays small. Larger T is prefill.
+DECODE_MAX_T = 16
+# tl.dot needs at least 16 rows (and a reduction dim of at least 16) per tile: decode tiles with
+# fewer query rows are padded with masked rows; memory-bound decode does not notice the idle MMA.
+MIN_DOT_DIM = 16
+LOG2_E = 1.0 / math.log(2.0)  # the kernels use exp2 / log2
+
+
+class _Tuning(NamedTuple):
+    """Launch constants of one target (GPU or Triton interpreter)."""
+    decode_block_n: int       # slots per decode tile (halved for head dims above 128)
+    decode_max_rows: int      # query rows (group heads x tokens) per decode program
+    min_split_len: int        # fewest slots a split may own: below it, partials cost more than they save
+    max_splits: int           # cap on splits per (row, kv head): bounds the combine's work
+    programs_per_sm: int      # decode programs wanted per SM, so enough loads are in flight
+    prefill_block_m: int      # queries per prefill tile
+    prefill_block_n: int      # slots per prefill tile (halved for head dims above 128)
+    scatter_block_t: int      # new tokens per scatter program
+    combine_block_s: int      # splits reduced per step of the combine kernel
+    num_warps: int
+
+
+# H100-class defaults, not yet tuned on a GPU (none was available when this was written): 64-slot
+# tiles of 128 bf16 values are 16 KiB per K/V load, 2 x 132 SMs programs cover a B = 1, Hkv = 8 row
+# with ~33 splits, and 64 x 64 prefill tiles are the usual flash-attention starting point.
+_GPU = _Tuning(decode_block_n=64, decode_max_rows=64, min_split_len=256, max_splits=64,
+               programs_per_sm=2, prefill_block_m=64, prefill_block_n=64, scatter_block_t=16,
+               combine_block_s=16, num_warps=4)
+# The interpreter runs every program in numpy: small tiles keep the tests quick and make their
+# small shapes span several tiles and splits, so tile, split and combine boundaries are exercised.
+_INTERPRETER = _Tuning(decode_block_n=16, decode_max_rows=16, min_split_len=16, max_splits=8,
+                       programs_per_sm=2, prefill_block_m=16, prefill_block_n=16, scatter_block_t=16,
+                       combine_block_s=4, num_warps=4)
+# SM count the split heuristic assumes under the interpreter (there is no device to ask).
+_INTERPRETER_NUM_SMS = 16
+# Software-pipeline stages for float32 inputs: Triton's default (3) double-buffers fp32 K/V tiles
+# and needs 180-390 KiB of shared memory on sm_90 (measured with an AOT compile), past the 227 KiB
+# an H100 block may use; one stage needs 48-128 KiB. fp32 is for correctness, bf16/fp16 for speed.
+FP32_NUM_STAGES = 1
+
+
+@triton.jit
+def _dot(a, b, FP32_DOT: tl.constexpr):
+    # fp32 inputs keep full-precision products (no tf32); see _dot_in_fp32.
+    if FP32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _clean_positions(pos, S):
+    """Positions outside [0, S) become -1 (padding): no slot outside the cache is ever touched."""
+    return tl.where((pos >= 0) & (pos < S), pos, -1).to(tl.int32)
+
+
+@triton.jit
+def _row_split(Pos_ptr, b, T, S, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Row b's T positions [BLOCK_T], its attended length (largest position + 1) and the slots
+    per split: the same in the attention and the combine kernel, a multiple of BLOCK_N."""
+    offs_t = tl.arange(0, BLOCK_T)
+    pos = _clean_positions(tl.load(Pos_ptr + b * T + offs_t, mask=offs_t < T, other=-1), S)
+    row_len = tl.max(pos, axis=0) + 1
+    split_len = tl.cdiv(tl.cdiv(row_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return pos, row_len, tl.maximum(split_len, MIN_SPLIT_LEN)
+
+
+@triton.jit
+def _kv_cache_attention_decode_kernel(
+        Q_ptr, K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, Out_ptr, OPart_ptr, LsePart_ptr,
+        qk_scale, T, S, D, G, Hq,
+        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+        stride_vb, stride_vh, stride_vt, stride_cb, stride_ch, stride_cs,
+        NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
+        FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    split = tl.program_id(0)
+    h = (tl.program_id(1) // NUM_M_BLOCKS).to(tl.int64)  # h * stride_ch may pass 2^31
+    m_block = tl.program_id(1) % NUM_M_BLOCKS
+    b = tl.program_id(2).to(tl.int64)
+    pos_row, row_len, split_len = _row_split(Pos_ptr, b, T, S, NUM_SPLITS, MIN_SPLIT_LEN, BLOCK_N,
+                                             BLOCK_T)
+    start = split * split_len
+    if NUM_SPLITS > 1:
+        if start >= row_len:  # nothing of this row here: the combine kernel skips this split
+            return
+    end = tl.minimum(start + split_len, row_len)
+
+    # Rows of the tile: m = g * T + t for query head h * G + g and token t.
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < G * T
+    t_m = offs_m % T
+    hq_m = (h * G + offs_m // T).to(tl.int64)
+    pos_m = _clean_positions(tl.load(Pos_ptr + b * T + t_m, mask=row_ok, other=-1), S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    q = tl.load(Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
+                + offs_d[None, :], mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+
+    k_new_ptr = K_ptr + b * stride_kb + h * stride_kh
+    v_new_ptr = V_ptr + b * stride_vb + h * stride_vh
+    kc_ptr = KC_ptr + b * stride_cb + h * stride_ch
+    vc_ptr = VC_ptr + b * stride_cb + h * stride_ch
+    offs_t = tl.arange(0, BLOCK_T)
+    m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_range = offs_n < end
+        # The token this call writes into each slot of the tile (-1: none); its K/V come from the
+        # inputs, so no program ever reads a cache slot that another program is writing.
+        t_src = tl.max(tl.where(offs_n[:, None] == pos_row[None, :], offs_t[None, :], -1), axis=1)
+        is_new = t_src >= 0
+        new_mask = is_new[:, None] & mask_d[None, :]
+        old_mask = (in_range & (t_src < 0))[:, None] & mask_d[None, :]
+        cache_offs = offs_n[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        k_new = tl.load(k_new_ptr + t_src[:, None] * stride_kt + offs_d[None, :], mask=new_mask,
+                        other=0.0)
+        v_new = tl.load(v_new_ptr + t_src[:, None] * stride_vt + offs_d[None, :], mask=new_mask,
+                        other=0.0)
+        k = tl.where(new_mask, k_new, tl.load(kc_ptr + cache_offs, mask=old_mask, other=0.0))
+        v = tl.where(new_mask, v_new, tl.load(vc_ptr + cache_offs, mask=old_mask, other=0.0))
+        # This program owns the tile's slots; of its query-row blocks, block 0 stores them.
+        tl.store(kc_ptr + cache_offs, k_new, mask=new_mask & (m_block == 0))
+        tl.store(vc_ptr + cache_offs, v_new, mask=new_mask & (m_block == 0))
+
+        s = _dot(q, tl.trans(k), FP32_DOT) * qk_scale  # log2 domain
+        allowed = (offs_n[None, :] <= pos_m[:, None]) & in_range[None, :]
+        s = tl.where(allowed, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows with nothing allowed yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+        m_i = m_new
+
+    rows = (b * Hq + hq_m) * T + t_m  # row of the [B, Hq, T] output
+    has_any = l_i > 0
+    out = acc / tl.where(has_any, l_i, 1.0)[:, None]
+    store_mask = row_ok[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:  # padding rows (nothing allowed) get zeros
+        tl.store(Out_ptr + rows[:, None] * D + offs_d[None, :], out.to(Out_ptr.dtype.element_ty),
+                 mask=store_mask)
+    else:
+        lse = tl.where(has_any, m_i + tl.math.log2(tl.where(has_any, l_i, 1.0)), -float("inf"))
+        part = rows * NUM_SPLITS + split
+        tl.store(OPart_ptr + part[:, None] * D + offs_d[None, :], out, mask=store_mask)
+        tl.store(LsePart_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _kv_cache_attention_combine_kernel(
+        Pos_ptr, OPart_ptr, LsePart_ptr, Out_ptr, T, S, D, Hq,
+        NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (b * Hq + hq) * T + t
+    b = row // (Hq * T)
+    _, row_len, split_len = _row_split(Pos_ptr, b, T, S, NUM_SPLITS, MIN_SPLIT_LEN, BLOCK_N, BLOCK_T)
+    num_active = tl.cdiv(row_len, split_len)  # the splits the attention kernel wrote
+    offs_all = tl.arange(0, BLOCK_SPLITS)
+    lse_all = tl.load(LsePart_ptr + row * NUM_SPLITS + offs_all, mask=offs_all < num_active,
+                      other=-float("inf"))
+    lse_max = tl.max(lse_all, axis=0)
+    lse_max = tl.where(lse_max == -float("inf"), 0.0, lse_max)  # padding query: all weights 0
+    total = tl.sum(tl.math.exp2(lse_all - lse_max), axis=0)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for s0 in range(0, num_active, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < num_active
+        w = tl.math.exp2(tl.load(LsePart_ptr + row * NUM_SPLITS + offs_s, mask=mask_s,
+                                 other=-float("inf")) - lse_max)
+        o = tl.load(OPart_ptr + (row * NUM_SPLITS + offs_s[:, None]) * D + offs_d[None, :],
+                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(Out_ptr + row * D + offs_d, out.to(Out_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _kv_cache_attention_scatter_kernel(
+        K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, T, S, D,
+        stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        stride_cb, stride_ch, stride_cs, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    pos = _clean_positions(tl.load(Pos_ptr + b * T + offs_t, mask=offs_t < T, other=-1), S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (pos >= 0)[:, None] & (offs_d < D)[None, :]
+    src_t = offs_t[:, None].to(tl.int64)
+    k = tl.load(K_ptr + b * stride_kb + h * stride_kh + src_t * stride_kt + offs_d[None, :], mask=mask)
+    v = tl.load(V_ptr + b * stride_vb + h * stride_vh + src_t * stride_vt + offs_d[None, :], mask=mask)
+    dst = b * stride_cb + h * stride_ch + pos[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+    tl.store(KC_ptr + dst, k, mask=mask)
+    tl.store(VC_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _kv_cache_attention_prefill_kernel(
+        Q_ptr, KC_ptr, VC_ptr, Pos_ptr, Out_ptr, qk_scale, T, S, D, G, Hq,
+        stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
+        FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    hq = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    row_ok = offs_m < T
+    pos_m = _clean_positions(tl.load(Pos_ptr + b * T + offs_m, mask=row_ok, other=-1), S)
+    tile_len = tl.max(pos_m, axis=0) + 1  # positions need not be sorted: the tile's largest
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    q = tl.load(Q_ptr + b * stride_qb + hq * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+    kv_head = b * stride_cb + (hq // G) * stride_ch
+    m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for n0 in range(0, tile_len, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_range = offs_n < tile_len
+        offs = kv_head + offs_n[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        kv_mask = in_range[:, None] & mask_d[None, :]
+        k = tl.load(KC_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(VC_ptr + offs, mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), FP32_DOT) * qk_scale  # log2 domain
+        s = tl.where((offs_n[None, :] <= pos_m[:, None]) & in_range[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows: zeros
+    rows = (b * Hq + hq) * T + offs_m
+    tl.store(Out_ptr + rows[:, None] * D + offs_d[None, :], out.to(Out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & mask_d[None, :])
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    # fp32 inputs keep full-precision products (no tf32). The Triton interpreter computes dots
+    # with numpy, which has no bfloat16, so it upcasts bf16 tiles.
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _extension.triton_interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch_options(dtype: torch.dtype, tune: _Tuning) -> dict:
+    options = {"num_warps": tune.num_warps}
+    if dtype == torch.float32:
+        options["num_stages"] = FP32_NUM_STAGES
+    return options
+
+
+def _tuning(device: torch.device) -> tuple[_Tuning, int]:
+    if device.type == "cuda":
+        return _GPU, _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _INTERPRETER, _INTERPRETER_NUM_SMS
+
+
+def _num_splits(tune: _Tuning, num_sms: int, programs: int, S: int) -> int:
+    """Splits per (row, kv head, query-row block) from host-known sizes only: enough programs to
+    fill the device, at least min_split_len slots each, at most max_splits."""
+    wanted = triton.cdiv(tune.programs_per_sm * num_sms, programs)
+    return max(1, min(wanted, triton.cdiv(S, tune.min_split_len), tune.max_splits))
+
+
+def _decode(q, k, v, k_cache, v_cache, positions, out, qk_scale, fp32_dot, tune, num_sms):
+    B, Hq, T, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    block_d = max(triton.next_power_of_2(D), MIN_DOT_DIM)
+    block_n = tune.decode_block_n if block_d <= 128 else tune.decode_block_n // 2
+    block_m = min(max(triton.next_power_of_2(G * T), MIN_DOT_DIM), tune.decode_max_rows)
+    num_m_blocks = triton.cdiv(G * T, block_m)
+    num_splits = _num_splits(tune, num_sms, B * Hkv * num_m_blocks, S)
+    block_t = triton.next_power_of_2(T)
+    if num_splits > 1:  # per-split normalised outputs and log2-sum-exps, float32
+        o_part = torch.empty((B, Hq, T, num_splits, D), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((B, Hq, T, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse_part = out  # never touched with a single split
+    _kv_cache_attention_decode_kernel[(num_splits, Hkv * num_m_blocks, B)](
+        q, k, v, k_cache, v_cache, positions, out, o_part, lse_part, qk_scale, T, S, D, G, Hq,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_SPLITS=num_splits, MIN_SPLIT_LEN=tune.min_split_len, NUM_M_BLOCKS=num_m_blocks,
+        FP32_DOT=fp32_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
+        **_launch_options(q.dtype, tune))
+    if num_splits > 1:
+        _kv_cache_attention_combine_kernel[(B * Hq * T,)](
+            positions, o_part, lse_part, out, T, S, D, Hq, NUM_SPLITS=num_splits,
+            MIN_SPLIT_LEN=tune.min_split_len, BLOCK_N=block_n, BLOCK_T=block_t,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+            BLOCK_S=min(tune.combine_block_s, triton.next_power_of_2(num_splits)),
+            BLOCK_D=triton.next_power_of_2(D), num_warps=tune.num_warps)
+
+
+def _prefill(q, k, v, k_cache, v_cache, positions, out, qk_scale, fp32_dot, tune):
+    B, Hq, T, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    block_d = max(triton.next_power_of_2(D), MIN_DOT_DIM)
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    _kv_cache_attention_scatter_kernel[(triton.cdiv(T, tune.scatter_block_t), Hkv, B)](
+        k, v, k_cache, v_cache, positions, T, S, D, k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *cache_strides, BLOCK_T=tune.scatter_block_t,
+        BLOCK_D=triton.next_power_of_2(D), num_warps=tune.num_warps)
+    block_n = tune.prefill_block_n if block_d <= 128 else tune.prefill_block_n // 2
+    _kv_cache_attention_prefill_kernel[(triton.cdiv(T, tune.prefill_block_m), Hq, B)](
+        q, k_cache, v_cache, positions, out, qk_scale, T, S, D, Hq // Hkv, Hq,
+        q.stride(0), q.stride(1), q.stride(2), *cache_strides, FP32_DOT=fp32_dot,
+        BLOCK_M=tune.prefill_block_m, BLOCK_N=block_n, BLOCK_D=block_d, **_launch_options(q.dtype, tune))
+
+
+@torch.library.custom_op("gptfast_kernels::kv_cache_attention_triton", mutates_args=("k_cache", "v_cache"))
+def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D], k, v [B, Hkv, T, D] (any strides, stride(-1) == 1); k_cache, v_cache
+    [B, Hkv, S, D] contiguous, written in place; positions [B, T] int64 contiguous, -1 = padding
+    -> out [B, Hq, T, D] contiguous in q's dtype."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.numel() == 0:
+        return out
+    tune, num_sms = _tuning(q.device)
+    qk_scale = float(scale) * LOG2_E
+    fp32_dot = _dot_in_fp32(q.dtype)
+    args = (q, k, v, k_cache, v_cache, positions, out, qk_scale, fp32_dot, tune)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        if q.shape[2] <= DECODE_MAX_T:
+            _decode(*args, num_sms)
+        else:
+            _prefill(*args)
+    return out
+
+
+@kv_cache_attention_triton.register_fake
+def _(q, k, v, k_cache, v_cache, positions, scale):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)

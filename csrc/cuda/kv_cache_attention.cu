@@ -41,6 +41,8 @@
 namespace gptfast_kernels {
 namespace {
 
+// Launch and tuning constants: sized by reasoning for H100 (132 SMs, 228 KiB shared memory per SM)
+// and A100; not yet measured (they were written without a GPU): tune them with bench/.
 constexpr int WARP = 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
 // Largest T served by the split-KV decode kernel: T = 1 (decode) and k + 1 (verification, k <= 15).
@@ -49,9 +51,9 @@ constexpr int64_t DECODE_MAX_T = 16;
 // SIMT engine (decode, fp32 prefill): 8 warps keep 16 KiB K + V tiles in flight per block.
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / WARP;
-// Two resident blocks per SM for the decode kernel: lets ptxas use up to 128 registers (at the
-// default it caps at 64 and spills the fp32 variant) while a second block overlaps the loads.
-constexpr int DECODE_MIN_BLOCKS = 2;
+// Two resident blocks per SM for the SIMT kernels: lets ptxas use up to 128 registers (its default
+// for 256 threads caps at 64 and spills the fp32 variants) while a second block overlaps the loads.
+constexpr int SIMT_MIN_BLOCKS = 2;
 // Lanes per q.k dot product: 8 lanes x 16 B read one 128-byte row segment per shared-memory
 // wavefront (no bank conflicts whatever the row stride), reduced with 3 shuffles.
 constexpr int DOT_LANES = 8;
@@ -80,6 +82,10 @@ constexpr int TC_THREADS = TC_WARPS * WARP;
 constexpr int TC_LARGE_HEAD_DIM = 128;
 constexpr int TC_PAD = 8;      // 16-bit elements of row padding: breaks bank conflicts of fragments
 constexpr int TC_ACC_PAD = 4;  // float padding of the score / output tiles
+// Dynamic shared memory a block may use without opting in (cudaFuncSetAttribute).
+constexpr int DEFAULT_SMEM_LIMIT = 48 * 1024;
+// Split tickets allocated at least at once: enough for B * Hkv = 1024 without regrowing.
+constexpr int64_t MIN_COUNTERS = 1024;
 // Positions and slots are int inside the kernels.
 constexpr int64_t MAX_SLOTS = int64_t{1} << 30;
 
@@ -101,28 +107,21 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // 16 bytes of T -> VEC<T> floats.
+__device__ __forceinline__ float2 to_float2(unsigned w, c10::Half) { return __half22float2(*reinterpret_cast<__half2*>(&w)); }
+__device__ __forceinline__ float2 to_float2(unsigned w, c10::BFloat16) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
+}
 template <typename T>
-__device__ __forceinline__ void unpack(const uint4& u, float* f);
-template <>
-__device__ __forceinline__ void unpack<float>(const uint4& u, float* f) {
-  f[0] = __uint_as_float(u.x), f[1] = __uint_as_float(u.y), f[2] = __uint_as_float(u.z), f[3] = __uint_as_float(u.w);
-}
-template <>
-__device__ __forceinline__ void unpack<c10::Half>(const uint4& u, float* f) {
+__device__ __forceinline__ void unpack(const uint4& u, float* f) {
   const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-    f[2 * i] = x.x, f[2 * i + 1] = x.y;
-  }
-}
-template <>
-__device__ __forceinline__ void unpack<c10::BFloat16>(const uint4& u, float* f) {
-  const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-    f[2 * i] = x.x, f[2 * i + 1] = x.y;
+    if constexpr (std::is_same_v<T, float>) {
+      f[i] = __uint_as_float(w[i]);
+    } else {
+      const float2 x = to_float2(w[i], T());
+      f[2 * i] = x.x, f[2 * i + 1] = x.y;
+    }
   }
 }
 
@@ -131,14 +130,18 @@ __device__ __forceinline__ unsigned raw_bits(c10::Half x) { return x.x; }
 __device__ __forceinline__ unsigned raw_bits(c10::BFloat16 x) { return x.x; }
 
 // Vector c (VEC elements) of a D-element global row -> shared memory, zeros past D. GVEC: rows are
-// 16-byte aligned and D % VEC == 0 (checked by the launcher), else element loads.
+// 16-byte aligned and D % VEC == 0 (checked by the launcher): an asynchronous copy (cp.async, so
+// all of a thread's loads of a tile are in flight at once; async_wait() before the barrier that
+// publishes them), else element loads.
 template <typename T, bool GVEC>
 __device__ __forceinline__ void load_vec(T* dst, const T* src, int c, int D) {
   constexpr int V = VEC<T>;
   uint4 u = make_uint4(0u, 0u, 0u, 0u);
   if (c * V < D) {
     if constexpr (GVEC) {
-      u = *reinterpret_cast<const uint4*>(src + c * V);
+      const unsigned dst_smem = static_cast<unsigned>(__cvta_generic_to_shared(dst + c * V));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst_smem), "l"(src + c * V));
+      return;
     } else {  // packed in registers (a local array would live on the stack)
       constexpr int PER_WORD = 4 / sizeof(T);
       unsigned w[4] = {0u, 0u, 0u, 0u};
@@ -150,6 +153,8 @@ __device__ __forceinline__ void load_vec(T* dst, const T* src, int c, int D) {
   }
   *reinterpret_cast<uint4*>(dst + c * V) = u;
 }
+
+__device__ __forceinline__ void async_wait() { asm volatile("cp.async.wait_all;\n" ::); }
 
 // Vector c of a D-element row, global -> global (the cache write).
 template <typename T, bool GVEC>
@@ -167,13 +172,9 @@ __device__ __forceinline__ void copy_vec(T* dst, const T* src, int c, int D) {
 // Everything the kernels need; strides in elements, int64 (B * H * T * D can pass 2^31).
 template <typename E>
 struct Params {
-  const E* q;
-  const E* k;
-  const E* v;
-  E* k_cache;
-  E* v_cache;
+  const E *q, *k, *v;
+  E *k_cache, *v_cache, *out;
   const int64_t* positions;
-  E* out;
   float* ws_o;    // decode partials [B * Hkv, splits, G * T, D] (splits > 1 only)
   float* ws_lse;  // [B * Hkv, splits, G * T], log2 domain
   int* counters;  // [B * Hkv] split tickets, zero between launches
@@ -190,39 +191,33 @@ __device__ __forceinline__ int sanitize(int64_t pos, int S) { return pos >= 0 &&
 
 // ---------------------------------------------------------------- SIMT engine (decode, fp32 prefill)
 
-struct SimtLayout {
-  int q, k, v, acc, p, m, l, alpha, pos, src, bytes;
+// Carves a block's dynamic shared memory into arrays; on the host (base 0) it only sizes it.
+struct SmemCarver {
+  uintptr_t base;
+  int bytes = 0;
+  template <typename X>
+  __host__ __device__ X* take(int count) {  // 32-byte aligned: WMMA tile pointers need it
+    bytes = align_up(bytes, 32);
+    X* at = reinterpret_cast<X*>(base + bytes);
+    bytes += count * static_cast<int>(sizeof(X));
+    return at;
+  }
 };
-
-__host__ __device__ inline SimtLayout simt_layout(int rows, int bn, int dp, int elem) {
-  SimtLayout s{};
-  int off = 0;
-  auto take = [&off](int bytes) { const int at = off; off += align_up(bytes, 16); return at; };
-  s.q = take(rows * dp * elem);
-  s.k = take(bn * dp * elem);
-  s.v = take(bn * dp * elem);
-  s.acc = take(rows * dp * 4);
-  s.p = take(rows * bn * 4);
-  s.m = take(rows * 4);
-  s.l = take(rows * 4);
-  s.alpha = take(rows * 4);
-  s.pos = take(rows * 4);
-  s.src = take(bn * 4);
-  s.bytes = off;
-  return s;
-}
 
 template <typename T>
 struct SimtSmem {
   T *q, *k, *v;  // q [rows][dp], k / v [bn][dp], zero-padded past D
   float *acc, *p, *m, *l, *alpha;  // acc [rows][dp]; p [rows][bn] scores, then probabilities
   int *pos, *src;  // pos [rows]: a row sees slots 0..pos (-1: none); src [bn]: see DecodeKv
-  __device__ SimtSmem(unsigned char* base, const SimtLayout& L)
-      : q(reinterpret_cast<T*>(base + L.q)), k(reinterpret_cast<T*>(base + L.k)), v(reinterpret_cast<T*>(base + L.v)),
-        acc(reinterpret_cast<float*>(base + L.acc)), p(reinterpret_cast<float*>(base + L.p)),
-        m(reinterpret_cast<float*>(base + L.m)), l(reinterpret_cast<float*>(base + L.l)),
-        alpha(reinterpret_cast<float*>(base + L.alpha)), pos(reinterpret_cast<int*>(base + L.pos)),
-        src(reinterpret_cast<int*>(base + L.src)) {}
+  int bytes;
+  __host__ __device__ SimtSmem(uintptr_t base, int rows, int bn, int dp) {
+    SmemCarver c{base};
+    q = c.take<T>(rows * dp), k = c.take<T>(bn * dp), v = c.take<T>(bn * dp);
+    acc = c.take<float>(rows * dp), p = c.take<float>(rows * bn);
+    m = c.take<float>(rows), l = c.take<float>(rows), alpha = c.take<float>(rows);
+    pos = c.take<int>(rows), src = c.take<int>(bn);
+    bytes = c.bytes;
+  }
 };
 
 // Online softmax of `rows` query rows over cache slots [lo, hi), one K/V tile at a time. On entry
@@ -245,6 +240,7 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
       load_vec<T, GVEC>(sm.k + j * dp, kv.k_row(tile + j, j), c, D);
       load_vec<T, GVEC>(sm.v + j * dp, kv.v_row(tile + j, j), c, D);
     }
+    async_wait();
     __syncthreads();
     // Scores (log2 domain). The trip count is uniform so that every lane reaches the shuffles.
     const int pairs = rows * bn;
@@ -255,6 +251,7 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
       if (live) {
         const T* qr = sm.q + r * dp;
         const T* kr = sm.k + j * dp;
+#pragma unroll 2  // deeper unrolling spills the fp32 decode kernel at its 128-register budget
         for (int c = sub; c < nvec; c += DOT_LANES) {
           float qf[V], kf[V];
           unpack<T>(*reinterpret_cast<const uint4*>(qr + c * V), qf);
@@ -304,10 +301,14 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
 #pragma unroll
         for (int e = 0; e < V; ++e) o[e] = fmaf(pj, vf[e], o[e]);
       }
-      float* a = sm.acc + r * dp + c * V;
+      float4* a = reinterpret_cast<float4*>(sm.acc + r * dp + c * V);
       const float alpha = sm.alpha[r];
 #pragma unroll
-      for (int e = 0; e < V; ++e) a[e] = fmaf(a[e], alpha, o[e]);
+      for (int e = 0; e < V / 4; ++e) {
+        const float4 x = a[e];
+        a[e] = make_float4(fmaf(x.x, alpha, o[4 * e]), fmaf(x.y, alpha, o[4 * e + 1]), fmaf(x.z, alpha, o[4 * e + 2]),
+                           fmaf(x.w, alpha, o[4 * e + 3]));
+      }
     }
   }
   __syncthreads();
@@ -356,19 +357,41 @@ __device__ __forceinline__ T* out_row(const Params<T>& p, int64_t b, int qh, int
   return p.out + ((b * p.Hq + qh) * p.T + t) * static_cast<int64_t>(p.D);
 }
 
+// Loads `rows` query rows (q_row(r): global row, row_pos(r): sanitised position) into the SIMT
+// engine and resets their softmax state; returns synchronised.
+template <typename T, bool GVEC, typename QRow, typename RowPos>
+__device__ void simt_init_rows(const SimtSmem<T>& sm, int rows, int dp, int D, const QRow& q_row,
+                               const RowPos& row_pos) {
+  constexpr int V = VEC<T>;
+  const int nvec = dp / V;
+  for (int i = threadIdx.x; i < rows * nvec; i += THREADS) {
+    const int r = i / nvec, c = i % nvec;
+    load_vec<T, GVEC>(sm.q + r * dp, q_row(r), c, D);
+#pragma unroll
+    for (int e = 0; e < V / 4; ++e) reinterpret_cast<float4*>(sm.acc + r * dp + c * V)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int r = threadIdx.x; r < rows; r += THREADS) {
+    sm.pos[r] = row_pos(r);
+    sm.m[r] = -INFINITY;
+    sm.l[r] = 0.f;
+  }
+  async_wait();
+  __syncthreads();
+}
+
 template <typename T, bool GVEC>
-__global__ void __launch_bounds__(THREADS, DECODE_MIN_BLOCKS) decode_kernel(const Params<T> p) {
+__global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const Params<T> p) {
   constexpr int V = VEC<T>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int new_pos[DECODE_MAX_T];
   __shared__ float split_weight[WARPS][MAX_SPLITS];
   __shared__ int is_last;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
   const int split = static_cast<int>(blockIdx.x % p.splits);
-  const int64_t bh = blockIdx.x / p.splits;
-  const int64_t b = bh / p.Hkv;
-  const int h = static_cast<int>(bh % p.Hkv);
-  const int GT = p.G * p.T, D = p.D;
+  const int64_t bh = blockIdx.x / p.splits, b = bh / p.Hkv;
+  const int h = static_cast<int>(bh % p.Hkv), GT = p.G * p.T, D = p.D;
+  // Query row rr = g * T + t of the group is (q head h * G + g, token t).
+  auto group_out = [&](int rr) { return out_row(p, b, h * p.G + rr / p.T, rr % p.T); };
   if (tid < p.T) new_pos[tid] = sanitize(p.positions[b * p.T + tid], p.S);
   __syncthreads();
   int len = 0;  // slots any query of the row reads
@@ -378,10 +401,7 @@ __global__ void __launch_bounds__(THREADS, DECODE_MIN_BLOCKS) decode_kernel(cons
   const int active = ceil_div(len, chunk);
   if (split >= active) {
     if (split == 0) {  // len == 0: every query of the row is padding
-      for (int i = tid; i < GT * D; i += THREADS) {
-        const int rr = i / D;
-        out_row(p, b, h * p.G + rr / p.T, rr % p.T)[i % D] = T(0.f);
-      }
+      for (int i = tid; i < GT * D; i += THREADS) group_out(i / D)[i % D] = T(0.f);
     }
     return;
   }
@@ -391,7 +411,7 @@ __global__ void __launch_bounds__(THREADS, DECODE_MIN_BLOCKS) decode_kernel(cons
   T* k_cache = p.k_cache + bh * p.S * static_cast<int64_t>(D);
   T* v_cache = p.v_cache + bh * p.S * static_cast<int64_t>(D);
 
-  // Fused scatter of the new rows whose slots this block owns (reads of them use k / v instead).
+  // Fused scatter of the new rows whose slots this block owns (its reads of them use k / v).
   const int dvec = ceil_div(D, V);
   for (int i = tid; i < p.T * dvec; i += THREADS) {
     const int t = i / dvec, c = i % dvec, slot = new_pos[t];
@@ -401,78 +421,60 @@ __global__ void __launch_bounds__(THREADS, DECODE_MIN_BLOCKS) decode_kernel(cons
     }
   }
 
-  const SimtSmem<T> sm(smem, simt_layout(p.rows, p.bn, p.dp, sizeof(T)));
+  const SimtSmem<T> sm(reinterpret_cast<uintptr_t>(smem), p.rows, p.bn, p.dp);
   const DecodeKv<T> kv{k_new, v_new, p.k_st, p.v_st, k_cache, v_cache, new_pos, sm.src, p.T, D};
-  const int nvec = p.dp / V;
-  float* ws_o = p.ws_o + (bh * p.splits + split) * GT * static_cast<int64_t>(D);
-  float* ws_lse = p.ws_lse + (bh * p.splits + split) * GT;
-  for (int r0 = 0; r0 < GT; r0 += p.rows) {  // query row rr = g * T + t
+  const int64_t ws_row0 = (bh * p.splits + split) * GT;  // this split's partials (active > 1 only)
+  for (int r0 = 0; r0 < GT; r0 += p.rows) {  // passes of at most p.rows query rows
     const int rows = min(p.rows, GT - r0);
-    for (int i = tid; i < rows * nvec; i += THREADS) {
-      const int r = i / nvec, c = i % nvec, rr = r0 + r;
-      const T* q_row = p.q + b * p.q_sb + (h * p.G + rr / p.T) * p.q_sh + (rr % p.T) * p.q_st;
-      load_vec<T, GVEC>(sm.q + r * p.dp, q_row, c, D);
-#pragma unroll
-      for (int e = 0; e < V; ++e) sm.acc[r * p.dp + c * V + e] = 0.f;
-    }
-    for (int r = tid; r < rows; r += THREADS) {
-      sm.pos[r] = new_pos[(r0 + r) % p.T];
-      sm.m[r] = -INFINITY;
-      sm.l[r] = 0.f;
-    }
-    __syncthreads();
+    simt_init_rows<T, GVEC>(
+        sm, rows, p.dp, D,
+        [&](int r) { return p.q + b * p.q_sb + (h * p.G + (r0 + r) / p.T) * p.q_sh + ((r0 + r) % p.T) * p.q_st; },
+        [&](int r) { return new_pos[(r0 + r) % p.T]; });
     simt_attend<T, GVEC>(sm, rows, p.bn, p.dp, D, lo, hi, p.scale_log2, kv);
     for (int i = tid; i < rows * D; i += THREADS) {
-      const int r = i / D, d = i % D, rr = r0 + r;
-      const float l = sm.l[r];
-      const float o = l > 0.f ? sm.acc[r * p.dp + d] / l : 0.f;
+      const int r = i / D, d = i % D;
+      const float l = sm.l[r], o = l > 0.f ? sm.acc[r * p.dp + d] / l : 0.f;
       if (active == 1) {
-        out_row(p, b, h * p.G + rr / p.T, rr % p.T)[d] = T(o);
+        group_out(r0 + r)[d] = T(o);
       } else {
-        ws_o[static_cast<int64_t>(rr) * D + d] = o;
+        p.ws_o[(ws_row0 + r0 + r) * D + d] = o;
       }
     }
-    if (active > 1) {
-      for (int r = tid; r < rows; r += THREADS) {
-        const float l = sm.l[r];
-        ws_lse[r0 + r] = l > 0.f ? sm.m[r] + log2f(l) : -INFINITY;
-      }
+    for (int r = tid; r < rows && active > 1; r += THREADS) {
+      const float l = sm.l[r];
+      p.ws_lse[ws_row0 + r0 + r] = l > 0.f ? sm.m[r] + log2f(l) : -INFINITY;
     }
     __syncthreads();  // the next pass overwrites q / acc / pos
   }
   if (active == 1) return;
 
-  // Last block of this (b, kv head) to finish merges the splits: out = sum_s w_s o_s / sum_s w_s,
-  // w_s = 2^(lse_s - max lse). Fence before the ticket so the partials are visible to that block.
+  // The last block of this (b, kv head) to finish merges the splits: out = sum_s w_s o_s / sum_s w_s
+  // with w_s = 2^(lse_s - max lse). The fence before the ticket publishes this block's partials.
   __threadfence();
   __syncthreads();
   if (tid == 0) is_last = atomicAdd(p.counters + bh, 1) == active - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  const int lane = tid % WARP, warp = tid / WARP;
-  const float* lse_all = p.ws_lse + bh * p.splits * GT;                       // [splits][GT]
-  const float* o_all = p.ws_o + bh * p.splits * GT * static_cast<int64_t>(D);  // [splits][GT][D]
+  const float* lse = p.ws_lse + bh * p.splits * GT;                        // [splits][GT]
+  const float* part = p.ws_o + bh * p.splits * GT * static_cast<int64_t>(D);  // [splits][GT][D]
   float* w = split_weight[warp];
   for (int rr = warp; rr < GT; rr += WARPS) {
     float mx = -INFINITY;
-    for (int s = lane; s < active; s += WARP) mx = fmaxf(mx, __ldcg(lse_all + s * GT + rr));
+    for (int s = lane; s < active; s += WARP) mx = fmaxf(mx, __ldcg(lse + s * GT + rr));
     mx = warp_max(mx);
     float total = 0.f;
     for (int s = lane; s < active; s += WARP) {
-      const float e = mx == -INFINITY ? 0.f : exp2f(__ldcg(lse_all + s * GT + rr) - mx);
-      w[s] = e;
-      total += e;
+      w[s] = mx == -INFINITY ? 0.f : exp2f(__ldcg(lse + s * GT + rr) - mx);
+      total += w[s];
     }
     total = warp_sum(total);
     __syncwarp();
-    const float inv = total > 0.f ? 1.f / total : 0.f;  // all -inf: a padding query, zero output
-    T* o_row = out_row(p, b, h * p.G + rr / p.T, rr % p.T);
+    const float inv = total > 0.f ? 1.f / total : 0.f;  // every split empty: padding, zero output
     for (int d = lane; d < D; d += WARP) {
       float acc = 0.f;
-      for (int s = 0; s < active; ++s)
-        acc = fmaf(w[s], __ldcg(o_all + (static_cast<int64_t>(s) * GT + rr) * D + d), acc);
-      o_row[d] = T(acc * inv);
+      for (int s = 0; s < active; ++s) acc = fmaf(w[s], __ldcg(part + (static_cast<int64_t>(s) * GT + rr) * D + d), acc);
+      group_out(rr)[d] = T(acc * inv);
     }
     __syncwarp();  // w is rewritten for this warp's next row
   }
@@ -512,33 +514,19 @@ __device__ __forceinline__ PrefillTile prefill_tile(const Params<T>& p) {
 }
 
 template <typename T, bool GVEC>
-__global__ void __launch_bounds__(THREADS) prefill_simt_kernel(const Params<T> p) {
-  constexpr int V = VEC<T>;
+__global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) prefill_simt_kernel(const Params<T> p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int len;
   const PrefillTile tl = prefill_tile(p);
-  const int tid = threadIdx.x, nvec = p.dp / V;
-  const SimtSmem<T> sm(smem, simt_layout(p.rows, p.bn, p.dp, sizeof(T)));
-  if (tid == 0) len = 0;
-  const T* q_base = p.q + tl.b * p.q_sb + tl.qh * p.q_sh;
-  for (int i = tid; i < tl.rows * nvec; i += THREADS) {
-    const int r = i / nvec, c = i % nvec;
-    load_vec<T, GVEC>(sm.q + r * p.dp, q_base + (tl.t0 + r) * p.q_st, c, p.D);
-#pragma unroll
-    for (int e = 0; e < V; ++e) sm.acc[r * p.dp + c * V + e] = 0.f;
-  }
-  __syncthreads();  // len = 0
-  for (int r = tid; r < tl.rows; r += THREADS) {
-    sm.pos[r] = sanitize(p.positions[tl.b * p.T + tl.t0 + r], p.S);
-    sm.m[r] = -INFINITY;
-    sm.l[r] = 0.f;
-    atomicMax(&len, sm.pos[r] + 1);
-  }
-  __syncthreads();
+  const SimtSmem<T> sm(reinterpret_cast<uintptr_t>(smem), p.rows, p.bn, p.dp);
+  simt_init_rows<T, GVEC>(
+      sm, tl.rows, p.dp, p.D, [&](int r) { return p.q + tl.b * p.q_sb + tl.qh * p.q_sh + (tl.t0 + r) * p.q_st; },
+      [&](int r) { return sanitize(p.positions[tl.b * p.T + tl.t0 + r], p.S); });
+  int len = 0;  // keys up to the tile's largest position
+  for (int r = 0; r < tl.rows; ++r) len = max(len, sm.pos[r] + 1);
   const int64_t kv_off = (tl.b * p.Hkv + tl.qh / p.G) * p.S * static_cast<int64_t>(p.D);
   const CacheKv<T> kv{p.k_cache + kv_off, p.v_cache + kv_off, p.D};
   simt_attend<T, GVEC>(sm, tl.rows, p.bn, p.dp, p.D, 0, len, p.scale_log2, kv);
-  for (int i = tid; i < tl.rows * p.D; i += THREADS) {
+  for (int i = threadIdx.x; i < tl.rows * p.D; i += THREADS) {
     const int r = i / p.D, d = i % p.D;
     const float l = sm.l[r];
     out_row(p, tl.b, tl.qh, tl.t0 + r)[d] = T(l > 0.f ? sm.acc[r * p.dp + d] / l : 0.f);
@@ -552,29 +540,24 @@ struct MmaType<c10::Half> { using type = __half; };
 template <>
 struct MmaType<c10::BFloat16> { using type = __nv_bfloat16; };
 
-struct TcLayout {
-  int q, k, v, s, p, o, m, l, pos, bytes;
-  int ldq, lds, ldp, ldo;  // leading dims (elements) of q / k / v, scores, probabilities, output
+template <typename T>
+struct TcSmem {
+  int ldq, lds, ldp, ldo;  // leading dims (elements); every 16-row / 16-column tile stays 32-byte aligned
+  T *q, *k, *v;            // q [bm][ldq], k / v [bn][ldq]; zero past D, past the tile's rows, past the slots
+  float* s;                // scores [bm][lds]
+  T* p;                    // probabilities [bm][ldp]
+  float *o, *m, *l;        // output accumulator [bm][ldo], softmax state [bm]
+  int* pos;                // [bm]
+  int bytes;
+  __host__ __device__ TcSmem(uintptr_t base, int bm, int bn, int dp)
+      : ldq(dp + TC_PAD), lds(bn + TC_ACC_PAD), ldp(bn + TC_PAD), ldo(dp + TC_ACC_PAD) {
+    SmemCarver c{base};
+    q = c.take<T>(bm * ldq), k = c.take<T>(bn * ldq), v = c.take<T>(bn * ldq);
+    s = c.take<float>(bm * lds), p = c.take<T>(bm * ldp), o = c.take<float>(bm * ldo);
+    m = c.take<float>(bm), l = c.take<float>(bm), pos = c.take<int>(bm);
+    bytes = c.bytes;
+  }
 };
-
-// WMMA tile pointers must be 32-byte aligned: every region is, and every 16-row / 16-column step is.
-__host__ __device__ inline TcLayout tc_layout(int bm, int bn, int dp) {
-  TcLayout s{};
-  s.ldq = dp + TC_PAD, s.lds = bn + TC_ACC_PAD, s.ldp = bn + TC_PAD, s.ldo = dp + TC_ACC_PAD;
-  int off = 0;
-  auto take = [&off](int bytes) { const int at = off; off += align_up(bytes, 32); return at; };
-  s.q = take(bm * s.ldq * 2);
-  s.k = take(bn * s.ldq * 2);
-  s.v = take(bn * s.ldq * 2);
-  s.s = take(bm * s.lds * 4);
-  s.p = take(bm * s.ldp * 2);
-  s.o = take(bm * s.ldo * 4);
-  s.m = take(bm * 4);
-  s.l = take(bm * 4);
-  s.pos = take(bm * 4);
-  s.bytes = off;
-  return s;
-}
 
 // fp16 / bf16 prefill on tensor cores: S = Q K^T and O += P V with 16x16x16 WMMA, fp32 accumulators;
 // the online softmax runs on the fp32 score tile in shared memory, P is rounded to q's dtype.
@@ -584,41 +567,31 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
   using mma_t = typename MmaType<T>::type;
   constexpr int V = VEC<T>;
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int len;
   const PrefillTile tl = prefill_tile(p);
   const int bm = p.rows, bn = p.bn, dp = p.dp, D = p.D;
-  const TcLayout L = tc_layout(bm, bn, dp);
-  T* q_s = reinterpret_cast<T*>(smem + L.q);  // [bm][ldq], zero past D and past the tile's rows
-  T* k_s = reinterpret_cast<T*>(smem + L.k);  // [bn][ldq], zero past D and past the slot range
-  T* v_s = reinterpret_cast<T*>(smem + L.v);
-  float* s_s = reinterpret_cast<float*>(smem + L.s);  // [bm][lds]
-  T* p_s = reinterpret_cast<T*>(smem + L.p);          // [bm][ldp]
-  float* o_s = reinterpret_cast<float*>(smem + L.o);  // [bm][ldo]
-  float* m_s = reinterpret_cast<float*>(smem + L.m);
-  float* l_s = reinterpret_cast<float*>(smem + L.l);
-  int* pos_s = reinterpret_cast<int*>(smem + L.pos);
+  const TcSmem<T> sm(reinterpret_cast<uintptr_t>(smem), bm, bn, dp);
   const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, nvec = dp / V;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
-  if (tid == 0) len = 0;
   const T* q_base = p.q + tl.b * p.q_sb + tl.qh * p.q_sh;
   for (int i = tid; i < bm * nvec; i += TC_THREADS) {
     const int r = i / nvec, c = i % nvec;
     if (r < tl.rows) {
-      load_vec<T, GVEC>(q_s + r * L.ldq, q_base + (tl.t0 + r) * p.q_st, c, D);
+      load_vec<T, GVEC>(sm.q + r * sm.ldq, q_base + (tl.t0 + r) * p.q_st, c, D);
     } else {
-      *reinterpret_cast<uint4*>(q_s + r * L.ldq + c * V) = zero;
+      *reinterpret_cast<uint4*>(sm.q + r * sm.ldq + c * V) = zero;
     }
   }
-  for (int i = tid; i < bm * dp; i += TC_THREADS) o_s[(i / dp) * L.ldo + i % dp] = 0.f;
-  __syncthreads();  // len = 0
+  for (int i = tid; i < bm * dp; i += TC_THREADS) sm.o[(i / dp) * sm.ldo + i % dp] = 0.f;
   for (int r = tid; r < bm; r += TC_THREADS) {
-    pos_s[r] = r < tl.rows ? sanitize(p.positions[tl.b * p.T + tl.t0 + r], p.S) : -1;
-    m_s[r] = -INFINITY;
-    l_s[r] = 0.f;
-    atomicMax(&len, pos_s[r] + 1);
+    sm.pos[r] = r < tl.rows ? sanitize(p.positions[tl.b * p.T + tl.t0 + r], p.S) : -1;
+    sm.m[r] = -INFINITY;
+    sm.l[r] = 0.f;
   }
+  async_wait();
   __syncthreads();
+  int len = 0;  // keys up to the tile's largest position
+  for (int r = 0; r < tl.rows; ++r) len = max(len, sm.pos[r] + 1);
   const int64_t kv_off = (tl.b * p.Hkv + tl.qh / p.G) * p.S * static_cast<int64_t>(D);
   const T* k_cache = p.k_cache + kv_off;
   const T* v_cache = p.v_cache + kv_off;
@@ -628,13 +601,14 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
     for (int i = tid; i < bn * nvec; i += TC_THREADS) {
       const int j = i / nvec, c = i % nvec;
       if (j < n) {  // rows past n are zeros: P is 0 there, and 0 * garbage could be NaN
-        load_vec<T, GVEC>(k_s + j * L.ldq, k_cache + static_cast<int64_t>(tile + j) * D, c, D);
-        load_vec<T, GVEC>(v_s + j * L.ldq, v_cache + static_cast<int64_t>(tile + j) * D, c, D);
+        load_vec<T, GVEC>(sm.k + j * sm.ldq, k_cache + static_cast<int64_t>(tile + j) * D, c, D);
+        load_vec<T, GVEC>(sm.v + j * sm.ldq, v_cache + static_cast<int64_t>(tile + j) * D, c, D);
       } else {
-        *reinterpret_cast<uint4*>(k_s + j * L.ldq + c * V) = zero;
-        *reinterpret_cast<uint4*>(v_s + j * L.ldq + c * V) = zero;
+        *reinterpret_cast<uint4*>(sm.k + j * sm.ldq + c * V) = zero;
+        *reinterpret_cast<uint4*>(sm.v + j * sm.ldq + c * V) = zero;
       }
     }
+    async_wait();
     __syncthreads();
     const int n16 = align_up(n, 16);
     for (int f = warp; f < (bm / 16) * (n16 / 16); f += TC_WARPS) {
@@ -644,55 +618,55 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
       for (int kk = 0; kk < dp; kk += 16) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, mma_t, wmma::row_major> a;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, mma_t, wmma::col_major> bt;  // K row-major = K^T col-major
-        wmma::load_matrix_sync(a, reinterpret_cast<const mma_t*>(q_s + 16 * i * L.ldq + kk), L.ldq);
-        wmma::load_matrix_sync(bt, reinterpret_cast<const mma_t*>(k_s + 16 * jt * L.ldq + kk), L.ldq);
+        wmma::load_matrix_sync(a, reinterpret_cast<const mma_t*>(sm.q + 16 * i * sm.ldq + kk), sm.ldq);
+        wmma::load_matrix_sync(bt, reinterpret_cast<const mma_t*>(sm.k + 16 * jt * sm.ldq + kk), sm.ldq);
         wmma::mma_sync(acc, a, bt, acc);
       }
-      wmma::store_matrix_sync(s_s + 16 * i * L.lds + 16 * jt, acc, L.lds, wmma::mem_row_major);
+      wmma::store_matrix_sync(sm.s + 16 * i * sm.lds + 16 * jt, acc, sm.lds, wmma::mem_row_major);
     }
     __syncthreads();
     // Online softmax, one warp per row (as in simt_attend), then the row of O is rescaled.
     for (int r = warp; r < bm; r += TC_WARPS) {
-      const float* sr = s_s + r * L.lds;
-      const int seen = min(n, pos_s[r] - tile + 1);
+      const float* sr = sm.s + r * sm.lds;
+      const int seen = min(n, sm.pos[r] - tile + 1);
       const float s0 = lane < seen ? sr[lane] * p.scale_log2 : -INFINITY;
       const float s1 = lane + WARP < seen ? sr[lane + WARP] * p.scale_log2 : -INFINITY;
-      const float m_old = m_s[r];
+      const float m_old = sm.m[r];
       const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
       const float e0 = exp2f(s0 - m_use), e1 = exp2f(s1 - m_use);
-      T* pr = p_s + r * L.ldp;
+      T* pr = sm.p + r * sm.ldp;
       if (lane < bn) pr[lane] = T(e0);
       if (lane + WARP < bn) pr[lane + WARP] = T(e1);
       const float sum = warp_sum(e0 + e1);
       const float alpha = exp2f(m_old - m_use);
-      for (int d = lane; d < dp; d += WARP) o_s[r * L.ldo + d] *= alpha;
+      for (int d = lane; d < dp; d += WARP) sm.o[r * sm.ldo + d] *= alpha;
       if (lane == 0) {
-        l_s[r] = fmaf(l_s[r], alpha, sum);
-        m_s[r] = m_new;
+        sm.l[r] = fmaf(sm.l[r], alpha, sum);
+        sm.m[r] = m_new;
       }
     }
     __syncthreads();
     for (int f = warp; f < (bm / 16) * (dp / 16); f += TC_WARPS) {
       const int i = f / (dp / 16), dt = f % (dp / 16);
-      float* o_tile = o_s + 16 * i * L.ldo + 16 * dt;
+      float* o_tile = sm.o + 16 * i * sm.ldo + 16 * dt;
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::load_matrix_sync(acc, o_tile, L.ldo, wmma::mem_row_major);
+      wmma::load_matrix_sync(acc, o_tile, sm.ldo, wmma::mem_row_major);
       for (int kk = 0; kk < n16; kk += 16) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, mma_t, wmma::row_major> a;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, mma_t, wmma::row_major> bv;
-        wmma::load_matrix_sync(a, reinterpret_cast<const mma_t*>(p_s + 16 * i * L.ldp + kk), L.ldp);
-        wmma::load_matrix_sync(bv, reinterpret_cast<const mma_t*>(v_s + kk * L.ldq + 16 * dt), L.ldq);
+        wmma::load_matrix_sync(a, reinterpret_cast<const mma_t*>(sm.p + 16 * i * sm.ldp + kk), sm.ldp);
+        wmma::load_matrix_sync(bv, reinterpret_cast<const mma_t*>(sm.v + kk * sm.ldq + 16 * dt), sm.ldq);
         wmma::mma_sync(acc, a, bv, acc);
       }
-      wmma::store_matrix_sync(o_tile, acc, L.ldo, wmma::mem_row_major);
+      wmma::store_matrix_sync(o_tile, acc, sm.ldo, wmma::mem_row_major);
     }
     __syncthreads();
   }
   for (int i = tid; i < tl.rows * D; i += TC_THREADS) {
     const int r = i / D, d = i % D;
-    const float l = l_s[r];
-    out_row(p, tl.b, tl.qh, tl.t0 + r)[d] = T(l > 0.f ? o_s[r * L.ldo + d] / l : 0.f);
+    const float l = sm.l[r];
+    out_row(p, tl.b, tl.qh, tl.t0 + r)[d] = T(l > 0.f ? sm.o[r * sm.ldo + d] / l : 0.f);
   }
 }
 
@@ -710,26 +684,36 @@ int kv_tile(int row_bytes) {
 }
 
 // Query rows per pass / tile of the SIMT engine that fit SIMT_SMEM_BUDGET.
-int simt_rows(int wanted, int bn, int dp, int elem) {
+template <typename T>
+int simt_rows(int wanted, int bn, int dp) {
   int rows = std::max(1, std::min(wanted, MAX_ROWS_PER_PASS));
-  while (rows > 1 && simt_layout(rows, bn, dp, elem).bytes > SIMT_SMEM_BUDGET) --rows;
+  while (rows > 1 && SimtSmem<T>(0, rows, bn, dp).bytes > SIMT_SMEM_BUDGET) --rows;
   return rows;
 }
 
-int device_attribute(cudaDeviceAttr attr) {
+int device_attribute(cudaDeviceAttr attr) {  // a host-side lookup: no synchronisation
   int device = 0, value = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
   return value;
 }
 
+// Opts a kernel in to `bytes` of dynamic shared memory on the current device (once per size).
 template <typename Kernel>
 void set_dynamic_smem(Kernel kernel, int bytes) {
   const int limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   TORCH_CHECK(bytes <= limit, "kv_cache_attention: needs ", bytes, " bytes of shared memory per block, the device has ",
               limit);
-  if (bytes > 48 * 1024) {
+  if (bytes <= DEFAULT_SMEM_LIMIT) return;
+  static std::mutex mutex;
+  static auto* done = new std::map<std::pair<const void*, int>, int>();  // (kernel, device) -> bytes
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  int& granted = (*done)[{reinterpret_cast<const void*>(kernel), device}];
+  if (granted < bytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    granted = bytes;
   }
 }
 
@@ -750,18 +734,17 @@ at::Tensor split_counters(const at::Tensor& like, int64_t n, cudaStream_t stream
   at::Tensor& buffer = (*buffers)[{like.get_device(), stream}];
   if (!buffer.defined() || buffer.numel() < n) {
     if (buffer.defined()) outgrown->push_back(buffer);
-    buffer = at::zeros({std::max<int64_t>(n, 1024)}, options);
+    buffer = at::zeros({std::max(n, MIN_COUNTERS)}, options);
   }
   return buffer;
 }
 
 template <typename T>
 void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, cudaStream_t stream) {
-  constexpr int elem = sizeof(T);
   p.dp = align_up(p.D, VEC<T>);
-  p.bn = kv_tile(p.dp * elem);
+  p.bn = kv_tile(p.dp * static_cast<int>(sizeof(T)));
   const int64_t GT = static_cast<int64_t>(p.G) * p.T, bh = B * p.Hkv;
-  p.rows = simt_rows(static_cast<int>(std::min<int64_t>(GT, MAX_ROWS_PER_PASS)), p.bn, p.dp, elem);
+  p.rows = simt_rows<T>(static_cast<int>(std::min<int64_t>(GT, MAX_ROWS_PER_PASS)), p.bn, p.dp);
   // Splits from host-known sizes only (a CUDA graph replays them for any positions).
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
   int64_t splits = ceil_div64(static_cast<int64_t>(DECODE_BLOCKS_PER_SM) * sms, bh);
@@ -780,7 +763,7 @@ void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, cudaS
     p.ws_lse = ws_lse.data_ptr<float>();
     p.counters = counters.data_ptr<int>();
   }
-  const int bytes = simt_layout(p.rows, p.bn, p.dp, elem).bytes;
+  const int bytes = SimtSmem<T>(0, p.rows, p.bn, p.dp).bytes;
   auto kernel = gvec ? decode_kernel<T, true> : decode_kernel<T, false>;
   set_dynamic_smem(kernel, bytes);
   kernel<<<static_cast<unsigned>(bh * splits), THREADS, bytes, stream>>>(p);
@@ -794,14 +777,13 @@ void launch_prefill(Params<T> p, int64_t B, bool gvec, cudaStream_t stream) {
   scatter<<<static_cast<unsigned>(B * p.T), SCATTER_THREADS, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  constexpr int elem = sizeof(T);
   int threads = THREADS, bytes = 0;
   void (*kernel)(const Params<T>);
   if constexpr (std::is_same_v<T, float>) {
     p.dp = align_up(p.D, VEC<T>);
-    p.bn = kv_tile(p.dp * elem);
-    p.rows = simt_rows(std::min(p.T, MAX_ROWS_PER_PASS), p.bn, p.dp, elem);
-    bytes = simt_layout(p.rows, p.bn, p.dp, elem).bytes;
+    p.bn = kv_tile(p.dp * static_cast<int>(sizeof(T)));
+    p.rows = simt_rows<T>(std::min(p.T, MAX_ROWS_PER_PASS), p.bn, p.dp);
+    bytes = SimtSmem<T>(0, p.rows, p.bn, p.dp).bytes;
     kernel = gvec ? prefill_simt_kernel<T, true> : prefill_simt_kernel<T, false>;
   } else {
     p.dp = align_up(p.D, 16);
@@ -809,7 +791,7 @@ void launch_prefill(Params<T> p, int64_t B, bool gvec, cudaStream_t stream) {
     p.rows = large ? 32 : 64;
     p.bn = large ? 32 : 64;
     threads = TC_THREADS;
-    bytes = tc_layout(p.rows, p.bn, p.dp).bytes;
+    bytes = TcSmem<T>(0, p.rows, p.bn, p.dp).bytes;
     kernel = gvec ? prefill_tc_kernel<T, true> : prefill_tc_kernel<T, false>;
   }
   const int64_t blocks = ceil_div64(p.T, p.rows) * p.Hq * B;

@@ -140,7 +140,7 @@ __device__ __forceinline__ void load_vec(T* dst, const T* src, int c, int D) {
   if (c * V < D) {
     if constexpr (GVEC) {
       const unsigned dst_smem = static_cast<unsigned>(__cvta_generic_to_shared(dst + c * V));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst_smem), "l"(src + c * V));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst_smem), "l"(src + c * V) : "memory");
       return;
     } else {  // packed in registers (a local array would live on the stack)
       constexpr int PER_WORD = 4 / sizeof(T);
@@ -154,7 +154,7 @@ __device__ __forceinline__ void load_vec(T* dst, const T* src, int c, int D) {
   *reinterpret_cast<uint4*>(dst + c * V) = u;
 }
 
-__device__ __forceinline__ void async_wait() { asm volatile("cp.async.wait_all;\n" ::); }
+__device__ __forceinline__ void async_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // Vector c of a D-element row, global -> global (the cache write).
 template <typename T, bool GVEC>

@@ -261,3 +261,50 @@ def test_torch_compile_fullgraph(backend, device):
     torch.testing.assert_close(got, want * 2)
     # the compiled graph must keep the in-place cache writes
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_long_cache_split_kv_called_twice(backend, device, dtype):
+    """Long caches with few (batch x kv head) pairs make the GPU kernels split the KV length over
+    blocks and combine the splits; two calls in a row also check that per-call combine state
+    (counters, workspaces) is reset."""
+    if _is_interpreter(backend, device):
+        pytest.skip("Triton interpreter: a 2048-slot cache is too slow to interpret")
+    B, Hq, Hkv, D, S = 2, 4, 1, 64, 2048
+    q, k, v, k_cache, v_cache, _ = make_case(B, Hq, Hkv, 5, D, S, [[0] * 5] * 2, dtype, device, seed=3)
+    for starts in ([700, 1500], [701, 1501]):
+        positions = _contiguous_positions(B, 1, starts).to(device)
+        check_against_reference(backend, device, q[:, :, :1].clone(), k[:, :, :1].clone(), v[:, :, :1].clone(),
+                                k_cache, v_cache, positions)
+    positions = _contiguous_positions(B, 5, [1800, 40]).to(device)  # verification: T = k + 1 = 5
+    check_against_reference(backend, device, q, k, v, k_cache, v_cache, positions)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_cuda_graph_capture_and_replay(backend):
+    """The op is captured in a CUDA graph and replayed with new positions / new tokens written into
+    the captured input buffers; every replay matches the reference."""
+    if not torch.cuda.is_available() or not _extension.has_kernel("kv_cache_attention", "CUDA"):
+        pytest.skip("requires CUDA and an extension built with CUDA")
+    B, Hq, Hkv, D, S = 2, 8, 2, 128, 1024
+    q, k, v, k_cache, v_cache, positions = make_case(B, Hq, Hkv, 1, D, S, [[10], [20]], torch.bfloat16, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph (allocations, autotuning)
+        ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend=backend)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend=backend)
+    for step in range(3):
+        new = make_case(B, Hq, Hkv, 1, D, S, [[300 + step], [900 + step]], torch.bfloat16, "cuda", seed=10 + step)
+        want_k, want_v = k_cache.clone().double(), v_cache.clone().double()
+        want = reference.kv_cache_attention(new[0].double(), new[1].double(), new[2].double(), want_k, want_v,
+                                            new[5])
+        for buffer, value in zip((q, k, v, positions), (new[0], new[1], new[2], new[5])):
+            buffer.copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(k_cache.double(), want_k)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,163 @@
+"""End-to-end speculative decoding.
+
+Rows "speculative_e2e": the demo's trained byte-level target and draft (so acceptance is realistic;
+trained and cached on first use, see gptfast_kernels/demo), greedy, at B = 1 and B = 8:
+``speculative_generate`` against the same patched target decoding alone (``generate``), against
+transformers' plain greedy generate and, at B = 1, transformers' assisted generation (batch 1 only).
+Tokens/s count new tokens; acceptance is accepted / proposed drafts.
+
+Rows "speculative_rounds" (GPU only): a random-weight target with Llama-3-8B shapes and a draft
+with 1/8 of its layers (bf16 activations, int8 weights, compiled steps): rounds per second at
+B = 1, 8, 32 and the fraction of a round spent outside the two models' forwards (target < 10%).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import gptfast_kernels.generation.speculative as speculative_module
+from gptfast_kernels import StaticKVCache, generate, patch_model, speculative_generate
+
+SPECULATE_K = 4
+GPU_TARGET = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+DRAFT_LAYER_FRACTION = 8
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _best_seconds(fn, device, repeats):
+    out = fn()  # warm-up (and compilation)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        out = fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def _demo_models(h):
+    from gptfast_kernels.demo.data import code_prompts, load_corpus
+    from gptfast_kernels.demo.training import TrainSettings, default_cache_dir, load_or_train
+
+    corpus = load_corpus()
+    target, draft = load_or_train(TrainSettings(), corpus, default_cache_dir(), h.device)
+    return target.eval(), draft.eval(), corpus, code_prompts
+
+
+def _e2e_rows(h):
+    target, draft, corpus, code_prompts = _demo_models(h)
+    on_gpu = h.device.type == "cuda"
+    patched_target = patch_model(copy.deepcopy(target), int8=True)
+    patched_draft = patch_model(copy.deepcopy(draft), int8=True)
+    new_tokens = 48 if h.quick else 96
+    from gptfast_kernels.demo.data import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    for rows in (1, 8):
+        texts = code_prompts(corpus, rows)
+        ids = torch.stack([torch.tensor(tokenizer.encode(t)[-64:]) for t in texts]).to(h.device)
+        mask = torch.ones_like(ids)
+        eos = []
+        case = {"op": "speculative_e2e", "model": "demo byte-level (trained)", "batch": rows,
+                "new_tokens": new_tokens, "speculate_k": SPECULATE_K, **h.meta}
+        with torch.no_grad():
+            candidates = {
+                "hf_generate": lambda: target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                                       min_new_tokens=new_tokens, do_sample=False),
+                "ours_target_alone": lambda: generate(patched_target, ids, mask, max_new_tokens=new_tokens,
+                                                      eos_token_id=eos, compile=on_gpu).sequences,
+                "ours_speculative": lambda: speculative_generate(patched_target, patched_draft, ids, mask,
+                                                                 max_new_tokens=new_tokens, speculate_k=SPECULATE_K,
+                                                                 eos_token_id=eos, compile=on_gpu),
+            }
+            if rows == 1:
+                candidates["hf_assisted"] = lambda: target.generate(
+                    ids, attention_mask=mask, assistant_model=draft, max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens, do_sample=False)
+            timings = {name: _best_seconds(fn, h.device, repeats=2) for name, fn in candidates.items()}
+        base = timings["ours_target_alone"][0]
+        for name, (seconds, out) in timings.items():
+            row = {**case, "impl": name, "tokens_per_s": rows * new_tokens / seconds,
+                   "speedup_vs_target_alone": base / seconds}
+            if name == "ours_speculative":
+                row["acceptance_rate"] = out.acceptance_rate
+                row["greedy_equals_target_alone"] = bool(torch.equal(out.sequences,
+                                                                     timings["ours_target_alone"][1]))
+            h.rows.append(row)
+
+
+class _ForwardClock:
+    """Wraps the per-round step functions and adds up the time spent inside them."""
+
+    def __init__(self, device):
+        self.device, self.seconds = device, 0.0
+        self.original = speculative_module.step_function
+
+    def __enter__(self):
+        def timed(model, compile):
+            step = self.original(model, compile)
+
+            def run(*args):
+                _sync(self.device)
+                start = time.perf_counter()
+                out = step(*args)
+                _sync(self.device)
+                self.seconds += time.perf_counter() - start
+                return out
+            return run
+
+        speculative_module.step_function = timed
+        return self
+
+    def __exit__(self, *exc):
+        speculative_module.step_function = self.original
+
+
+def _rounds_rows(h):
+    torch.manual_seed(0)
+    draft_cfg = dict(GPU_TARGET, num_hidden_layers=GPU_TARGET["num_hidden_layers"] // DRAFT_LAYER_FRACTION)
+    with torch.device(h.device):
+        target = patch_model(LlamaForCausalLM(LlamaConfig(**GPU_TARGET)).to(torch.bfloat16).eval())
+        draft = patch_model(LlamaForCausalLM(LlamaConfig(**draft_cfg)).to(torch.bfloat16).eval())
+    new_tokens = 64
+    for rows in (1, 8, 32):
+        ids = torch.randint(0, GPU_TARGET["vocab_size"], (rows, 16), device=h.device)
+
+        def run():
+            return speculative_generate(target, draft, ids, max_new_tokens=new_tokens, speculate_k=SPECULATE_K,
+                                        eos_token_id=[], compile=True)
+
+        seconds, out = _best_seconds(run, h.device, repeats=2)
+        rounds = int(out.num_proposed.max()) // SPECULATE_K
+        with _ForwardClock(h.device) as clock:
+            run()
+
+        def prefills():  # eager, outside the step functions: timed on their own
+            with torch.no_grad():
+                for model in (target, draft):
+                    model(ids, past_key_values=StaticKVCache(model.config, rows, 32, device=h.device,
+                                                             dtype=torch.bfloat16), logits_to_keep=1)
+
+        prefill_seconds, _ = _best_seconds(prefills, h.device, repeats=2)
+        h.rows.append({"op": "speculative_rounds", "model": "llama-8B-shape random + 4-layer draft", "batch": rows,
+                       "speculate_k": SPECULATE_K, "impl": "ours_speculative_compiled",
+                       "rounds_per_s": rounds / seconds, "tokens_per_s": rows * new_tokens / seconds,
+                       "fraction_outside_forwards": max(0.0, 1 - (clock.seconds + prefill_seconds) / seconds),
+                       **h.meta})
+    del target, draft
+
+
+def run(h) -> None:
+    _e2e_rows(h)
+    if h.device.type == "cuda":
+        _rounds_rows(h)

@@ -56,7 +56,8 @@ def test_demo_prompts_batches_and_no_int8(tmp_path, capsys):
     assert "optimized: float32 + fused attention" in out
 
 
-def test_demo_with_local_checkpoints(tmp_path, capsys):
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+def test_demo_with_local_checkpoints(tmp_path, capsys, with_tokenizer):
     torch.manual_seed(0)
     target = build_model({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                           "num_attention_heads": 2, "num_key_value_heads": 1})
@@ -64,10 +65,24 @@ def test_demo_with_local_checkpoints(tmp_path, capsys):
                          "num_attention_heads": 2, "num_key_value_heads": 2})
     target.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "draft")
+    if with_tokenizer:  # a word-level tokenizer over the same 259 ids
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        words = {f"w{i}": i for i in range(ByteTokenizer.vocab_size)}
+        words.update({"<pad>": ByteTokenizer.PAD, "<eos>": ByteTokenizer.EOS, "<unk>": 0})
+        del words[f"w{ByteTokenizer.PAD}"], words[f"w{ByteTokenizer.EOS}"], words["w0"]
+        tokenizer = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                unk_token="<unk>").save_pretrained(tmp_path / "target")
     out = _demo(capsys, "--model", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
-                "--max-new-tokens", "8", "--num-prompts", "2", "--no-progress", "--prompt", "def f(x):")
+                "--max-new-tokens", "8", "--num-prompts", "2", "--no-progress", "--prompt", "w1 w2 w3",
+                "--prompt", "w7")
     _check_report(out, 2)
-    assert "local checkpoints" in out and "byte-level" in out
+    assert "local checkpoints" in out
+    tokenizer_line = next(line for line in out.splitlines() if "tokenizer:" in line)
+    assert ("byte-level" not in tokenizer_line) if with_tokenizer else ("byte-level" in tokenizer_line), out
 
 
 def test_demo_needs_model_and_draft_together(capsys):

@@ -104,6 +104,10 @@ def _load_checkpoints(args, device, dtype):
         if target.config.get_text_config(decoder=True).vocab_size < 256:
             raise SystemExit(f"demo: {args.model} has no tokenizer and fewer than 256 tokens (byte-level fallback)")
         tokenizer, tokenizer_name = ByteTokenizer(), "none found: byte-level (token id = byte value)"
+    vocab = [model.get_output_embeddings().weight.shape[0] for model in (target, draft)]
+    if vocab[0] != vocab[1]:
+        raise SystemExit(f"demo: {args.model} has {vocab[0]} output tokens but {args.draft} has {vocab[1]}; "
+                         "speculative decoding needs a draft with the target's vocabulary")
     print("Models (local checkpoints)")
     print(f"  target : {args.model}: {_describe(target)}")
     print(f"  draft  : {args.draft}: {_describe(draft)}")
@@ -152,20 +156,28 @@ def _generated(sequences: torch.Tensor, prompt_width: int, eos: list[int]) -> li
     return rows
 
 
-def _run_side(side: Side, batches, max_new_tokens: int, eos: list[int], device, progress: bool) -> None:
+def _run_sides(sides: list[Side], batches, max_new_tokens: int, eos: list[int], device, progress: bool) -> None:
+    """Warms every side up once, then runs the batches with the sides interleaved, so that load
+    from other processes falls on all of them alike."""
     from tqdm.auto import tqdm
 
-    input_ids, mask = batches[0]
-    side.run(input_ids, mask, min(WARMUP_TOKENS, max_new_tokens))  # warm-up: allocations, kernel selection
-    for input_ids, mask in tqdm(batches, desc=f"{side.name:<34}", unit="batch", disable=not progress, leave=False):
-        _sync(device)
-        start = time.perf_counter()
-        sequences = side.run(input_ids, mask, max_new_tokens)
-        _sync(device)
-        side.seconds += time.perf_counter() - start
-        rows = _generated(sequences, input_ids.shape[1], eos)
-        side.outputs.extend(rows)
-        side.tokens += sum(len(row) for row in rows)
+    for side in sides:  # allocations, kernel selection, first-call costs
+        side.run(*batches[0], min(WARMUP_TOKENS, max_new_tokens))
+        side.extra.clear()
+    bar = tqdm(total=len(batches) * len(sides), unit="call", disable=not progress, leave=False)
+    for input_ids, mask in batches:
+        for side in sides:
+            bar.set_description_str(side.name)
+            _sync(device)
+            start = time.perf_counter()
+            sequences = side.run(input_ids, mask, max_new_tokens)
+            _sync(device)
+            side.seconds += time.perf_counter() - start
+            rows = _generated(sequences, input_ids.shape[1], eos)
+            side.outputs.extend(rows)
+            side.tokens += sum(len(row) for row in rows)
+            bar.update()
+    bar.close()
 
 
 def run_demo(args) -> int:
@@ -199,7 +211,6 @@ def run_demo(args) -> int:
         fast_target = patch_model(copy.deepcopy(target), int8=not args.no_int8, fused_attention=True)
         fast_draft = patch_model(copy.deepcopy(draft), int8=not args.no_int8, fused_attention=True)
         int8 = "int8" if not args.no_int8 else args.dtype
-        spec_stats = {"proposed": 0, "accepted": 0}
 
         def baseline(ids, mask, n):
             return target.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=pad)
@@ -210,9 +221,9 @@ def run_demo(args) -> int:
         def speculative(ids, mask, n):
             out = speculative_generate(fast_target, fast_draft, ids, mask, max_new_tokens=n,
                                        speculate_k=args.speculate_k)
-            if n == args.max_new_tokens:  # not the warm-up
-                spec_stats["proposed"] += int(out.num_proposed.sum())
-                spec_stats["accepted"] += int(out.num_accepted.sum())
+            counts = sides[2].extra
+            counts["proposed"] = counts.get("proposed", 0) + int(out.num_proposed.sum())
+            counts["accepted"] = counts.get("accepted", 0) + int(out.num_accepted.sum())
             return out.sequences
 
         sides = [Side(f"baseline: transformers generate, {args.dtype}", baseline),
@@ -221,21 +232,21 @@ def run_demo(args) -> int:
         batches = [tokenizer.batch(prompts[i:i + args.batch_size], device)
                    for i in range(0, len(prompts), args.batch_size)]
         print(f"\nGenerating: {len(prompts)} prompts in batches of {args.batch_size}, {args.max_new_tokens} new tokens "
-              f"each, greedy; warm-up once per side, then timed")
-        for side in sides:
-            _run_side(side, batches, args.max_new_tokens, eos, device, not args.no_progress)
-    return _report(args, prompts, tokenizer, sides, spec_stats, setup_seconds, started)
+              f"each, greedy; each side warmed up once, then timed, the sides taking turns batch by batch")
+        _run_sides(sides, batches, args.max_new_tokens, eos, device, not args.no_progress)
+    return _report(args, prompts, tokenizer, sides, setup_seconds, started)
 
 
-def _report(args, prompts, tokenizer, sides, spec_stats, setup_seconds, started) -> int:
+def _report(args, prompts, tokenizer, sides, setup_seconds, started) -> int:
     baseline, own, spec = sides
+    spec_stats = spec.extra
     print(f"\n{'':<46}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'speed-up':>10}")
     for side in sides:
         rate = side.tokens / side.seconds if side.seconds else float("nan")
         speedup = (side.tokens / side.seconds) / (baseline.tokens / baseline.seconds)
         print(f"  {side.name:<44}{side.tokens:>8}{side.seconds:>9.2f}{rate:>10.1f}{speedup:>9.2f}x")
     speedup = (spec.tokens / spec.seconds) / (baseline.tokens / baseline.seconds)
-    rate = spec_stats["accepted"] / spec_stats["proposed"] if spec_stats["proposed"] else 0.0
+    rate = spec_stats["accepted"] / spec_stats["proposed"] if spec_stats.get("proposed") else 0.0
     own_match = sum(a == b for a, b in zip(spec.outputs, own.outputs))
     base_match = sum(a == b for a, b in zip(spec.outputs, baseline.outputs))
     n = len(prompts)

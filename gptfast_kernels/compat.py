@@ -10,15 +10,16 @@ changing an import::
     tokens = model.generate(cur_tokens=input_ids, max_tokens=50, speculate_k=6)
 
 What is kept from GPTFast: the names, the arguments and their meaning — model names are local
-paths or hub names loaded with ``from_pretrained``; ``max_tokens`` / ``max_length`` count the
-prompt too (the returned sequence is that long); ``sample_function(self, probabilities,
+paths or hub names loaded with ``from_pretrained``; ``max_tokens`` (and ``generate_text_fast``'s
+``max_length``) counts the prompt too: the returned sequence is that long; ``sample_function(self, probabilities,
 **sampling_kwargs)`` is bound to the returned model, gets a token distribution and returns one
 token id; ``generate`` does not stop at end-of-sequence tokens.
 
 What differs, and why:
 - Any batch size (GPTFast: 1). ``generate`` takes an optional keyword ``attention_mask`` for
   left- or right-padded batches, and returns exactly ``max_tokens`` columns (GPTFast could
-  overshoot by up to ``speculate_k``).
+  overshoot by up to ``speculate_k``). ``max_tokens`` not above the prompt length is a
+  ValueError (GPTFast then still added one token).
 - Verification is exact. With ``sample_function`` a draft token is accepted when it equals the
   token ``sample_function`` picks from the target's distribution at that position, and the first
   token it does not equal is replaced by that pick; the output is therefore what decoding the
@@ -33,6 +34,9 @@ What differs, and why:
 - int8 is our weight-only ``Int8Linear`` (GPTFast used bitsandbytes), applied to the draft as
   well (it only changes how fast drafts come, never the output); ``int8=False`` turns it off.
   Nothing is torch.compile'd: the fused kernels give the speed-up eagerly.
+- ``gpt_fast`` accepts GPTFast's ``max_length`` and ``cache_config`` keywords and does not need
+  them: caches are sized per call, and the supported model families are patched without a
+  description of their source.
 - ``generate_text_fast`` (the text helper that wraps GPTFast in the Predacons package) stops at
   the model's end-of-sequence token and returns prompt + continuation, without printing.
 """
@@ -321,13 +325,21 @@ def add_speculative_decode_kv_cache(model, draft_model, sample_function: Callabl
     return GPTFastModel(model, draft_model, sample_function)
 
 
+_IGNORED_GPT_FAST_KWARGS = ("max_length", "cache_config")
+
+
 def gpt_fast(model_name, draft_model_name=None, sample_function: Callable | None = None, *, int8: bool = True,
-             device=None, dtype=None, trust_remote_code: bool = False) -> GPTFastModel:
+             device=None, dtype=None, trust_remote_code: bool = False, **legacy_kwargs) -> GPTFastModel:
     """Loads ``model_name`` and ``draft_model_name`` (paths or hub names), both with int8 weights
     (``int8=False``: as loaded) and the fused static-cache attention, and returns a GPTFastModel
     whose ``generate(cur_tokens, max_tokens, speculate_k, **sampling_kwargs)`` decodes
     speculatively. ``draft_model_name=None``: plain decoding with the static cache.
-    ``device``: default CUDA when available, else CPU."""
+    ``device``: default CUDA when available, else CPU. GPTFast's ``max_length`` and
+    ``cache_config`` keywords are accepted and unused: caches are sized per ``generate`` call, and
+    patching needs no description of the model's source (supported families are built in)."""
+    unknown = sorted(set(legacy_kwargs) - set(_IGNORED_GPT_FAST_KWARGS))
+    if unknown:
+        raise TypeError(f"gpt_fast: unexpected keyword argument(s) {unknown}")
     if sample_function is not None and not callable(sample_function):
         raise TypeError(f"gpt_fast: sample_function must be callable or None, got {type(sample_function).__name__}")
     options = {"device": device, "dtype": dtype, "trust_remote_code": trust_remote_code}

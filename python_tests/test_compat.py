@@ -108,9 +108,12 @@ def _decode_alone_with(path, cur, new_tokens, pick):
 
 
 def test_sample_function_argmax_equals_greedy(checkpoints):
+    """Called as in GPTFast's README (keywords, and its max_length / cache_config, which we do not need)."""
     cur = _prompts(1, 5)
-    model = compat.gpt_fast(checkpoints["target"], checkpoints["draft"], _argmax, int8=False, device="cpu")
-    torch.testing.assert_close(model.generate(cur, 20, 4), _hf_greedy(checkpoints["target"], cur, 15), rtol=0, atol=0)
+    model = compat.gpt_fast(checkpoints["target"], sample_function=_argmax, max_length=60, cache_config={},
+                            draft_model_name=checkpoints["draft"], int8=False, device="cpu")
+    out = model.generate(cur_tokens=cur, max_tokens=20, speculate_k=4)
+    torch.testing.assert_close(out, _hf_greedy(checkpoints["target"], cur, 15), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("draft", [True, False])
@@ -185,6 +188,8 @@ def test_bad_arguments_name_the_argument(checkpoints):
         compat.gpt_fast(target, 4.5)
     with pytest.raises(TypeError, match="sample_function"):
         compat.gpt_fast(target, draft, sample_function="argmax")
+    with pytest.raises(TypeError, match="quantize_config"):
+        compat.gpt_fast(target, draft, quantize_config={})
     with pytest.raises(ValueError, match="vocabulary"):
         compat.gpt_fast(target, checkpoints["other_vocab"])
     with pytest.raises(TypeError, match="model_name"):

@@ -35,7 +35,8 @@ def add_demo_parser(subparsers) -> callable:
         description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     models = parser.add_argument_group("models (default: the embedded byte-level pair, trained and cached)")
-    models.add_argument("--model", metavar="PATH", help="target checkpoint (from_pretrained; its tokenizer when present)")
+    models.add_argument("--model", metavar="PATH",
+                        help="target checkpoint (from_pretrained; its tokenizer when present)")
     models.add_argument("--draft", metavar="PATH", help="draft checkpoint sharing the target's vocabulary")
     models.add_argument("--train-seconds", type=_positive_float, default=60.0,
                         help="training budget for the embedded models, target and draft together (default 60)")

@@ -139,8 +139,8 @@ def _embedded_models(args, device, dtype):
     print(f"    target + early exit: {stats['seconds']:.0f} s, {stats['steps']} AdamW steps on "
           f"{stats['tokens'] / 1e6:.2f} M bytes; next-byte loss {stats.get('target_loss', float('nan')):.2f} nats, "
           f"exit vs target KL {stats.get('exit_kl', float('nan')):.2f}")
-    print(f"    draft alone: {stats['draft_seconds']:.0f} s, {stats['draft_steps']} steps distilling it on the target's "
-          f"greedy continuations; KL {stats.get('draft_kl', float('nan')):.2f} nats/byte")
+    print(f"    draft alone: {stats['draft_seconds']:.0f} s, {stats['draft_steps']} steps distilling it on the "
+          f"target's greedy continuations; KL {stats.get('draft_kl', float('nan')):.2f} nats/byte")
     print("  (a minute of training makes code-flavoured text, not good code: the point is speed and exactness)")
     print(f"  {'loaded from cache' if info['cached'] else 'trained now, saved to'}: {info['path']}")
     prompts = list(args.prompt) if args.prompt else code_prompts(corpus, args.num_prompts)
@@ -181,6 +181,18 @@ def _run_sides(sides: list[Side], batches, max_new_tokens: int, eos: list[int], 
 
 
 def run_demo(args) -> int:
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' own bars (loading / saving weights) are noise here
+    try:
+        return _run_demo(args)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _run_demo(args) -> int:
     from gptfast_kernels import _extension, generate, patch_model, speculative_generate
     from gptfast_kernels.generation.common import resolve_special_tokens
 

@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -182,7 +183,8 @@ def train(settings: TrainSettings, corpus: Corpus, device: torch.device, progres
             phase2.show(f"step {step}, draft KL {kl:.2f}")
     draft.eval().requires_grad_(False)
     target.requires_grad_(True)
-    stats = {"steps": phase1.steps, "seconds": round(phase1.elapsed, 1), "tokens": phase1.steps * settings.batch_size * T,
+    stats = {"steps": phase1.steps, "seconds": round(phase1.elapsed, 1),
+             "tokens": phase1.steps * settings.batch_size * T,
              **{name: round(value, 3) for name, value in smooth.items()},
              "draft_steps": phase2.steps, "draft_seconds": round(phase2.elapsed, 1),
              "device": str(device), "threads": torch.get_num_threads()}
@@ -215,6 +217,16 @@ def load_or_train(settings: TrainSettings, corpus: Corpus, cache_dir: str, devic
         return target, draft, {**info, "cached": True, "path": path}
     target, draft, stats = train(settings, corpus, device, progress_bar)
     info = {"settings": asdict(settings), "stats": stats, "corpus": corpus.description}
+    try:
+        _save(target, draft, info, cache_dir, path)
+    except OSError as error:  # the models are trained: go on without caching them
+        warnings.warn(f"demo: could not cache the trained models in {cache_dir} ({error}); use --cache-dir",
+                      stacklevel=2)
+        return target, draft, {**info, "cached": False, "path": "(not saved)"}
+    return target, draft, {**info, "cached": False, "path": path}
+
+
+def _save(target, draft, info: dict, cache_dir: str, path: str) -> None:
     os.makedirs(cache_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".staging-", dir=cache_dir)  # a half-written entry is never seen
     try:
@@ -225,6 +237,5 @@ def load_or_train(settings: TrainSettings, corpus: Corpus, cache_dir: str, devic
         os.replace(staging, path)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
-        if not os.path.exists(meta_path):  # another process may have won the race
+        if not os.path.exists(os.path.join(path, "training.json")):  # else another process won the race
             raise
-    return target, draft, {**info, "cached": False, "path": path}

@@ -214,8 +214,8 @@ def _run_demo(args) -> int:
     else:
         target, draft, tokenizer, prompts = _embedded_models(args, device, dtype)
     setup_seconds = time.perf_counter() - started
-    if args.prompt:
-        prompts = [prompts[i % len(prompts)] for i in range(max(args.num_prompts, len(prompts)))]
+    count = max(args.num_prompts, len(args.prompt or ()))  # every --prompt given, cycled up to --num-prompts
+    prompts = [prompts[i % len(prompts)] for i in range(count)]
     eos, pad = resolve_special_tokens("demo", target, None)
     target.generation_config.pad_token_id = pad
 

@@ -1,0 +1,218 @@
+"""gptfast_kernels.compat: GPTFast's API end to end on tiny Llama checkpoints saved to a temp dir
+(no downloads). Greedy outputs are checked against transformers' own greedy decoding of the
+unpatched target (int8 off) or against our ``generate`` on the same patched model (int8 on)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from gptfast_kernels import Int8Linear, generate  # noqa: E402
+from gptfast_kernels import compat  # noqa: E402
+
+VOCAB = 64
+PAD, EOS = 0, 1
+
+
+def _llama(layers, hidden, heads, vocab=VOCAB):
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                         max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger logits than the default init: argmax far from ties
+        model.lm_head.weight.mul_(20)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compat")
+    torch.manual_seed(0)
+    paths = {}
+    for name, model in (("target", _llama(2, 64, 4)), ("draft", _llama(1, 32, 2)),
+                        ("other_vocab", _llama(1, 32, 2, vocab=VOCAB + 8))):
+        paths[name] = str(root / name)
+        model.save_pretrained(paths[name])
+    words = {"<pad>": PAD, "<eos>": EOS, "<unk>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                            unk_token="<unk>").save_pretrained(paths["target"])
+    return paths
+
+
+def _hf_greedy(path, input_ids, new_tokens, attention_mask=None):
+    """transformers' greedy decoding of the unpatched checkpoint, not stopping at eos (as GPTFast)."""
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model.generation_config.eos_token_id = None
+    return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=PAD)
+
+
+def _prompts(batch, length):
+    return torch.randint(3, VOCAB, (batch, length))
+
+
+@pytest.mark.parametrize("speculate_k", [1, 4])
+def test_gpt_fast_greedy_equals_transformers_greedy(checkpoints, speculate_k):
+    model = compat.gpt_fast(checkpoints["target"], checkpoints["draft"], int8=False, device="cpu")
+    cur = _prompts(1, 5)
+    out = model.generate(cur, 5 + 20, speculate_k)
+    assert out.shape == (1, 25) and out.dtype == torch.int64
+    torch.testing.assert_close(out, _hf_greedy(checkpoints["target"], cur, 20), rtol=0, atol=0)
+    assert model.last_output.num_proposed.sum() > 0
+
+
+def test_gpt_fast_batch_with_left_padding(checkpoints):
+    model = compat.gpt_fast(checkpoints["target"], checkpoints["draft"], int8=False, device="cpu")
+    cur = _prompts(3, 6)
+    mask = torch.ones_like(cur)
+    mask[1, :2] = 0
+    mask[2, :4] = 0
+    cur[mask == 0] = PAD
+    out = model.generate(cur, 6 + 12, 3, attention_mask=mask)
+    for row in range(3):  # each row as transformers decodes it alone, without its padding
+        alone = cur[row:row + 1, int((mask[row] == 0).sum()):]
+        expected = _hf_greedy(checkpoints["target"], alone, 12)
+        torch.testing.assert_close(out[row, 6:], expected[0, alone.shape[1]:], rtol=0, atol=0)
+
+
+def test_gpt_fast_int8_equals_own_greedy(checkpoints):
+    model = compat.gpt_fast(checkpoints["target"], checkpoints["draft"], device="cpu")
+    for name, wrapped in (("model", model.model), ("draft_model", model.draft_model)):
+        assert any(isinstance(m, Int8Linear) for m in wrapped.model.modules()), name
+    cur = _prompts(2, 4)
+    out = model.generate(cur, 4 + 16, 4)
+    expected = generate(model.model.model, cur, max_new_tokens=16, eos_token_id=[]).sequences
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def _argmax(self, probabilities):  # GPTFast's README sampler: bound to the model, returns a (1, 1) tensor
+    return torch.argmax(probabilities, dim=-1).view(1, 1)
+
+
+def _runner_up(self, probabilities, rank=1):  # a deterministic sampler that is not greedy
+    return torch.topk(probabilities, rank + 1).indices[rank].item()
+
+
+def _decode_alone_with(path, cur, new_tokens, pick):
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokens = cur.clone()
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            probs = torch.softmax(model(tokens).logits[0, -1].float(), -1)
+            tokens = torch.cat([tokens, torch.tensor([[pick(probs)]])], dim=1)
+    return tokens
+
+
+def test_sample_function_argmax_equals_greedy(checkpoints):
+    """Called as in GPTFast's README (keywords, and its max_length / cache_config, which we do not need)."""
+    cur = _prompts(1, 5)
+    model = compat.gpt_fast(checkpoints["target"], sample_function=_argmax, max_length=60, cache_config={},
+                            draft_model_name=checkpoints["draft"], int8=False, device="cpu")
+    out = model.generate(cur_tokens=cur, max_tokens=20, speculate_k=4)
+    torch.testing.assert_close(out, _hf_greedy(checkpoints["target"], cur, 15), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("draft", [True, False])
+def test_sample_function_is_followed_exactly(checkpoints, draft):
+    """A sampler that picks the second most likely token: output = decoding the target alone with it."""
+    cur = _prompts(1, 4)
+    model = compat.gpt_fast(checkpoints["target"], checkpoints["draft"] if draft else None, _runner_up,
+                            int8=False, device="cpu")
+    out = model.generate(cur, 4 + 10, 3, rank=1)  # sampling kwargs go to the sampler
+    expected = _decode_alone_with(checkpoints["target"], cur, 10, lambda p: _runner_up(None, p, rank=1))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_sampling_kwargs_without_sample_function(checkpoints):
+    model = compat.gpt_fast(checkpoints["target"], checkpoints["draft"], device="cpu")
+    out = model.generate(_prompts(2, 3), 15, 3, temperature=0.8, top_k=10, generator=torch.Generator().manual_seed(1))
+    assert out.shape == (2, 15) and int(out.min()) >= 0 and int(out.max()) < VOCAB
+    stopped = model.generate(_prompts(2, 3), 40, 3, eos_token_id=list(range(VOCAB)))  # every token ends a row
+    assert stopped.shape == (2, 40) and bool((stopped[:, 4:] == PAD).all())
+
+
+def test_load_int8(checkpoints):
+    model = compat.load_int8(checkpoints["target"], device="cpu")
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 2 * 7  # q, k, v, o, gate, up, down per layer; lm_head kept
+    assert isinstance(model.lm_head, torch.nn.Linear)
+    cur = _prompts(1, 4)
+    out = model.generate(cur, max_new_tokens=5, do_sample=False, pad_token_id=PAD)  # still a transformers model
+    assert out.shape[1] <= 9
+
+
+def test_add_kv_cache_prefill_forward_rollback(checkpoints, monkeypatch):
+    monkeypatch.setattr(compat, "_INITIAL_CACHE_SLOTS", 2)  # the cache must grow along the way
+    kv = compat.add_kv_cache(checkpoints["target"], device="cpu")
+    assert isinstance(kv, compat.KVCacheModel) and compat.add_kv_cache(kv) is kv
+    reference = AutoModelForCausalLM.from_pretrained(checkpoints["target"]).eval()
+    seq = _prompts(2, 12)
+
+    def expected(n):
+        with torch.no_grad():
+            return reference(seq[:, :n]).logits[:, -1]
+
+    torch.testing.assert_close(kv.prefill(seq[:, :4]), expected(4), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv.forward(seq[:, :5]), expected(5), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv(seq[:, :9]), expected(9), rtol=1e-4, atol=1e-4)
+    kv.rollback_cache(6)
+    torch.testing.assert_close(kv(seq[:, :12]), expected(12), rtol=1e-4, atol=1e-4)
+    kv.clear()
+    assert kv.cache is None
+
+
+def test_add_speculative_decode_kv_cache(checkpoints):
+    target = compat.add_kv_cache(checkpoints["target"], device="cpu")
+    draft = AutoModelForCausalLM.from_pretrained(checkpoints["draft"]).eval()  # a plain model works as well
+    model = compat.add_speculative_decode_kv_cache(target, draft, _argmax)
+    cur = _prompts(1, 3)
+    torch.testing.assert_close(model.generate(cur, 15, 2), _hf_greedy(checkpoints["target"], cur, 12), rtol=0, atol=0)
+
+
+def test_generate_text_fast(checkpoints):
+    text = compat.generate_text_fast(checkpoints["target"], checkpoints["draft"], "w3 w4 w5", 12)
+    assert isinstance(text, str) and text.startswith("w3 w4 w5") and len(text.split()) > 3
+    texts = compat.generate_text_fast(checkpoints["target"], checkpoints["draft"], ["w7", "w8 w9 w10"], 10, int8=False)
+    assert isinstance(texts, list) and texts[0].startswith("w7") and texts[1].startswith("w8 w9 w10")
+
+
+def test_bad_arguments_name_the_argument(checkpoints):
+    target, draft = checkpoints["target"], checkpoints["draft"]
+    with pytest.raises(TypeError, match="model_name"):
+        compat.gpt_fast(123, draft)
+    with pytest.raises(TypeError, match="draft_model_name"):
+        compat.gpt_fast(target, 4.5)
+    with pytest.raises(TypeError, match="sample_function"):
+        compat.gpt_fast(target, draft, sample_function="argmax")
+    with pytest.raises(TypeError, match="quantize_config"):
+        compat.gpt_fast(target, draft, quantize_config={})
+    with pytest.raises(ValueError, match="vocabulary"):
+        compat.gpt_fast(target, checkpoints["other_vocab"])
+    with pytest.raises(TypeError, match="model_name"):
+        compat.load_int8(None)
+    with pytest.raises(TypeError, match="draft_model"):
+        compat.add_speculative_decode_kv_cache(compat.add_kv_cache(target), "not a model")
+    model = compat.gpt_fast(target, draft, int8=False, device="cpu")
+    cur = _prompts(1, 5)
+    with pytest.raises(TypeError, match="cur_tokens"):
+        model.generate([[3, 4, 5]], 10, 2)
+    with pytest.raises(ValueError, match="cur_tokens"):
+        model.generate(cur[0], 10, 2)
+    with pytest.raises(ValueError, match="max_tokens"):
+        model.generate(cur, 5, 2)
+    with pytest.raises(ValueError, match="speculate_k"):
+        model.generate(cur, 10, 0)
+    with pytest.raises(TypeError, match="temprature"):
+        model.generate(cur, 10, 2, temprature=0.5)
+    with pytest.raises(ValueError, match="sample_function"):
+        compat.gpt_fast(target, draft, lambda self, p: p, int8=False, device="cpu").generate(cur, 10, 2)
+    with pytest.raises(TypeError, match="sequence"):
+        compat.generate_text_fast(target, draft, 42, 10)
+    with pytest.raises(ValueError, match="max_length"):
+        compat.generate_text_fast(target, draft, "w3 w4 w5", 2)
+    with pytest.raises(ValueError, match="model_path"):
+        compat.generate_text_fast(draft, draft, "w3", 5)  # the draft directory has no tokenizer

@@ -1,0 +1,110 @@
+"""``python -m gptfast_kernels demo`` in-process with tiny settings (a 2-second training budget,
+8 new tokens), into a temp cache dir: the report's figures, the cache, and --model/--draft."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from gptfast_kernels.cli import main  # noqa: E402
+from gptfast_kernels.demo.data import ByteTokenizer, code_prompts, load_corpus  # noqa: E402
+from gptfast_kernels.demo.training import TrainSettings, build_model  # noqa: E402
+
+
+def _demo(capsys, *args) -> str:
+    # --threads: keep this process's torch thread count as it is
+    code = main(["demo", "--threads", str(torch.get_num_threads()), "--device", "cpu", *args])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return out
+
+
+def _check_report(out: str, prompts: int) -> None:
+    for side in ("baseline: transformers generate", "optimized: int8 + fused attention",
+                 "optimized + speculative (k="):
+        assert re.search(re.escape(side) + r".*\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out), (side, out)
+    assert re.search(r"speed-up \(speculative vs baseline\): [\d.]+x", out), out
+    assert re.search(r"acceptance rate: [\d.]+% \(\d+ of \d+ draft tokens\)", out), out
+    assert f"speculative == optimized target's own greedy decoding: True ({prompts}/{prompts} prompts" in out, out
+    assert re.search(r"speculative == transformers generate, float32 baseline: (True|False)", out), out
+
+
+def test_demo_trains_caches_and_reports(tmp_path, capsys):
+    tiny = ["--train-seconds", "2", "--max-new-tokens", "8", "--num-prompts", "2", "--cache-dir", str(tmp_path)]
+    first = _demo(capsys, *tiny)
+    _check_report(first, 2)
+    assert "byte-level" in first and "standard library" in first and "trained now, saved to" in first
+    assert len(list(tmp_path.glob("byte-llama-*/target/config.json"))) == 1
+
+    second = _demo(capsys, *tiny, "--no-progress", "--batch-size", "2", "--speculate-k", "2")
+    _check_report(second, 2)
+    assert "loaded from cache" in second and "trained now" not in second
+
+    retrained = _demo(capsys, "--train-seconds", "1", *tiny[2:], "--no-progress")  # new settings: new entry
+    assert "trained now" in retrained
+    assert len(list(tmp_path.glob("byte-llama-*/training.json"))) == 2
+
+
+def test_demo_prompts_batches_and_no_int8(tmp_path, capsys):
+    out = _demo(capsys, "--train-seconds", "1", "--max-new-tokens", "6", "--cache-dir", str(tmp_path), "--no-progress",
+                "--prompt", "import os\n", "--prompt", "    def __init__(self, name):\n        self.",
+                "--num-prompts", "3", "--batch-size", "2", "--no-int8")
+    _check_report(out.replace("float32 + fused", "int8 + fused"), 3)
+    assert "optimized: float32 + fused attention" in out
+
+
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+def test_demo_with_local_checkpoints(tmp_path, capsys, with_tokenizer):
+    torch.manual_seed(0)
+    target = build_model({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "num_attention_heads": 2, "num_key_value_heads": 1})
+    draft = build_model({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                         "num_attention_heads": 2, "num_key_value_heads": 2})
+    target.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    if with_tokenizer:  # a word-level tokenizer over the same 259 ids
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        words = {f"w{i}": i for i in range(ByteTokenizer.vocab_size)}
+        words.update({"<pad>": ByteTokenizer.PAD, "<eos>": ByteTokenizer.EOS, "<unk>": 0})
+        del words[f"w{ByteTokenizer.PAD}"], words[f"w{ByteTokenizer.EOS}"], words["w0"]
+        tokenizer = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                unk_token="<unk>").save_pretrained(tmp_path / "target")
+    out = _demo(capsys, "--model", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                "--max-new-tokens", "8", "--num-prompts", "2", "--no-progress", "--prompt", "w1 w2 w3",
+                "--prompt", "w7")
+    _check_report(out, 2)
+    assert "local checkpoints" in out
+    tokenizer_line = next(line for line in out.splitlines() if "tokenizer:" in line)
+    assert ("byte-level" not in tokenizer_line) if with_tokenizer else ("byte-level" in tokenizer_line), out
+
+
+def test_demo_needs_model_and_draft_together(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--model", "somewhere"])
+    assert "--model and --draft go together" in capsys.readouterr().err
+
+
+def test_demo_help_from_the_command_line():
+    out = subprocess.run([sys.executable, "-m", "gptfast_kernels", "demo", "--help"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    for option in ("--model", "--draft", "--batch-size", "--speculate-k", "--train-seconds", "--cache-dir",
+                   "--device", "--seed", "--no-int8", "--max-new-tokens", "--prompt"):
+        assert option in out
+
+
+def test_byte_tokenizer_and_prompts():
+    tokenizer = ByteTokenizer()
+    ids, mask = tokenizer.batch(["ab", "héllo"])
+    assert ids.shape == mask.shape == (2, 6) and ids[0, :4].tolist() == [ByteTokenizer.PAD] * 4
+    assert tokenizer.decode(ids[1]) == "héllo" and tokenizer.decode([104, 0xC3]) == "h\ufffd"
+    corpus = load_corpus()
+    prompts = code_prompts(corpus, 3)
+    assert len(prompts) == 3 and all("def " in p for p in prompts) and prompts == code_prompts(corpus, 3)
+    assert TrainSettings(corpus="a").key() != TrainSettings(corpus="a", seconds=30).key()

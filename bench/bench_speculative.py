@@ -50,7 +50,8 @@ def _demo_models(h):
     from gptfast_kernels.demo.training import TrainSettings, default_cache_dir, load_or_train
 
     corpus = load_corpus()
-    target, draft = load_or_train(TrainSettings(), corpus, default_cache_dir(), h.device)
+    settings = TrainSettings(corpus=corpus.fingerprint)  # the demo's default models (shared cache)
+    target, draft, _ = load_or_train(settings, corpus, default_cache_dir(), h.device, progress_bar=False)
     return target.eval(), draft.eval(), corpus, code_prompts
 
 

@@ -6,6 +6,7 @@ without CUDA) the affected backends are simply unavailable and the "reference" p
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -54,15 +55,20 @@ def triton_available() -> bool:
 
 def usable_backends(device: torch.device) -> list[str]:
     """The backends that can run on tensors of this device, in no particular order."""
+    return list(_usable_backends(device.type, triton_interpreting()))
+
+
+@functools.lru_cache(maxsize=None)  # asked on every op call: the answer never changes in a process
+def _usable_backends(device_type: str, interpreting: bool) -> tuple[str, ...]:
     backends = ["reference"]
-    if device.type == "cpu":
+    if device_type == "cpu":
         if extension_loaded():
             backends.append("cpu")
-        if triton_available() and triton_interpreting():
+        if triton_available() and interpreting:
             backends.append("triton")
-    elif device.type == "cuda":
+    elif device_type == "cuda":
         if cuda_compiled():
             backends.append("cuda")
-        if triton_available() and not triton_interpreting():
+        if triton_available() and not interpreting:
             backends.append("triton")
-    return backends
+    return tuple(backends)

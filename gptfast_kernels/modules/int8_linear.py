@@ -8,7 +8,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from gptfast_kernels.ops.int8_linear import int8_linear, quantize_int8
+from gptfast_kernels.ops._dispatch import FLOAT_DTYPES, resolve_backend
+from gptfast_kernels.ops.int8_linear import int8_linear, quantize_int8, run_int8_linear
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -62,6 +63,17 @@ class Int8Linear(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The buffers are valid by construction, so a well-formed x skips the wrapper's checks (tens
+        # of microseconds per call, on every linear of every decode step); anything else goes
+        # through int8_linear, which raises a clear error.
+        if (isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1
+                and x.shape[-1] == self.in_features and x.device == self.qweight.device):
+            cached_device, backend = getattr(self, "_auto_backend", (None, None))
+            if cached_device != x.device:
+                backend = resolve_backend("int8_linear", "auto", x.device)
+                if not torch.compiler.is_compiling():  # no module mutation inside a traced graph
+                    self._auto_backend = (x.device, backend)
+            return run_int8_linear(backend, x, self.qweight, self.scales, self.bias)
         return int8_linear(x, self.qweight, self.scales, self.bias)
 
     def extra_repr(self) -> str:

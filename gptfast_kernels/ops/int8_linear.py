@@ -54,7 +54,12 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     "reference".
     """
     _check_int8_linear(x, qweight, scales, bias)
-    chosen = resolve_backend("int8_linear", backend, x.device)
+    return run_int8_linear(resolve_backend("int8_linear", backend, x.device), x, qweight, scales, bias)
+
+
+def run_int8_linear(chosen: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """int8_linear on already-checked inputs with a resolved backend (Int8Linear's fast path)."""
     if chosen == "reference":
         return reference.int8_linear(x, qweight, scales, bias)
     lead_shape = x.shape[:-1]

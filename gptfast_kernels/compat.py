@@ -89,7 +89,7 @@ def _load(op: str, arg: str, name, *, device=None, dtype=None, trust_remote_code
 
 def load_int8(model_name, *, device=None, dtype=None, trust_remote_code: bool = False) -> nn.Module:
     """Loads a causal LM (``from_pretrained``) with int8 weight-only Linear layers (Int8Linear,
-    lm_head kept) and the fused static-cache attention. The result is still an ordinary
+    lm_head included, as patch_model does) and the fused static-cache attention. The result is still an ordinary
     transformers model: ``model(...)`` and ``model.generate(...)`` work as before."""
     model = _load("load_int8", "model_name", model_name, device=device, dtype=dtype,
                   trust_remote_code=trust_remote_code)

@@ -65,16 +65,15 @@ def _e2e_rows(h):
 
     tokenizer = ByteTokenizer()
     for rows in (1, 8):
-        texts = code_prompts(corpus, rows)
-        ids = torch.stack([torch.tensor(tokenizer.encode(t)[-64:]) for t in texts]).to(h.device)
-        mask = torch.ones_like(ids)
+        ids, mask = tokenizer.batch(code_prompts(corpus, rows), h.device)  # left-padded
         eos = []
         case = {"op": "speculative_e2e", "model": "demo byte-level (trained)", "batch": rows,
                 "new_tokens": new_tokens, "speculate_k": SPECULATE_K, **h.meta}
         with torch.no_grad():
             candidates = {
                 "hf_generate": lambda: target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                                       min_new_tokens=new_tokens, do_sample=False),
+                                                       min_new_tokens=new_tokens, do_sample=False,
+                                                       pad_token_id=tokenizer.PAD),
                 "ours_target_alone": lambda: generate(patched_target, ids, mask, max_new_tokens=new_tokens,
                                                       eos_token_id=eos, compile=on_gpu).sequences,
                 "ours_speculative": lambda: speculative_generate(patched_target, patched_draft, ids, mask,
@@ -84,7 +83,7 @@ def _e2e_rows(h):
             if rows == 1:
                 candidates["hf_assisted"] = lambda: target.generate(
                     ids, attention_mask=mask, assistant_model=draft, max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens, do_sample=False)
+                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.PAD)
             timings = {name: _best_seconds(fn, h.device, repeats=2) for name, fn in candidates.items()}
         base = timings["ours_target_alone"][0]
         for name, (seconds, out) in timings.items():

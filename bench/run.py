@@ -9,6 +9,7 @@ import glob
 import importlib
 import os
 import re
+import traceback
 
 import torch
 
@@ -40,15 +41,25 @@ def main(argv: list[str] | None = None) -> int:
 
     harness = Harness(torch.device(args.device), quick=args.quick)
     print(f"copy bandwidth on {harness.meta['device']}: {harness.measure_copy_bandwidth():.1f} GB/s")
-    for name in args.ops.split(","):
+    names = args.ops.split(",")
+    for name in names:
         if name not in available_benches():
             parser.error(f"--ops: unknown benchmark {name!r}; choose from {available_benches()}")
-        importlib.import_module(f"bench.bench_{name}").run(harness)
+    failed = []
+    for name in names:  # one failing benchmark must not lose the others' rows
+        try:
+            importlib.import_module(f"bench.bench_{name}").run(harness)
+        except Exception:  # noqa: BLE001  (reported, recorded, and the exit code says so)
+            traceback.print_exc()
+            failed.append(name)
+            harness.rows.append({"op": name, "error": traceback.format_exc(limit=3), **harness.meta})
     print(harness.table())
     out = args.out or default_output(harness)
     harness.write_json(out)
     print(f"wrote {out}")
-    return 0
+    if failed:
+        print(f"FAILED benchmarks: {failed}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

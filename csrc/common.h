@@ -32,6 +32,11 @@
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace gptfast_kernels {
+// int8_linear's shape / dtype / device / contiguity checks, shared by the CPU and CUDA entry points
+// (defined in int8_linear.cpp); bias must be in x's dtype.
+void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& bias);
+
 // kv_cache_attention's shape / dtype / device / contiguity checks, shared by the CPU and CUDA
 // entry points (defined in kv_cache_attention.cpp). Position values are checked by each backend.
 void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -134,10 +134,8 @@ void gemm_unscaled(const at::Tensor& x_f32, const at::Tensor& qweight, at::Tenso
 
 }  // namespace
 
-// x [M, K] (any float dtype), qweight [N, K] int8, scales [N] float32, bias [N] (x's dtype) or
-// none, all contiguous and on the CPU -> [M, N] in x's dtype.
-at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& bias) {
+void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& bias) {
   constexpr const char* op = "int8_linear";
   GPTFAST_CHECK_DIM(op, x, 2);
   GPTFAST_CHECK_DIM(op, qweight, 2);
@@ -148,9 +146,21 @@ at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   GPTFAST_CHECK_SIZE(op, scales, 0, qweight.size(0));
   GPTFAST_CHECK_CONTIGUOUS(op, qweight);
   GPTFAST_CHECK_CONTIGUOUS(op, scales);
+  GPTFAST_CHECK_DEVICE(op, qweight, x.device());
+  GPTFAST_CHECK_DEVICE(op, scales, x.device());
   if (bias.has_value()) {
     GPTFAST_CHECK_SIZE(op, (*bias), 0, qweight.size(0));
+    GPTFAST_CHECK_DTYPE(op, (*bias), x.scalar_type());
+    GPTFAST_CHECK_CONTIGUOUS(op, (*bias));
+    GPTFAST_CHECK_DEVICE(op, (*bias), x.device());
   }
+}
+
+// x [M, K] (any float dtype), qweight [N, K] int8, scales [N] float32, bias [N] (x's dtype) or
+// none, all contiguous and on the CPU -> [M, N] in x's dtype.
+at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& bias) {
+  check_int8_linear_inputs(x, qweight, scales, bias);
   const int64_t M = x.size(0), N = qweight.size(0);
   at::Tensor x_f32 = x.to(at::kFloat).contiguous();
   at::Tensor y_f32 = at::empty({M, N}, x.options().dtype(at::kFloat));

@@ -302,25 +302,8 @@ void launch_prefill(const at::Tensor& x, const at::Tensor& qweight, const at::Te
 
 at::Tensor int8_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& bias) {
-  constexpr const char* op = "int8_linear";
-  GPTFAST_CHECK_DIM(op, x, 2);
-  GPTFAST_CHECK_DIM(op, qweight, 2);
-  GPTFAST_CHECK_FLOATING(op, x);
-  GPTFAST_CHECK_DTYPE(op, qweight, at::kChar);
-  GPTFAST_CHECK_DTYPE(op, scales, at::kFloat);
-  GPTFAST_CHECK_SIZE(op, x, 1, qweight.size(1));
-  GPTFAST_CHECK_SIZE(op, scales, 0, qweight.size(0));
-  GPTFAST_CHECK_CONTIGUOUS(op, qweight);
-  GPTFAST_CHECK_CONTIGUOUS(op, scales);
-  TORCH_CHECK(x.stride(1) == 1, op, ": x must have a contiguous last dimension");
-  GPTFAST_CHECK_DEVICE(op, qweight, x.device());
-  GPTFAST_CHECK_DEVICE(op, scales, x.device());
-  if (bias.has_value()) {
-    GPTFAST_CHECK_SIZE(op, (*bias), 0, qweight.size(0));
-    GPTFAST_CHECK_DTYPE(op, (*bias), x.scalar_type());
-    GPTFAST_CHECK_CONTIGUOUS(op, (*bias));
-    GPTFAST_CHECK_DEVICE(op, (*bias), x.device());
-  }
+  check_int8_linear_inputs(x, qweight, scales, bias);
+  TORCH_CHECK(x.stride(1) == 1, "int8_linear: x must have a contiguous last dimension");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);

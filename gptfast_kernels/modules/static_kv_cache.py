@@ -191,9 +191,12 @@ class StaticKVCache(Cache):
         # fused: no mask is built, and reading the lengths would cost a host synchronisation
         return 0 if self._fused_step else self.get_seq_length(layer_idx)
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         # The fused kernel needs no mask (positions carry causality and padding): report a cache
-        # as long as the query, so transformers skips building a [B, 1, T, S] mask.
+        # as long as the query, so transformers skips building a [B, 1, T, S] mask. (Earlier 5.x
+        # releases pass cache_position, a [T] tensor, instead of the query length.)
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[-1]
         if self._fused_step:
             return query_length, 0
         return self.max_cache_len, 0

@@ -6,7 +6,6 @@ without CUDA) the affected backends are simply unavailable and the "reference" p
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -55,10 +54,15 @@ def triton_available() -> bool:
 
 def usable_backends(device: torch.device) -> list[str]:
     """The backends that can run on tensors of this device, in no particular order."""
-    return list(_usable_backends(device.type, triton_interpreting()))
+    key = (device.type, triton_interpreting())
+    if key not in _USABLE:  # asked on every op call: the answer never changes in a process
+        _USABLE[key] = _usable_backends(*key)
+    return list(_USABLE[key])
 
 
-@functools.lru_cache(maxsize=None)  # asked on every op call: the answer never changes in a process
+_USABLE: dict[tuple[str, bool], tuple[str, ...]] = {}  # a dict, not lru_cache: torch.compile traces it
+
+
 def _usable_backends(device_type: str, interpreting: bool) -> tuple[str, ...]:
     backends = ["reference"]
     if device_type == "cpu":

@@ -101,7 +101,7 @@ class StaticKVCache(Cache):
         layers = [StaticKVLayer(batch_size, num_heads, max_cache_len, head_dim, device, dtype)
                   for _ in range(num_layers)]
         super().__init__(layers=layers)
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
         self.device, self.dtype = device, dtype
         self.seq_lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
         if not torch.compiler.is_compiling():
@@ -203,6 +203,10 @@ class StaticKVCache(Cache):
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.max_cache_len
+
+    @property
+    def max_cache_len(self) -> int:  # a property: some transformers 5.x releases define one on Cache
+        return self._max_cache_len
 
     @property
     def batch_size(self) -> int:

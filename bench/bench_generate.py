@@ -13,30 +13,17 @@ issue's target for ours is >= 260 tok/s.
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.harness import best_seconds
 
 CPU_CONFIG = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=12, vocab_size=32000, max_position_embeddings=2048)
 GPU_CONFIG = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
 PROMPT_LEN = 32
-
-
-def _tokens_per_s(fn, new_tokens: int, rows: int, repeats: int) -> tuple[float, object]:
-    fn()  # warm-up (and compilation where there is any)
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return rows * new_tokens / best, out
 
 
 def run(h) -> None:
@@ -62,12 +49,12 @@ def run(h) -> None:
                              attention_mask=mask, pad_token_id=0)
             if on_gpu:
                 hf_kwargs["cache_implementation"] = "static"
-            hf_tps, hf_out = _tokens_per_s(lambda: baseline.generate(input_ids, **hf_kwargs),
-                                           new_tokens, rows, repeats=2)
-            ours_tps, ours_out = _tokens_per_s(
+            hf_seconds, hf_out = best_seconds(lambda: baseline.generate(input_ids, **hf_kwargs), h.device,
+                                              repeats=2)
+            ours_seconds, ours_out = best_seconds(
                 lambda: generate(patched, input_ids, mask, max_new_tokens=new_tokens, eos_token_id=[],
-                                 compile=on_gpu),
-                new_tokens, rows, repeats=2)
+                                 compile=on_gpu), h.device, repeats=2)
+        hf_tps, ours_tps = rows * new_tokens / hf_seconds, rows * new_tokens / ours_seconds
         case = {"op": "generate_e2e", "model": f"llama-{params / 1e6:.0f}M random", "batch": rows,
                 "dtype": str(dtype)[6:], "new_tokens": new_tokens, **h.meta}
         h.rows.append({**case, "impl": "hf_generate" + ("_static_cache" if on_gpu else ""),

@@ -20,29 +20,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import gptfast_kernels.generation.speculative as speculative_module
+from bench.harness import best_seconds, synchronize
 from gptfast_kernels import StaticKVCache, generate, patch_model, speculative_generate
 
 SPECULATE_K = 4
 GPU_TARGET = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
 DRAFT_LAYER_FRACTION = 8
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _best_seconds(fn, device, repeats):
-    out = fn()  # warm-up (and compilation)
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        out = fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best, out
 
 
 def _demo_models(h):
@@ -84,7 +68,7 @@ def _e2e_rows(h):
                 candidates["hf_assisted"] = lambda: target.generate(
                     ids, attention_mask=mask, assistant_model=draft, max_new_tokens=new_tokens,
                     min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.PAD)
-            timings = {name: _best_seconds(fn, h.device, repeats=2) for name, fn in candidates.items()}
+            timings = {name: best_seconds(fn, h.device, repeats=2) for name, fn in candidates.items()}
         base = timings["ours_target_alone"][0]
         for name, (seconds, out) in timings.items():
             row = {**case, "impl": name, "tokens_per_s": rows * new_tokens / seconds,
@@ -108,10 +92,10 @@ class _ForwardClock:
             step = self.original(model, compile)
 
             def run(*args):
-                _sync(self.device)
+                synchronize(self.device)
                 start = time.perf_counter()
                 out = step(*args)
-                _sync(self.device)
+                synchronize(self.device)
                 self.seconds += time.perf_counter() - start
                 return out
             return run
@@ -137,7 +121,7 @@ def _rounds_rows(h):
             return speculative_generate(target, draft, ids, max_new_tokens=new_tokens, speculate_k=SPECULATE_K,
                                         eos_token_id=[], compile=True)
 
-        seconds, out = _best_seconds(run, h.device, repeats=2)
+        seconds, out = best_seconds(run, h.device, repeats=2)
         rounds = int(out.num_proposed.max()) // SPECULATE_K
         with _ForwardClock(h.device) as clock:
             run()
@@ -148,13 +132,12 @@ def _rounds_rows(h):
                     model(ids, past_key_values=StaticKVCache(model.config, rows, 32, device=h.device,
                                                              dtype=torch.bfloat16), logits_to_keep=1)
 
-        prefill_seconds, _ = _best_seconds(prefills, h.device, repeats=2)
+        prefill_seconds, _ = best_seconds(prefills, h.device, repeats=2)
         h.rows.append({"op": "speculative_rounds", "model": "llama-8B-shape random + 4-layer draft", "batch": rows,
                        "speculate_k": SPECULATE_K, "impl": "ours_speculative_compiled",
                        "rounds_per_s": rounds / seconds, "tokens_per_s": rows * new_tokens / seconds,
                        "fraction_outside_forwards": max(0.0, 1 - (clock.seconds + prefill_seconds) / seconds),
                        **h.meta})
-    del target, draft
 
 
 def run(h) -> None:

@@ -59,6 +59,26 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, floa
     return qs[1], statistics.median(samples), qs[7]
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, object]:
+    """(fastest of ``repeats`` timed calls in seconds, that call's result) after one warm-up call
+    (which also compiles, where there is anything to compile). For whole generation runs, where
+    time_ms's many repeats would take minutes."""
+    out = fn()
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        out = fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
 def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Measured device-memory copy bandwidth: bytes read + bytes written per second."""
     if device.type == "cpu":

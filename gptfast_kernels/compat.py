@@ -50,11 +50,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gptfast_kernels.generation.common import model_device_dtype, resolve_special_tokens
+from gptfast_kernels.generation.common import model_device_dtype, output_vocab_size, resolve_special_tokens
 from gptfast_kernels.generation.generate import generate as _generate
 from gptfast_kernels.generation.speculative import SpeculativeOutput, speculative_generate
 from gptfast_kernels.models.patch import is_patched, patch_model
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
+from gptfast_kernels.ops._dispatch import check_int
 
 __all__ = ["KVCacheModel", "GPTFastModel", "gpt_fast", "load_int8", "add_kv_cache",
            "add_speculative_decode_kv_cache", "generate_text_fast"]
@@ -196,12 +197,6 @@ def _check_token_tensor(op: str, arg: str, tokens) -> None:
                          f"got {tokens.dtype} {list(tokens.shape)}")
 
 
-def _check_positive_int(op: str, arg: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{op}: {arg} must be an int >= 1, got {value!r}")
-    return value
-
-
 class GPTFastModel(nn.Module):
     """What ``gpt_fast`` / ``add_speculative_decode_kv_cache`` return: the target (``model``, a
     KVCacheModel), the draft (``draft_model``, or None: plain decoding) and ``sample``, the bound
@@ -230,8 +225,8 @@ class GPTFastModel(nn.Module):
         tokens per round. ``sampling_kwargs`` go to ``sample_function`` when there is one."""
         op = "generate"
         _check_token_tensor(op, "cur_tokens", cur_tokens)
-        max_tokens = _check_positive_int(op, "max_tokens", max_tokens)
-        speculate_k = _check_positive_int(op, "speculate_k", speculate_k)
+        max_tokens = check_int(op, "max_tokens", max_tokens, 1)
+        speculate_k = check_int(op, "speculate_k", speculate_k, 1)
         prompt_len = cur_tokens.shape[1]
         if max_tokens <= prompt_len:
             raise ValueError(f"{op}: max_tokens counts the prompt too (as in GPTFast) and must exceed cur_tokens' "
@@ -300,12 +295,6 @@ class GPTFastModel(nn.Module):
         return token
 
 
-def _vocab_size(model: nn.Module) -> int:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    size = getattr(head, "out_features", None)
-    return int(size) if size is not None else int(model.config.get_text_config(decoder=True).vocab_size)
-
-
 def add_speculative_decode_kv_cache(model, draft_model, sample_function: Callable | None = None) -> GPTFastModel:
     """Speculative decoding of ``model`` with ``draft_model`` (each a KVCacheModel from add_kv_cache,
     or a transformers model). ``sample_function(self, probabilities, **kwargs) -> token id`` or None
@@ -318,7 +307,7 @@ def add_speculative_decode_kv_cache(model, draft_model, sample_function: Callabl
     if sample_function is not None and not callable(sample_function):
         raise TypeError(f"{op}: sample_function must be callable or None, got {type(sample_function).__name__}")
     model, draft_model = add_kv_cache(model), add_kv_cache(draft_model)
-    target_vocab, draft_vocab = _vocab_size(model.model), _vocab_size(draft_model.model)
+    target_vocab, draft_vocab = output_vocab_size(model.model), output_vocab_size(draft_model.model)
     if target_vocab != draft_vocab:
         raise ValueError(f"{op}: draft_model's vocabulary ({draft_vocab} tokens) differs from model's "
                          f"({target_vocab}); speculative decoding needs models that share a tokenizer")
@@ -366,7 +355,7 @@ def generate_text_fast(model_path, draft_model_name, sequence, max_length: int, 
     texts = list(sequence) if batch else [sequence]
     if not texts or not all(isinstance(text, str) for text in texts):
         raise TypeError(f"{op}: sequence must be a str or a non-empty list of str, got {type(sequence).__name__}")
-    _check_positive_int(op, "max_length", max_length)
+    check_int(op, "max_length", max_length, 1)
     _check_name(op, "model_path", model_path)
     _check_name(op, "draft_model_name", draft_model_name)
     from transformers import AutoTokenizer

@@ -66,12 +66,6 @@ def check_prompt(op: str, input_ids, attention_mask, device: torch.device, vocab
     return Prompt(input_ids.to(torch.int64), mask, lengths)
 
 
-def check_max_new_tokens(op: str, max_new_tokens) -> int:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"{op}: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    return max_new_tokens
-
-
 def resolve_special_tokens(op: str, model, eos_token_id) -> tuple[list[int], int]:
     """(eos ids, pad id). eos_token_id None means the model's generation_config's, as in
     transformers; the pad id is the model's pad token, else the first eos id, else 0."""
@@ -90,6 +84,13 @@ def resolve_special_tokens(op: str, model, eos_token_id) -> tuple[list[int], int
     if pad is None:
         pad = eos[0] if eos else 0
     return eos, int(pad)
+
+
+def output_vocab_size(model) -> int:
+    """Entries in the model's logits: the output head's width, else the config's vocab_size."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    size = getattr(head, "out_features", None)
+    return int(size) if size is not None else int(model.config.get_text_config(decoder=True).vocab_size)
 
 
 def input_vocab_size(model) -> int:

@@ -10,6 +10,7 @@ from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.sampling import check_sampling_args, pick_tokens
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
+from gptfast_kernels.ops._dispatch import check_int
 
 
 @dataclass
@@ -38,7 +39,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     common.check_model(op, "model", model)
     device, dtype = common.model_device_dtype(model)
     prompt = common.check_prompt(op, input_ids, attention_mask, device, common.input_vocab_size(model))
-    max_new_tokens = common.check_max_new_tokens(op, max_new_tokens)
+    max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
     check_sampling_args(op, temperature, top_k, top_p)
     eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
     B = prompt.input_ids.shape[0]

@@ -41,10 +41,14 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int | None 
     return probs
 
 
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[B, V] probabilities -> [B] int64 sampled tokens."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
 def pick_tokens(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                 generator: torch.Generator | None) -> torch.Tensor:
     """[B, V] logits -> [B] int64 tokens: argmax when temperature is 0, else a sample."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return sample_from(logits_to_probs(logits, temperature, top_k, top_p), generator)

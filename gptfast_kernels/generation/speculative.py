@@ -19,7 +19,8 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import check_sampling_args, logits_to_probs
+from gptfast_kernels.generation.sampling import check_sampling_args, logits_to_probs, sample_from
+from gptfast_kernels.ops._dispatch import check_int
 from gptfast_kernels.ops.verify_draft import verify_draft
 
 
@@ -31,17 +32,10 @@ class SpeculativeOutput:
     acceptance_rate: float      # accepted / proposed over the batch (0 when nothing was proposed)
 
 
-def _vocab_size(model) -> int:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and hasattr(head, "out_features"):
-        return int(head.out_features)
-    return int(model.config.get_text_config(decoder=True).vocab_size)
-
-
 def _sample(probs: torch.Tensor, greedy: bool, generator) -> torch.Tensor:
     if greedy:
         return probs.argmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return sample_from(probs, generator)
 
 
 @torch.no_grad()
@@ -57,19 +51,18 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     op = "speculative_generate"
     common.check_model(op, "model", model)
     common.check_model(op, "draft_model", draft_model)
-    target_vocab, draft_vocab = _vocab_size(model), _vocab_size(draft_model)
+    target_vocab, draft_vocab = common.output_vocab_size(model), common.output_vocab_size(draft_model)
     if target_vocab != draft_vocab:
         raise ValueError(f"{op}: draft_model's vocabulary ({draft_vocab} tokens) differs from model's "
                          f"({target_vocab}); the two models must share a tokenizer")
-    if isinstance(speculate_k, bool) or not isinstance(speculate_k, int) or speculate_k < 1:
-        raise ValueError(f"{op}: speculate_k must be an int >= 1, got {speculate_k!r}")
+    check_int(op, "speculate_k", speculate_k, 1)
     device, dtype = common.model_device_dtype(model)
     draft_device, draft_dtype = common.model_device_dtype(draft_model)
     if draft_device != device:
         raise ValueError(f"{op}: draft_model is on {draft_device} but model is on {device}")
     prompt = common.check_prompt(op, input_ids, attention_mask, device,
                                  min(common.input_vocab_size(model), common.input_vocab_size(draft_model)))
-    max_new_tokens = common.check_max_new_tokens(op, max_new_tokens)
+    max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
     check_sampling_args(op, temperature, top_k, top_p)
     eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
     k, greedy = speculate_k, temperature == 0

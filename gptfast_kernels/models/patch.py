@@ -31,8 +31,6 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     if getattr(model, "_gptfast_hooks", None) is None:
         model._gptfast_hooks = (model.register_forward_pre_hook(attention.before_forward, with_kwargs=True),
                                 model.register_forward_hook(attention.after_forward, with_kwargs=True))
-    model._gptfast_patch = {"int8": int8 or getattr(model, "_gptfast_patch", {}).get("int8", False),
-                            "fused_attention": fused_attention}
     return model
 
 

@@ -1,6 +1,13 @@
-"""Drop-in modules: Int8Linear and StaticKVCache."""
+"""Drop-in modules: Int8Linear and StaticKVCache (loaded on first use: it imports transformers)."""
 
 from gptfast_kernels.modules.int8_linear import Int8Linear, quantize_int8_
-from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
 __all__ = ["Int8Linear", "StaticKVCache", "quantize_int8_"]
+
+
+def __getattr__(name: str):
+    if name == "StaticKVCache":
+        from gptfast_kernels.modules.static_kv_cache import StaticKVCache
+
+        return StaticKVCache
+    raise AttributeError(f"module 'gptfast_kernels.modules' has no attribute {name!r}")

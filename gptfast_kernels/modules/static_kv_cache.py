@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from gptfast_kernels.ops._dispatch import is_tracing
+from gptfast_kernels.ops._dispatch import check_int, is_tracing
 
 
 def cache_geometry(config) -> tuple[int, int, int]:
@@ -68,12 +68,6 @@ class StaticKVLayer(CacheLayerMixin):
         self.values.zero_()
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"StaticKVCache: {name} must be a positive int, got {value!r}")
-    return value
-
-
 class StaticKVCache(Cache):
     """Preallocated KV cache with per-row lengths.
 
@@ -83,8 +77,8 @@ class StaticKVCache(Cache):
     """
 
     def __init__(self, config, batch_size: int, max_cache_len: int, *, device=None, dtype=None):
-        batch_size = _positive_int("batch_size", batch_size)
-        max_cache_len = _positive_int("max_cache_len", max_cache_len)
+        batch_size = check_int("StaticKVCache", "batch_size", batch_size, 1)
+        max_cache_len = check_int("StaticKVCache", "max_cache_len", max_cache_len, 1)
         num_layers, num_heads, head_dim = cache_geometry(config)
         text_config = config.get_text_config(decoder=True)
         if dtype is None:
@@ -168,9 +162,7 @@ class StaticKVCache(Cache):
         path: copies them at the planned positions and returns the whole buffers, as HF expects."""
         if self._fused_step:
             return key_states, value_states
-        if layer_idx == 0 or self._step_positions is None:
-            if self._step_positions is not None:  # an unpatched forward has no hook: commit here
-                self.commit_step()
+        if layer_idx == 0 or self._step_positions is None:  # a new forward (a failed one is dropped)
             self.plan_step(key_states.shape[-2], fused=False)
         layer = self.layers[layer_idx]
         positions = self._step_positions

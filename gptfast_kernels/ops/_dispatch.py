@@ -57,6 +57,13 @@ def check_tensor(op: str, name: str, value, *, dtypes: Sequence[torch.dtype] | N
                              f"got shape {tuple(value.shape)}")
 
 
+def check_int(op: str, name: str, value, minimum: int) -> int:
+    """An int (not a bool) >= minimum, else ValueError naming the argument; returns it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{op}: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 def check_same_device(op: str, **tensors) -> torch.device:
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     first_name, first = next(iter(devices.items()))

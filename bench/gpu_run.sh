@@ -1,31 +1,91 @@
 #!/usr/bin/env bash
-# The whole GPU proof in one command, for a bare H100/H200 machine (the device tool):
-#   build the extension (MAX_JOBS=16, sm_90a), run the full test suite with CUDA, run the CUDA tests
-#   under compute-sanitizer (memcheck, racecheck), run every benchmark (copy bandwidth measured in
-#   the same run), and write logs + JSON into OUT_DIR (default: $OUT, else bench/results).
-# Usage: bash bench/gpu_run.sh [OUT_DIR]
+# The GPU proof, for a bare H100/H200 machine (the device tool), in stages that each end well inside
+# the tool's 10-minute limit per command, so they can be spread over calls:
+#
+#   bash bench/gpu_run.sh OUT_DIR [STAGE ...]        (default: every stage, in this order)
+#
+#   build        the extension in place (MAX_JOBS=16, sm_90a); skipped when a prebuilt one that
+#                loads with CUDA kernels for this torch is carried in .gpu_build/ (scripts/
+#                build_for_gpu_machine.sh makes it on a machine without a GPU)
+#   tests        the whole suite with CUDA                               -> tests.log
+#   sanitize     compute-sanitizer memcheck + racecheck, CUDA op tests   -> sanitizer.log
+#   kernels      microbenchmarks of the three ops + copy bandwidth        -> <device>_<date>_<commit>_<benches>.json
+#   generate     end to end, Llama-3-8B shapes, batch 1 / 8 / 32          -> ..._generate.json
+#   speculative  speculative rounds/s at B = 1 / 8 / 32, demo end to end  -> ..._speculative.json
+#
+# Every stage runs (a failing one does not stop the next); the exit code says whether all passed.
+# Logs of the bench stages go to bench.log, so one call with every stage returns 7 files (the
+# tool brings back 8 at most). GPTFAST_COMMIT names the measured commit where .git is absent.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
+shift || true
+STAGES=${*:-build tests sanitize kernels generate speculative}
+case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} GPTFAST_KERNELS_REQUIRE_CUDA=1
+export GPTFAST_COMMIT=${GPTFAST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 PY=${PYTHON:-python3}
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-540}  # seconds; a hung stage is killed and its log still comes back
+failed=()
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT_DIR/gpu.txt"
-git rev-parse HEAD 2>/dev/null | tee -a "$OUT_DIR/gpu.txt"
+has_cuda_kernels() {
+  "$PY" - <<'PY' 2>/dev/null
+import sys
+from gptfast_kernels import _extension
+ok = _extension.extension_loaded() and all(_extension.has_kernel(op, "CUDA") for op in _extension._OPS_WITH_KERNELS)
+sys.exit(0 if ok else 1)
+PY
+}
 
-echo "== build"
-start=$(date +%s)
-"$PY" setup.py -q build_ext --inplace 2>&1 | tail -20 || { echo "build failed"; exit 1; }
-echo "build took $(( $(date +%s) - start )) s"
-"$PY" -m gptfast_kernels info | tee -a "$OUT_DIR/gpu.txt"
+stage_build() {
+  if [ -f .gpu_build/_C.abi3.so ] && [ ! -f gptfast_kernels/_C.abi3.so ]; then
+    cp .gpu_build/_C.abi3.so gptfast_kernels/_C.abi3.so
+    if has_cuda_kernels; then echo "using the prebuilt extension from .gpu_build ($(cat .gpu_build/BUILD_INFO 2>/dev/null))"; return 0; fi
+    echo "the prebuilt extension does not load here; building"; rm -f gptfast_kernels/_C.abi3.so
+  fi
+  if has_cuda_kernels; then echo "extension already built"; return 0; fi
+  local start=$SECONDS
+  timeout "$STAGE_TIMEOUT" "$PY" setup.py -q build_ext --inplace 2>&1 | grep -v "WARNING: Location" | tail -20
+  local rc=${PIPESTATUS[0]}
+  echo "build took $((SECONDS - start)) s (rc $rc)"
+  has_cuda_kernels
+}
 
-echo "== tests (CUDA)"
-"$PY" -m pytest python_tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT_DIR/tests.log" | tail -25
+stage_tests() {
+  timeout "$STAGE_TIMEOUT" "$PY" -m pytest python_tests -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT_DIR/tests.log" | tail -40
+}
 
-echo "== compute-sanitizer"
-bash scripts/sanitize.sh 2>&1 | tee "$OUT_DIR/sanitizer.log" | tail -15
+stage_sanitize() {
+  timeout "$STAGE_TIMEOUT" bash scripts/sanitize.sh 2>&1 | tee "$OUT_DIR/sanitizer.log" | tail -20
+}
 
-echo "== benchmarks"
-"$PY" -m bench.run --out "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.log" | tail -80
+bench() {  # bench <comma-separated benches>
+  timeout "$STAGE_TIMEOUT" "$PY" -m bench.run --ops "$1" --out-dir "$OUT_DIR" 2>&1 | tee -a "$OUT_DIR/bench.log" | tail -60
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+  echo "commit $GPTFAST_COMMIT"
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} 2>&1 | tee -a "$OUT_DIR/gpu.txt"
+
+for stage in $STAGES; do
+  echo "== $stage ($(date -u +%T))"
+  start=$SECONDS
+  case "$stage" in
+    build) stage_build ;;
+    tests) stage_tests ;;
+    sanitize) stage_sanitize ;;
+    kernels) bench int8_linear,kv_cache_attention,verify_draft ;;
+    generate) bench generate ;;
+    speculative) bench speculative ;;
+    *) echo "unknown stage $stage"; false ;;
+  esac
+  rc=$?
+  echo "== $stage: rc $rc in $((SECONDS - start)) s" | tee -a "$OUT_DIR/gpu.txt"
+  [ "$rc" -eq 0 ] || failed+=("$stage")
+  if [ "$stage" = build ] && [ "$rc" -ne 0 ]; then echo "no extension: stopping"; exit 1; fi
+done
+[ ${#failed[@]} -eq 0 ] || { echo "FAILED stages: ${failed[*]}"; exit 1; }

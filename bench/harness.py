@@ -26,6 +26,9 @@ CPU_MIN_SECONDS = 0.5
 
 
 def _commit() -> str:
+    """The measured commit: git's, else GPTFAST_COMMIT (a copied tree without .git, e.g. the GPU machine)."""
+    if os.environ.get("GPTFAST_COMMIT"):
+        return os.environ["GPTFAST_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,

@@ -24,10 +24,12 @@ def available_benches() -> list[str]:
     return sorted(names)
 
 
-def default_output(harness: Harness) -> str:
+def default_output(harness: Harness, out_dir: str, names: list[str]) -> str:
+    """<out_dir>/<device>_<date>_<commit>[_<benches>].json (the benches named when not all ran)."""
     device = re.sub(r"[^A-Za-z0-9]+", "-", harness.meta["device"]).strip("-").lower()
     date = datetime.date.today().isoformat()
-    return os.path.join(BENCH_DIR, "results", f"{device}_{date}_{harness.meta['commit']}.json")
+    subset = "" if sorted(names) == available_benches() else "_" + "-".join(names)
+    return os.path.join(out_dir, f"{device}_{date}_{harness.meta['commit']}{subset}.json")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated subset of {available_benches()}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="fewer, smaller cases")
-    parser.add_argument("--out", default=None, help="JSON output path (default bench/results/...)")
+    parser.add_argument("--out", default=None, help="JSON output path (default: one named by device, date, "
+                                                     "commit and benches in --out-dir)")
+    parser.add_argument("--out-dir", default=os.path.join(BENCH_DIR, "results"))
     args = parser.parse_args(argv)
 
     harness = Harness(torch.device(args.device), quick=args.quick)
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
             harness.rows.append({"op": name, "error": traceback.format_exc(limit=3), **harness.meta})
     print(harness.table())
-    out = args.out or default_output(harness)
+    out = args.out or default_output(harness, args.out_dir, names)
     harness.write_json(out)
     print(f"wrote {out}")
     if failed:

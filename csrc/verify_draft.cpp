@@ -96,20 +96,26 @@ int64_t sample_inverse_cdf(const Weights& w, int64_t V, double total, float u) {
 // blocks of FIND_BLOCK (branch-free inside a block, so it vectorises too).
 constexpr int64_t FIND_BLOCK = 16;
 
+// NaN counts as the maximum, as in torch.argmax (NaN reaches here only under capture or compile,
+// where the wrapper's check is skipped; the CUDA kernel orders it the same way).
 int64_t argmax_first(const float* row, int64_t V) {
   float best = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : best)
-  for (int64_t j = 0; j < V; ++j) best = row[j] > best ? row[j] : best;
+  int nan_seen = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan_seen)
+  for (int64_t j = 0; j < V; ++j) {
+    best = row[j] > best ? row[j] : best;
+    nan_seen |= row[j] != row[j];
+  }
   int64_t j = 0;
   for (; j + FIND_BLOCK <= V; j += FIND_BLOCK) {
     int hit = 0;
-    for (int64_t l = 0; l < FIND_BLOCK; ++l) hit |= row[j + l] == best;
+    for (int64_t l = 0; l < FIND_BLOCK; ++l) hit |= nan_seen ? row[j + l] != row[j + l] : row[j + l] == best;
     if (hit) break;
   }
   for (; j < V; ++j) {
-    if (row[j] == best) return j;
+    if (nan_seen ? row[j] != row[j] : row[j] == best) return j;
   }
-  return 0;  // only for rows without a comparable value (all NaN), which the wrapper rejects
+  return 0;  // V == 0 is rejected by the wrapper
 }
 
 }  // namespace

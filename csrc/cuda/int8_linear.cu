@@ -18,6 +18,8 @@
 #include <mma.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "../common.h"
 
 namespace gptfast_kernels {
@@ -44,6 +46,8 @@ constexpr int TC_SMEM_PAD = 8;  // breaks shared-memory bank conflicts on the fr
 constexpr int SIMT_BLOCK = 64;
 constexpr int SIMT_BLOCK_K = 16;
 constexpr int SIMT_THREADS = 256;
+// CUDA's limit on gridDim.y, which holds the prefill kernels' row tiles.
+constexpr int64_t MAX_GRID_Y = 65535;
 
 template <typename T>
 __device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
@@ -254,7 +258,7 @@ template <typename scalar_t, int ROWS>
 void launch_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                  const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  const bool vectorized = K % GEMV_VEC == 0 && x.stride(0) % GEMV_VEC == 0 &&
+  const bool vectorized = K % GEMV_VEC == 0 && (M == 1 || x.stride(0) % GEMV_VEC == 0) &&
                           aligned16(x.data_ptr()) && aligned16(qweight.data_ptr());
   const dim3 grid(static_cast<unsigned>((N + GEMV_WARPS - 1) / GEMV_WARPS));
   for (int64_t row = 0; row < M; row += ROWS) {
@@ -284,18 +288,24 @@ template <typename scalar_t>
 void launch_prefill(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                     const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    const dim3 grid((N + SIMT_BLOCK - 1) / SIMT_BLOCK, (M + SIMT_BLOCK - 1) / SIMT_BLOCK);
-    int8_linear_simt_kernel<<<grid, SIMT_THREADS, 0, stream>>>(
-        x.data_ptr<float>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
-        y.data_ptr<float>(), M, N, K, x.stride(0));
-  } else {
-    const dim3 grid((N + TC_BLOCK_N - 1) / TC_BLOCK_N, (M + TC_BLOCK_M - 1) / TC_BLOCK_M);
-    int8_linear_wmma_kernel<scalar_t><<<grid, TC_WARPS * WARP, 0, stream>>>(
-        x.data_ptr<scalar_t>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
-        y.data_ptr<scalar_t>(), M, N, K, x.stride(0));
+  constexpr bool fp32 = std::is_same_v<scalar_t, float>;
+  constexpr int64_t block_m = fp32 ? SIMT_BLOCK : TC_BLOCK_M, block_n = fp32 ? SIMT_BLOCK : TC_BLOCK_N;
+  // Row tiles go in gridDim.y (at most MAX_GRID_Y): larger M runs as several launches.
+  const int64_t rows_per_launch = MAX_GRID_Y * block_m;
+  for (int64_t m0 = 0; m0 < M; m0 += rows_per_launch) {
+    const int64_t rows = std::min(rows_per_launch, M - m0);
+    const dim3 grid(static_cast<unsigned>((N + block_n - 1) / block_n), static_cast<unsigned>((rows + block_m - 1) / block_m));
+    const scalar_t* x_rows = x.data_ptr<scalar_t>() + m0 * x.stride(0);
+    scalar_t* y_rows = y.data_ptr<scalar_t>() + m0 * N;
+    if constexpr (fp32) {
+      int8_linear_simt_kernel<<<grid, SIMT_THREADS, 0, stream>>>(
+          x_rows, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y_rows, rows, N, K, x.stride(0));
+    } else {
+      int8_linear_wmma_kernel<scalar_t><<<grid, TC_WARPS * WARP, 0, stream>>>(
+          x_rows, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y_rows, rows, N, K, x.stride(0));
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -303,7 +313,7 @@ void launch_prefill(const at::Tensor& x, const at::Tensor& qweight, const at::Te
 at::Tensor int8_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& bias) {
   check_int8_linear_inputs(x, qweight, scales, bias);
-  TORCH_CHECK(x.stride(1) == 1, "int8_linear: x must have a contiguous last dimension");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, "int8_linear: x must have a contiguous last dimension");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);

@@ -314,6 +314,15 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
   __syncthreads();
 }
 
+// True when no later token of the row writes the same slot: with repeated positions (possible
+// only under capture, where they are not checked) the last token wins, as on the CPU, and a slot
+// never gets two concurrent writers.
+__device__ __forceinline__ bool last_writer(const int* row_pos, int T, int t) {
+  for (int later = t + 1; later < T; ++later)
+    if (row_pos[later] == row_pos[t]) return false;
+  return true;
+}
+
 // K/V rows of a decode block: a slot written by this launch is read from k / v (src[j] = the
 // token writing it), any other slot from the cache.
 template <typename T>
@@ -415,7 +424,7 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
   const int dvec = ceil_div(D, V);
   for (int i = tid; i < p.T * dvec; i += THREADS) {
     const int t = i / dvec, c = i % dvec, slot = new_pos[t];
-    if (slot >= lo && slot < hi) {
+    if (slot >= lo && slot < hi && last_writer(new_pos, p.T, t)) {
       copy_vec<T, GVEC>(k_cache + static_cast<int64_t>(slot) * D, k_new + t * p.k_st, c, D);
       copy_vec<T, GVEC>(v_cache + static_cast<int64_t>(slot) * D, v_new + t * p.v_st, c, D);
     }
@@ -488,7 +497,11 @@ template <typename T, bool GVEC>
 __global__ void __launch_bounds__(SCATTER_THREADS) scatter_kernel(const Params<T> p) {
   const int64_t bt = blockIdx.x, b = bt / p.T, t = bt % p.T;
   const int slot = sanitize(p.positions[bt], p.S);
-  if (slot < 0) return;
+  // A later token of the row with the same slot wins (see last_writer); the block scans them together.
+  bool overwritten = false;
+  for (int64_t later = t + 1 + threadIdx.x; later < p.T && slot >= 0; later += SCATTER_THREADS)
+    overwritten = overwritten || sanitize(p.positions[b * p.T + later], p.S) == slot;
+  if (__syncthreads_or(overwritten) || slot < 0) return;
   const int dvec = ceil_div(p.D, VEC<T>);
   for (int i = threadIdx.x; i < p.Hkv * dvec; i += SCATTER_THREADS) {
     const int h = i / dvec, c = i % dvec;
@@ -684,11 +697,14 @@ int kv_tile(int row_bytes) {
 }
 
 // Query rows per pass / tile of the SIMT engine that fit SIMT_SMEM_BUDGET.
+// Passes are balanced: 64 rows that fit 62 at a time run as 2 x 32, not 62 + 2.
 template <typename T>
 int simt_rows(int wanted, int bn, int dp) {
-  int rows = std::max(1, std::min(wanted, MAX_ROWS_PER_PASS));
+  wanted = std::max(1, wanted);
+  int rows = std::min(wanted, MAX_ROWS_PER_PASS);
   while (rows > 1 && SimtSmem<T>(0, rows, bn, dp).bytes > SIMT_SMEM_BUDGET) --rows;
-  return rows;
+  const int passes = ceil_div(std::min(wanted, MAX_ROWS_PER_PASS), rows);
+  return ceil_div(std::min(wanted, MAX_ROWS_PER_PASS), passes);
 }
 
 int device_attribute(cudaDeviceAttr attr) {  // a host-side lookup: no synchronisation
@@ -698,13 +714,23 @@ int device_attribute(cudaDeviceAttr attr) {  // a host-side lookup: no synchroni
   return value;
 }
 
-// Opts a kernel in to `bytes` of dynamic shared memory on the current device (once per size).
+// Static shared memory of a kernel (its __shared__ arrays), which counts against the same limits.
+template <typename Kernel>
+int static_smem(Kernel kernel) {
+  cudaFuncAttributes attributes{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel)));
+  return static_cast<int>(attributes.sharedSizeBytes);
+}
+
+// Opts a kernel in to `bytes` of dynamic shared memory on the current device (once per size):
+// needed whenever static + dynamic shared memory passes the 48 KiB default.
 template <typename Kernel>
 void set_dynamic_smem(Kernel kernel, int bytes) {
   const int limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
-  TORCH_CHECK(bytes <= limit, "kv_cache_attention: needs ", bytes, " bytes of shared memory per block, the device has ",
+  const int total = bytes + static_smem(kernel);
+  TORCH_CHECK(total <= limit, "kv_cache_attention: needs ", total, " bytes of shared memory per block, the device has ",
               limit);
-  if (bytes <= DEFAULT_SMEM_LIMIT) return;
+  if (total <= DEFAULT_SMEM_LIMIT) return;
   static std::mutex mutex;
   static auto* done = new std::map<std::pair<const void*, int>, int>();  // (kernel, device) -> bytes
   int device = 0;
@@ -787,7 +813,11 @@ void launch_prefill(Params<T> p, int64_t B, bool gvec, cudaStream_t stream) {
     kernel = gvec ? prefill_simt_kernel<T, true> : prefill_simt_kernel<T, false>;
   } else {
     p.dp = align_up(p.D, 16);
-    const bool large = p.dp > TC_LARGE_HEAD_DIM;
+    // 32 x 32 tiles for large heads, and on GPUs with less shared memory per block (sm_86 / sm_89:
+    // 99 KiB, under the 111 KiB of 64 x 64 tiles at D = 128).
+    const bool large = p.dp > TC_LARGE_HEAD_DIM ||
+                       TcSmem<T>(0, 64, 64, p.dp).bytes + static_smem(prefill_tc_kernel<T, true>) >
+                           device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
     p.rows = large ? 32 : 64;
     p.bn = large ? 32 : 64;
     threads = TC_THREADS;

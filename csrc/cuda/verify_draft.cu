@@ -63,9 +63,13 @@ __device__ long long block_min(long long v, long long* scratch) {
   return result;
 }
 
-// (value, index) that wins an argmax: the larger value, the smaller index on ties.
+// (value, index) that wins an argmax, as torch.argmax: NaN above every number, then the larger
+// value, the smaller index on ties. A total order, so every thread of a block merges to the same
+// winner even with NaN inputs (reachable under capture, where inputs are not checked).
 __device__ __forceinline__ void argmax_merge(float& best, long long& idx, float v, long long j) {
-  if (v > best || (v == best && j < idx)) {
+  const bool v_nan = isnan(v), best_nan = isnan(best);
+  const bool wins = v_nan != best_nan ? v_nan : (v > best || (v == best && j < idx) || (v_nan && j < idx));
+  if (idx == LLONG_MAX || wins) {
     best = v;
     idx = j;
   }
@@ -76,13 +80,7 @@ __device__ long long block_argmax(const float* __restrict__ row, int64_t V, floa
                                   long long* scratch_i) {
   float best = -INFINITY;
   long long idx = LLONG_MAX;
-  for (int64_t j = threadIdx.x; j < V; j += THREADS) {  // ascending j: strict > keeps the first
-    const float v = row[j];
-    if (v > best || idx == LLONG_MAX) {
-      best = v;
-      idx = j;
-    }
-  }
+  for (int64_t j = threadIdx.x; j < V; j += THREADS) argmax_merge(best, idx, row[j], j);
   for (int offset = 16; offset > 0; offset >>= 1) {
     argmax_merge(best, idx, __shfl_xor_sync(FULL_MASK, best, offset),
                  __shfl_xor_sync(FULL_MASK, idx, offset));

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from gptfast_kernels import _extension
+from gptfast_kernels.triton import on_device
 
 # Rows of x up to which the GEMV kernel is used; above it tl.dot tiles win (tensor cores need
 # at least 16 rows per tile, and a 16-row tile with 1-4 real rows wastes most of the MMA).
@@ -97,19 +98,26 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if M == 0 or N == 0:
         return y
     bias_arg = bias if bias is not None else scales  # never read when HAS_BIAS is False
+    with on_device(x):
+        _launch(x, qweight, scales, bias_arg, bias is not None, y)
+    return y
+
+
+def _launch(x, qweight, scales, bias_arg, has_bias, y):
+    M, K = x.shape
+    N = qweight.shape[0]
     if M <= GEMV_MAX_ROWS:
         grid = (triton.cdiv(N, GEMV_BLOCK_N), M)
         _int8_linear_gemv_kernel[grid](
             x, qweight, scales, bias_arg, y, N, K, x.stride(0), x.stride(1), qweight.stride(0),
-            y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K)
+            y.stride(0), HAS_BIAS=has_bias, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K)
     else:
         block_m = TILE_BLOCK_M_SMALL if M <= 16 else TILE_BLOCK_M_LARGE
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, TILE_BLOCK_N))
         _int8_linear_tiled_kernel[grid](
             x, qweight, scales, bias_arg, y, M, N, K, x.stride(0), x.stride(1), qweight.stride(0),
-            y.stride(0), HAS_BIAS=bias is not None, FP32_DOT=_dot_in_fp32(x.dtype),
+            y.stride(0), HAS_BIAS=has_bias, FP32_DOT=_dot_in_fp32(x.dtype),
             BLOCK_M=block_m, BLOCK_N=TILE_BLOCK_N, BLOCK_K=TILE_BLOCK_K)
-    return y
 
 
 @int8_linear_triton.register_fake

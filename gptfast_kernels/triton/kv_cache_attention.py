@@ -26,7 +26,6 @@ float32; no host synchronisation. Registered as ``gptfast_kernels::kv_cache_atte
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -36,6 +35,7 @@ import triton
 import triton.language as tl
 
 from gptfast_kernels import _extension
+from gptfast_kernels.triton import on_device
 
 # Largest T handled by the flash-decoding kernel. Speculative verification uses k + 1 <= 16; every
 # (query head of the group, token) pair is one row of a single tile, and the [BLOCK_N, BLOCK_T]
@@ -45,6 +45,9 @@ DECODE_MAX_T = 16
 # fewer query rows are padded with masked rows; memory-bound decode does not notice the idle MMA.
 MIN_DOT_DIM = 16
 LOG2_E = 1.0 / math.log(2.0)  # the kernels use exp2 / log2
+# Positions a scatter program compares its tokens with per step, looking for a later writer of the
+# same slot ([BLOCK_T, 128] int compares: noise next to the K/V copy).
+SCATTER_BLOCK_LATER = 128
 
 
 class _Tuning(NamedTuple):
@@ -227,13 +230,22 @@ def _kv_cache_attention_combine_kernel(
 def _kv_cache_attention_scatter_kernel(
         K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, T, S, D,
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-        stride_cb, stride_ch, stride_cs, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        stride_cb, stride_ch, stride_cs, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_LATER: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     pos = _clean_positions(tl.load(Pos_ptr + b * T + offs_t, mask=offs_t < T, other=-1), S)
+    # With repeated positions (unchecked under capture / compile) the row's last token writing a
+    # slot wins, as in a sequential scatter and the decode kernel: earlier ones skip their store.
+    overwritten = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for l0 in range(tl.program_id(0) * BLOCK_T, T, BLOCK_LATER):
+        offs_l = l0 + tl.arange(0, BLOCK_LATER)
+        later = _clean_positions(tl.load(Pos_ptr + b * T + offs_l, mask=offs_l < T, other=-1), S)
+        same = (later[None, :] == pos[:, None]) & (offs_l[None, :] > offs_t[:, None])
+        overwritten = tl.maximum(overwritten, tl.max(same.to(tl.int32), axis=1))
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (pos >= 0)[:, None] & (offs_d < D)[None, :]
+    mask = ((pos >= 0) & (overwritten == 0))[:, None] & (offs_d < D)[None, :]
     src_t = offs_t[:, None].to(tl.int64)
     k = tl.load(K_ptr + b * stride_kb + h * stride_kh + src_t * stride_kt + offs_d[None, :], mask=mask)
     v = tl.load(V_ptr + b * stride_vb + h * stride_vh + src_t * stride_vt + offs_d[None, :], mask=mask)
@@ -248,7 +260,8 @@ def _kv_cache_attention_prefill_kernel(
         stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
         FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # The last (longest) query tiles first, so the short ones fill the tail of the grid.
+    offs_m = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     row_ok = offs_m < T
@@ -354,7 +367,7 @@ def _prefill(q, k, v, k_cache, v_cache, positions, out, qk_scale, fp32_dot, tune
     _kv_cache_attention_scatter_kernel[(triton.cdiv(T, tune.scatter_block_t), Hkv, B)](
         k, v, k_cache, v_cache, positions, T, S, D, k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *cache_strides, BLOCK_T=tune.scatter_block_t,
-        BLOCK_D=triton.next_power_of_2(D), num_warps=tune.num_warps)
+        BLOCK_D=triton.next_power_of_2(D), BLOCK_LATER=SCATTER_BLOCK_LATER, num_warps=tune.num_warps)
     block_n = tune.prefill_block_n if block_d <= 128 else tune.prefill_block_n // 2
     _kv_cache_attention_prefill_kernel[(triton.cdiv(T, tune.prefill_block_m), Hq, B)](
         q, k_cache, v_cache, positions, out, qk_scale, T, S, D, Hq // Hkv, Hq,
@@ -375,7 +388,7 @@ def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qk_scale = float(scale) * LOG2_E
     fp32_dot = _dot_in_fp32(q.dtype)
     args = (q, k, v, k_cache, v_cache, positions, out, qk_scale, fp32_dot, tune)
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with on_device(q):
         if q.shape[2] <= DECODE_MAX_T:
             _decode(*args, num_sms)
         else:

@@ -14,20 +14,25 @@ import torch
 import triton
 import triton.language as tl
 
+from gptfast_kernels.triton import on_device
+
 # Vocabulary entries per tile: 4 KiB of float32 per load, a few wide loads per thread with
 # NUM_WARPS warps, and few tiles (loop iterations) for V = 128k. Not yet tuned on a GPU.
 BLOCK_V = 1024
 NUM_WARPS = 4
+# "no index yet" in the greedy argmax (above any vocabulary index: V fits in int32).
+NO_INDEX = tl.constexpr(2**31 - 1)
 
 
-# k and V are never specialised: Triton would turn a value of 1 into a constexpr, which breaks the
-# loop-carried variables initialised from them (n = k, going = k >= 0).
-@triton.jit(do_not_specialize=["k", "V"])
+# k is never specialised: Triton would turn a value of 1 into a constexpr, which breaks the
+# loop-carried variables initialised from it (n = k, going = k >= 0). V is: its divisibility by 16
+# lets every vocabulary tile load be vectorised (V64 below works for a constexpr V = 1 too).
+@triton.jit(do_not_specialize=["k"])
 def _verify_draft_kernel(T_ptr, D_ptr, Tok_ptr, U_ptr, Out_ptr, N_ptr, k, V,
                          GREEDY: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     K1 = k + 1
-    V64 = V.to(tl.int64)
+    V64 = tl.full((), 1, tl.int64) * V
     t_rows = T_ptr + b * K1 * V64  # int64: B * (k + 1) * V passes 2^31 at B = 64, V = 256k
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < k
@@ -42,15 +47,24 @@ def _verify_draft_kernel(T_ptr, D_ptr, Tok_ptr, U_ptr, Out_ptr, N_ptr, k, V,
         going = k >= 0
         for i in range(0, K1):
             row = t_rows + i * V64
-            best = tl.full((), -float("inf"), dtype=tl.float32)
-            idx = tl.zeros((), dtype=tl.int32)
+            # Per-lane running (value, index) over the tiles, reduced once per row: the argmax
+            # as torch.argmax, NaN above every number (unchecked under capture) and first on ties.
+            best = tl.full((BLOCK_V,), -float("inf"), dtype=tl.float32)
+            best_idx = tl.full((BLOCK_V,), NO_INDEX, dtype=tl.int32)
             for tile in range(0, tl.where(going, num_tiles, 0)):  # no reads after the stop
                 offs = tile * BLOCK_V + offs_v
                 x = tl.load(row + offs, mask=offs < V, other=-float("inf"))
-                tile_best = tl.max(x, axis=0)
-                better = tile_best > best  # strict: an earlier tile keeps ties
-                idx = tl.where(better, tile * BLOCK_V + tl.argmax(x, axis=0), idx)
-                best = tl.where(better, tile_best, best)
+                best_nan = best != best
+                take = ((x != x) & ~best_nan) | (~best_nan & (x > best))  # strict: earlier keeps ties
+                take = take | ((best_idx == NO_INDEX) & (offs < V))
+                best = tl.where(take, x, best)
+                best_idx = tl.where(take, offs, best_idx)
+            lane_nan = best != best
+            nan_idx = tl.min(tl.where(lane_nan, best_idx, NO_INDEX), axis=0)
+            clean = tl.where(lane_nan, -float("inf"), best)
+            top = tl.max(clean, axis=0)
+            max_idx = tl.min(tl.where((clean == top) & (best_idx != NO_INDEX), best_idx, NO_INDEX), axis=0)
+            idx = tl.where(nan_idx != NO_INDEX, nan_idx, max_idx)
             draft_i = tl.sum(tl.where(offs_k == i, toks, 0), axis=0)
             mismatch = (i == k) | (draft_i != idx)
             stop = going & mismatch
@@ -121,10 +135,11 @@ def verify_draft_triton(target_probs: torch.Tensor, draft_probs: torch.Tensor | 
     if B == 0:
         return tokens, num_emitted
     greedy = draft_probs is None
-    _verify_draft_kernel[(B,)](
-        target_probs, target_probs if greedy else draft_probs, draft_tokens, uniforms, tokens,
-        num_emitted, k_plus_1 - 1, V, GREEDY=greedy, BLOCK_K=triton.next_power_of_2(k_plus_1),
-        BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+    with on_device(target_probs):
+        _verify_draft_kernel[(B,)](
+            target_probs, target_probs if greedy else draft_probs, draft_tokens, uniforms, tokens,
+            num_emitted, k_plus_1 - 1, V, GREEDY=greedy, BLOCK_K=triton.next_power_of_2(k_plus_1),
+            BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
     return tokens, num_emitted
 
 

@@ -7,6 +7,10 @@ Tolerance (flash-attention's rule): a kernel's max error against a float64 refer
 twice the error of the same attention computed by PyTorch in the low-precision dtype.
 """
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -308,3 +312,61 @@ def test_cuda_graph_capture_and_replay(backend):
         torch.cuda.synchronize()
         assert torch.equal(k_cache.double(), want_k)
         torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("T", [3, 20], ids=["decode-kernel", "prefill-kernel"])
+def test_repeated_positions_unchecked_last_token_wins(backend, device, T):
+    """Under capture / compile repeated positions cannot be refused: a slot written by several
+    tokens of a row then holds the last one's K/V (as a sequential scatter), in the cache and in
+    what every query attends to."""
+    S = 32
+    rows = [[2, 1, 2] + list(range(3, T)), list(range(T - 1)) + [0]]  # slot 2 / slot 0 written twice
+    q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, T, 16, S, rows, device=device)
+    # the reference with every writer of a slot carrying the last writer's K/V: order-free
+    k_last, v_last = k.clone(), v.clone()
+    for b, row in enumerate(rows):
+        for t, slot in enumerate(row):
+            last = max(i for i, s in enumerate(row) if s == slot)
+            k_last[b, :, t], v_last[b, :, t] = k[b, :, last], v[b, :, last]
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = reference.kv_cache_attention(q, k_last, v_last, want_k, want_v, positions, 0.25)
+    got = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, 0.25, backend=backend,
+                                 check_positions=False)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+# Decode shapes whose dynamic shared memory alone is under 48 KiB but not with the kernel's static
+# arrays added: the launch must opt in (dtype, D, G, T).
+SHARED_MEMORY_EDGES = [("float32", 64, 4, 5), ("float16", 128, 4, 3), ("bfloat16", 256, 8, 1)]
+
+
+def test_cuda_decode_shared_memory_edges_in_a_fresh_process():
+    """Each kernel instantiation's first launch at a size just past the 48 KiB default; a fresh
+    process, since an earlier opt-in of the same kernel in this one would hide a missing opt-in."""
+    if not torch.cuda.is_available() or not _extension.has_kernel("kv_cache_attention", "CUDA"):
+        pytest.skip("requires CUDA and an extension built with CUDA")
+    script = textwrap.dedent(f"""
+        import torch
+        from gptfast_kernels import ops
+        from gptfast_kernels.ops import reference
+        for dtype_name, D, G, T in {SHARED_MEMORY_EDGES!r}:
+            dtype = getattr(torch, dtype_name)
+            g = torch.Generator().manual_seed(0)
+            B, Hkv, S = 2, 2, 300
+            q = torch.randn(B, Hkv * G, T, D, generator=g)
+            k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+            kc, vc = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+            pos = torch.stack([torch.arange(100, 100 + T), torch.arange(7, 7 + T)])
+            want = reference.kv_cache_attention(q.double(), k.double(), v.double(), kc.double(),
+                                                vc.double(), pos)
+            dev = [t.to(dtype).cuda() for t in (q, k, v, kc, vc)]
+            got = ops.kv_cache_attention(*dev, pos.cuda(), backend="cuda")
+            torch.cuda.synchronize()
+            torch.testing.assert_close(got.double().cpu(), want, atol=2e-2, rtol=2e-2)
+            print("ok", dtype_name, D, G, T)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ok ") == len(SHARED_MEMORY_EDGES)

@@ -343,3 +343,28 @@ def test_int64_offsets_large_batch(backend):
                               backend=backend)
     assert n[-1].item() == k + 1 and out[-1].tolist() == [7] * (k + 1)
     assert n[0].item() == 1 and out[0, 0].item() == 0  # a flat row: argmax is the first index
+
+
+def _raw_kernel(backend):
+    """The kernel entry point itself, without the wrapper's eager value checks (as under capture)."""
+    if backend == "triton":
+        return triton_verify_draft.verify_draft_triton
+    return torch.ops.gptfast_kernels.verify_draft
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_greedy_nan_is_the_maximum_when_unchecked(backend, device):
+    """Under capture the wrapper cannot reject NaN probabilities; a greedy kernel must then still
+    finish with one answer per row, and it is torch.argmax's (NaN above every number, first NaN)."""
+    B, k, V = 3, 2, 300
+    target = torch.rand(B, k + 1, V)
+    target[0, 0, 250] = float("nan")  # row 0: draft 0 is rejected in favour of the NaN index
+    target[1, 1, 40] = target[1, 1, 41] = float("nan")  # row 1: the first of two NaNs
+    target[2].fill_(float("nan"))  # row 2: everything NaN
+    tokens = target[:, :k].nan_to_num(-1.0).argmax(-1)
+    tokens[1, 0] = target[1, 0].argmax()
+    uniforms = torch.zeros(B, k + 1)
+    want = reference.verify_draft(target, None, tokens, uniforms)
+    assert want[0][0, 0].item() == 250 and want[0][1, 1].item() == 40 and want[0][2, 0].item() == 0
+    got = _raw_kernel(backend)(target.to(device), None, tokens.to(device), uniforms.to(device))
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])

@@ -1,0 +1,78 @@
+"""The whole stack on a GPU (skipped without one): patched tiny models on CUDA run the CUDA kernels
+inside transformers' forward. Greedy generate equals transformers' generate (float32); the
+compiled, CUDA-graph decode step gives the same tokens as eager decoding; batched speculative
+decoding equals the target's own greedy output, eager and compiled; bf16 logits stay within twice
+transformers' own bf16 error."""
+
+import pytest
+import torch
+
+from gptfast_kernels import StaticKVCache, _extension, generate, patch_model, speculative_generate
+from python_tests.tiny_models import draft_of, patched_copy, ragged_prompts, tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and all(_extension.has_kernel(op, "CUDA") for op in _extension._OPS_WITH_KERNELS)),
+    reason="requires CUDA and an extension built with CUDA")
+
+NEW = 16
+
+
+def _on_cuda(*tensors):
+    return [t.cuda() for t in tensors]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_greedy_equals_transformers(family):
+    model = tiny_model(family).cuda()
+    patched = patched_copy(model, int8=False)
+    ids, mask = _on_cuda(*ragged_prompts(3, 7, "left"))
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    got = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_compiled_cuda_graph_decode_equals_eager(family):
+    """compile=True: torch.compile(fullgraph=True, mode="reduce-overhead") per step, so the decode
+    step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse)."""
+    patched = patch_model(tiny_model(family).cuda(), int8=True)
+    ids, mask = _on_cuda(*ragged_prompts(3, 7, "left"))
+    eager = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    for _ in range(2):
+        assert torch.equal(generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True).sequences,
+                           eager)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_speculative_equals_target_greedy(compile):
+    target = tiny_model("llama", layers=3).cuda()
+    patched = patched_copy(target, int8=True)
+    draft = patch_model(draft_of(target, 2).cuda(), int8=True)
+    ids, mask = _on_cuda(*ragged_prompts(4, 6, "left", seed=4))
+    want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    out = speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=4, eos_token_id=[],
+                               compile=compile)
+    assert torch.equal(out.sequences, want)
+    assert 0 < out.acceptance_rate < 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_bf16_logits_within_twice_transformers_error(family):
+    """Prefill then two decode steps in bf16 through the CUDA kernels, against float64: our error is
+    at most twice transformers' own bf16 error on the same model (plus a small floor)."""
+    model = tiny_model(family)
+    ids, mask = ragged_prompts(2, 9, "left")
+    with torch.no_grad():
+        want = model.double()(ids, attention_mask=mask).logits
+        hf = model.to("cuda", torch.bfloat16)(ids.cuda(), attention_mask=mask.cuda()).logits.double().cpu()
+        patched = patched_copy(model, int8=False)
+        cache = StaticKVCache(patched.config, 2, 16, device="cuda", dtype=torch.bfloat16)
+        parts = [patched(ids[:, :7].cuda(), attention_mask=mask[:, :7].cuda(), past_key_values=cache).logits,
+                 patched(ids[:, 7:8].cuda(), past_key_values=cache).logits,
+                 patched(ids[:, 8:].cuda(), past_key_values=cache).logits]
+    got = torch.cat(parts, dim=1).double().cpu()
+    real = mask.bool()  # padded positions' logits are not part of the contract
+    hf_error = (hf - want)[real].abs().max().item()
+    our_error = (got - want)[real].abs().max().item()
+    assert our_error <= 2 * hf_error + 1e-2, (our_error, hf_error)

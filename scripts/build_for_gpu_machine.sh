@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds the extension for the device tool's GPU machines on this GPU-less machine, so a GPU call
+# spends no device time compiling: the same Python (3.12) and torch (2.11.0+cu130) as that
+# machine's image (see the device tool's KINDS.md), sm_90a only. The result lands in .gpu_build/
+# (git-ignored); pass ".gpu_build" in the run's carry and bench/gpu_run.sh uses it when it loads.
+#   bash scripts/build_for_gpu_machine.sh        (about 5 min: a venv download, then nvcc)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON312=${PYTHON312:-$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3 2>/dev/null | head -1)}
+TORCH_VERSION=${GPU_TORCH_VERSION:-2.11.0}
+VENV=${GPU_VENV:-/tmp/gptfast_gpu_venv}
+[ -x "$PYTHON312" ] || { echo "no Python 3.12 found (set PYTHON312)"; exit 1; }
+if ! "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION')" 2>/dev/null; then
+  "$PYTHON312" -m venv "$VENV"
+  "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" ninja setuptools numpy
+fi
+WORK=$(mktemp -d)
+git ls-files -z | xargs -0 -I{} cp --parents {} "$WORK"  # the tracked sources, nothing built
+cd "$WORK"
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PATH=${CUDA_HOME:-/usr/local/cuda}/bin:$PATH MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+  TORCH_CUDA_ARCH_LIST=9.0a GPTFAST_KERNELS_REQUIRE_CUDA=1 "$VENV/bin/python" setup.py -q build_ext --inplace
+mkdir -p "$ROOT/.gpu_build"
+cp gptfast_kernels/_C.abi3.so "$ROOT/.gpu_build/_C.abi3.so"
+"$VENV/bin/python" -c "import torch; print('torch', torch.__version__, 'sm_90a', end=' ')" > "$ROOT/.gpu_build/BUILD_INFO"
+(cd "$ROOT" && git rev-parse --short HEAD) >> "$ROOT/.gpu_build/BUILD_INFO"
+rm -rf "$WORK"
+echo "built $(du -h "$ROOT/.gpu_build/_C.abi3.so" | cut -f1) for the GPU machine: $(cat "$ROOT/.gpu_build/BUILD_INFO")"

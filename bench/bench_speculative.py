@@ -9,6 +9,7 @@ Tokens/s count new tokens; acceptance is accepted / proposed drafts.
 Rows "speculative_rounds" (GPU only): a random-weight target with Llama-3-8B shapes and a draft
 with 1/8 of its layers (bf16 activations, int8 weights, compiled steps): rounds per second at
 B = 1, 8, 32 and the fraction of a round spent outside the two models' forwards (target < 10%).
+Cases (``--cases``): demo, rounds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import gptfast_kernels.generation.speculative as speculative_module
-from bench.harness import best_seconds, synchronize
+from bench.harness import best_seconds, default_dtype, synchronize
 from gptfast_kernels import StaticKVCache, generate, patch_model, speculative_generate
 
 SPECULATE_K = 4
@@ -110,9 +111,9 @@ class _ForwardClock:
 def _rounds_rows(h):
     torch.manual_seed(0)
     draft_cfg = dict(GPU_TARGET, num_hidden_layers=GPU_TARGET["num_hidden_layers"] // DRAFT_LAYER_FRACTION)
-    with torch.device(h.device):
-        target = patch_model(LlamaForCausalLM(LlamaConfig(**GPU_TARGET)).to(torch.bfloat16).eval())
-        draft = patch_model(LlamaForCausalLM(LlamaConfig(**draft_cfg)).to(torch.bfloat16).eval())
+    with torch.device(h.device), default_dtype(torch.bfloat16):
+        target = patch_model(LlamaForCausalLM(LlamaConfig(**GPU_TARGET)).eval())
+        draft = patch_model(LlamaForCausalLM(LlamaConfig(**draft_cfg)).eval())
     new_tokens = 64
     for rows in (1, 8, 32):
         ids = torch.randint(0, GPU_TARGET["vocab_size"], (rows, 16), device=h.device)
@@ -141,6 +142,7 @@ def _rounds_rows(h):
 
 
 def run(h) -> None:
-    _e2e_rows(h)
-    if h.device.type == "cuda":
+    if h.wants("demo"):
+        _e2e_rows(h)
+    if h.device.type == "cuda" and h.wants("rounds"):
         _rounds_rows(h)

@@ -9,18 +9,22 @@
 #                build_for_gpu_machine.sh makes it on a machine without a GPU)
 #   tests        the whole suite with CUDA                               -> tests.log
 #   sanitize     compute-sanitizer memcheck + racecheck, CUDA op tests   -> sanitizer.log
-#   kernels      microbenchmarks of the three ops + copy bandwidth        -> <device>_<date>_<commit>_<benches>.json
-#   generate     end to end, Llama-3-8B shapes, batch 1 / 8 / 32          -> ..._generate.json
-#   speculative  speculative rounds/s at B = 1 / 8 / 32, demo end to end  -> ..._speculative.json
+#   kernels      microbenchmarks of the three ops + copy bandwidth   -> <device>_<date>_<commit>_<benches>.json
+#   generate     end to end, Llama-3-8B shapes, batch 1               -> ..._generate_batch1.json
+#   generate-batched   the same at batch 8 and 32                     -> ..._generate_batch32-batch8.json
+#   speculative  rounds/s at B = 1 / 8 / 32, 8B-shape target + 4-layer draft -> ..._speculative_rounds.json
+#   speculative-demo   the demo's trained models end to end           -> ..._speculative_demo.json
+#                (carry .demo_cache to skip the demo's training)
 #
 # Every stage runs (a failing one does not stop the next); the exit code says whether all passed.
-# Logs of the bench stages go to bench.log, so one call with every stage returns 7 files (the
-# tool brings back 8 at most). GPTFAST_COMMIT names the measured commit where .git is absent.
+# Logs of the bench stages go to bench.log. The device tool brings back 8 files at most: one call
+# per group of stages, e.g. "tests sanitize", "kernels generate", "generate-batched",
+# "speculative speculative-demo". GPTFAST_COMMIT names the measured commit where .git is absent.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels generate speculative}
+STAGES=${*:-build tests sanitize kernels generate generate-batched speculative speculative-demo}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -61,8 +65,9 @@ stage_sanitize() {
   timeout "$STAGE_TIMEOUT" bash scripts/sanitize.sh 2>&1 | tee "$OUT_DIR/sanitizer.log" | tail -20
 }
 
-bench() {  # bench <comma-separated benches>
-  timeout "$STAGE_TIMEOUT" "$PY" -m bench.run --ops "$1" --out-dir "$OUT_DIR" 2>&1 | tee -a "$OUT_DIR/bench.log" | tail -60
+bench() {  # bench <comma-separated benches> [bench.run options]
+  local ops=$1; shift
+  timeout "$STAGE_TIMEOUT" "$PY" -m bench.run --ops "$ops" --out-dir "$OUT_DIR" "$@" 2>&1 | tee -a "$OUT_DIR/bench.log" | tail -60
 }
 
 {
@@ -79,8 +84,10 @@ for stage in $STAGES; do
     tests) stage_tests ;;
     sanitize) stage_sanitize ;;
     kernels) bench int8_linear,kv_cache_attention,verify_draft ;;
-    generate) bench generate ;;
-    speculative) bench speculative ;;
+    generate) bench generate --cases batch1 ;;
+    generate-batched) bench generate --cases batch8,batch32 ;;
+    speculative) bench speculative --cases rounds ;;
+    speculative-demo) bench speculative --cases demo ;;
     *) echo "unknown stage $stage"; false ;;
   esac
   rc=$?

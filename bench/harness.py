@@ -7,6 +7,7 @@ version, commit and date, so results from different machines never get mixed up.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -82,6 +83,17 @@ def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -
     return best, out
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Builds modules directly in ``dtype`` (an 8B-parameter model never exists in float32)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Measured device-memory copy bandwidth: bytes read + bytes written per second."""
     if device.type == "cpu":
@@ -98,6 +110,7 @@ class Harness:
     quick: bool = False
     rows: list[dict] = field(default_factory=list)
     copy_gbps: float | None = None
+    cases: frozenset[str] | None = None  # the cases to run (None: all); see wants()
 
     def __post_init__(self):
         self.meta = {
@@ -106,6 +119,10 @@ class Harness:
             "commit": _commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
+
+    def wants(self, case: str) -> bool:
+        """Whether to run the named case (``--cases``): lets a long benchmark be split over runs."""
+        return self.cases is None or case in self.cases
 
     def measure_copy_bandwidth(self) -> float:
         if self.copy_gbps is None:

@@ -9,6 +9,7 @@ import glob
 import importlib
 import os
 import re
+import signal
 import traceback
 
 import torch
@@ -29,7 +30,17 @@ def default_output(harness: Harness, out_dir: str, names: list[str]) -> str:
     device = re.sub(r"[^A-Za-z0-9]+", "-", harness.meta["device"]).strip("-").lower()
     date = datetime.date.today().isoformat()
     subset = "" if sorted(names) == available_benches() else "_" + "-".join(names)
+    if harness.cases is not None:
+        subset += "_" + "-".join(sorted(harness.cases))
     return os.path.join(out_dir, f"{device}_{date}_{harness.meta['commit']}{subset}.json")
+
+
+class Stopped(Exception):
+    """SIGTERM arrived (e.g. from `timeout`) while a benchmark ran."""
+
+
+def _stop(signum, frame):
+    raise Stopped()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,12 +49,17 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated subset of {available_benches()}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="fewer, smaller cases")
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated cases of long benchmarks to run (default: all), e.g. "
+                             "batch1,batch8,batch32 (generate), demo,rounds (speculative)")
     parser.add_argument("--out", default=None, help="JSON output path (default: one named by device, date, "
                                                      "commit and benches in --out-dir)")
     parser.add_argument("--out-dir", default=os.path.join(BENCH_DIR, "results"))
     args = parser.parse_args(argv)
 
-    harness = Harness(torch.device(args.device), quick=args.quick)
+    cases = frozenset(args.cases.split(",")) if args.cases else None
+    harness = Harness(torch.device(args.device), quick=args.quick, cases=cases)
+    signal.signal(signal.SIGTERM, _stop)  # `timeout` stops a run: keep the rows measured so far
     print(f"copy bandwidth on {harness.meta['device']}: {harness.measure_copy_bandwidth():.1f} GB/s")
     names = args.ops.split(",")
     for name in names:
@@ -53,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:  # one failing benchmark must not lose the others' rows
         try:
             importlib.import_module(f"bench.bench_{name}").run(harness)
+        except Stopped:
+            failed.append(name)
+            harness.rows.append({"op": name, "error": "stopped (SIGTERM) before it finished", **harness.meta})
+            break
         except Exception:  # noqa: BLE001  (reported, recorded, and the exit code says so)
             traceback.print_exc()
             failed.append(name)

@@ -1,0 +1,159 @@
+"""Every Triton kernel compiled for an H100 (sm_90) on a machine without a GPU, at the launch
+configurations its wrapper chooses on a GPU: in a child process with the interpreter off, the
+wrappers run with their GPU tuning on CPU tensors of Llama-3-8B shapes, each launch is captured
+instead of run, and Triton's own compiler (down to ptxas) builds it for sm_90. This proves what
+the interpreter never exercises: tl.dot shapes and dtypes, layouts, and shared memory within the
+227 KiB an H100 block may use. (With a GPU present the GPU tests run these kernels for real.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gptfast_kernels import _extension
+
+SM90 = 90
+H100_MAX_SHARED_BYTES = 227 * 1024
+H100_SMS = 132
+_MARK = "@@compiled "
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
+          torch.int32: "i32", torch.int64: "i64"}
+
+
+# -- the launches: each case calls one wrapper as a GPU run would --------------------------------
+
+def _int8_linear(dtype, M):
+    from gptfast_kernels.triton.int8_linear import int8_linear_triton
+
+    N, K = 4096, 4096
+    int8_linear_triton(torch.zeros(M, K, dtype=dtype), torch.zeros(N, K, dtype=torch.int8), torch.ones(N),
+                       torch.zeros(N, dtype=dtype))
+
+
+def _kv_cache_attention(dtype, T, D, S):
+    from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
+
+    B, Hq, Hkv = 1, 32, 8
+    zeros = lambda *shape: torch.zeros(*shape, dtype=dtype)  # noqa: E731
+    kv_cache_attention_triton(zeros(B, Hq, T, D), zeros(B, Hkv, T, D), zeros(B, Hkv, T, D), zeros(B, Hkv, S, D),
+                              zeros(B, Hkv, S, D), torch.arange(T).expand(B, T).contiguous(), D ** -0.5)
+
+
+def _verify_draft(greedy, V):
+    from gptfast_kernels.triton.verify_draft import verify_draft_triton
+
+    B, k = 2, 5
+    verify_draft_triton(torch.zeros(B, k + 1, V), None if greedy else torch.zeros(B, k, V),
+                        torch.zeros(B, k, dtype=torch.int64), torch.zeros(B, k + 1))
+
+
+DECODE = ["_kv_cache_attention_decode_kernel", "_kv_cache_attention_combine_kernel"]  # a 4k cache splits
+PREFILL = ["_kv_cache_attention_scatter_kernel", "_kv_cache_attention_prefill_kernel"]
+# case -> (the call, the kernels it must launch)
+CASES = {
+    **{f"int8_linear-{name}-M{M}": ((_int8_linear, dtype, M),
+                                    ["_int8_linear_gemv_kernel" if M == 1 else "_int8_linear_tiled_kernel"])
+       for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32))
+       for M in (1, 16, 64)},
+    "kv-decode-bf16": ((_kv_cache_attention, torch.bfloat16, 1, 128, 4096), DECODE),
+    "kv-verify-bf16": ((_kv_cache_attention, torch.bfloat16, 5, 128, 4096), DECODE),
+    "kv-decode-fp32": ((_kv_cache_attention, torch.float32, 1, 128, 4096), DECODE),
+    "kv-decode-fp16-d256": ((_kv_cache_attention, torch.float16, 1, 256, 2048), DECODE),
+    "kv-prefill-bf16": ((_kv_cache_attention, torch.bfloat16, 64, 128, 4096), PREFILL),
+    "kv-prefill-fp32-d80": ((_kv_cache_attention, torch.float32, 37, 80, 512), PREFILL),
+    **{f"verify_draft-{mode}-V{V}": ((_verify_draft, mode == "greedy", V), ["_verify_draft_kernel"])
+       for mode in ("greedy", "sampling") for V in (128256, 50257)},
+}
+
+
+# -- the child: capture and compile ---------------------------------------------------------------
+
+def _signature(jit_fn, args: dict):
+    """Triton's own specialisation of the arguments, as a GPU launch would make it: ints equal to 1
+    become constants and multiples of 16 (values and pointers) get a divisibility hint."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(jit_fn.arg_names, jit_fn.params)):
+        value = args[name]
+        if param.is_constexpr or value is None:
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            if not param.do_not_specialize and value == 1:
+                signature[name], constexprs[name] = "constexpr", 1
+                continue
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if not param.do_not_specialize and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: {type(value).__name__}")
+    return signature, constexprs, attrs
+
+
+def _compile_for_sm90(jit_fn, args, kwargs) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    signature, constexprs, attrs = _signature(jit_fn, dict(zip(jit_fn.arg_names, args), **kwargs))
+    source = ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", SM90, 32), options=options)
+    return {"kernel": jit_fn.fn.__name__, "shared": compiled.metadata.shared,
+            "cubin_bytes": len(compiled.asm.get("cubin", b""))}
+
+
+def _child_main() -> None:
+    from triton.runtime.jit import JITFunction
+
+    import gptfast_kernels.triton.kv_cache_attention as kv
+
+    launches = []
+    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append((self, args, kwargs))
+    kv._tuning = lambda device: (kv._GPU, H100_SMS)  # the H100 tuning, as on a GPU
+    results = {}
+    for name, ((call, *call_args), _) in CASES.items():
+        launches.clear()
+        try:
+            call(*call_args)
+            results[name] = [_compile_for_sm90(*launch) for launch in launches]
+        except Exception as error:  # noqa: BLE001  (reported per case by the tests)
+            results[name] = f"{type(error).__name__}: {error}"[-3000:]
+    print(_MARK + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if not _extension.triton_available():
+        pytest.skip("requires Triton")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the GPU tests run these kernels for real")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", f"import {__name__} as m; m._child_main()"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len(_MARK):])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiles_for_sm90(compiled, case):
+    result = compiled[case]
+    assert isinstance(result, list), result
+    assert [r["kernel"] for r in result] == CASES[case][1]
+    for r in result:
+        assert r["cubin_bytes"] > 0, r
+        assert r["shared"] <= H100_MAX_SHARED_BYTES, \
+            f"{r['kernel']}: {r['shared']} bytes of shared memory, an H100 block has at most {H100_MAX_SHARED_BYTES}"

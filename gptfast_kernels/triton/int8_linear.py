@@ -1,10 +1,13 @@
-"""Triton int8 weight-only linear: a GEMV kernel for decode and a tiled tl.dot kernel for prefill.
+"""Triton int8 weight-only linear: a GEMV kernel for one row, and a tiled tl.dot kernel for more
+(skinny tiles up to 64 rows: batched decode and speculative verification; wide tiles above).
 
 Registered as the custom op ``gptfast_kernels::int8_linear_triton`` (opaque to torch.compile,
 safe in CUDA graphs); ``gptfast_kernels.ops.int8_linear(..., backend="triton")`` calls it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -13,19 +16,44 @@ import triton.language as tl
 from gptfast_kernels import _extension
 from gptfast_kernels.triton import on_device
 
-# Rows of x up to which the GEMV kernel is used; above it tl.dot tiles win (tensor cores need
-# at least 16 rows per tile, and a 16-row tile with 1-4 real rows wastes most of the MMA).
-GEMV_MAX_ROWS = 4
+# Rows of x served by the GEMV kernel (CUDA-core FMAs, one output block per program). From 2 rows
+# on, the tl.dot kernel reads each weight tile once for every row (the GEMV grid would re-stream
+# the weights once per row) and runs the row products on tensor cores.
+GEMV_MAX_ROWS = 1
 # GEMV tile: BLOCK_N output features per program, BLOCK_K int8 weights per row per step.
 # 16-byte int8 loads per thread need BLOCK_K >= 128 with 8 warps; chosen on the H100 target
 # shapes (N, K in 4096..14336) to give >= 2 waves of programs over 132 SMs for N = 4096.
 GEMV_BLOCK_N = 16
 GEMV_BLOCK_K = 512
-# Prefill tiles (H100-class defaults; the tiled path is compute-bound).
-TILE_BLOCK_N = 128
-TILE_BLOCK_K = 64
-TILE_BLOCK_M_SMALL = 16   # for 5..16 rows
-TILE_BLOCK_M_LARGE = 64
+GEMV_NUM_WARPS = 8
+
+
+class _TileConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_stages: int
+    num_warps: int
+
+
+# Skinny M (2..64 rows: batched decode, speculative verification): memory-bound on the weights.
+# Narrow N tiles give >= 128 programs at N = 4096 (one per H100 SM) and deep K tiles with 4 stages
+# keep ~32 KiB of weights in flight per SM (HBM3 needs ~23 KiB at ~1 us latency). Not yet measured.
+SKINNY_MAX_ROWS = 64
+_SKINNY = _TileConfig(block_m=16, block_n=32, block_k=256, num_stages=4, num_warps=4)
+# Prefill (more rows): compute-bound, the usual 64 x 128 x 64 tensor-core tile.
+_PREFILL = _TileConfig(block_m=64, block_n=128, block_k=64, num_stages=3, num_warps=4)
+# float32 activations: one stage (the fp32 tiles are twice the size; see kv_cache_attention.py).
+FP32_NUM_STAGES = 1
+
+
+def _tile_config(M: int, dtype: torch.dtype) -> _TileConfig:
+    if M <= SKINNY_MAX_ROWS:
+        # the M tile grows with M (tl.dot needs >= 16 rows) so one tile covers every row
+        config = _SKINNY._replace(block_m=max(16, min(triton.next_power_of_2(M), SKINNY_MAX_ROWS)))
+    else:
+        config = _PREFILL
+    return config._replace(num_stages=FP32_NUM_STAGES) if dtype == torch.float32 else config
 
 
 @triton.jit
@@ -110,14 +138,16 @@ def _launch(x, qweight, scales, bias_arg, has_bias, y):
         grid = (triton.cdiv(N, GEMV_BLOCK_N), M)
         _int8_linear_gemv_kernel[grid](
             x, qweight, scales, bias_arg, y, N, K, x.stride(0), x.stride(1), qweight.stride(0),
-            y.stride(0), HAS_BIAS=has_bias, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K)
+            y.stride(0), HAS_BIAS=has_bias, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K,
+            num_warps=GEMV_NUM_WARPS)
     else:
-        block_m = TILE_BLOCK_M_SMALL if M <= 16 else TILE_BLOCK_M_LARGE
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, TILE_BLOCK_N))
+        config = _tile_config(M, x.dtype)
+        grid = (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
         _int8_linear_tiled_kernel[grid](
             x, qweight, scales, bias_arg, y, M, N, K, x.stride(0), x.stride(1), qweight.stride(0),
             y.stride(0), HAS_BIAS=has_bias, FP32_DOT=_dot_in_fp32(x.dtype),
-            BLOCK_M=block_m, BLOCK_N=TILE_BLOCK_N, BLOCK_K=TILE_BLOCK_K)
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_stages=config.num_stages, num_warps=config.num_warps)
 
 
 @int8_linear_triton.register_fake

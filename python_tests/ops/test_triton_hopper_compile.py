@@ -59,7 +59,7 @@ CASES = {
     **{f"int8_linear-{name}-M{M}": ((_int8_linear, dtype, M),
                                     ["_int8_linear_gemv_kernel" if M == 1 else "_int8_linear_tiled_kernel"])
        for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32))
-       for M in (1, 16, 64)},
+       for M in (1, 16, 64, 256)},
     "kv-decode-bf16": ((_kv_cache_attention, torch.bfloat16, 1, 128, 4096), DECODE),
     "kv-verify-bf16": ((_kv_cache_attention, torch.bfloat16, 5, 128, 4096), DECODE),
     "kv-decode-fp32": ((_kv_cache_attention, torch.float32, 1, 128, 4096), DECODE),

@@ -1,0 +1,418 @@
+// kv_cache_attention CUDA kernels: static-KV-cache attention with the position scatter fused in.
+//
+//   for (b, t) with 0 <= positions[b, t] < S:  k_cache[b, :, positions[b, t]] = k[b, :, t]  (same for v)
+//   out[b, h, t] = softmax(scale * q[b, h, t] . k_cache[b, h / G, 0..positions[b, t]]) @ v_cache[...]
+//   out[b, h, t] = 0 where the position is outside [0, S) (padding, or a bad value under capture)
+//
+// Decode / verification (T <= DECODE_MAX_T): flash-decoding in ONE launch. Blocks = splits x kv
+// heads x batch (flattened into blockIdx.x). A block owns one (b, kv head) and one range of cache
+// slots, and computes every query of the head group (G heads x T tokens) against it, so each K/V
+// row is read once per group. The split count comes from host-known sizes only; the slot ranges
+// are cut on the device from the row's largest position (at least MIN_SPLIT_SLOTS each), so the
+// blocks past it exit after reading T positions and nothing beyond it is ever read.
+// Scatter: the block whose range holds slot positions[b, t] writes k/v[b, :, t] there, and every
+// read of that slot inside the block comes from k/v instead of the cache: no block reads a slot
+// another block writes, so there is no race and no second pass. Splits are merged by log-sum-exp
+// by the last block of the (b, kv head) to finish (an atomic ticket that this block resets).
+// Prefill (T > DECODE_MAX_T): every query tile reads the new K/V, so no single block can own them:
+// a small scatter kernel (T x Hkv x D elements, negligible next to O(T^2) attention) runs first on
+// the same stream, then a tiled kernel over query tiles x heads x batch reads the cache, with an
+// online softmax over key tiles up to the tile's largest position: WMMA tensor cores (fp32
+// accumulators) for fp16 / bf16, the SIMT engine of the decode kernel for fp32.
+//
+// This header holds what the three files share: constants, the launch parameters, the SIMT
+// attention engine and the host-side helpers. kv_cache_attention_decode.cu has the decode kernel,
+// kv_cache_attention_prefill.cu the scatter and prefill kernels, kv_cache_attention.cu the entry
+// point and its registration.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <climits>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "../common.h"
+
+namespace gptfast_kernels {
+namespace kv_attention {
+// Launch and tuning constants: sized by reasoning for H100 (132 SMs, 228 KiB shared memory per SM)
+// and A100; not yet measured (they were written without a GPU): tune them with bench/.
+constexpr int WARP = 32;
+constexpr unsigned FULL_MASK = 0xffffffffu;
+// Largest T served by the split-KV decode kernel: T = 1 (decode) and k + 1 (verification, k <= 15).
+// Its blocks hold the T positions of their row in shared memory and scan them per key tile.
+constexpr int64_t DECODE_MAX_T = 16;
+// SIMT engine (decode, fp32 prefill): 8 warps keep 16 KiB K + V tiles in flight per block.
+constexpr int THREADS = 256;
+constexpr int WARPS = THREADS / WARP;
+// Two resident blocks per SM for the SIMT kernels: lets ptxas use up to 128 registers (its default
+// for 256 threads caps at 64 and spills the fp32 variants) while a second block overlaps the loads.
+constexpr int SIMT_MIN_BLOCKS = 2;
+// Lanes per q.k dot product: 8 lanes x 16 B read one 128-byte row segment per shared-memory
+// wavefront (no bank conflicts whatever the row stride), reduced with 3 shuffles.
+constexpr int DOT_LANES = 8;
+constexpr int DOT_GROUPS = THREADS / DOT_LANES;
+// K (and V) tile size in shared memory: 64 slots of a 128-dim fp16 head, fewer for larger rows.
+constexpr int KV_TILE_BYTES = 16 * 1024;
+constexpr int MAX_KV_TILE = 2 * WARP;  // the softmax step gives each lane two slots of a row
+constexpr int MIN_KV_TILE = 16;
+// Query rows computed per pass over the slot range (G x T up to 64 shares one read of K/V);
+// bounded further by SIMT_SMEM_BUDGET so that two or more blocks fit on an SM.
+constexpr int MAX_ROWS_PER_PASS = 64;
+constexpr int SIMT_SMEM_BUDGET = 96 * 1024;
+// Split-KV sizing (H100, 132 SMs): enough (b, kv head, split) blocks for two per SM, each split at
+// least 128 slots so a split's K/V read (>= 32 KiB at D = 128 fp16) dwarfs its partial result,
+// and at most 128 splits (the combine holds one weight per split per warp).
+constexpr int DECODE_BLOCKS_PER_SM = 2;
+constexpr int MIN_SPLIT_SLOTS = 128;
+constexpr int MAX_SPLITS = 128;
+constexpr int64_t WORKSPACE_BUDGET_BYTES = int64_t{64} << 20;  // float partials of all splits
+// Prefill scatter: one block per (b, t), 128 threads copy its Hkv x D elements.
+constexpr int SCATTER_THREADS = 128;
+// WMMA prefill: 4 warps, 64 x 64 (query x key) tiles for D <= 128, 32 x 32 above (shared memory:
+// 111 KiB at D = 128, 90 KiB at D = 256, under the A100's 163 KiB).
+constexpr int TC_WARPS = 4;
+constexpr int TC_THREADS = TC_WARPS * WARP;
+constexpr int TC_LARGE_HEAD_DIM = 128;
+constexpr int TC_PAD = 8;      // 16-bit elements of row padding: breaks bank conflicts of fragments
+constexpr int TC_ACC_PAD = 4;  // float padding of the score / output tiles
+// Dynamic shared memory a block may use without opting in (cudaFuncSetAttribute).
+constexpr int DEFAULT_SMEM_LIMIT = 48 * 1024;
+// Split tickets allocated at least at once: enough for B * Hkv = 1024 without regrowing.
+constexpr int64_t MIN_COUNTERS = 1024;
+// Positions and slots are int inside the kernels.
+constexpr int64_t MAX_SLOTS = int64_t{1} << 30;
+
+template <typename T>
+constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte vector
+
+__host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ __forceinline__ int align_up(int a, int b) { return ceil_div(a, b) * b; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = WARP / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = WARP / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, offset));
+  return v;
+}
+
+// 16 bytes of T -> VEC<T> floats.
+__device__ __forceinline__ float2 to_float2(unsigned w, c10::Half) { return __half22float2(*reinterpret_cast<__half2*>(&w)); }
+__device__ __forceinline__ float2 to_float2(unsigned w, c10::BFloat16) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
+}
+template <typename T>
+__device__ __forceinline__ void unpack(const uint4& u, float* f) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      f[i] = __uint_as_float(w[i]);
+    } else {
+      const float2 x = to_float2(w[i], T());
+      f[2 * i] = x.x, f[2 * i + 1] = x.y;
+    }
+  }
+}
+
+__device__ __forceinline__ unsigned raw_bits(float x) { return __float_as_uint(x); }
+__device__ __forceinline__ unsigned raw_bits(c10::Half x) { return x.x; }
+__device__ __forceinline__ unsigned raw_bits(c10::BFloat16 x) { return x.x; }
+
+// Vector c (VEC elements) of a D-element global row -> shared memory, zeros past D. GVEC: rows are
+// 16-byte aligned and D % VEC == 0 (checked by the launcher): an asynchronous copy (cp.async, so
+// all of a thread's loads of a tile are in flight at once; async_wait() before the barrier that
+// publishes them), else element loads.
+template <typename T, bool GVEC>
+__device__ __forceinline__ void load_vec(T* dst, const T* src, int c, int D) {
+  constexpr int V = VEC<T>;
+  uint4 u = make_uint4(0u, 0u, 0u, 0u);
+  if (c * V < D) {
+    if constexpr (GVEC) {
+      const unsigned dst_smem = static_cast<unsigned>(__cvta_generic_to_shared(dst + c * V));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst_smem), "l"(src + c * V) : "memory");
+      return;
+    } else {  // packed in registers (a local array would live on the stack)
+      constexpr int PER_WORD = 4 / sizeof(T);
+      unsigned w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        if (c * V + i < D) w[i / PER_WORD] |= raw_bits(src[c * V + i]) << (32 / PER_WORD * (i % PER_WORD));
+      u = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+  *reinterpret_cast<uint4*>(dst + c * V) = u;
+}
+
+__device__ __forceinline__ void async_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Vector c of a D-element row, global -> global (the cache write).
+template <typename T, bool GVEC>
+__device__ __forceinline__ void copy_vec(T* dst, const T* src, int c, int D) {
+  constexpr int V = VEC<T>;
+  if constexpr (GVEC) {
+    *reinterpret_cast<uint4*>(dst + c * V) = *reinterpret_cast<const uint4*>(src + c * V);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      if (c * V + i < D) dst[c * V + i] = src[c * V + i];
+  }
+}
+
+// Everything the kernels need; strides in elements, int64 (B * H * T * D can pass 2^31).
+template <typename E>
+struct Params {
+  const E *q, *k, *v;
+  E *k_cache, *v_cache, *out;
+  const int64_t* positions;
+  float* ws_o;    // decode partials [B * Hkv, splits, G * T, D] (splits > 1 only)
+  float* ws_lse;  // [B * Hkv, splits, G * T], log2 domain
+  int* counters;  // [B * Hkv] split tickets, zero between launches
+  int64_t q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st;
+  int Hq, Hkv, G, T, S, D;
+  int dp;    // D padded to the vector (SIMT) or to 16 (WMMA) in shared memory
+  int bn;    // slots per K/V tile
+  int rows;  // query rows per pass (decode) or per query tile (prefill)
+  int splits;
+  float scale_log2;  // scale * log2(e): the softmax runs on exp2
+};
+
+__device__ __forceinline__ int sanitize(int64_t pos, int S) { return pos >= 0 && pos < S ? static_cast<int>(pos) : -1; }
+
+// ---------------------------------------------------------------- SIMT engine (decode, fp32 prefill)
+
+// Carves a block's dynamic shared memory into arrays; on the host (base 0) it only sizes it.
+struct SmemCarver {
+  uintptr_t base;
+  int bytes = 0;
+  template <typename X>
+  __host__ __device__ X* take(int count) {  // 32-byte aligned: WMMA tile pointers need it
+    bytes = align_up(bytes, 32);
+    X* at = reinterpret_cast<X*>(base + bytes);
+    bytes += count * static_cast<int>(sizeof(X));
+    return at;
+  }
+};
+
+template <typename T>
+struct SimtSmem {
+  T *q, *k, *v;  // q [rows][dp], k / v [bn][dp], zero-padded past D
+  float *acc, *p, *m, *l, *alpha;  // acc [rows][dp]; p [rows][bn] scores, then probabilities
+  int *pos, *src;  // pos [rows]: a row sees slots 0..pos (-1: none); src [bn]: see DecodeKv
+  int bytes;
+  __host__ __device__ SimtSmem(uintptr_t base, int rows, int bn, int dp) {
+    SmemCarver c{base};
+    q = c.take<T>(rows * dp), k = c.take<T>(bn * dp), v = c.take<T>(bn * dp);
+    acc = c.take<float>(rows * dp), p = c.take<float>(rows * bn);
+    m = c.take<float>(rows), l = c.take<float>(rows), alpha = c.take<float>(rows);
+    pos = c.take<int>(rows), src = c.take<int>(bn);
+    bytes = c.bytes;
+  }
+};
+
+// Online softmax of `rows` query rows over cache slots [lo, hi), one K/V tile at a time. On entry
+// q, pos, acc (0), m (-inf), l (0) are set and the block synchronised; on exit acc / m / l hold
+// the unnormalised result (log2 domain), synchronised. A (row, slot) pair that the row must not
+// see is never computed, so stale or non-finite values there cannot leak in.
+template <typename T, bool GVEC, typename KvSource>
+__device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int D, int lo, int hi,
+                            float scale_log2, const KvSource& kv) {
+  constexpr int V = VEC<T>;
+  const int nvec = dp / V;
+  const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+  const int group = tid / DOT_LANES, sub = tid % DOT_LANES;
+  for (int tile = lo; tile < hi; tile += bn) {
+    const int n = min(bn, hi - tile);
+    kv.prepare(tile, n);
+    __syncthreads();  // src ready; the previous tile's readers of k / v / p are done
+    for (int i = tid; i < n * nvec; i += THREADS) {
+      const int j = i / nvec, c = i % nvec;
+      load_vec<T, GVEC>(sm.k + j * dp, kv.k_row(tile + j, j), c, D);
+      load_vec<T, GVEC>(sm.v + j * dp, kv.v_row(tile + j, j), c, D);
+    }
+    async_wait();
+    __syncthreads();
+    // Scores (log2 domain). The trip count is uniform so that every lane reaches the shuffles.
+    const int pairs = rows * bn;
+    for (int base = 0; base < pairs; base += DOT_GROUPS) {
+      const int i = base + group, r = i / bn, j = i % bn;
+      const bool live = i < pairs && j < n && tile + j <= sm.pos[r];
+      float dot = 0.f;
+      if (live) {
+        const T* qr = sm.q + r * dp;
+        const T* kr = sm.k + j * dp;
+#pragma unroll 2  // deeper unrolling spills the fp32 decode kernel at its 128-register budget
+        for (int c = sub; c < nvec; c += DOT_LANES) {
+          float qf[V], kf[V];
+          unpack<T>(*reinterpret_cast<const uint4*>(qr + c * V), qf);
+          unpack<T>(*reinterpret_cast<const uint4*>(kr + c * V), kf);
+#pragma unroll
+          for (int e = 0; e < V; ++e) dot = fmaf(qf[e], kf[e], dot);
+        }
+      }
+#pragma unroll
+      for (int offset = DOT_LANES / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, offset);
+      if (i < pairs && sub == 0) sm.p[r * bn + j] = live ? dot * scale_log2 : -INFINITY;
+    }
+    __syncthreads();
+    // Online softmax, one warp per row. m_use keeps exp2's argument at -inf (never NaN) while a
+    // row has seen no slot yet.
+    for (int r = warp; r < rows; r += WARPS) {
+      float* pr = sm.p + r * bn;
+      const float s0 = lane < bn ? pr[lane] : -INFINITY;
+      const float s1 = lane + WARP < bn ? pr[lane + WARP] : -INFINITY;
+      const float m_old = sm.m[r];
+      const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float e0 = exp2f(s0 - m_use), e1 = exp2f(s1 - m_use);
+      if (lane < bn) pr[lane] = e0;
+      if (lane + WARP < bn) pr[lane + WARP] = e1;
+      const float sum = warp_sum(e0 + e1);
+      if (lane == 0) {
+        const float alpha = exp2f(m_old - m_use);
+        sm.alpha[r] = alpha;
+        sm.l[r] = fmaf(sm.l[r], alpha, sum);
+        sm.m[r] = m_new;
+      }
+    }
+    __syncthreads();
+    // acc = acc * alpha + p @ v; a row that sees nothing of this tile keeps its state unchanged.
+    for (int i = tid; i < rows * nvec; i += THREADS) {
+      const int r = i / nvec, c = i % nvec;
+      const int seen = min(n, sm.pos[r] - tile + 1);
+      if (seen <= 0) continue;
+      float o[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) o[e] = 0.f;
+      for (int j = 0; j < seen; ++j) {
+        const float pj = sm.p[r * bn + j];
+        float vf[V];
+        unpack<T>(*reinterpret_cast<const uint4*>(sm.v + j * dp + c * V), vf);
+#pragma unroll
+        for (int e = 0; e < V; ++e) o[e] = fmaf(pj, vf[e], o[e]);
+      }
+      float4* a = reinterpret_cast<float4*>(sm.acc + r * dp + c * V);
+      const float alpha = sm.alpha[r];
+#pragma unroll
+      for (int e = 0; e < V / 4; ++e) {
+        const float4 x = a[e];
+        a[e] = make_float4(fmaf(x.x, alpha, o[4 * e]), fmaf(x.y, alpha, o[4 * e + 1]), fmaf(x.z, alpha, o[4 * e + 2]),
+                           fmaf(x.w, alpha, o[4 * e + 3]));
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Output row of query (b, q head, t): out is contiguous [B, Hq, T, D].
+template <typename T>
+__device__ __forceinline__ T* out_row(const Params<T>& p, int64_t b, int qh, int t) {
+  return p.out + ((b * p.Hq + qh) * p.T + t) * static_cast<int64_t>(p.D);
+}
+
+// Loads `rows` query rows (q_row(r): global row, row_pos(r): sanitised position) into the SIMT
+// engine and resets their softmax state; returns synchronised.
+template <typename T, bool GVEC, typename QRow, typename RowPos>
+__device__ void simt_init_rows(const SimtSmem<T>& sm, int rows, int dp, int D, const QRow& q_row,
+                               const RowPos& row_pos) {
+  constexpr int V = VEC<T>;
+  const int nvec = dp / V;
+  for (int i = threadIdx.x; i < rows * nvec; i += THREADS) {
+    const int r = i / nvec, c = i % nvec;
+    load_vec<T, GVEC>(sm.q + r * dp, q_row(r), c, D);
+#pragma unroll
+    for (int e = 0; e < V / 4; ++e) reinterpret_cast<float4*>(sm.acc + r * dp + c * V)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int r = threadIdx.x; r < rows; r += THREADS) {
+    sm.pos[r] = row_pos(r);
+    sm.m[r] = -INFINITY;
+    sm.l[r] = 0.f;
+  }
+  async_wait();
+  __syncthreads();
+}
+
+// ------------------------------------------------------------------------------- host helpers
+
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Slots per K/V tile: the largest power of two <= MAX_KV_TILE whose tile fits KV_TILE_BYTES.
+inline int kv_tile(int row_bytes) {
+  int bn = MAX_KV_TILE;
+  while (bn > MIN_KV_TILE && bn * row_bytes > KV_TILE_BYTES) bn /= 2;
+  return bn;
+}
+
+// Query rows per pass / tile of the SIMT engine that fit SIMT_SMEM_BUDGET.
+// Passes are balanced: 64 rows that fit 62 at a time run as 2 x 32, not 62 + 2.
+template <typename T>
+int simt_rows(int wanted, int bn, int dp) {
+  wanted = std::max(1, wanted);
+  int rows = std::min(wanted, MAX_ROWS_PER_PASS);
+  while (rows > 1 && SimtSmem<T>(0, rows, bn, dp).bytes > SIMT_SMEM_BUDGET) --rows;
+  const int passes = ceil_div(std::min(wanted, MAX_ROWS_PER_PASS), rows);
+  return ceil_div(std::min(wanted, MAX_ROWS_PER_PASS), passes);
+}
+
+inline int device_attribute(cudaDeviceAttr attr) {  // a host-side lookup: no synchronisation
+  int device = 0, value = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
+  return value;
+}
+
+// Static shared memory of a kernel (its __shared__ arrays), which counts against the same limits.
+template <typename Kernel>
+int static_smem(Kernel kernel) {
+  cudaFuncAttributes attributes{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel)));
+  return static_cast<int>(attributes.sharedSizeBytes);
+}
+
+// Opts a kernel in to `bytes` of dynamic shared memory on the current device (once per size):
+// needed whenever static + dynamic shared memory passes the 48 KiB default.
+template <typename Kernel>
+void set_dynamic_smem(Kernel kernel, int bytes) {
+  const int limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  const int total = bytes + static_smem(kernel);
+  TORCH_CHECK(total <= limit, "kv_cache_attention: needs ", total, " bytes of shared memory per block, the device has ",
+              limit);
+  if (total <= DEFAULT_SMEM_LIMIT) return;
+  static std::mutex mutex;
+  static auto* done = new std::map<std::pair<const void*, int>, int>();  // (kernel, device) -> bytes
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  int& granted = (*done)[{reinterpret_cast<const void*>(kernel), device}];
+  if (granted < bytes) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    granted = bytes;
+  }
+}
+
+// One launch each, defined (and instantiated for float, Half, BFloat16) in the decode / prefill files.
+template <typename T>
+void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, cudaStream_t stream);
+template <typename T>
+void launch_prefill(Params<T> p, int64_t B, bool gvec, cudaStream_t stream);
+
+}  // namespace kv_attention
+}  // namespace gptfast_kernels

@@ -1,0 +1,252 @@
+// kv_cache_attention CUDA, prefill (T > DECODE_MAX_T): a scatter kernel, then a tiled kernel over
+// query tiles reading the cache: WMMA tensor cores for fp16 / bf16, the SIMT engine for fp32.
+#include "kv_cache_attention.cuh"
+
+namespace gptfast_kernels {
+namespace kv_attention {
+namespace {
+
+// K/V rows of a prefill block: the cache, already scattered by scatter_kernel.
+template <typename T>
+struct CacheKv {
+  const T *k_cache, *v_cache;
+  int D;
+  __device__ void prepare(int, int) const {}
+  __device__ const T* k_row(int slot, int) const { return k_cache + static_cast<int64_t>(slot) * D; }
+  __device__ const T* v_row(int slot, int) const { return v_cache + static_cast<int64_t>(slot) * D; }
+};
+
+// k / v [b, :, t] -> caches [b, :, positions[b, t]]; one block per (b, t).
+template <typename T, bool GVEC>
+__global__ void __launch_bounds__(SCATTER_THREADS) scatter_kernel(const Params<T> p) {
+  const int64_t bt = blockIdx.x, b = bt / p.T, t = bt % p.T;
+  const int slot = sanitize(p.positions[bt], p.S);
+  // A later token of the row with the same slot wins (see last_writer); the block scans them together.
+  bool overwritten = false;
+  for (int64_t later = t + 1 + threadIdx.x; later < p.T && slot >= 0; later += SCATTER_THREADS)
+    overwritten = overwritten || sanitize(p.positions[b * p.T + later], p.S) == slot;
+  if (__syncthreads_or(overwritten) || slot < 0) return;
+  const int dvec = ceil_div(p.D, VEC<T>);
+  for (int i = threadIdx.x; i < p.Hkv * dvec; i += SCATTER_THREADS) {
+    const int h = i / dvec, c = i % dvec;
+    const int64_t dst = ((b * p.Hkv + h) * p.S + slot) * static_cast<int64_t>(p.D);
+    copy_vec<T, GVEC>(p.k_cache + dst, p.k + b * p.k_sb + h * p.k_sh + t * p.k_st, c, p.D);
+    copy_vec<T, GVEC>(p.v_cache + dst, p.v + b * p.v_sb + h * p.v_sh + t * p.v_st, c, p.D);
+  }
+}
+
+// Query tile of a prefill block: blockIdx.x = (b, q head, tile), the longest (last) tiles first.
+struct PrefillTile {
+  int64_t b;
+  int qh, t0, rows;
+};
+template <typename T>
+__device__ __forceinline__ PrefillTile prefill_tile(const Params<T>& p) {
+  const int tiles = ceil_div(p.T, p.rows);
+  int64_t x = blockIdx.x;
+  const int tile = tiles - 1 - static_cast<int>(x % tiles);
+  x /= tiles;
+  const int t0 = tile * p.rows;
+  return {x / p.Hq, static_cast<int>(x % p.Hq), t0, min(p.rows, p.T - t0)};
+}
+
+template <typename T, bool GVEC>
+__global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) prefill_simt_kernel(const Params<T> p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const PrefillTile tl = prefill_tile(p);
+  const SimtSmem<T> sm(reinterpret_cast<uintptr_t>(smem), p.rows, p.bn, p.dp);
+  simt_init_rows<T, GVEC>(
+      sm, tl.rows, p.dp, p.D, [&](int r) { return p.q + tl.b * p.q_sb + tl.qh * p.q_sh + (tl.t0 + r) * p.q_st; },
+      [&](int r) { return sanitize(p.positions[tl.b * p.T + tl.t0 + r], p.S); });
+  int len = 0;  // keys up to the tile's largest position
+  for (int r = 0; r < tl.rows; ++r) len = max(len, sm.pos[r] + 1);
+  const int64_t kv_off = (tl.b * p.Hkv + tl.qh / p.G) * p.S * static_cast<int64_t>(p.D);
+  const CacheKv<T> kv{p.k_cache + kv_off, p.v_cache + kv_off, p.D};
+  simt_attend<T, GVEC>(sm, tl.rows, p.bn, p.dp, p.D, 0, len, p.scale_log2, kv);
+  for (int i = threadIdx.x; i < tl.rows * p.D; i += THREADS) {
+    const int r = i / p.D, d = i % p.D;
+    const float l = sm.l[r];
+    out_row(p, tl.b, tl.qh, tl.t0 + r)[d] = T(l > 0.f ? sm.acc[r * p.dp + d] / l : 0.f);
+  }
+}
+
+template <typename T>
+struct MmaType;
+template <>
+struct MmaType<c10::Half> { using type = __half; };
+template <>
+struct MmaType<c10::BFloat16> { using type = __nv_bfloat16; };
+
+template <typename T>
+struct TcSmem {
+  int ldq, lds, ldp, ldo;  // leading dims (elements); every 16-row / 16-column tile stays 32-byte aligned
+  T *q, *k, *v;            // q [bm][ldq], k / v [bn][ldq]; zero past D, past the tile's rows, past the slots
+  float* s;                // scores [bm][lds]
+  T* p;                    // probabilities [bm][ldp]
+  float *o, *m, *l;        // output accumulator [bm][ldo], softmax state [bm]
+  int* pos;                // [bm]
+  int bytes;
+  __host__ __device__ TcSmem(uintptr_t base, int bm, int bn, int dp)
+      : ldq(dp + TC_PAD), lds(bn + TC_ACC_PAD), ldp(bn + TC_PAD), ldo(dp + TC_ACC_PAD) {
+    SmemCarver c{base};
+    q = c.take<T>(bm * ldq), k = c.take<T>(bn * ldq), v = c.take<T>(bn * ldq);
+    s = c.take<float>(bm * lds), p = c.take<T>(bm * ldp), o = c.take<float>(bm * ldo);
+    m = c.take<float>(bm), l = c.take<float>(bm), pos = c.take<int>(bm);
+    bytes = c.bytes;
+  }
+};
+
+// fp16 / bf16 prefill on tensor cores: S = Q K^T and O += P V with 16x16x16 WMMA, fp32 accumulators;
+// the online softmax runs on the fp32 score tile in shared memory, P is rounded to q's dtype.
+template <typename T, bool GVEC>
+__global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> p) {
+  using namespace nvcuda;
+  using mma_t = typename MmaType<T>::type;
+  constexpr int V = VEC<T>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const PrefillTile tl = prefill_tile(p);
+  const int bm = p.rows, bn = p.bn, dp = p.dp, D = p.D;
+  const TcSmem<T> sm(reinterpret_cast<uintptr_t>(smem), bm, bn, dp);
+  const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, nvec = dp / V;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+
+  const T* q_base = p.q + tl.b * p.q_sb + tl.qh * p.q_sh;
+  for (int i = tid; i < bm * nvec; i += TC_THREADS) {
+    const int r = i / nvec, c = i % nvec;
+    if (r < tl.rows) {
+      load_vec<T, GVEC>(sm.q + r * sm.ldq, q_base + (tl.t0 + r) * p.q_st, c, D);
+    } else {
+      *reinterpret_cast<uint4*>(sm.q + r * sm.ldq + c * V) = zero;
+    }
+  }
+  for (int i = tid; i < bm * dp; i += TC_THREADS) sm.o[(i / dp) * sm.ldo + i % dp] = 0.f;
+  for (int r = tid; r < bm; r += TC_THREADS) {
+    sm.pos[r] = r < tl.rows ? sanitize(p.positions[tl.b * p.T + tl.t0 + r], p.S) : -1;
+    sm.m[r] = -INFINITY;
+    sm.l[r] = 0.f;
+  }
+  async_wait();
+  __syncthreads();
+  int len = 0;  // keys up to the tile's largest position
+  for (int r = 0; r < tl.rows; ++r) len = max(len, sm.pos[r] + 1);
+  const int64_t kv_off = (tl.b * p.Hkv + tl.qh / p.G) * p.S * static_cast<int64_t>(D);
+  const T* k_cache = p.k_cache + kv_off;
+  const T* v_cache = p.v_cache + kv_off;
+
+  for (int tile = 0; tile < len; tile += bn) {
+    const int n = min(bn, len - tile);
+    for (int i = tid; i < bn * nvec; i += TC_THREADS) {
+      const int j = i / nvec, c = i % nvec;
+      if (j < n) {  // rows past n are zeros: P is 0 there, and 0 * garbage could be NaN
+        load_vec<T, GVEC>(sm.k + j * sm.ldq, k_cache + static_cast<int64_t>(tile + j) * D, c, D);
+        load_vec<T, GVEC>(sm.v + j * sm.ldq, v_cache + static_cast<int64_t>(tile + j) * D, c, D);
+      } else {
+        *reinterpret_cast<uint4*>(sm.k + j * sm.ldq + c * V) = zero;
+        *reinterpret_cast<uint4*>(sm.v + j * sm.ldq + c * V) = zero;
+      }
+    }
+    async_wait();
+    __syncthreads();
+    const int n16 = align_up(n, 16);
+    for (int f = warp; f < (bm / 16) * (n16 / 16); f += TC_WARPS) {
+      const int i = f / (n16 / 16), jt = f % (n16 / 16);
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int kk = 0; kk < dp; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, mma_t, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, mma_t, wmma::col_major> bt;  // K row-major = K^T col-major
+        wmma::load_matrix_sync(a, reinterpret_cast<const mma_t*>(sm.q + 16 * i * sm.ldq + kk), sm.ldq);
+        wmma::load_matrix_sync(bt, reinterpret_cast<const mma_t*>(sm.k + 16 * jt * sm.ldq + kk), sm.ldq);
+        wmma::mma_sync(acc, a, bt, acc);
+      }
+      wmma::store_matrix_sync(sm.s + 16 * i * sm.lds + 16 * jt, acc, sm.lds, wmma::mem_row_major);
+    }
+    __syncthreads();
+    // Online softmax, one warp per row (as in simt_attend), then the row of O is rescaled.
+    for (int r = warp; r < bm; r += TC_WARPS) {
+      const float* sr = sm.s + r * sm.lds;
+      const int seen = min(n, sm.pos[r] - tile + 1);
+      const float s0 = lane < seen ? sr[lane] * p.scale_log2 : -INFINITY;
+      const float s1 = lane + WARP < seen ? sr[lane + WARP] * p.scale_log2 : -INFINITY;
+      const float m_old = sm.m[r];
+      const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float e0 = exp2f(s0 - m_use), e1 = exp2f(s1 - m_use);
+      T* pr = sm.p + r * sm.ldp;
+      if (lane < bn) pr[lane] = T(e0);
+      if (lane + WARP < bn) pr[lane + WARP] = T(e1);
+      const float sum = warp_sum(e0 + e1);
+      const float alpha = exp2f(m_old - m_use);
+      for (int d = lane; d < dp; d += WARP) sm.o[r * sm.ldo + d] *= alpha;
+      if (lane == 0) {
+        sm.l[r] = fmaf(sm.l[r], alpha, sum);
+        sm.m[r] = m_new;
+      }
+    }
+    __syncthreads();
+    for (int f = warp; f < (bm / 16) * (dp / 16); f += TC_WARPS) {
+      const int i = f / (dp / 16), dt = f % (dp / 16);
+      float* o_tile = sm.o + 16 * i * sm.ldo + 16 * dt;
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::load_matrix_sync(acc, o_tile, sm.ldo, wmma::mem_row_major);
+      for (int kk = 0; kk < n16; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, mma_t, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, mma_t, wmma::row_major> bv;
+        wmma::load_matrix_sync(a, reinterpret_cast<const mma_t*>(sm.p + 16 * i * sm.ldp + kk), sm.ldp);
+        wmma::load_matrix_sync(bv, reinterpret_cast<const mma_t*>(sm.v + kk * sm.ldq + 16 * dt), sm.ldq);
+        wmma::mma_sync(acc, a, bv, acc);
+      }
+      wmma::store_matrix_sync(o_tile, acc, sm.ldo, wmma::mem_row_major);
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < tl.rows * D; i += TC_THREADS) {
+    const int r = i / D, d = i % D;
+    const float l = sm.l[r];
+    out_row(p, tl.b, tl.qh, tl.t0 + r)[d] = T(l > 0.f ? sm.o[r * sm.ldo + d] / l : 0.f);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void launch_prefill(Params<T> p, int64_t B, bool gvec, cudaStream_t stream) {
+  TORCH_CHECK(B * p.T <= INT_MAX, "kv_cache_attention: B * T = ", B * p.T, " exceeds the CUDA grid");
+  auto scatter = gvec ? scatter_kernel<T, true> : scatter_kernel<T, false>;
+  scatter<<<static_cast<unsigned>(B * p.T), SCATTER_THREADS, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  int threads = THREADS, bytes = 0;
+  void (*kernel)(const Params<T>);
+  if constexpr (std::is_same_v<T, float>) {
+    p.dp = align_up(p.D, VEC<T>);
+    p.bn = kv_tile(p.dp * static_cast<int>(sizeof(T)));
+    p.rows = simt_rows<T>(std::min(p.T, MAX_ROWS_PER_PASS), p.bn, p.dp);
+    bytes = SimtSmem<T>(0, p.rows, p.bn, p.dp).bytes;
+    kernel = gvec ? prefill_simt_kernel<T, true> : prefill_simt_kernel<T, false>;
+  } else {
+    p.dp = align_up(p.D, 16);
+    // 32 x 32 tiles for large heads, and on GPUs with less shared memory per block (sm_86 / sm_89:
+    // 99 KiB, under the 111 KiB of 64 x 64 tiles at D = 128).
+    const bool large = p.dp > TC_LARGE_HEAD_DIM ||
+                       TcSmem<T>(0, 64, 64, p.dp).bytes + static_smem(prefill_tc_kernel<T, true>) >
+                           device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
+    p.rows = large ? 32 : 64;
+    p.bn = large ? 32 : 64;
+    threads = TC_THREADS;
+    bytes = TcSmem<T>(0, p.rows, p.bn, p.dp).bytes;
+    kernel = gvec ? prefill_tc_kernel<T, true> : prefill_tc_kernel<T, false>;
+  }
+  const int64_t blocks = ceil_div64(p.T, p.rows) * p.Hq * B;
+  TORCH_CHECK(blocks <= INT_MAX, "kv_cache_attention: ", blocks, " query tiles exceed the CUDA grid");
+  set_dynamic_smem(kernel, bytes);
+  kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template void launch_prefill<float>(Params<float>, int64_t, bool, cudaStream_t);
+template void launch_prefill<c10::Half>(Params<c10::Half>, int64_t, bool, cudaStream_t);
+template void launch_prefill<c10::BFloat16>(Params<c10::BFloat16>, int64_t, bool, cudaStream_t);
+
+}  // namespace kv_attention
+}  // namespace gptfast_kernels

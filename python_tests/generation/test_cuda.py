@@ -63,9 +63,13 @@ def test_bf16_logits_within_twice_transformers_error(family):
     at most twice transformers' own bf16 error on the same model (plus a small floor)."""
     model = tiny_model(family)
     ids, mask = ragged_prompts(2, 9, "left")
+    # each row's real tokens at positions 0.. (as generate and the patched model place them; a plain
+    # transformers forward would count GPT-2's absolute positions from the padding)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        want = model.double()(ids, attention_mask=mask).logits
-        hf = model.to("cuda", torch.bfloat16)(ids.cuda(), attention_mask=mask.cuda()).logits.double().cpu()
+        want = model.double()(ids, attention_mask=mask, position_ids=position_ids).logits
+        hf = model.to("cuda", torch.bfloat16)(ids.cuda(), attention_mask=mask.cuda(),
+                                              position_ids=position_ids.cuda()).logits.double().cpu()
         patched = patched_copy(model, int8=False)
         cache = StaticKVCache(patched.config, 2, 16, device="cuda", dtype=torch.bfloat16)
         parts = [patched(ids[:, :7].cuda(), attention_mask=mask[:, :7].cuda(), past_key_values=cache).logits,

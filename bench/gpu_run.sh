@@ -7,7 +7,7 @@
 #   build        the extension in place (MAX_JOBS=16, sm_90a); skipped when a prebuilt one that
 #                loads with CUDA kernels for this torch is carried in .gpu_build/ (scripts/
 #                build_for_gpu_machine.sh makes it on a machine without a GPU)
-#   tests        the whole suite with CUDA                               -> tests.log
+#   tests        the whole suite with CUDA (TESTS="paths/options" for part of it) -> tests.log
 #   sanitize     compute-sanitizer memcheck + racecheck, CUDA op tests   -> sanitizer.log
 #   kernels      microbenchmarks of the three ops + copy bandwidth   -> <device>_<date>_<commit>_<benches>.json
 #   generate     end to end, Llama-3-8B shapes, batch 1               -> ..._generate_batch1.json
@@ -58,7 +58,8 @@ stage_build() {
 }
 
 stage_tests() {
-  timeout "$STAGE_TIMEOUT" "$PY" -m pytest python_tests -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT_DIR/tests.log" | tail -40
+  # shellcheck disable=SC2086  (TESTS may name several paths / options)
+  timeout "$STAGE_TIMEOUT" "$PY" -m pytest ${TESTS:-python_tests} -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT_DIR/tests.log" | tail -40
 }
 
 stage_sanitize() {

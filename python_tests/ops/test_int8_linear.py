@@ -66,6 +66,23 @@ def test_int8_linear_aligned_decode_and_prefill_shapes(backend, device):
         torch.testing.assert_close(y.double(), _expected(x, qweight, scales, bias), atol=1e-3, rtol=1e-4)
 
 
+GPU_BACKENDS = [p for p in kernel_backends("int8_linear") if p.id in ("cuda", "triton-cuda")]
+
+
+@pytest.mark.parametrize("backend, device", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES[1:])
+@pytest.mark.parametrize("N, K", [(14336, 4096), (4096, 14336), (128256, 4096)], ids=["up", "down", "lm-head"])
+def test_int8_linear_llama_shapes_on_gpu(backend, device, dtype, atol, rtol, N, K):
+    """Llama-3-8B shapes in 16-bit activations: the vectorised GEMV (K % 16 == 0), the skinny
+    rows of batched decode and speculative verification, and the tiled prefill path."""
+    qweight, scales, bias = _make(N, K, dtype, device, bias=True)
+    for M in (1, 2, 5, 16, 40, 300):
+        x = (torch.randn(M, K, device=device) / K ** 0.5).to(dtype)
+        y = ops.int8_linear(x, qweight, scales, bias, backend=backend)
+        torch.testing.assert_close(y.double(), _expected(x, qweight, scales, bias), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"M={M}: {m}")
+
+
 @pytest.mark.parametrize("N, K", [(50257, 64), (24, 4095)])
 def test_int8_linear_odd_shapes_cpu(N, K):
     qweight, scales, bias = _make(N, K, torch.float32, "cpu", bias=True)

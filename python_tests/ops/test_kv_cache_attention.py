@@ -285,6 +285,20 @@ def test_long_cache_split_kv_called_twice(backend, device, dtype):
     check_against_reference(backend, device, q, k, v, k_cache, v_cache, positions)
 
 
+GPU_BACKENDS = [p for p in BACKENDS if p.id in ("cuda", "triton-cuda")]
+
+
+@pytest.mark.parametrize("backend, device", GPU_BACKENDS)
+@pytest.mark.parametrize("B, T, S", [(4, 1, 32768), (4, 5, 32768), (2, 100, 16384)],
+                         ids=["decode", "verify", "prefill"])
+def test_llama_heads_long_cache_on_gpu(backend, device, B, T, S):
+    """Llama-3-8B heads (32 query / 8 kv, D = 128) in bf16 over long caches with rows near the end,
+    in the middle and at the start: the GPU tuning's many splits, tiles and int64 offsets."""
+    starts = [S - T, S // 2 + 3, 4095, 0][:B]
+    case = make_case(B, 32, 8, T, 128, S, _contiguous_positions(B, T, starts), torch.bfloat16, device, seed=5)
+    check_against_reference(backend, device, *case)
+
+
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_cuda_graph_capture_and_replay(backend):
     """The op is captured in a CUDA graph and replayed with new positions / new tokens written into

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.harness import best_seconds, default_dtype
@@ -65,4 +66,6 @@ def run(h) -> None:
                        "tokens_per_s": hf_tps, "speedup_vs_baseline": 1.0})
         h.rows.append({**case, "impl": "ours_int8_fused", "tokens_per_s": ours_tps,
                        "speedup_vs_baseline": ours_tps / hf_tps,
-                       "same_tokens_as_float_baseline": bool(torch.equal(ours_out.sequences, hf_out))})
+                       "same_tokens_as_float_baseline": bool(torch.equal(ours_out.sequences, hf_out)),
+                       # > 0: some compiled step ran without its CUDA graph (inductor said why in the log)
+                       "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"]})

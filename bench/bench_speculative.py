@@ -18,6 +18,7 @@ import copy
 import time
 
 import torch
+from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import gptfast_kernels.generation.speculative as speculative_module
@@ -138,7 +139,7 @@ def _rounds_rows(h):
                        "speculate_k": SPECULATE_K, "impl": "ours_speculative_compiled",
                        "rounds_per_s": rounds / seconds, "tokens_per_s": rows * new_tokens / seconds,
                        "fraction_outside_forwards": max(0.0, 1 - (clock.seconds + prefill_seconds) / seconds),
-                       **h.meta})
+                       "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"], **h.meta})
 
 
 def run(h) -> None:

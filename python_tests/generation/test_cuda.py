@@ -36,12 +36,17 @@ def test_greedy_equals_transformers(family):
 def test_compiled_cuda_graph_decode_equals_eager(family):
     """compile=True: torch.compile(fullgraph=True, mode="reduce-overhead") per step, so the decode
     step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse)."""
+    from torch._dynamo.utils import counters
+
     patched = patch_model(tiny_model(family).cuda(), int8=True)
     ids, mask = _on_cuda(*ragged_prompts(3, 7, "left"))
     eager = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    skips_before = counters["inductor"]["cudagraph_skips"]
     for _ in range(2):
         assert torch.equal(generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True).sequences,
                            eager)
+    # inductor did not fall back to eager launches (e.g. for a mutated input it cannot keep static)
+    assert counters["inductor"]["cudagraph_skips"] == skips_before
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])

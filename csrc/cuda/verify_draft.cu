@@ -3,9 +3,13 @@
 // Sampling: warp 0 tests up to 32 drafts at a time (reading only p = target[b, i, t_i] and
 // q = draft[b, i, t_i]) and a ballot finds the first rejection n. The block then makes one pass
 // over the row at n (max(0, target - draft), or target when all k were accepted or the residual is
-// all zero) for the total, and an inverse-CDF scan in chunks of SCAN_CHUNK elements (block prefix
-// scan per chunk) that stops at the chunk holding the sampled index.
+// all zero): each warp sums one of WARPS contiguous segments, giving the total and the segment
+// where the running sum passes u * total. The inverse-CDF scan (block prefix scan per chunk of
+// SCAN_CHUNK elements) starts at that segment, so it reads about 1 / WARPS of the row again
+// instead of everything before the sampled index.
 // Greedy: block argmax of row 0, 1, ... stopping at the first draft that differs from it.
+// Rows whose length is a multiple of 4 (and 16-byte aligned) are read as float4: with UNROLL
+// loads per thread in flight, a block keeps ~32 KiB of a row in flight from its SM.
 // The vocabulary is streamed in strided / chunked tiles, never held whole in registers. All sums
 // are float32. No host synchronisation; the accept counts are written on the device.
 // A draft token outside [0, V) (the wrapper rejects them in eager mode) is never used as an index:
@@ -43,16 +47,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over the block, returned to every thread (same order in every thread, so identical values).
-__device__ float block_sum(float v, float* scratch) {
-  v = warp_sum(v);
-  __syncthreads();  // scratch may still be read by a previous reduction
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  const int lane = threadIdx.x % 32;
-  return warp_sum(lane < WARPS ? scratch[lane] : 0.f);
-}
-
 __device__ long long block_min(long long v, long long* scratch) {
   for (int offset = 16; offset > 0; offset >>= 1) v = min(v, __shfl_xor_sync(FULL_MASK, v, offset));
   __syncthreads();
@@ -76,11 +70,32 @@ __device__ __forceinline__ void argmax_merge(float& best, long long& idx, float 
 }
 
 // First index of the maximum of row[0, V), returned to every thread.
-__device__ long long block_argmax(const float* __restrict__ row, int64_t V, float* scratch_f,
+__device__ long long block_argmax(const float* __restrict__ row, int64_t V, bool vec4, float* scratch_f,
                                   long long* scratch_i) {
   float best = -INFINITY;
   long long idx = LLONG_MAX;
-  for (int64_t j = threadIdx.x; j < V; j += THREADS) argmax_merge(best, idx, row[j], j);
+  if (vec4) {  // V % 4 == 0; argmax_merge is order-free, so the unrolled loads may merge in any order
+    constexpr int64_t STEP = static_cast<int64_t>(THREADS) * 4;
+    int64_t j = static_cast<int64_t>(threadIdx.x) * 4;
+    for (; j + (UNROLL - 1) * STEP < V; j += UNROLL * STEP) {
+      float4 v[UNROLL];
+#pragma unroll
+      for (int r = 0; r < UNROLL; ++r) v[r] = __ldg(reinterpret_cast<const float4*>(row + j + r * STEP));
+#pragma unroll
+      for (int r = 0; r < UNROLL; ++r) {
+        const int64_t at = j + r * STEP;
+        argmax_merge(best, idx, v[r].x, at), argmax_merge(best, idx, v[r].y, at + 1);
+        argmax_merge(best, idx, v[r].z, at + 2), argmax_merge(best, idx, v[r].w, at + 3);
+      }
+    }
+    for (; j < V; j += STEP) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(row + j));
+      argmax_merge(best, idx, v.x, j), argmax_merge(best, idx, v.y, j + 1);
+      argmax_merge(best, idx, v.z, j + 2), argmax_merge(best, idx, v.w, j + 3);
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < V; j += THREADS) argmax_merge(best, idx, row[j], j);
+  }
   for (int offset = 16; offset > 0; offset >>= 1) {
     argmax_merge(best, idx, __shfl_xor_sync(FULL_MASK, best, offset),
                  __shfl_xor_sync(FULL_MASK, idx, offset));
@@ -95,38 +110,95 @@ __device__ long long block_argmax(const float* __restrict__ row, int64_t V, floa
   return idx == LLONG_MAX ? 0 : idx;
 }
 
-__device__ float weight_total(const float* __restrict__ t, const float* __restrict__ d, int64_t V,
-                              float* scratch) {
+// Entries j .. j + 3 of the weights (vec4 rows: j % 4 == 0, 16-byte aligned).
+__device__ __forceinline__ float4 weight4(const float* __restrict__ t, const float* __restrict__ d,
+                                          int64_t j) {
+  const float4 tv = __ldg(reinterpret_cast<const float4*>(t + j));
+  if (d == nullptr) return tv;
+  const float4 dv = __ldg(reinterpret_cast<const float4*>(d + j));
+  return make_float4(fmaxf(tv.x - dv.x, 0.f), fmaxf(tv.y - dv.y, 0.f), fmaxf(tv.z - dv.z, 0.f),
+                     fmaxf(tv.w - dv.w, 0.f));
+}
+
+// Entries per segment: a multiple of 32 lanes x 4, so vec4 segments start 16-byte aligned.
+__host__ __device__ __forceinline__ int64_t segment_length(int64_t V) {
+  constexpr int64_t GRAIN = 32 * 4;
+  return ((V + WARPS - 1) / WARPS + GRAIN - 1) / GRAIN * GRAIN;
+}
+
+// Warp w sums the weights of segment w, [w * seg, (w + 1) * seg) (segment_length), into
+// seg_sums[w]; returns the row total, the same value in every thread (same order everywhere).
+__device__ float segment_sums(const float* __restrict__ t, const float* __restrict__ d, int64_t V,
+                              bool vec4, float* seg_sums) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t seg = segment_length(V), begin = warp * seg, end = begin + seg < V ? begin + seg : V;
   float acc[UNROLL] = {};
-  int64_t j = threadIdx.x;
-  for (; j + (UNROLL - 1) * THREADS < V; j += UNROLL * THREADS) {
+  if (vec4) {  // V % 4 == 0, so j < end implies j + 3 < end
+    constexpr int64_t STEP = 32 * 4;
+    int64_t j = begin + lane * 4;
+    for (; j + (UNROLL - 1) * STEP < end; j += UNROLL * STEP) {
+      float4 w[UNROLL];
 #pragma unroll
-    for (int r = 0; r < UNROLL; ++r) acc[r] += weight(t, d, j + r * THREADS);
+      for (int r = 0; r < UNROLL; ++r) w[r] = weight4(t, d, j + r * STEP);  // all loads first
+#pragma unroll
+      for (int r = 0; r < UNROLL; ++r) acc[r] += (w[r].x + w[r].y) + (w[r].z + w[r].w);
+    }
+    for (; j < end; j += STEP) {
+      const float4 w = weight4(t, d, j);
+      acc[0] += (w.x + w.y) + (w.z + w.w);
+    }
+  } else {
+    int64_t j = begin + lane;
+    for (; j + (UNROLL - 1) * 32 < end; j += UNROLL * 32) {
+#pragma unroll
+      for (int r = 0; r < UNROLL; ++r) acc[r] += weight(t, d, j + r * 32);
+    }
+    for (; j < end; j += 32) acc[0] += weight(t, d, j);
   }
-  for (; j < V; j += THREADS) acc[0] += weight(t, d, j);
   float local = 0.f;
 #pragma unroll
   for (int r = 0; r < UNROLL; ++r) local += acc[r];
-  return block_sum(local, scratch);
+  local = warp_sum(local);
+  __syncthreads();  // seg_sums may still be read by a previous pass
+  if (lane == 0) seg_sums[warp] = local;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < WARPS; ++w) total += seg_sums[w];
+  return total;
 }
 
 // The smallest j whose running sum exceeds u * total (and whose weight is non-zero, so float32
 // rounding between chunks can never pick a zero-weight entry); if none, the last non-zero entry.
+// The scan starts at the segment (segment_sums) where the running sum passes u * total; the sums
+// before it are its carry. If float32 rounding puts no crossing there or after it, the fallback.
 __device__ long long block_inverse_cdf(const float* __restrict__ t, const float* __restrict__ d,
-                                       int64_t V, float total, float u, float* scratch_f,
-                                       long long* scratch_i) {
+                                       int64_t V, bool vec4, float total, float u,
+                                       const float* seg_sums, float* scratch_f, long long* scratch_i) {
+  static_assert(SCAN_ITEMS == 4, "vec4 scan chunks load one float4 per thread");
   const float threshold = u * total;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   float carry = 0.f;
-  for (int64_t base = 0; base < V; base += SCAN_CHUNK) {
+  int64_t start = V;  // no segment passes the threshold: straight to the fallback
+  for (int w = 0; w < WARPS; ++w) {  // the same in every thread
+    if (carry + seg_sums[w] > threshold) {
+      start = w * segment_length(V);
+      break;
+    }
+    carry += seg_sums[w];
+  }
+  for (int64_t base = start; base < V; base += SCAN_CHUNK) {
     const int64_t j0 = base + static_cast<int64_t>(threadIdx.x) * SCAN_ITEMS;
     float vals[SCAN_ITEMS];
     float local = 0.f;
+    if (vec4 && j0 < V) {  // start % 4 == 0 and V % 4 == 0: j0 .. j0 + 3 lie in the row
+      const float4 w = weight4(t, d, j0);
+      vals[0] = w.x, vals[1] = w.y, vals[2] = w.z, vals[3] = w.w;
+    } else {
 #pragma unroll
-    for (int it = 0; it < SCAN_ITEMS; ++it) {
-      vals[it] = j0 + it < V ? weight(t, d, j0 + it) : 0.f;
-      local += vals[it];
+      for (int it = 0; it < SCAN_ITEMS; ++it) vals[it] = j0 + it < V ? weight(t, d, j0 + it) : 0.f;
     }
+#pragma unroll
+    for (int it = 0; it < SCAN_ITEMS; ++it) local += vals[it];
     float inclusive = local;  // warp inclusive scan
     for (int offset = 1; offset < 32; offset <<= 1) {
       const float up = __shfl_up_sync(FULL_MASK, inclusive, offset);
@@ -163,8 +235,9 @@ __global__ void __launch_bounds__(THREADS)
     verify_draft_kernel(const float* __restrict__ target, const float* __restrict__ draft,
                         const int64_t* __restrict__ draft_tokens, const float* __restrict__ uniforms,
                         int64_t* __restrict__ out_tokens, int64_t* __restrict__ num_emitted,
-                        int64_t k, int64_t V, bool greedy) {
+                        int64_t k, int64_t V, bool greedy, bool vec4) {
   __shared__ float scratch_f[WARPS];
+  __shared__ float seg_sums[WARPS];
   __shared__ long long scratch_i[WARPS];
   __shared__ long long first_rejection;
   const int64_t b = blockIdx.x;
@@ -176,7 +249,7 @@ __global__ void __launch_bounds__(THREADS)
   long long final_token = 0;
   if (greedy) {
     for (;; ++n) {  // uniform across the block: every thread sees the same argmax
-      final_token = block_argmax(t_rows + n * V, V, scratch_f, scratch_i);
+      final_token = block_argmax(t_rows + n * V, V, vec4, scratch_f, scratch_i);
       if (n == k || ids[n] != final_token) break;
     }
   } else {
@@ -207,12 +280,12 @@ __global__ void __launch_bounds__(THREADS)
     n = first_rejection;
     const float* t_row = t_rows + n * V;
     const float* d_row = n < k ? d_rows + n * V : nullptr;
-    float total = weight_total(t_row, d_row, V, scratch_f);
+    float total = segment_sums(t_row, d_row, V, vec4, seg_sums);
     if (d_row != nullptr && !(total > 0.f)) {  // all-zero residual: sample from the target row
       d_row = nullptr;
-      total = weight_total(t_row, nullptr, V, scratch_f);
+      total = segment_sums(t_row, nullptr, V, vec4, seg_sums);
     }
-    final_token = block_inverse_cdf(t_row, d_row, V, total, u[k], scratch_f, scratch_i);
+    final_token = block_inverse_cdf(t_row, d_row, V, vec4, total, u[k], seg_sums, scratch_f, scratch_i);
   }
   for (int64_t i = threadIdx.x; i < K1; i += THREADS) {
     out_tokens[b * K1 + i] = i < n ? ids[i] : (i == n ? final_token : -1);
@@ -256,11 +329,14 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& target_pr
   if (B == 0) return {tokens, num_emitted};
   TORCH_CHECK(B <= INT_MAX, "verify_draft: batch size ", B, " exceeds the CUDA grid");
   const bool greedy = !draft_probs.has_value();
+  // float4 rows: every row starts at a multiple of V floats from 16-byte aligned bases
+  const bool vec4 = V % 4 == 0 && reinterpret_cast<uintptr_t>(target_probs.data_ptr()) % 16 == 0 &&
+                    (greedy || reinterpret_cast<uintptr_t>(draft_probs->data_ptr()) % 16 == 0);
   verify_draft_kernel<<<static_cast<unsigned>(B), THREADS, 0,
                         c10::cuda::getCurrentCUDAStream()>>>(
       target_probs.data_ptr<float>(), greedy ? nullptr : draft_probs->data_ptr<float>(),
       draft_tokens.data_ptr<int64_t>(), uniforms.data_ptr<float>(), tokens.data_ptr<int64_t>(),
-      num_emitted.data_ptr<int64_t>(), K1 - 1, V, greedy);
+      num_emitted.data_ptr<int64_t>(), K1 - 1, V, greedy, vec4);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {tokens, num_emitted};
 }

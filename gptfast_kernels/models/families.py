@@ -3,7 +3,8 @@
 Every supported family already routes attention through transformers' AttentionInterface and its
 KV cache through ``Cache.update`` (transformers 5.x), so patching needs no per-family forward: the
 table records the attention module class (to check a model really has the structure we rely on),
-where the config keeps the KV-head count and head size, and config features we refuse.
+where the config keeps the KV-head count and head size, the gated MLP class whose gate and up
+projections are fused into one int8 matmul, and config features we refuse.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class Family:
     attention_class: str            # class name of the self-attention modules
     kv_heads_attr: str | None       # config attribute with the KV-head count (None: MHA)
     head_dim_attr: str | None       # config attribute with the head size (None: hidden / heads)
+    gated_mlp_class: str | None = None  # MLP class computing down(act(gate(x)) * up(x)), fused when int8
 
     def cache_geometry(self, config) -> tuple[int, int, int]:
         """(layers, kv heads, head dim) for this family's config."""
@@ -33,9 +35,9 @@ class Family:
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
-        Family("llama", "LlamaAttention", "num_key_value_heads", "head_dim"),
-        Family("mistral", "MistralAttention", "num_key_value_heads", "head_dim"),
-        Family("qwen2", "Qwen2Attention", "num_key_value_heads", "head_dim"),
+        Family("llama", "LlamaAttention", "num_key_value_heads", "head_dim", "LlamaMLP"),
+        Family("mistral", "MistralAttention", "num_key_value_heads", "head_dim", "MistralMLP"),
+        Family("qwen2", "Qwen2Attention", "num_key_value_heads", "head_dim", "Qwen2MLP"),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_neox", "GPTNeoXAttention", None, None),
     )

@@ -1,8 +1,10 @@
-"""Drop-in modules: Int8Linear and StaticKVCache (loaded on first use: it imports transformers)."""
+"""Drop-in modules: Int8Linear, Int8GatedMLP and StaticKVCache (loaded on first use: it imports
+transformers)."""
 
+from gptfast_kernels.modules.gated_mlp import Int8GatedMLP, fuse_gated_mlps_
 from gptfast_kernels.modules.int8_linear import Int8Linear, quantize_int8_
 
-__all__ = ["Int8Linear", "StaticKVCache", "quantize_int8_"]
+__all__ = ["Int8GatedMLP", "Int8Linear", "StaticKVCache", "fuse_gated_mlps_", "quantize_int8_"]
 
 
 def __getattr__(name: str):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -60,6 +60,30 @@ class Int8Linear(nn.Module):
         new.scales.copy_(scales)
         if bias is not None:
             new.bias.copy_(bias.detach())
+        return new
+
+    @classmethod
+    def concat(cls, modules: Sequence["Int8Linear"]) -> "Int8Linear":
+        """One Int8Linear for several that read the same input: its output is theirs concatenated
+        along the last dimension (per-channel scales keep every output channel's weights and scale;
+        only the float32 summation order may differ, where a GEMM library blocks the wider matrix
+        differently), from one kernel launch that streams all their weights."""
+        if not modules or not all(isinstance(m, Int8Linear) for m in modules):
+            raise TypeError("Int8Linear.concat: modules must be a non-empty sequence of Int8Linear")
+        in_features = modules[0].in_features
+        if any(m.in_features != in_features for m in modules):
+            raise ValueError("Int8Linear.concat: modules must share in_features, got "
+                             f"{[m.in_features for m in modules]}")
+        biased = [m.bias is not None for m in modules]
+        if any(biased) and not all(biased):
+            raise ValueError("Int8Linear.concat: either every module has a bias or none has")
+        first = modules[0]
+        new = cls(in_features, sum(m.out_features for m in modules), bias=all(biased),
+                  device=first.qweight.device, dtype=first.bias.dtype if all(biased) else torch.float32)
+        new.qweight.copy_(torch.cat([m.qweight for m in modules]))
+        new.scales.copy_(torch.cat([m.scales for m in modules]))
+        if all(biased):
+            new.bias.copy_(torch.cat([m.bias for m in modules]))
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -60,9 +60,14 @@ def test_int8_equals_transformers_on_dequantised_weights(family):
     dequantised = copy.deepcopy(model)
     for name, module in patched.named_modules():
         if isinstance(module, Int8Linear):
-            original = dequantised.get_submodule(name)
             weight = module.qweight.float() * module.scales[:, None]
-            original.weight.data.copy_(weight if isinstance(original, torch.nn.Linear) else weight.t())
+            if name.endswith(".gate_up_proj"):  # Int8GatedMLP: [gate | up] rows of one matmul
+                mlp = dequantised.get_submodule(name.rpartition(".")[0])
+                pairs = zip((mlp.gate_proj, mlp.up_proj), weight.chunk(2))
+            else:
+                pairs = [(dequantised.get_submodule(name), weight)]
+            for original, w in pairs:
+                original.weight.data.copy_(w if isinstance(original, torch.nn.Linear) else w.t())
     ids, mask = ragged_prompts(2, 6, "left", seed=3)
     want = hf_greedy(dequantised, ids, mask, eos_token_id=None)
     assert torch.equal(generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences, want)

@@ -1,0 +1,77 @@
+"""Int8Linear.concat and Int8GatedMLP: the fused gate / up matmul equals the two separate ones, patch_model fuses every gated MLP of Llama / Mistral / Qwen2 (not GPT-2's, not a projection
+kept in float), and bad inputs raise."""
+
+import pytest
+import torch
+from torch import nn
+
+from gptfast_kernels import Int8Linear
+from gptfast_kernels.modules import Int8GatedMLP
+from python_tests.tiny_models import patched_copy, tiny_model
+
+
+def _int8(in_features, out_features, bias=False, seed=0):
+    torch.manual_seed(seed)
+    return Int8Linear.from_float(nn.Linear(in_features, out_features, bias=bias))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_concat_is_the_separate_outputs(bias):
+    parts = [_int8(40, 24, bias, seed=1), _int8(40, 8, bias, seed=2), _int8(40, 17, bias, seed=3)]
+    fused = Int8Linear.concat(parts)
+    assert (fused.in_features, fused.out_features) == (40, 49)
+    for rows in (1, 5):  # the decode (GEMV) path sums every output channel on its own: same bits
+        x = torch.randn(rows, 40)
+        assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    x = torch.randn(33, 40)  # the GEMM path: the library may block the wider matrix differently
+    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), atol=1e-6, rtol=1e-6)
+
+
+def test_concat_bad_inputs():
+    with pytest.raises(TypeError, match="modules"):
+        Int8Linear.concat([])
+    with pytest.raises(TypeError, match="modules"):
+        Int8Linear.concat([nn.Linear(4, 4)])
+    with pytest.raises(ValueError, match="in_features"):
+        Int8Linear.concat([_int8(4, 4), _int8(5, 4)])
+    with pytest.raises(ValueError, match="bias"):
+        Int8Linear.concat([_int8(4, 4, bias=True), _int8(4, 4)])
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_patch_model_fuses_gated_mlps_exactly(family):
+    model = tiny_model(family)
+    unfused = patched_copy(model, int8=True)
+    fused_count = sum(isinstance(m, Int8GatedMLP) for m in unfused.modules())
+    assert fused_count == model.config.num_hidden_layers
+    mlp = next(m for m in unfused.modules() if isinstance(m, Int8GatedMLP))
+    assert not hasattr(mlp, "gate_proj") and isinstance(mlp.down_proj, Int8Linear)
+    # the same MLP with its two int8 projections kept apart gives the same bits
+    original = model.model.layers[0].mlp
+    halves = mlp.gate_up_proj.qweight.chunk(2), mlp.gate_up_proj.scales.chunk(2)
+    gate, up = (Int8Linear(mlp.gate_up_proj.in_features, mlp.intermediate_size, bias=False) for _ in range(2))
+    for module, qweight, scales in zip((gate, up), halves[0], halves[1]):
+        module.qweight.copy_(qweight)
+        module.scales.copy_(scales)
+    x = torch.randn(3, 5, model.config.hidden_size)
+    layer0 = unfused.model.layers[0].mlp
+    with torch.no_grad():
+        want = layer0.down_proj(original.act_fn(gate(x)) * up(x))
+        assert torch.equal(layer0(x), want)
+
+
+def test_no_fusion_for_a_float_projection_or_gpt2():
+    model = tiny_model("llama")
+    kept = patched_copy(model, int8=True, int8_skip=("lm_head", "gate_proj"))
+    assert not any(isinstance(m, Int8GatedMLP) for m in kept.modules())
+    assert isinstance(kept.model.layers[0].mlp.up_proj, Int8Linear)
+    gpt2 = patched_copy(tiny_model("gpt2"), int8=True)
+    assert not any(isinstance(m, Int8GatedMLP) for m in gpt2.modules())
+
+
+def test_patching_twice_keeps_one_fusion():
+    from gptfast_kernels import patch_model
+
+    model = patched_copy(tiny_model("llama"), int8=True)
+    patch_model(model, int8=True)
+    assert sum(isinstance(m, Int8GatedMLP) for m in model.modules()) == model.config.num_hidden_layers

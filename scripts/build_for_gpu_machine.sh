@@ -7,10 +7,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-PYTHON312=${PYTHON312:-$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3 2>/dev/null | head -1)}
+# The first Python 3.12 that runs (a pyenv shim may exist and still fail)
+if [ -z "${PYTHON312:-}" ]; then
+  for candidate in python3.12 /root/.pyenv/versions/3.12*/bin/python3 /usr/bin/python3.12; do
+    if "$candidate" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null; then
+      PYTHON312=$candidate; break
+    fi
+  done
+fi
 TORCH_VERSION=${GPU_TORCH_VERSION:-2.11.0}
 VENV=${GPU_VENV:-/tmp/gptfast_gpu_venv}
-[ -x "$PYTHON312" ] || { echo "no Python 3.12 found (set PYTHON312)"; exit 1; }
+[ -n "${PYTHON312:-}" ] || { echo "no Python 3.12 found (set PYTHON312)"; exit 1; }
 if ! "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION')" 2>/dev/null; then
   "$PYTHON312" -m venv "$VENV"
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" ninja setuptools numpy

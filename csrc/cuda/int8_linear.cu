@@ -2,9 +2,10 @@
 //
 //   y[m, n] = (sum_k x[m, k] * qweight[n, k]) * scales[n] + bias[n], accumulated in float32.
 //
-// Decode (M <= GEMV_MAX_ROWS): memory-bound on the N*K weight bytes. One warp per output feature;
-// each lane streams 16 int8 weights per 16-byte load (a warp reads 512 contiguous bytes per step),
-// widens them in registers and reuses them for every row of x. x is small and L1/L2-resident.
+// Decode (M <= GEMV_MAX_ROWS): memory-bound on the N*K weight bytes. One warp per output feature
+// (two from GEMV_SHARED_X_ROWS rows of x on); each lane streams 16 int8 weights per 16-byte load (a
+// warp reads 512 contiguous bytes per step), widens them in registers and reuses them for every
+// row of x. x is small and L1/L2-resident.
 // Prefill (M > GEMV_MAX_ROWS): compute-bound. fp16/bf16 use tensor cores (WMMA 16x16x16, fp32
 // accumulators) on tiles whose int8 weights are widened to x's dtype while staged in shared memory
 // (exact: |q| <= 127); fp32 uses a SIMT tiled kernel so its products stay in full fp32.
@@ -35,6 +36,9 @@ constexpr int WARP = 32;
 constexpr int GEMV_VEC = 16;
 // Weight vectors in flight per lane (4 x 16 B); K = 4096 is then two trips of the unrolled loop.
 constexpr int GEMV_UNROLL = 4;
+// From this many rows of x on, a warp computes two output features, so each x vector read from L1
+// serves two weight rows (reasoned from L1's 128 B / clock on sm_90; not yet measured).
+constexpr int GEMV_SHARED_X_ROWS = 4;
 
 // WMMA tile for fp16/bf16 prefill: 64 x 64 outputs per block, 4 warps of 32 x 32, K step 32.
 constexpr int TC_BLOCK_M = 64;
@@ -83,42 +87,53 @@ __device__ __forceinline__ void int8x16_to_float(const int4& packed, float* out)
   }
 }
 
-// VECTORIZED requires K % 16 == 0 and 16-byte aligned x / qweight rows (checked by the launcher).
-template <typename scalar_t, int ROWS, bool VECTORIZED>
+// One warp computes FEATURES output features for ROWS rows of x; each lane dots a strided share
+// of K and the warp reduces. VECTORIZED requires K % 16 == 0 and 16-byte aligned x / qweight rows
+// (checked by the launcher). FEATURES > 1 reuses every x vector loaded from L1 for several weight
+// rows: with 4+ rows of x, one feature per warp would read ROWS x 2 bytes of x per weight byte,
+// more than L1 serves at the HBM3 weight rate.
+template <typename scalar_t, int ROWS, int FEATURES, bool VECTORIZED>
 __global__ void __launch_bounds__(GEMV_WARPS * WARP)
 int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict__ qweight,
                         const float* __restrict__ scales, const scalar_t* __restrict__ bias,
                         scalar_t* __restrict__ y, int64_t M, int64_t N, int64_t K, int64_t stride_xm,
                         int64_t row_offset) {
   const int lane = threadIdx.x % WARP;
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * GEMV_WARPS + threadIdx.x / WARP;
-  if (n >= N) return;
-  const int8_t* w_row = qweight + n * K;
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * GEMV_WARPS + threadIdx.x / WARP) * FEATURES;
+  if (n0 >= N) return;  // whole warps
+  const int features = N - n0 < FEATURES ? static_cast<int>(N - n0) : FEATURES;
+  const int8_t* w_rows = qweight + n0 * K;
   const scalar_t* x_rows = x + row_offset * stride_xm;
   const int64_t remaining = M - row_offset;
   const int rows = remaining < ROWS ? static_cast<int>(remaining) : ROWS;
-  float acc[ROWS];
+  float acc[FEATURES][ROWS];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+  for (int f = 0; f < FEATURES; ++f)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[f][r] = 0.f;
 
   if constexpr (VECTORIZED) {
-    // GEMV_UNROLL independent 16-byte loads per lane are issued before any is used, so each warp
-    // keeps 2 KiB of weights in flight (latency hiding without needing more resident warps).
+    // GEMV_UNROLL independent 16-byte loads per lane and feature are issued before any is used, so
+    // each warp keeps FEATURES x 2 KiB of weights in flight (latency hiding without more warps).
     constexpr int64_t WARP_STEP = WARP * GEMV_VEC;
     for (int64_t k_base = static_cast<int64_t>(lane) * GEMV_VEC; k_base < K;
          k_base += WARP_STEP * GEMV_UNROLL) {
-      int4 packed[GEMV_UNROLL];
+      int4 packed[FEATURES][GEMV_UNROLL];
 #pragma unroll
-      for (int u = 0; u < GEMV_UNROLL; ++u) {
-        const int64_t k = k_base + u * WARP_STEP;
-        packed[u] = k < K ? __ldg(reinterpret_cast<const int4*>(w_row + k)) : make_int4(0, 0, 0, 0);
-      }
+      for (int f = 0; f < FEATURES; ++f)
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+          const int64_t k = k_base + u * WARP_STEP;
+          packed[f][u] = f < features && k < K ? __ldg(reinterpret_cast<const int4*>(w_rows + f * K + k))
+                                               : make_int4(0, 0, 0, 0);
+        }
 #pragma unroll
       for (int u = 0; u < GEMV_UNROLL; ++u) {
         const int64_t k = k_base + u * WARP_STEP;
         if (k >= K) break;
-        float w[GEMV_VEC];
-        int8x16_to_float(packed[u], w);
+        float w[FEATURES][GEMV_VEC];
+#pragma unroll
+        for (int f = 0; f < FEATURES; ++f) int8x16_to_float(packed[f][u], w[f]);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           if (r < rows) {
@@ -130,25 +145,41 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
             for (int j = 0; j < X_VECS; ++j) xv[j] = __ldg(x_src + j);
             const scalar_t* xs = reinterpret_cast<const scalar_t*>(xv);
 #pragma unroll
-            for (int i = 0; i < GEMV_VEC; ++i) acc[r] = fmaf(to_float(xs[i]), w[i], acc[r]);
+            for (int i = 0; i < GEMV_VEC; ++i) {
+              const float xf = to_float(xs[i]);
+#pragma unroll
+              for (int f = 0; f < FEATURES; ++f) acc[f][r] = fmaf(xf, w[f][i], acc[f][r]);
+            }
           }
         }
       }
     }
   } else {
     for (int64_t k = lane; k < K; k += WARP) {
-      const float w = static_cast<float>(w_row[k]);
+      float w[FEATURES];
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r)
-        if (r < rows) acc[r] = fmaf(to_float(x_rows[r * stride_xm + k]), w, acc[r]);
+      for (int f = 0; f < FEATURES; ++f) w[f] = f < features ? static_cast<float>(w_rows[f * K + k]) : 0.f;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        if (r < rows) {
+          const float xf = to_float(x_rows[r * stride_xm + k]);
+#pragma unroll
+          for (int f = 0; f < FEATURES; ++f) acc[f][r] = fmaf(xf, w[f], acc[f][r]);
+        }
+      }
     }
   }
-  const float scale = scales[n];
-  const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    const float total = warp_sum(acc[r]);
-    if (lane == 0 && r < rows) y[(row_offset + r) * N + n] = from_float<scalar_t>(total * scale + b);
+  for (int f = 0; f < FEATURES; ++f) {
+    if (f >= features) break;  // warp-uniform
+    const int64_t n = n0 + f;
+    const float scale = scales[n];
+    const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const float total = warp_sum(acc[f][r]);
+      if (lane == 0 && r < rows) y[(row_offset + r) * N + n] = from_float<scalar_t>(total * scale + b);
+    }
   }
 }
 
@@ -277,13 +308,15 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 template <typename scalar_t, int ROWS>
 void launch_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                  const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
+  constexpr int FEATURES = ROWS >= GEMV_SHARED_X_ROWS ? 2 : 1;
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   const bool vectorized = K % GEMV_VEC == 0 && (M == 1 || x.stride(0) % GEMV_VEC == 0) &&
                           aligned16(x.data_ptr()) && aligned16(qweight.data_ptr());
-  const dim3 grid(static_cast<unsigned>((N + GEMV_WARPS - 1) / GEMV_WARPS));
+  const int64_t per_block = static_cast<int64_t>(GEMV_WARPS) * FEATURES;
+  const dim3 grid(static_cast<unsigned>((N + per_block - 1) / per_block));
   for (int64_t row = 0; row < M; row += ROWS) {
-    auto kernel = vectorized ? int8_linear_gemv_kernel<scalar_t, ROWS, true>
-                             : int8_linear_gemv_kernel<scalar_t, ROWS, false>;
+    auto kernel = vectorized ? int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, true>
+                             : int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, false>;
     kernel<<<grid, GEMV_WARPS * WARP, 0, stream>>>(
         x.data_ptr<scalar_t>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
         y.data_ptr<scalar_t>(), M, N, K, x.stride(0), row);

@@ -70,7 +70,7 @@ def _check_values(target_probs, draft_probs, draft_tokens, uniforms) -> None:
 def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
                  draft_tokens: torch.Tensor, uniforms: torch.Tensor | None = None,
                  generator: torch.Generator | None = None, *,
-                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                 backend: str = "auto", check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Accepts or rejects k draft tokens per row and emits one more token per row.
 
     target_probs [B, k+1, V] float32; draft_probs [B, k, V] float32 or None (greedy);
@@ -81,9 +81,12 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
     In eager mode the values are checked (one fused min/max pass per tensor and one host sync);
     under torch.compile / CUDA-graph capture they are skipped; an out-of-range draft token then
     raises in the CPU kernel and counts as rejected in the CUDA / Triton kernels (never read).
+    ``check_values=False`` skips them in eager mode too, for callers whose inputs are valid by
+    construction (speculative_generate: softmax outputs and sampled ids), since the check reads
+    every probability again and waits for the GPU once per call.
     """
     _check_inputs(target_probs, draft_probs, draft_tokens, uniforms)
-    if not is_tracing():
+    if check_values and not is_tracing():
         _check_values(target_probs, draft_probs, draft_tokens, uniforms)
     B, k_plus_1, _ = target_probs.shape
     if uniforms is None:

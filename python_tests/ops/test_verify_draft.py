@@ -368,3 +368,19 @@ def test_greedy_nan_is_the_maximum_when_unchecked(backend, device):
     assert want[0][0, 0].item() == 250 and want[0][1, 1].item() == 40 and want[0][2, 0].item() == 0
     got = _raw_kernel(backend)(target.to(device), None, tokens.to(device), uniforms.to(device))
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def test_check_values_false_skips_only_the_value_checks():
+    """check_values=False (callers with valid-by-construction inputs) skips the data checks but
+    keeps the shape / dtype checks, which cost nothing."""
+    target, draft, tokens, uniforms = make_case(2, 3, 50, greedy=False)
+    want = ops.verify_draft(target, draft, tokens, uniforms, backend="reference")
+    got = ops.verify_draft(target, draft, tokens, uniforms, backend="reference", check_values=False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    negative = target.clone()
+    negative[0, 0, 0] = -1.0
+    with pytest.raises(ValueError, match="target_probs"):
+        ops.verify_draft(negative, draft, tokens, uniforms, backend="reference")
+    ops.verify_draft(negative, draft, tokens, uniforms, backend="reference", check_values=False)  # not read
+    with pytest.raises(ValueError, match="draft_tokens"):
+        ops.verify_draft(target, draft, tokens[:, :2], uniforms, backend="reference", check_values=False)

@@ -125,9 +125,10 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
         accepted += num_accepted
 
         # 4. each row's caches keep its committed tokens: last + accepted drafts
-        committed = target_cache.seq_lengths - k + num_accepted  # the target wrote k + 1 tokens
-        target_cache.crop(torch.where(active, committed, target_cache.seq_lengths))
-        draft_cache.crop(torch.where(active, committed, draft_cache.seq_lengths))
+        # (>= 1 by construction: the target wrote k + 1 tokens, so no sync to check it)
+        committed = target_cache.seq_lengths - k + num_accepted
+        target_cache.crop(torch.where(active, committed, target_cache.seq_lengths), check=False)
+        draft_cache.crop(torch.where(active, committed, draft_cache.seq_lengths), check=False)
         pending = torch.where(active & (num_accepted == k), draft_tokens[:, -1], -1)
         last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], last)
 

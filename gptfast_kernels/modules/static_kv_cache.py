@@ -204,19 +204,20 @@ class StaticKVCache(Cache):
     def batch_size(self) -> int:
         return self.seq_lengths.shape[0]
 
-    def crop(self, num_tokens) -> None:
+    def crop(self, num_tokens, *, check: bool = True) -> None:
         """Shortens rows. An int n < 0 removes |n| tokens from every row (transformers' current
         convention), n > 0 keeps at most n tokens in every row (the older absolute convention), n = 0
         does nothing (as in transformers); a [B] integer tensor gives each row's new length (rows
         already shorter keep theirs). Slots past a row's length are stale and never read (a query at position p
-        attends only 0..p, and new tokens overwrite from the length on)."""
+        attends only 0..p, and new tokens overwrite from the length on). ``check=False`` skips the
+        test that tensor lengths are >= 0 (a GPU sync), for callers that computed them so."""
         if isinstance(num_tokens, torch.Tensor):
             if num_tokens.shape != self.seq_lengths.shape or num_tokens.is_floating_point():
                 raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or an integer tensor of shape "
                                  f"[B] = {list(self.seq_lengths.shape)}, got {num_tokens.dtype} "
                                  f"{list(num_tokens.shape)}")
             new = num_tokens.to(self.seq_lengths.device, torch.int64)
-            if not is_tracing() and bool((new < 0).any()):
+            if check and not is_tracing() and bool((new < 0).any()):
                 raise ValueError("StaticKVCache.crop: per-row lengths must be >= 0")
             self.seq_lengths.copy_(torch.minimum(self.seq_lengths, new))
         elif isinstance(num_tokens, int) and not isinstance(num_tokens, bool):

@@ -73,6 +73,12 @@ def test_crop_and_reset():
         cache.crop(torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="num_tokens"):
         cache.crop("all")
+    cache.seq_lengths.copy_(torch.tensor([5, 8, 2]))
+    with pytest.raises(ValueError, match=">= 0"):
+        cache.crop(torch.tensor([-1, 3, 1]))
+    assert cache.seq_lengths.tolist() == [5, 8, 2]  # refused before anything changed
+    cache.crop(torch.tensor([4, 3, 1]), check=False)  # lengths valid by construction: no GPU sync
+    assert cache.seq_lengths.tolist() == [4, 3, 1]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox"])

@@ -18,6 +18,10 @@ class GenerateOutput:
     sequences: torch.Tensor  # [B, P + new] int64: the prompts (layout kept) then the new tokens
 
 
+# Decode steps between checks that every row has emitted an eos (each check waits for the GPU).
+EOS_CHECK_STEPS = 8
+
+
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -62,14 +66,23 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     logits = common.last_real_logits(logits, prompt)
     eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths = torch.zeros(B, dtype=torch.int64, device=device)  # new tokens up to each row's eos
     new_tokens = []
     for step in range(max_new_tokens):
         tokens = pick_tokens(logits, temperature, top_k, top_p, generator)
         tokens = torch.where(finished, pad, tokens)
         new_tokens.append(tokens)
+        lengths += ~finished
         finished |= torch.isin(tokens, eos_ids)
-        if step == max_new_tokens - 1 or bool(finished.all()):
+        if step == max_new_tokens - 1:
+            break
+        # Whether every row has finished is a GPU sync, so it is asked every EOS_CHECK_STEPS steps
+        # (never without eos ids); the few steps run past the end are cut off below.
+        if eos and (step + 1) % EOS_CHECK_STEPS == 0 and bool(finished.all()):
             break
         # finished rows are padding from now on: nothing written, their lengths stay put
         logits = forward_step(tokens[:, None], ~finished[:, None], cache)[:, -1]
-    return GenerateOutput(torch.cat([prompt.input_ids, torch.stack(new_tokens, dim=1)], dim=1))
+    generated = torch.stack(new_tokens, dim=1)
+    if eos:  # as transformers: stop at the step where the last row emitted its eos
+        generated = generated[:, :int(lengths.max())]
+    return GenerateOutput(torch.cat([prompt.input_ids, generated], dim=1))

@@ -88,6 +88,22 @@ def test_rows_stop_at_eos_independently():
     # the default eos is the model's generation_config's, as in transformers
     assert torch.equal(generate(patched, ids, mask, max_new_tokens=NEW).sequences,
                        hf_greedy(model, ids, mask))
+
+
+@pytest.mark.parametrize("stop_steps", [(2, 4, 1), (0, 9, 3), (10, 10, 10)], ids=["early", "across-a-check", "late"])
+def test_output_ends_where_the_last_row_stops(stop_steps):
+    """Every row reaches an eos before max_new_tokens; the output ends at the step of the last one
+    (as transformers' does), although generate asks whether all rows stopped only every few steps."""
+    model = tiny_model("llama")
+    patched = patched_copy(model, int8=False)
+    ids, mask = ragged_prompts(3, 5, "left")
+    new = 24
+    free = generate(patched, ids, mask, max_new_tokens=new, eos_token_id=[]).sequences
+    stops = sorted({int(free[b, 5 + step]) for b, step in enumerate(stop_steps)})
+    got = generate(patched, ids, mask, max_new_tokens=new, eos_token_id=stops).sequences
+    want = hf_greedy(model, ids, mask, new=new, eos_token_id=stops, pad_token_id=PAD)
+    assert torch.equal(got, want)
+    assert got.shape[1] < 5 + new  # every row stopped early
     assert model.generation_config.eos_token_id == EOS
 
 

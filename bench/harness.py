@@ -1,8 +1,9 @@
 """The one benchmark harness: timing, metadata and JSON output shared by every bench_<op>.py.
 
 GPU: triton.testing.do_bench (L2 flushed between runs) reporting the 20th / 50th / 80th percentile.
-CPU: a plain timer loop with warm-up, same percentiles. Every row carries the device, torch
-version, commit and date, so results from different machines never get mixed up.
+CPU: a plain timer loop with warm-up and the caches flushed before every timed call, same
+percentiles. Every row carries the device, torch version, commit and date, so results from
+different machines never get mixed up.
 """
 
 from __future__ import annotations
@@ -24,6 +25,19 @@ QUANTILES = (0.2, 0.5, 0.8)
 CPU_WARMUP = 3
 CPU_MIN_REPEATS = 10
 CPU_MIN_SECONDS = 0.5
+CPU_MAX_REPEATS = 50  # each repeat also pays a cache flush
+# Bytes written between timed CPU calls so that inputs do not stay cache-resident (as do_bench
+# flushes the GPU's L2): twice the 32 MiB L3 of the CI machine's EPYC. Without it a 16 MB int8
+# weight matrix is read from L3 and "beats" DRAM copy bandwidth.
+CPU_FLUSH_BYTES = 64 << 20
+_cpu_flush_buffer: torch.Tensor | None = None
+
+
+def _flush_cpu_caches() -> None:
+    global _cpu_flush_buffer
+    if _cpu_flush_buffer is None:
+        _cpu_flush_buffer = torch.empty(CPU_FLUSH_BYTES // 4, dtype=torch.float32)
+    _cpu_flush_buffer.fill_(1.0)
 
 
 def _commit() -> str:
@@ -54,11 +68,13 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, floa
     for _ in range(CPU_WARMUP):
         fn()
     samples = []
-    start = time.perf_counter()
-    while len(samples) < CPU_MIN_REPEATS or time.perf_counter() - start < CPU_MIN_SECONDS:
+    timed = 0.0
+    while len(samples) < CPU_MIN_REPEATS or (timed < CPU_MIN_SECONDS and len(samples) < CPU_MAX_REPEATS):
+        _flush_cpu_caches()
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
+        timed += samples[-1] / 1e3
     qs = statistics.quantiles(samples, n=10)  # deciles: qs[1] = p20, qs[7] = p80
     return qs[1], statistics.median(samples), qs[7]
 

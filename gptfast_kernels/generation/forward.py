@@ -40,13 +40,17 @@ def step_function(model, compile: bool):
 def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool) -> StaticKVCache:
     """A StaticKVCache with room for ``needed`` tokens per row, its rows emptied. With ``reuse`` the
     model keeps one cache (rounded-up length) and hands it out again while it fits, so compiled
-    graphs, which are specialised on the cache's buffers, are not rebuilt on every call."""
+    graphs, which are specialised on the cache's buffers, are not rebuilt on every call. Its
+    per-forward position check is off: the caller writes at most ``needed`` tokens per row, and the
+    check would make every eager decode step wait for the GPU."""
     if not reuse:
-        return StaticKVCache(model.config, batch_size, needed, device=device, dtype=dtype)
-    cache = getattr(model, "_gptfast_cache", None)
-    if cache is None or cache.batch_size != batch_size or cache.max_cache_len < needed or cache.dtype != dtype:
-        length = -(-needed // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
-        cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype)
-        model._gptfast_cache = cache
-    cache.crop(torch.zeros_like(cache.seq_lengths))
+        cache = StaticKVCache(model.config, batch_size, needed, device=device, dtype=dtype)
+    else:
+        cache = getattr(model, "_gptfast_cache", None)
+        if cache is None or cache.batch_size != batch_size or cache.max_cache_len < needed or cache.dtype != dtype:
+            length = -(-needed // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
+            cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype)
+            model._gptfast_cache = cache
+        cache.crop(torch.zeros_like(cache.seq_lengths), check=False)
+    cache.check_positions = False
     return cache

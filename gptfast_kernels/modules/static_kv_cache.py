@@ -102,6 +102,10 @@ class StaticKVCache(Cache):
             torch._dynamo.mark_static_address(self.seq_lengths)
         self._step_positions: torch.Tensor | None = None  # [B, T] positions of the current forward
         self._fused_step = False
+        # plan_step checks, in eager mode, that every position fits the cache: one GPU sync per
+        # forward. A decoding loop that sized the cache for every token it writes may turn it off
+        # (generate / speculative_generate do for the caches they allocate).
+        self.check_positions = True
 
     # -- the per-forward protocol (driven by the hooks patch_model installs) -------------------------
 
@@ -130,7 +134,7 @@ class StaticKVCache(Cache):
         else:
             offsets = real.to(torch.int64).cumsum(dim=1) - 1
             positions = torch.where(real, self.seq_lengths[:, None] + offsets, -1)
-        if not is_tracing() and positions.numel():
+        if not is_tracing() and self.check_positions and positions.numel():
             low, high = (int(x) for x in torch.aminmax(positions))
             if high >= self.max_cache_len:
                 raise ValueError(f"StaticKVCache is full: a token would go to position {high} but max_cache_len is "

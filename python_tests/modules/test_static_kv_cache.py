@@ -53,6 +53,23 @@ def test_full_cache_refuses_before_writing():
     assert cache.seq_lengths.tolist() == [4] and torch.equal(cache.layers[0].keys, before)
 
 
+def test_generation_caches_skip_the_position_check_only_when_sized_for_the_loop():
+    """A user's cache keeps the eager position check (a GPU sync per forward); the caches that
+    generate / speculative_generate allocate for exactly what they write turn it off."""
+    from gptfast_kernels.generation.forward import cache_for
+
+    model = tiny_model("llama")
+    assert StaticKVCache(model.config, 1, 5).check_positions
+    for reuse in (False, True):
+        cache = cache_for(model, 2, 20, "cpu", torch.float32, reuse=reuse)
+        assert not cache.check_positions and cache.max_cache_len >= 20
+        cache.seq_lengths.fill_(cache.max_cache_len)
+        cache.plan_step(1)  # past the end, not checked: the loop's own sizing is the guarantee
+        cache.check_positions = True
+        with pytest.raises(ValueError, match="full"):
+            cache.plan_step(1)
+
+
 def test_crop_and_reset():
     cache = StaticKVCache(tiny_config("gpt2"), 3, 10)
     cache.seq_lengths.copy_(torch.tensor([5, 8, 2]))

@@ -60,9 +60,22 @@ stage_build() {
   has_cuda_kernels
 }
 
+# The GPU-relevant tests first (op kernels, then the stack on CUDA), the rest (which CI also runs
+# without a GPU) last, each part with the time left, so a tight budget loses the least telling part.
 stage_tests() {
-  # shellcheck disable=SC2086  (TESTS may name several paths / options)
-  timeout "$STAGE_TIMEOUT" "$PY" -m pytest ${TESTS:-python_tests} -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT_DIR/tests.log" | tail -40
+  local parts=("python_tests/ops" "python_tests/generation/test_cuda.py"
+               "python_tests --ignore=python_tests/ops --ignore=python_tests/generation/test_cuda.py")
+  [ -n "${TESTS:-}" ] && parts=("$TESTS")
+  local status=0 part left
+  for part in "${parts[@]}"; do
+    left=$((BUDGET - SECONDS - 5))
+    if [ "$left" -lt 20 ]; then echo "tests: no time left for $part" | tee -a "$OUT_DIR/tests.log"; status=1; continue; fi
+    echo "== pytest $part" | tee -a "$OUT_DIR/tests.log"
+    # shellcheck disable=SC2086  (a part may hold several paths / options)
+    timeout "$left" "$PY" -m pytest $part -q -p no:cacheprovider -rfE 2>&1 | tee -a "$OUT_DIR/tests.log" | tail -25
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  return $status
 }
 
 stage_sanitize() {

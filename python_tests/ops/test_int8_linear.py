@@ -44,10 +44,12 @@ def test_quantize_int8_matches_contract(dtype):
 
 @pytest.mark.parametrize("backend, device", kernel_backends("int8_linear"))
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
-@pytest.mark.parametrize("M", [1, 3, 16, 37])
+@pytest.mark.parametrize("M", [1, 3, 7, 16, 37])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int8_linear_matches_reference(backend, device, dtype, atol, rtol, M, with_bias):
-    N, K = 72, 200  # K not a multiple of 16 on purpose (the vector paths need a tail)
+    # K not a multiple of 16 (the vector paths need a tail), N odd (paired weight rows need a
+    # single last one), M = 7 a block of 4 rows and a rest
+    N, K = 73, 200
     qweight, scales, bias = _make(N, K, dtype, device, with_bias)
     x = torch.randn(M, K, device=device, dtype=dtype)
     y = ops.int8_linear(x, qweight, scales, bias, backend=backend)

@@ -22,6 +22,7 @@
 #include <algorithm>
 
 #include "../common.h"
+#include "cuda_common.cuh"
 
 namespace gptfast_kernels {
 namespace {
@@ -31,7 +32,6 @@ constexpr int64_t GEMV_MAX_ROWS = 16;
 // Warps per GEMV block; each warp owns one output feature (8 warps: 256 threads, enough
 // blocks for >= 3 waves on 132 SMs at N = 4096).
 constexpr int GEMV_WARPS = 8;
-constexpr int WARP = 32;
 // int8 weights per lane per step: one 16-byte vector load.
 constexpr int GEMV_VEC = 16;
 // Weight vectors in flight per lane (4 x 16 B); K = 4096 is then two trips of the unrolled loop.
@@ -59,11 +59,6 @@ __device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
 template <typename scalar_t>
 __device__ __forceinline__ scalar_t from_float(float v) { return static_cast<scalar_t>(v); }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = WARP / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
 
 // 16 int8 weights -> float without the conversion unit: I2F runs at 16 per clock per SM on
 // sm_80 / sm_90, and streaming int8 weights at full HBM3 bandwidth (~3 TB/s over 132 SMs at
@@ -184,19 +179,12 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
 }
 
 template <typename scalar_t>
-struct WmmaType;
-template <>
-struct WmmaType<c10::Half> { using type = __half; };
-template <>
-struct WmmaType<c10::BFloat16> { using type = __nv_bfloat16; };
-
-template <typename scalar_t>
 __global__ void __launch_bounds__(TC_WARPS * WARP)
 int8_linear_wmma_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict__ qweight,
                         const float* __restrict__ scales, const scalar_t* __restrict__ bias,
                         scalar_t* __restrict__ y, int64_t M, int64_t N, int64_t K, int64_t stride_xm) {
   using namespace nvcuda;
-  using mma_t = typename WmmaType<scalar_t>::type;
+  using mma_t = typename MmaType<scalar_t>::type;
   constexpr int LD = TC_BLOCK_K + TC_SMEM_PAD;
   __shared__ __align__(32) mma_t x_tile[TC_BLOCK_M][LD];
   __shared__ __align__(32) mma_t w_tile[TC_BLOCK_N][LD];  // [n][k]: column-major B of K x N
@@ -302,8 +290,6 @@ int8_linear_simt_kernel(const float* __restrict__ x, const int8_t* __restrict__ 
       if (gm < M && gn < N) y[gm * N + gn] = acc[i][j] * scales[gn] + (bias ? bias[gn] : 0.f);
     }
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <typename scalar_t, int ROWS>
 void launch_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,

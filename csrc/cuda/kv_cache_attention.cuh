@@ -44,13 +44,12 @@
 #include <vector>
 
 #include "../common.h"
+#include "cuda_common.cuh"
 
 namespace gptfast_kernels {
 namespace kv_attention {
 // Launch and tuning constants: sized by reasoning for H100 (132 SMs, 228 KiB shared memory per SM)
 // and A100; not yet measured (they were written without a GPU): tune them with bench/.
-constexpr int WARP = 32;
-constexpr unsigned FULL_MASK = 0xffffffffu;
 // Largest T served by the split-KV decode kernel: T = 1 (decode) and k + 1 (verification, k <= 15).
 // Its blocks hold the T positions of their row in shared memory and scan them per key tile.
 constexpr int64_t DECODE_MAX_T = 16;
@@ -100,17 +99,6 @@ constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte v
 
 __host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int align_up(int a, int b) { return ceil_div(a, b) * b; }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = WARP / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = WARP / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, offset));
-  return v;
-}
 
 // 16 bytes of T -> VEC<T> floats.
 __device__ __forceinline__ float2 to_float2(unsigned w, c10::Half) { return __half22float2(*reinterpret_cast<__half2*>(&w)); }
@@ -349,8 +337,6 @@ __device__ void simt_init_rows(const SimtSmem<T>& sm, int rows, int dp, int D, c
 }
 
 // ------------------------------------------------------------------------------- host helpers
-
-inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -71,13 +71,6 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) prefill_simt_kernel(
 }
 
 template <typename T>
-struct MmaType;
-template <>
-struct MmaType<c10::Half> { using type = __half; };
-template <>
-struct MmaType<c10::BFloat16> { using type = __nv_bfloat16; };
-
-template <typename T>
 struct TcSmem {
   int ldq, lds, ldp, ldo;  // leading dims (elements); every 16-row / 16-column tile stays 32-byte aligned
   T *q, *k, *v;            // q [bm][ldq], k / v [bn][ldq]; zero past D, past the tile's rows, past the slots

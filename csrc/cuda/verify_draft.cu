@@ -22,6 +22,8 @@
 
 #include <climits>
 
+#include "cuda_common.cuh"
+
 namespace gptfast_kernels {
 namespace {
 
@@ -34,17 +36,11 @@ constexpr int UNROLL = 4;
 // Consecutive elements per thread per scan chunk; a chunk (2048 entries) costs a few barriers.
 constexpr int SCAN_ITEMS = 4;
 constexpr int64_t SCAN_CHUNK = static_cast<int64_t>(THREADS) * SCAN_ITEMS;
-constexpr unsigned FULL_MASK = 0xffffffffu;
 
 // Sampling weights: max(0, target - draft), or the target row when draft is null.
 __device__ __forceinline__ float weight(const float* __restrict__ t, const float* __restrict__ d,
                                         int64_t j) {
   return d != nullptr ? fmaxf(t[j] - d[j], 0.f) : t[j];
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
-  return v;
 }
 
 __device__ long long block_min(long long v, long long* scratch) {

@@ -1,0 +1,39 @@
+// Small CUDA helpers shared by the kernels in csrc/cuda/ (each op's own constants stay in its file).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace gptfast_kernels {
+
+constexpr int WARP = 32;
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+// Butterfly reductions: every lane of the (converged) warp gets the result.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = WARP / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = WARP / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, offset));
+  return v;
+}
+
+// Whether a pointer allows 16-byte vector loads / stores.
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// The CUDA type of a 16-bit ATen scalar type, as WMMA fragments take it.
+template <typename T>
+struct MmaType;
+template <>
+struct MmaType<c10::Half> { using type = __half; };
+template <>
+struct MmaType<c10::BFloat16> { using type = __nv_bfloat16; };
+
+}  // namespace gptfast_kernels

@@ -124,6 +124,24 @@ void gemv_block(const float* x, int64_t ldx, const int8_t* w, int64_t K, float* 
   gemv_block_scalar<ROWS>(x, ldx, w, K, out);
 }
 
+// y[m, n] for rows m_begin .. M of x [M, K] and one weight row w_row (output feature n), in blocks
+// of up to GEMV_ROW_BLOCK rows.
+void gemv_rows(const float* x, int64_t M, int64_t K, int64_t m_begin, const int8_t* w_row, int64_t n,
+               int64_t N, float* y) {
+  float partial[GEMV_ROW_BLOCK];
+  for (int64_t m = m_begin; m < M; m += GEMV_ROW_BLOCK) {
+    const int64_t rows = std::min<int64_t>(GEMV_ROW_BLOCK, M - m);
+    const float* x_rows = x + m * K;
+    switch (rows) {
+      case 4: gemv_block<4>(x_rows, K, w_row, K, partial); break;
+      case 3: gemv_block<3>(x_rows, K, w_row, K, partial); break;
+      case 2: gemv_block<2>(x_rows, K, w_row, K, partial); break;
+      default: gemv_block<1>(x_rows, K, w_row, K, partial); break;
+    }
+    for (int64_t r = 0; r < rows; ++r) y[(m + r) * N + n] = partial[r];
+  }
+}
+
 // y_f32 [M, N] = x_f32 [M, K] @ qweight^T, unscaled.
 void gemv_unscaled(const at::Tensor& x_f32, const at::Tensor& qweight, at::Tensor& y_f32) {
   const int64_t M = x_f32.size(0), K = x_f32.size(1), N = qweight.size(0);
@@ -131,45 +149,27 @@ void gemv_unscaled(const at::Tensor& x_f32, const at::Tensor& qweight, at::Tenso
   const int8_t* w = qweight.data_ptr<int8_t>();
   float* y = y_f32.data_ptr<float>();
   at::parallel_for(0, N, GEMV_GRAIN_N, [&](int64_t n_begin, int64_t n_end) {
-    float partial[GEMV_ROW_BLOCK];
     int64_t n = n_begin;
 #ifdef GPTFAST_HAVE_AVX2_PATH
     // With a full block of rows, two weight rows at a time (see gemv_pair_avx2).
     if (M >= GEMV_ROW_BLOCK && cpu_has_avx2_fma()) {
-      float partial1[GEMV_ROW_BLOCK];
+      float partial0[GEMV_ROW_BLOCK], partial1[GEMV_ROW_BLOCK];
       for (; n + 1 < n_end; n += 2) {
         const int8_t* w0 = w + n * K;
         int64_t m = 0;
         for (; m + GEMV_ROW_BLOCK <= M; m += GEMV_ROW_BLOCK) {
-          gemv_pair_avx2<GEMV_ROW_BLOCK>(x + m * K, K, w0, w0 + K, K, partial, partial1);
+          gemv_pair_avx2<GEMV_ROW_BLOCK>(x + m * K, K, w0, w0 + K, K, partial0, partial1);
           for (int64_t r = 0; r < GEMV_ROW_BLOCK; ++r) {
-            y[(m + r) * N + n] = partial[r];
+            y[(m + r) * N + n] = partial0[r];
             y[(m + r) * N + n + 1] = partial1[r];
           }
         }
-        for (int64_t nn = n; nn < n + 2 && m < M; ++nn) {  // the last M % 4 rows, one weight row at a time
-          for (int64_t mm = m; mm < M; ++mm) {
-            gemv_block<1>(x + mm * K, K, w + nn * K, K, partial);
-            y[mm * N + nn] = partial[0];
-          }
-        }
+        gemv_rows(x, M, K, m, w0, n, N, y);  // the last M % GEMV_ROW_BLOCK rows
+        gemv_rows(x, M, K, m, w0 + K, n + 1, N, y);
       }
     }
 #endif
-    for (; n < n_end; ++n) {
-      const int8_t* w_row = w + n * K;
-      for (int64_t m = 0; m < M; m += GEMV_ROW_BLOCK) {
-        const int64_t rows = std::min<int64_t>(GEMV_ROW_BLOCK, M - m);
-        const float* x_rows = x + m * K;
-        switch (rows) {
-          case 4: gemv_block<4>(x_rows, K, w_row, K, partial); break;
-          case 3: gemv_block<3>(x_rows, K, w_row, K, partial); break;
-          case 2: gemv_block<2>(x_rows, K, w_row, K, partial); break;
-          default: gemv_block<1>(x_rows, K, w_row, K, partial); break;
-        }
-        for (int64_t r = 0; r < rows; ++r) y[(m + r) * N + n] = partial[r];
-      }
-    }
+    for (; n < n_end; ++n) gemv_rows(x, M, K, 0, w + n * K, n, N, y);
   });
 }
 

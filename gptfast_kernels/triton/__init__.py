@@ -1,12 +1,39 @@
 """Triton kernels, one module per op. Importing this package requires Triton; the op wrappers in
-gptfast_kernels.ops import it lazily so the package works without Triton."""
+gptfast_kernels.ops import it lazily so the package works without Triton. This module holds what
+the op modules share."""
 
 import contextlib
 
 import torch
+import triton
+import triton.language as tl
+
+from gptfast_kernels import _extension
+
+# Software-pipeline stages for float32 inputs: Triton's default (3) double-buffers fp32 tiles and
+# needs 180-390 KiB of shared memory on sm_90 for the attention tiles (measured with an AOT
+# compile), past the 227 KiB an H100 block may use; one stage needs 48-128 KiB. fp32 is for
+# correctness, bf16 / fp16 for speed.
+FP32_NUM_STAGES = 1
 
 
 def on_device(tensor: torch.Tensor):
     """Context that makes ``tensor``'s GPU current: Triton launches on the current device and its
     stream, whatever device the arguments are on."""
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether ``dot`` should multiply in float32: fp32 inputs keep full-precision products (no
+    tf32), and the Triton interpreter computes dots with numpy, which has no bfloat16, so it upcasts
+    bf16 tiles (exact for int8 weights)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _extension.triton_interpreting())
+
+
+@triton.jit
+def dot(a, b, FP32_DOT: tl.constexpr):
+    """tl.dot, in full float32 when FP32_DOT (see dot_in_fp32)."""
+    if FP32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)

@@ -13,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gptfast_kernels import _extension
-from gptfast_kernels.triton import on_device
+from gptfast_kernels.triton import FP32_NUM_STAGES, dot_in_fp32, on_device
 
 # Rows of x served by the GEMV kernel (CUDA-core FMAs, one output block per program). From 2 rows
 # on, the tl.dot kernel reads each weight tile once for every row (the GEMV grid would re-stream
@@ -43,8 +42,6 @@ SKINNY_MAX_ROWS = 64
 _SKINNY = _TileConfig(block_m=16, block_n=32, block_k=256, num_stages=4, num_warps=4)
 # Prefill (more rows): compute-bound, the usual 64 x 128 x 64 tensor-core tile.
 _PREFILL = _TileConfig(block_m=64, block_n=128, block_k=64, num_stages=3, num_warps=4)
-# float32 activations: one stage (the fp32 tiles are twice the size; see kv_cache_attention.py).
-FP32_NUM_STAGES = 1
 
 
 def _tile_config(M: int, dtype: torch.dtype) -> _TileConfig:
@@ -98,7 +95,7 @@ def _int8_linear_tiled_kernel(X_ptr, W_ptr, S_ptr, B_ptr, Y_ptr, M, N, K,
         w = tl.load(W_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
                     mask=mask_n[None, :] & mask_k[:, None], other=0)
         # int8 values in [-127, 127] are exact in fp16/bf16, so the MMA runs in x's dtype.
-        if FP32_DOT:
+        if FP32_DOT:  # straight to float32: the Triton interpreter casts int8 -> bf16 to NaN
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
@@ -107,12 +104,6 @@ def _int8_linear_tiled_kernel(X_ptr, W_ptr, S_ptr, B_ptr, Y_ptr, M, N, K,
         acc += tl.load(B_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(Y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
-
-
-def _dot_in_fp32(dtype: torch.dtype) -> bool:
-    # fp32 activations keep full-precision products (no tf32). The Triton interpreter computes
-    # dots with numpy, which has no bfloat16, so it upcasts bf16 tiles (exact for the int8 side).
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and _extension.triton_interpreting())
 
 
 @torch.library.custom_op("gptfast_kernels::int8_linear_triton", mutates_args=())
@@ -145,7 +136,7 @@ def _launch(x, qweight, scales, bias_arg, has_bias, y):
         grid = (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
         _int8_linear_tiled_kernel[grid](
             x, qweight, scales, bias_arg, y, M, N, K, x.stride(0), x.stride(1), qweight.stride(0),
-            y.stride(0), HAS_BIAS=has_bias, FP32_DOT=_dot_in_fp32(x.dtype),
+            y.stride(0), HAS_BIAS=has_bias, FP32_DOT=dot_in_fp32(x.dtype),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_stages=config.num_stages, num_warps=config.num_warps)
 

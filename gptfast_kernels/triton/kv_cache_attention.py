@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gptfast_kernels import _extension
-from gptfast_kernels.triton import on_device
+from gptfast_kernels.triton import FP32_NUM_STAGES, dot_in_fp32, on_device
+from gptfast_kernels.triton import dot as _dot
 
 # Largest T handled by the flash-decoding kernel. Speculative verification uses k + 1 <= 16; every
 # (query head of the group, token) pair is one row of a single tile, and the [BLOCK_N, BLOCK_T]
@@ -77,19 +77,6 @@ _INTERPRETER = _Tuning(decode_block_n=16, decode_max_rows=16, min_split_len=16, 
                        combine_block_s=4, num_warps=4)
 # SM count the split heuristic assumes under the interpreter (there is no device to ask).
 _INTERPRETER_NUM_SMS = 16
-# Software-pipeline stages for float32 inputs: Triton's default (3) double-buffers fp32 K/V tiles
-# and needs 180-390 KiB of shared memory on sm_90 (measured with an AOT compile), past the 227 KiB
-# an H100 block may use; one stage needs 48-128 KiB. fp32 is for correctness, bf16/fp16 for speed.
-FP32_NUM_STAGES = 1
-
-
-@triton.jit
-def _dot(a, b, FP32_DOT: tl.constexpr):
-    # fp32 inputs keep full-precision products (no tf32); see _dot_in_fp32.
-    if FP32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -297,12 +284,6 @@ def _kv_cache_attention_prefill_kernel(
              mask=row_ok[:, None] & mask_d[None, :])
 
 
-def _dot_in_fp32(dtype: torch.dtype) -> bool:
-    # fp32 inputs keep full-precision products (no tf32). The Triton interpreter computes dots
-    # with numpy, which has no bfloat16, so it upcasts bf16 tiles.
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and _extension.triton_interpreting())
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -386,7 +367,7 @@ def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return out
     tune, num_sms = _tuning(q.device)
     qk_scale = float(scale) * LOG2_E
-    fp32_dot = _dot_in_fp32(q.dtype)
+    fp32_dot = dot_in_fp32(q.dtype)
     args = (q, k, v, k_cache, v_cache, positions, out, qk_scale, fp32_dot, tune)
     with on_device(q):
         if q.shape[2] <= DECODE_MAX_T:

@@ -38,7 +38,5 @@ def fuse_gated_mlps_(model: nn.Module, mlp_class: str) -> int:
                and isinstance(getattr(module, "gate_proj", None), Int8Linear)
                and isinstance(getattr(module, "up_proj", None), Int8Linear)]
     for name, module in targets:
-        parent_name, _, child_name = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child_name, Int8GatedMLP.from_mlp(module))
+        model.set_submodule(name, Int8GatedMLP.from_mlp(module))
     return len(targets)

@@ -122,7 +122,5 @@ def quantize_int8_(model: nn.Module, skip: Iterable[str] = ("lm_head",)) -> nn.M
                if name and (isinstance(module, nn.Linear) or _is_conv1d(module))
                and not _skipped(name, skip)]
     for name, module in targets:
-        parent_name, _, child_name = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child_name, Int8Linear.from_float(module))
+        model.set_submodule(name, Int8Linear.from_float(module))
     return model

@@ -57,7 +57,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         if not isinstance(cache, StaticKVCache) or cache.batch_size != B or cache.max_cache_len < needed:
             raise ValueError(f"{op}: past_key_values must be a StaticKVCache with batch_size {B} and "
                              f"max_cache_len >= {needed} (longest prompt + max_new_tokens - 1)")
-        cache.crop(torch.zeros_like(cache.seq_lengths))  # stale slots are never read
+        cache.crop(torch.zeros_like(cache.seq_lengths), check=False)  # stale slots are never read
     forward_step = step_function(model, compile)
 
     prefill_kwargs = {"logits_to_keep": 1} if prompt.ends_aligned else {}

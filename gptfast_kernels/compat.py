@@ -162,8 +162,7 @@ class KVCacheModel(nn.Module):
 
     def rollback_cache(self, end_pos: int) -> None:
         """Keeps the first ``end_pos`` columns of the sequence in the cache."""
-        if isinstance(end_pos, bool) or not isinstance(end_pos, int) or not 0 <= end_pos:
-            raise ValueError(f"KVCacheModel.rollback_cache: end_pos must be an int >= 0, got {end_pos!r}")
+        check_int("KVCacheModel.rollback_cache", "end_pos", end_pos, 0)
         if self.cache is None or end_pos >= self._consumed:
             return
         self.cache.crop((self.cache.seq_lengths - (self._consumed - end_pos)).clamp(min=0))

@@ -47,6 +47,10 @@ def test_demo_trains_caches_and_reports(tmp_path, capsys):
     assert "trained now" in retrained
     assert len(list(tmp_path.glob("byte-llama-*/training.json"))) == 2
 
+    again = _demo(capsys, "--train-seconds", "1", *tiny[2:], "--no-progress", "--retrain")  # same settings
+    assert "trained now" in again and "loaded from cache" not in again
+    assert len(list(tmp_path.glob("byte-llama-*/training.json"))) == 2
+
 
 def test_demo_prompts_batches_and_no_int8(tmp_path, capsys):
     out = _demo(capsys, "--train-seconds", "1", "--max-new-tokens", "6", "--cache-dir", str(tmp_path), "--no-progress",

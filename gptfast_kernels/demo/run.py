@@ -118,13 +118,8 @@ def _load_checkpoints(args, device, dtype):
 def _embedded_models(args, device, dtype):
     corpus = load_corpus()
     settings = TrainSettings(seconds=args.train_seconds, seed=args.seed, corpus=corpus.fingerprint)
-    cache_dir = args.cache_dir or default_cache_dir()
-    path = os.path.join(cache_dir, f"byte-llama-{settings.key()}")
-    if args.retrain and os.path.isdir(path):
-        import shutil
-
-        shutil.rmtree(path)
-    target, draft, info = load_or_train(settings, corpus, cache_dir, device, progress_bar=not args.no_progress)
+    target, draft, info = load_or_train(settings, corpus, args.cache_dir or default_cache_dir(), device,
+                                        progress_bar=not args.no_progress, retrain=args.retrain)
     target, draft = target.to(dtype), draft.to(dtype)
     stats, t = info["stats"], ByteTokenizer
     ratio = sum(p.numel() for p in target.parameters()) / sum(p.numel() for p in draft.parameters())

@@ -202,12 +202,14 @@ def default_cache_dir() -> str:
 
 
 def load_or_train(settings: TrainSettings, corpus: Corpus, cache_dir: str, device: torch.device,
-                  progress_bar: bool = True):
-    """(target, draft, info): from ``cache_dir/<key>/`` when there, else trained and saved there.
-    info has the training stats and ``cached`` (bool) and ``path``."""
+                  progress_bar: bool = True, retrain: bool = False):
+    """(target, draft, info): from ``cache_dir/<key>/`` when there (and not ``retrain``), else
+    trained and saved there. info has the training stats and ``cached`` (bool) and ``path``."""
     from transformers import LlamaForCausalLM
 
     path = os.path.join(cache_dir, f"byte-llama-{settings.key()}")
+    if retrain and os.path.isdir(path):
+        shutil.rmtree(path)
     meta_path = os.path.join(path, "training.json")
     if os.path.exists(meta_path):
         with open(meta_path) as handle:

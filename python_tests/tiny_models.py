@@ -76,3 +76,9 @@ def draft_of(target, layers: int = 1):
     missing, unexpected = draft.load_state_dict(target.state_dict(), strict=False)
     assert not missing, missing
     return draft
+
+
+def hf_greedy(model, ids, mask, new: int, **kwargs):
+    """transformers' own greedy generate, the reference our decoding is compared with."""
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **kwargs)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gptfast_kernels import StaticKVCache, _extension, generate, patch_model, speculative_generate
-from python_tests.tiny_models import draft_of, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and all(_extension.has_kernel(op, "CUDA") for op in _extension._OPS_WITH_KERNELS)),
@@ -26,8 +26,7 @@ def test_greedy_equals_transformers(family):
     model = tiny_model(family).cuda()
     patched = patched_copy(model, int8=False)
     ids, mask = _on_cuda(*ragged_prompts(3, 7, "left"))
-    with torch.no_grad():
-        want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    want = hf_greedy(model, ids, mask, NEW, eos_token_id=None)
     got = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
     assert torch.equal(got, want)
 

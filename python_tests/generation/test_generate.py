@@ -10,14 +10,14 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from gptfast_kernels import Int8Linear, StaticKVCache, generate
 from gptfast_kernels.generation.sampling import logits_to_probs
+from python_tests import tiny_models
 from python_tests.tiny_models import EOS, FAMILIES, PAD, patched_copy, ragged_prompts, tiny_model
 
 NEW = 12
 
 
 def hf_greedy(model, ids, mask, new=NEW, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **kwargs)
+    return tiny_models.hf_greedy(model, ids, mask, new, **kwargs)
 
 
 def left_pad(ids, mask):

@@ -9,7 +9,7 @@ import torch
 
 from gptfast_kernels import generate, patch_model, speculative_generate
 from gptfast_kernels.generation.sampling import logits_to_probs
-from python_tests.tiny_models import draft_of, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 
 NEW = 20
 
@@ -30,8 +30,7 @@ def test_greedy_equals_target_greedy(family, int8, batch, k):
     if int8:  # the int8 target's own greedy decoding
         want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
     else:     # transformers' greedy decoding of the unpatched target
-        with torch.no_grad():
-            want = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+        want = hf_greedy(target, ids, mask, NEW, eos_token_id=None)
     assert torch.equal(out.sequences, want)
     assert torch.all(out.num_proposed > 0) and torch.all(out.num_accepted <= out.num_proposed)
     assert 0 < out.acceptance_rate < 1  # a 2-layer draft of a 3-layer target: partial agreement

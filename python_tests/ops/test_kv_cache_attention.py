@@ -7,6 +7,7 @@ Tolerance (flash-attention's rule): a kernel's max error against a float64 refer
 twice the error of the same attention computed by PyTorch in the low-precision dtype.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -363,24 +364,15 @@ def test_cuda_decode_shared_memory_edges_in_a_fresh_process():
         pytest.skip("requires CUDA and an extension built with CUDA")
     script = textwrap.dedent(f"""
         import torch
-        from gptfast_kernels import ops
-        from gptfast_kernels.ops import reference
+        from python_tests.ops.test_kv_cache_attention import _contiguous_positions, check_against_reference, make_case
         for dtype_name, D, G, T in {SHARED_MEMORY_EDGES!r}:
-            dtype = getattr(torch, dtype_name)
-            g = torch.Generator().manual_seed(0)
             B, Hkv, S = 2, 2, 300
-            q = torch.randn(B, Hkv * G, T, D, generator=g)
-            k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
-            kc, vc = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
-            pos = torch.stack([torch.arange(100, 100 + T), torch.arange(7, 7 + T)])
-            want = reference.kv_cache_attention(q.double(), k.double(), v.double(), kc.double(),
-                                                vc.double(), pos)
-            dev = [t.to(dtype).cuda() for t in (q, k, v, kc, vc)]
-            got = ops.kv_cache_attention(*dev, pos.cuda(), backend="cuda")
-            torch.cuda.synchronize()
-            torch.testing.assert_close(got.double().cpu(), want, atol=2e-2, rtol=2e-2)
+            case = make_case(B, Hkv * G, Hkv, T, D, S, _contiguous_positions(B, T, [100, 7]),
+                             getattr(torch, dtype_name), "cuda")
+            check_against_reference("cuda", "cuda", *case)
             print("ok", dtype_name, D, G, T)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ok ") == len(SHARED_MEMORY_EDGES)

@@ -41,8 +41,7 @@ has_cuda_kernels() {
   "$PY" - <<'PY' 2>/dev/null
 import sys
 from gptfast_kernels import _extension
-ok = _extension.extension_loaded() and all(_extension.has_kernel(op, "CUDA") for op in _extension._OPS_WITH_KERNELS)
-sys.exit(0 if ok else 1)
+sys.exit(0 if _extension.extension_loaded() and not _extension.ops_without_kernel("CUDA") else 1)
 PY
 }
 

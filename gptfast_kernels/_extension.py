@@ -36,6 +36,11 @@ def has_kernel(op: str, dispatch_key: str) -> bool:
         return False
 
 
+def ops_without_kernel(dispatch_key: str) -> list[str]:
+    """The ops that have no compiled kernel for ``dispatch_key`` ("CPU" or "CUDA") in this build."""
+    return [op for op in _OPS_WITH_KERNELS if not has_kernel(op, dispatch_key)]
+
+
 def cuda_compiled() -> bool:
     """Whether the extension was built with its CUDA kernels (a GPU need not be present)."""
     return any(has_kernel(op, "CUDA") for op in _OPS_WITH_KERNELS)

@@ -30,7 +30,7 @@ from gptfast_kernels import _extension
 if not _extension.extension_loaded():
     sys.exit(f"setup: gptfast_kernels._C failed to load: {_extension.EXTENSION_ERROR}")
 if os.environ.get("GPTFAST_KERNELS_REQUIRE_CUDA") == "1":
-    missing = [op for op in _extension._OPS_WITH_KERNELS if not _extension.has_kernel(op, "CUDA")]
+    missing = _extension.ops_without_kernel("CUDA")
     if missing:
         sys.exit(f"setup: the extension loaded but has no CUDA kernels for {missing}")
     print("setup: CUDA kernels compiled, linked and registered for", list(_extension._OPS_WITH_KERNELS))

@@ -11,6 +11,8 @@ sampled from a draft model close to the target, so acceptance lengths vary as in
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.generation.utils import _speculative_sampling
 
@@ -38,11 +40,17 @@ def make_inputs(B, k, V, device, seed=0):
     return target, draft, tokens, greedy_tokens, uniforms, target.log(), draft.log()
 
 
+# transformers releases up to about 5.17 take an is_done_candidate flag (whether the draft ended
+# the sequence) after the target logits; later ones dropped it
+_HF_EXTRA = ({"is_done_candidate": False}
+             if "is_done_candidate" in inspect.signature(_speculative_sampling).parameters else {})
+
+
 def hf_sampling_loop(draft_tokens, draft_logits, target_logits):
     """The per-row HF call: each row is its own assisted-generation step (batch size 1)."""
     k = draft_tokens.shape[1]
     return [_speculative_sampling(draft_tokens[b:b + 1], draft_logits[b:b + 1], k,
-                                  target_logits[b:b + 1]) for b in range(draft_tokens.shape[0])]
+                                  target_logits[b:b + 1], **_HF_EXTRA) for b in range(draft_tokens.shape[0])]
 
 
 def hf_greedy_loop(draft_tokens, target_logits):

@@ -78,7 +78,7 @@ stage_tests() {
 }
 
 stage_sanitize() {
-  timeout "$STAGE_TIMEOUT" bash scripts/sanitize.sh 2>&1 | tee "$OUT_DIR/sanitizer.log" | tail -20
+  SANITIZER_LOG_DIR=$OUT_DIR timeout "$STAGE_TIMEOUT" bash scripts/sanitize.sh 2>&1 | tee "$OUT_DIR/sanitizer.log" | tail -60
 }
 
 bench() {  # bench <comma-separated benches> [bench.run options]

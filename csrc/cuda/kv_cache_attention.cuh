@@ -89,8 +89,6 @@ constexpr int TC_PAD = 8;      // 16-bit elements of row padding: breaks bank co
 constexpr int TC_ACC_PAD = 4;  // float padding of the score / output tiles
 // Dynamic shared memory a block may use without opting in (cudaFuncSetAttribute).
 constexpr int DEFAULT_SMEM_LIMIT = 48 * 1024;
-// Split tickets allocated at least at once: enough for B * Hkv = 1024 without regrowing.
-constexpr int64_t MIN_COUNTERS = 1024;
 // Positions and slots are int inside the kernels.
 constexpr int64_t MAX_SLOTS = int64_t{1} << 30;
 
@@ -272,6 +270,7 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
       if (lane < bn) pr[lane] = e0;
       if (lane + WARP < bn) pr[lane + WARP] = e1;
       const float sum = warp_sum(e0 + e1);
+      __syncwarp();  // every lane has read sm.m[r] (the shuffles order it; this says so to racecheck)
       if (lane == 0) {
         const float alpha = exp2f(m_old - m_use);
         sm.alpha[r] = alpha;

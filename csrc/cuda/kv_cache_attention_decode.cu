@@ -141,31 +141,16 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
     }
     __syncwarp();  // w is rewritten for this warp's next row
   }
-  if (tid == 0) p.counters[bh] = 0;  // every active block has taken its ticket: ready for the next launch
 }
 
 // ------------------------------------------------------------------------------------- launch
 
-// Split tickets, zero between launches (each merging block resets its own), so a launch needs no
-// memset. One buffer per (device, stream): launches on one stream are ordered, so they never share
-// a ticket concurrently. A buffer that is outgrown stays allocated, since a captured CUDA graph may
-// still use it. Under capture a fresh zeroed buffer is used instead (a memset node in the graph):
-// a persistent one created now would not be zero until the graph first ran.
-at::Tensor split_counters(const at::Tensor& like, int64_t n, cudaStream_t stream) {
-  const auto options = like.options().dtype(at::kInt);
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
-    return at::zeros({n}, options);
-  }
-  static std::mutex mutex;
-  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
-  static auto* outgrown = new std::vector<at::Tensor>();
-  const std::lock_guard<std::mutex> lock(mutex);
-  at::Tensor& buffer = (*buffers)[{like.get_device(), stream}];
-  if (!buffer.defined() || buffer.numel() < n) {
-    if (buffer.defined()) outgrown->push_back(buffer);
-    buffer = at::zeros({std::max(n, MIN_COUNTERS)}, options);
-  }
-  return buffer;
+// Split tickets, zeroed for each launch (a memset, a node of its own in a CUDA graph). A buffer
+// kept across launches would save the memset, but an allocation that outlives the call breaks
+// torch.compile's CUDA graph trees: their warm-up runs allocate from the graph's private pool and
+// refuse any allocation still alive that is not an output.
+at::Tensor split_counters(const at::Tensor& like, int64_t n) {
+  return at::zeros({n}, like.options().dtype(at::kInt));
 }
 
 }  // namespace
@@ -189,7 +174,7 @@ void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, cudaS
     const auto f32 = q.options().dtype(at::kFloat);
     ws_o = at::empty({bh * splits * GT * p.D}, f32);
     ws_lse = at::empty({bh * splits * GT}, f32);
-    counters = split_counters(q, bh, stream);
+    counters = split_counters(q, bh);
     p.ws_o = ws_o.data_ptr<float>();
     p.ws_lse = ws_lse.data_ptr<float>();
     p.counters = counters.data_ptr<int>();

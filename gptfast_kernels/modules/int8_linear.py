@@ -8,8 +8,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from gptfast_kernels.ops._dispatch import FLOAT_DTYPES, resolve_backend
-from gptfast_kernels.ops.int8_linear import int8_linear, quantize_int8, run_int8_linear
+from gptfast_kernels._extension import usable_backends
+from gptfast_kernels.ops._dispatch import FLOAT_DTYPES
+from gptfast_kernels.ops.int8_linear import auto_backend, int8_linear, quantize_int8, run_int8_linear
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -92,11 +93,7 @@ class Int8Linear(nn.Module):
         # through int8_linear, which raises a clear error.
         if (isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1
                 and x.shape[-1] == self.in_features and x.device == self.qweight.device):
-            cached_device, backend = getattr(self, "_auto_backend", (None, None))
-            if cached_device != x.device:
-                backend = resolve_backend("int8_linear", "auto", x.device)
-                if not torch.compiler.is_compiling():  # no module mutation inside a traced graph
-                    self._auto_backend = (x.device, backend)
+            backend = auto_backend(usable_backends(x.device), x.numel() // self.in_features, self.in_features)
             return run_int8_linear(backend, x, self.qweight, self.scales, self.bias)
         return int8_linear(x, self.qweight, self.scales, self.bias)
 

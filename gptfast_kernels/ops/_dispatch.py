@@ -23,16 +23,25 @@ def resolve_backend(op: str, backend: str, device: torch.device,
         raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
     usable = _extension.usable_backends(device)
     if backend == "auto":
-        if auto is not None:
-            return auto(usable)
-        for candidate in ("cuda", "cpu", "triton", "reference"):
-            if candidate in usable:
-                return candidate
+        return auto(usable) if auto is not None else default_backend(usable)
     if backend not in usable:
         raise ValueError(
             f"{op}: backend={backend!r} is not usable for {device.type} tensors here "
             f"(usable: {usable}; see `python -m gptfast_kernels info`)")
     return backend
+
+
+def default_backend(usable: Sequence[str]) -> str:
+    """The compiled kernel for the device (cuda / cpu), then Triton, then the reference."""
+    return next(b for b in ("cuda", "cpu", "triton", "reference") if b in usable)
+
+
+def gpu_backend(usable: Sequence[str], prefer_cuda: bool) -> str:
+    """An op's "auto" pick where it depends on the shape: with both GPU kernels usable, CUDA when
+    ``prefer_cuda``, else Triton; otherwise ``default_backend``."""
+    if "cuda" in usable and "triton" in usable:
+        return "cuda" if prefer_cuda else "triton"
+    return default_backend(usable)
 
 
 def is_tracing() -> bool:

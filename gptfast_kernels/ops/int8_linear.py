@@ -6,7 +6,8 @@ import torch
 
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
-from gptfast_kernels.ops._dispatch import FLOAT_DTYPES, check_same_device, check_tensor, resolve_backend
+from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, gpu_backend,
+                                           resolve_backend)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +55,25 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     "reference".
     """
     _check_int8_linear(x, qweight, scales, bias)
-    return run_int8_linear(resolve_backend("int8_linear", backend, x.device), x, qweight, scales, bias)
+    rows = x.numel() // x.shape[-1]  # K >= 1 (checked)
+    chosen = resolve_backend("int8_linear", backend, x.device,
+                             auto=lambda usable: auto_backend(usable, rows, qweight.shape[1]))
+    return run_int8_linear(chosen, x, qweight, scales, bias)
+
+
+# Measured on an H100 (bench/results/nvidia-h100-80gb-hbm3_2026-11-23_*): the CUDA GEMV is the
+# fastest for one row, and for a few rows while K is moderate (N x K = 14336 x 4096, M = 4: 60 us
+# against Triton's 142); Triton's tensor-core tiles win from about 8 rows on (M = 16: 32 us against
+# the CUDA tiles' 99; M = 40: 34 against 1145) and for a few rows of a long K (4096 x 14336, M = 4:
+# 47 against 87).
+CUDA_MAX_ROWS = 8
+CUDA_MAX_K_FOR_FEW_ROWS = 8192
+
+
+def auto_backend(usable: list[str], rows: int, K: int) -> str:
+    """backend="auto" for M = ``rows`` rows of x and K input features: on a GPU the CUDA kernel or
+    Triton by shape, on a CPU the C++ kernel; the reference where nothing else is usable."""
+    return gpu_backend(usable, rows <= 1 or (rows <= CUDA_MAX_ROWS and K <= CUDA_MAX_K_FOR_FEW_ROWS))
 
 
 def run_int8_linear(chosen: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

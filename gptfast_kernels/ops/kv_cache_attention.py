@@ -8,8 +8,8 @@ import torch
 
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
-from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, is_tracing,
-                                           resolve_backend)
+from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, gpu_backend,
+                                           is_tracing, resolve_backend)
 
 OP = "kv_cache_attention"
 MAX_HEAD_DIM = 256
@@ -68,6 +68,21 @@ def _check_position_values(positions: torch.Tensor, S: int) -> None:
                          "cannot be written to one cache slot)")
 
 
+# Measured on an H100 (bench/results/nvidia-h100-80gb-hbm3_2026-11-23_*, Llama-3-8B heads, half
+# fill): the CUDA kernel is the faster for one row of 8 kv heads (T = 1 at S = 32768: 93 us against
+# Triton's 189), Triton's split kernel from 8 rows on (B = 32, T = 1, S = 32768: 1.09 ms against
+# 2.27) and for verification at long caches (B = 1, T = 5, S = 32768: 92 us against 271).
+CUDA_MAX_HEAD_ROWS = 8
+CUDA_MAX_SLOTS_FOR_VERIFY = 8192
+
+
+def auto_backend(usable: list[str], head_rows: int, T: int, S: int) -> str:
+    """backend="auto" for ``head_rows`` = B * Hkv (batch rows times kv heads), T new tokens and a
+    cache of S slots: on a GPU the CUDA kernel or Triton by shape (only sizes known on the host,
+    so a CUDA graph keeps its choice), on a CPU the C++ kernel; else the reference."""
+    return gpu_backend(usable, head_rows <= CUDA_MAX_HEAD_ROWS and (T == 1 or S <= CUDA_MAX_SLOTS_FOR_VERIFY))
+
+
 def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
                        *, backend: str = "auto", check_positions: bool = True) -> torch.Tensor:
@@ -83,7 +98,9 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     _check_inputs(q, k, v, k_cache, v_cache, positions, scale)
     if check_positions and not is_tracing():
         _check_position_values(positions, k_cache.shape[2])
-    chosen = resolve_backend(OP, backend, q.device)
+    chosen = resolve_backend(OP, backend, q.device,
+                             auto=lambda usable: auto_backend(usable, q.shape[0] * k.shape[1], q.shape[2],
+                                                              k_cache.shape[2]))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if chosen == "reference":
         return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale)

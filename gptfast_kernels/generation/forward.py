@@ -18,6 +18,11 @@ from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 # Cache lengths are rounded up to a multiple of this when a compiled model allocates its cache, so
 # later calls with somewhat longer prompts reuse the same cache (and the same compiled graphs).
 CACHE_LEN_QUANTUM = 256
+# Every (model, batch size, token count, cache) is a graph of its own, and all of them compile one
+# code object (_forward), whose default recompile limit (8) a target and a draft at three batch
+# sizes already exceed; under fullgraph=True that is a hard error. step_function raises the limit
+# to at least this.
+RECOMPILE_LIMIT = 64
 
 
 def _forward(model, tokens: torch.Tensor, attention_mask: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
@@ -30,6 +35,8 @@ def step_function(model, compile: bool):
         return functools.partial(_forward, model)
     compiled = getattr(model, "_gptfast_compiled_forward", None)
     if compiled is None:
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         on_cuda = next(model.parameters()).device.type == "cuda"
         compiled = torch.compile(functools.partial(_forward, model), fullgraph=True, dynamic=False,
                                  mode="reduce-overhead" if on_cuda else None)

@@ -209,3 +209,15 @@ def test_compiled_decode_step_gives_the_same_tokens():
     again = generate(patched, ids[:, 1:], mask[:, 1:], max_new_tokens=5, eos_token_id=[], compile=True).sequences
     assert torch.equal(again, generate(patched, ids[:, 1:], mask[:, 1:], max_new_tokens=5, eos_token_id=[]).sequences)
     assert patched._gptfast_compiled_forward is step and patched._gptfast_cache is cache
+
+
+def test_compiled_steps_beyond_dynamo_recompile_limit():
+    """Each batch size is a compiled graph of its own, all of one code object: with dynamo's limit
+    at 1, a second batch size is a hard error under fullgraph=True unless generate raises it."""
+    patched = patched_copy(tiny_model("llama"), int8=False)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for rows in (1, 2):
+            ids, mask = ragged_prompts(rows, 4, "left")
+            eager = generate(patched, ids, mask, max_new_tokens=3, eos_token_id=[]).sequences
+            compiled = generate(patched, ids, mask, max_new_tokens=3, eos_token_id=[], compile=True).sequences
+            assert torch.equal(compiled, eager)

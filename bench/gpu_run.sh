@@ -65,13 +65,16 @@ stage_tests() {
   local parts=("python_tests/ops" "python_tests/generation/test_cuda.py"
                "python_tests --ignore=python_tests/ops --ignore=python_tests/generation/test_cuda.py")
   [ -n "${TESTS:-}" ] && parts=("$TESTS")
-  local status=0 part left
+  local status=0 part left extra=""
+  # 8 workers share the GPU (pytest-xdist, in the device image); a hung test fails alone
+  "$PY" -c "import xdist" 2>/dev/null && extra="-n 8"
+  "$PY" -c "import pytest_timeout" 2>/dev/null && extra="$extra --timeout 300"
   for part in "${parts[@]}"; do
     left=$((BUDGET - SECONDS - 5))
     if [ "$left" -lt 20 ]; then echo "tests: no time left for $part" | tee -a "$OUT_DIR/tests.log"; status=1; continue; fi
     echo "== pytest $part" | tee -a "$OUT_DIR/tests.log"
     # shellcheck disable=SC2086  (a part may hold several paths / options)
-    timeout "$left" "$PY" -m pytest $part -q -p no:cacheprovider -rfE 2>&1 | tee -a "$OUT_DIR/tests.log" | tail -25
+    timeout "$left" "$PY" -m pytest $part $extra -q -p no:cacheprovider -rfE 2>&1 | tee -a "$OUT_DIR/tests.log" | tail -25
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
   return $status

@@ -171,6 +171,7 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
       const float sum = warp_sum(e0 + e1);
       const float alpha = exp2f(m_old - m_use);
       for (int d = lane; d < dp; d += WARP) sm.o[r * sm.ldo + d] *= alpha;
+      __syncwarp();  // every lane has read sm.m[r] (as in simt_attend)
       if (lane == 0) {
         sm.l[r] = fmaf(sm.l[r], alpha, sum);
         sm.m[r] = m_new;

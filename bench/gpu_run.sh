@@ -10,6 +10,7 @@
 #   tests        the whole suite with CUDA (TESTS="paths/options" for part of it) -> tests.log
 #   sanitize     compute-sanitizer memcheck + racecheck, CUDA op tests   -> sanitizer.log
 #   kernels      microbenchmarks of the three ops + copy bandwidth   -> <device>_<date>_<commit>_<benches>.json
+#   tiles        Triton int8 tile sweep, 2-64 rows (bench_int8_tiles) -> ..._int8_tiles.json
 #   generate     end to end, Llama-3-8B shapes, batch 1               -> ..._generate_batch1.json
 #   generate-batched   the same at batch 8 and 32                     -> ..._generate_batch32-batch8.json
 #   speculative  rounds/s at B = 1 / 8 / 32, 8B-shape target + 4-layer draft -> ..._speculative_rounds.json
@@ -25,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels generate generate-batched speculative speculative-demo}
+STAGES=${*:-build tests sanitize kernels tiles generate generate-batched speculative speculative-demo}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -108,6 +109,7 @@ for stage in $STAGES; do
     tests) stage_tests ;;
     sanitize) stage_sanitize ;;
     kernels) bench int8_linear,kv_cache_attention,verify_draft ;;
+    tiles) bench int8_tiles ;;
     generate) bench generate --cases batch1 ;;
     generate-batched) bench generate --cases batch8,batch32 ;;
     speculative) bench speculative --cases rounds ;;

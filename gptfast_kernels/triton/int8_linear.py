@@ -27,7 +27,7 @@ GEMV_BLOCK_K = 512
 GEMV_NUM_WARPS = 8
 
 
-class _TileConfig(NamedTuple):
+class TileConfig(NamedTuple):
     block_m: int
     block_n: int
     block_k: int
@@ -39,12 +39,12 @@ class _TileConfig(NamedTuple):
 # Narrow N tiles give >= 128 programs at N = 4096 (one per H100 SM) and deep K tiles with 4 stages
 # keep ~32 KiB of weights in flight per SM (HBM3 needs ~23 KiB at ~1 us latency). Not yet measured.
 SKINNY_MAX_ROWS = 64
-_SKINNY = _TileConfig(block_m=16, block_n=32, block_k=256, num_stages=4, num_warps=4)
+_SKINNY = TileConfig(block_m=16, block_n=32, block_k=256, num_stages=4, num_warps=4)
 # Prefill (more rows): compute-bound, the usual 64 x 128 x 64 tensor-core tile.
-_PREFILL = _TileConfig(block_m=64, block_n=128, block_k=64, num_stages=3, num_warps=4)
+_PREFILL = TileConfig(block_m=64, block_n=128, block_k=64, num_stages=3, num_warps=4)
 
 
-def _tile_config(M: int, dtype: torch.dtype) -> _TileConfig:
+def _tile_config(M: int, dtype: torch.dtype) -> TileConfig:
     if M <= SKINNY_MAX_ROWS:
         # the M tile grows with M (tl.dot needs >= 16 rows) so one tile covers every row
         config = _SKINNY._replace(block_m=max(16, min(triton.next_power_of_2(M), SKINNY_MAX_ROWS)))
@@ -122,17 +122,27 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     return y
 
 
-def _launch(x, qweight, scales, bias_arg, has_bias, y):
+def tiled_int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      config: TileConfig) -> torch.Tensor:
+    """The tiled kernel with the tile ``config`` given, whatever M (for tile tuning:
+    bench/bench_int8_tiles.py); inputs as ``int8_linear_triton``'s, no bias."""
+    y = torch.empty((x.shape[0], qweight.shape[0]), dtype=x.dtype, device=x.device)
+    with on_device(x):
+        _launch(x, qweight, scales, scales, False, y, config)
+    return y
+
+
+def _launch(x, qweight, scales, bias_arg, has_bias, y, config: TileConfig | None = None):
     M, K = x.shape
     N = qweight.shape[0]
-    if M <= GEMV_MAX_ROWS:
+    if M <= GEMV_MAX_ROWS and config is None:
         grid = (triton.cdiv(N, GEMV_BLOCK_N), M)
         _int8_linear_gemv_kernel[grid](
             x, qweight, scales, bias_arg, y, N, K, x.stride(0), x.stride(1), qweight.stride(0),
             y.stride(0), HAS_BIAS=has_bias, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K,
             num_warps=GEMV_NUM_WARPS)
     else:
-        config = _tile_config(M, x.dtype)
+        config = config or _tile_config(M, x.dtype)
         grid = (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
         _int8_linear_tiled_kernel[grid](
             x, qweight, scales, bias_arg, y, M, N, K, x.stride(0), x.stride(1), qweight.stride(0),

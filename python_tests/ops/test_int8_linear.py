@@ -175,3 +175,22 @@ def test_int8_linear_torch_compile_fullgraph(backend, device):
     x = torch.randn(3, 64, device=device)
     expected = torch.relu(_expected(x, qweight, scales, bias)) * 2
     torch.testing.assert_close(layer(x).double(), expected, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend, device", [p for p in kernel_backends("int8_linear")
+                                             if p.values[0] == "triton"])
+def test_every_tile_config_of_the_sweep(backend, device):
+    """bench/bench_int8_tiles.py times these tile configs to pick the wrapper's: each one computes
+    int8_linear (masked edges: N and K not multiples of the tiles)."""
+    from bench.bench_int8_tiles import tile_configs
+    from gptfast_kernels.triton.int8_linear import tiled_int8_linear
+
+    dtype, atol, rtol = torch.float16, 5e-2, 2e-3
+    qweight, scales, _ = _make(72, 300, dtype, device)
+    x = torch.randn(5, 300, device=device, dtype=dtype)
+    want = _expected(x, qweight, scales, None)
+    configs = list(tile_configs(5))
+    assert len({(c.block_n, c.block_k, c.num_stages, c.num_warps) for c in configs}) == len(configs) > 1
+    for config in configs:
+        got = tiled_int8_linear(x, qweight, scales, config)
+        torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol, msg=lambda m, c=config: f"{c}: {m}")

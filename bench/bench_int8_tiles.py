@@ -1,0 +1,80 @@
+"""Tile sweep of the Triton int8_linear tiled kernel for 2 to 64 rows (batched decode and
+speculative verification), on a GPU only: each tile config against bf16 ``F.linear`` and against
+the config the wrapper picks today, Llama-3-8B shapes. Every config's output is checked against
+the reference before it is timed; a config that does not compile (shared memory) or is wrong is
+recorded as such, not timed. The rows say which tiles ``_tile_config`` should pick.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from gptfast_kernels import _extension, ops
+from gptfast_kernels.ops import reference
+
+ROWS = (2, 4, 8, 16, 40, 64)
+SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 4096))  # (N, K); the last: gate + up
+QUICK_ROWS, QUICK_SHAPES = (4, 16), SHAPES[:2]
+BLOCK_N = (32, 64, 128)
+BLOCK_K = (128, 256)
+STAGES = (3, 4)
+WARPS = (4, 8)
+MAX_RELATIVE_ERROR = 2e-2  # bf16 output of a float32 accumulation
+
+
+def tile_configs(M: int):
+    from gptfast_kernels.triton.int8_linear import TileConfig
+
+    block_m = max(16, 1 << (M - 1).bit_length())
+    for block_n, block_k, stages, warps in itertools.product(BLOCK_N, BLOCK_K, STAGES, WARPS):
+        if warps == 8 and block_n < 64:  # too few columns for 8 warps' MMA tiles
+            continue
+        yield TileConfig(block_m, block_n, block_k, stages, warps)
+
+
+def checked(fn, want: torch.Tensor):
+    """fn if its output matches ``want``, else a reason it is not timed."""
+    try:
+        got = fn()
+    except Exception as error:  # noqa: BLE001  (Triton's OutOfResources and compile errors)
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    err = float((got.float() - want).norm() / want.norm())
+    return fn if err <= MAX_RELATIVE_ERROR else f"relative error {err:.2e}"
+
+
+def run(h) -> None:
+    if h.device.type != "cuda" or "triton" not in _extension.usable_backends(h.device):
+        print("int8_tiles: GPU with Triton only; skipped")
+        return
+    from gptfast_kernels.triton.int8_linear import _tile_config, tiled_int8_linear
+
+    rows, shapes = (QUICK_ROWS, QUICK_SHAPES) if h.quick else (ROWS, SHAPES)
+    for N, K in shapes:
+        weight = torch.randn(N, K, device=h.device, dtype=torch.bfloat16) / K ** 0.5
+        qweight, scales = ops.quantize_int8(weight)
+        for M in rows:
+            x = torch.randn(M, K, device=h.device, dtype=torch.bfloat16)
+            want = reference.int8_linear(x.float(), qweight, scales, None)
+            current = _tile_config(M, x.dtype)
+            candidates = {"F.linear_bfloat16": lambda: F.linear(x, weight),
+                          "current": lambda: tiled_int8_linear(x, qweight, scales, current)}
+            skipped = {}
+            for config in tile_configs(M):
+                name = "n{}_k{}_s{}_w{}".format(*config[1:])
+                result = checked(lambda c=config: tiled_int8_linear(x, qweight, scales, c), want)
+                if callable(result):
+                    candidates[name] = result
+                else:
+                    skipped[name] = result
+            case = {"M": M, "N": N, "K": K, "dtype": "bfloat16", "current": "n{}_k{}_s{}_w{}".format(*current[1:])}
+            timed = h.compare("int8_tiles", case, candidates, baseline="F.linear_bfloat16",
+                              nbytes=N * K + 4 * N + 2 * M * (K + N))
+            us = {row["impl"]: 1e3 * row["ms_median"] for row in timed}
+            best = min((name for name in us if name.startswith("n")), key=us.get, default="current")
+            print(f"int8_tiles N={N} K={K} M={M}: F.linear {us['F.linear_bfloat16']:.1f} us, current "
+                  f"{case['current']} {us['current']:.1f} us, best {best} {us[best]:.1f} us", flush=True)
+            for name, reason in skipped.items():
+                h.rows.append({"op": "int8_tiles", **case, "impl": name, "not_timed": reason, **h.meta})

@@ -56,14 +56,16 @@ def _check_position_values(positions: torch.Tensor, S: int) -> None:
     """Value checks that need the data (one host synchronisation); skipped while tracing."""
     if positions.numel() == 0:
         return
-    low, high = int(positions.min()), int(positions.max())
+    rows = positions if positions.dim() == 2 else positions.unsqueeze(0)
+    sorted_rows = rows.sort(dim=-1).values.to(torch.int64)
+    repeated = ((sorted_rows[:, 1:] == sorted_rows[:, :-1]) & (sorted_rows[:, 1:] >= 0)).any()
+    # one host synchronisation for the three facts
+    low, high, any_repeated = torch.stack([sorted_rows[:, 0].min(), sorted_rows[:, -1].max(),
+                                           repeated.to(torch.int64)]).tolist()
     if low < -1 or high >= S:
         raise ValueError(f"{OP}: positions must lie in [-1, S) = [-1, {S}) (-1 marks padding); "
                          f"got values from {low} to {high}")
-    rows = positions if positions.dim() == 2 else positions.unsqueeze(0)
-    sorted_rows, _ = rows.sort(dim=-1)
-    repeated = (sorted_rows[:, 1:] == sorted_rows[:, :-1]) & (sorted_rows[:, 1:] >= 0)
-    if bool(repeated.any()):
+    if any_repeated:
         raise ValueError(f"{OP}: positions must not repeat a slot within a row (two tokens "
                          "cannot be written to one cache slot)")
 

@@ -1,6 +1,7 @@
 """The one benchmark harness: timing, metadata and JSON output shared by every bench_<op>.py.
 
-GPU: triton.testing.do_bench (L2 flushed between runs) reporting the 20th / 50th / 80th percentile.
+GPU: CUDA events around each call, after a read-only L2 flush (do_bench's method otherwise),
+reporting the 20th / 50th / 80th percentile.
 CPU: a plain timer loop with warm-up and the caches flushed before every timed call, same
 percentiles. Every row carries the device, torch version, commit and date, so results from
 different machines never get mixed up.
@@ -31,6 +32,13 @@ CPU_MAX_REPEATS = 50  # each repeat also pays a cache flush
 # weight matrix is read from L3 and "beats" DRAM copy bandwidth.
 CPU_FLUSH_BYTES = 64 << 20
 _cpu_flush_buffer: torch.Tensor | None = None
+# GPU: as triton.testing.do_bench (25 ms of warm-up, about 100 ms of timed calls), but with a
+# read-only L2 flush (see _flush_gpu_l2) of 256 MB, five times an H100's or H200's 50 MB L2.
+GPU_WARMUP_MS, GPU_REP_MS = 25.0, 100.0
+GPU_ESTIMATE_CALLS = 5
+GPU_MIN_REPEATS, GPU_MAX_REPEATS = 10, 1000
+GPU_FLUSH_BYTES = 256 << 20
+_gpu_flush_buffers: dict[torch.device, torch.Tensor] = {}
 
 
 def _flush_cpu_caches() -> None:
@@ -58,13 +66,56 @@ def device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, CPU)"
 
 
+def _percentiles(samples: list[float]) -> tuple[float, float, float]:
+    qs = statistics.quantiles(samples, n=10)  # deciles: qs[1] = p20, qs[7] = p80
+    return qs[1], statistics.median(samples), qs[7]
+
+
+def _flush_gpu_l2(device: torch.device) -> None:
+    """Evicts the timed call's inputs from L2 by *reading* a buffer several times its size.
+    triton's do_bench flushes by writing one (zero_), which leaves L2 full of dirty lines: the
+    timed kernel then pays for writing them back (up to 50 MB on an H100) as it streams its own
+    inputs, which can halve the bandwidth a 16-60 MB weight read appears to get. A decode step
+    reads cold weights, but with no such write-back in its way."""
+    buffer = _gpu_flush_buffers.get(device)
+    if buffer is None:
+        buffer = _gpu_flush_buffers[device] = torch.ones(GPU_FLUSH_BYTES // 4, dtype=torch.float32,
+                                                         device=device)
+    buffer.amax()
+
+
+def _time_gpu_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
+    """do_bench's method (warm-up, then about GPU_REP_MS of calls, each between its own pair of
+    CUDA events) with a read-only L2 flush before every call."""
+    with torch.cuda.device(device):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(GPU_ESTIMATE_CALLS):
+            _flush_gpu_l2(device)
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        each_ms = max(start.elapsed_time(end) / GPU_ESTIMATE_CALLS, 1e-3)  # flush included
+        for _ in range(max(1, int(GPU_WARMUP_MS / each_ms))):
+            fn()
+        reps = min(GPU_MAX_REPEATS, max(GPU_MIN_REPEATS, int(GPU_REP_MS / each_ms)))
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for begin, finish in zip(starts, ends):
+            _flush_gpu_l2(device)
+            begin.record()
+            fn()
+            finish.record()
+        torch.cuda.synchronize()
+    return _percentiles([begin.elapsed_time(finish) for begin, finish in zip(starts, ends)])
+
+
 def time_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
     """(p20, median, p80) milliseconds of fn()."""
     if device.type == "cuda":
-        import triton.testing
-
-        p20, p50, p80 = triton.testing.do_bench(fn, quantiles=list(QUANTILES))
-        return p20, p50, p80
+        return _time_gpu_ms(fn, device)
     for _ in range(CPU_WARMUP):
         fn()
     samples = []
@@ -75,8 +126,7 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, floa
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
         timed += samples[-1] / 1e3
-    qs = statistics.quantiles(samples, n=10)  # deciles: qs[1] = p20, qs[7] = p80
-    return qs[1], statistics.median(samples), qs[7]
+    return _percentiles(samples)
 
 
 def synchronize(device: torch.device) -> None:

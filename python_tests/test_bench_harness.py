@@ -1,0 +1,59 @@
+"""bench/harness.py's GPU timing loop, run here against a stand-in for torch.cuda's events (no
+GPU on CI): every timed call comes right after a read-only L2 flush, the repeat count follows
+the call's cost, and the percentiles are those of the per-call event times."""
+
+import contextlib
+
+import pytest
+import torch
+
+from bench import harness
+
+
+class _Clock:
+    def __init__(self):
+        self.now_ms, self.log = 0.0, []
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    clock = _Clock()
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = clock.now_ms
+            clock.log.append("event")
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+
+    def flush(device):
+        clock.now_ms += 0.09  # reading 256 MB
+        clock.log.append("flush")
+
+    monkeypatch.setattr(harness, "_flush_gpu_l2", flush)
+    return clock
+
+
+def test_gpu_timing_flushes_before_every_timed_call(fake_cuda):
+    durations = iter([0.5] * 40 + [0.2, 0.3, 0.4, 0.5, 0.6] * 400)
+
+    def fn():
+        fake_cuda.now_ms += next(durations)
+        fake_cuda.log.append("call")
+
+    p20, p50, p80 = harness.time_ms(fn, torch.device("cuda"))
+    log = fake_cuda.log
+    # a timed call sits between its two events
+    timed = [i for i in range(1, len(log) - 1) if log[i] == "call" and log[i - 1] == log[i + 1] == "event"]
+    assert all(log[i - 2] == "flush" for i in timed)
+    # about GPU_REP_MS of calls at ~0.6 ms each (flush included)
+    assert 100 <= len(timed) <= 250
+    assert (p20, p50, p80) == pytest.approx((0.2, 0.4, 0.6), abs=0.06)

@@ -12,6 +12,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from bench.harness import checked
 from gptfast_kernels import _extension, ops
 from gptfast_kernels.ops import reference
 
@@ -35,16 +36,6 @@ def tile_configs(M: int):
         yield TileConfig(block_m, block_n, block_k, stages, warps)
 
 
-def checked(fn, want: torch.Tensor):
-    """fn if its output matches ``want``, else a reason it is not timed."""
-    try:
-        got = fn()
-    except Exception as error:  # noqa: BLE001  (Triton's OutOfResources and compile errors)
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-    err = float((got.float() - want).norm() / want.norm())
-    return fn if err <= MAX_RELATIVE_ERROR else f"relative error {err:.2e}"
-
-
 def run(h) -> None:
     if h.device.type != "cuda" or "triton" not in _extension.usable_backends(h.device):
         print("int8_tiles: GPU with Triton only; skipped")
@@ -64,7 +55,8 @@ def run(h) -> None:
             skipped = {}
             for config in tile_configs(M):
                 name = "n{}_k{}_s{}_w{}".format(*config[1:])
-                result = checked(lambda c=config: tiled_int8_linear(x, qweight, scales, c), want)
+                result = checked(lambda c=config: tiled_int8_linear(x, qweight, scales, c), want,
+                                 MAX_RELATIVE_ERROR)
                 if callable(result):
                     candidates[name] = result
                 else:

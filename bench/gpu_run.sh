@@ -11,6 +11,7 @@
 #   sanitize     compute-sanitizer memcheck + racecheck, CUDA op tests   -> sanitizer.log
 #   kernels      microbenchmarks of the three ops + copy bandwidth   -> <device>_<date>_<commit>_<benches>.json
 #   tiles        Triton int8 tile sweep, 2-64 rows (bench_int8_tiles) -> ..._int8_tiles.json
+#   kv-tiles     Triton decode launch-constant sweep (bench_kv_tiles)  -> ..._kv_tiles.json
 #   generate     end to end, Llama-3-8B shapes, batch 1               -> ..._generate_batch1.json
 #   generate-batched   the same at batch 8 and 32                     -> ..._generate_batch32-batch8.json
 #   speculative  rounds/s at B = 1 / 8 / 32, 8B-shape target + 4-layer draft -> ..._speculative_rounds.json
@@ -22,13 +23,14 @@
 # Logs of the bench stages go to bench.log. The device tool brings back 8 files at most: one call
 # per group of stages. Seen on an H100 (2026-11-23): tests 140 s (8 workers), sanitize about 4 min,
 # kernels 130 s, generate 85 s, generate-batched 215 s, speculative 250 s; so e.g.
-# "tests sanitize", "kernels tiles", "generate generate-batched", "speculative speculative-demo".
+# "tests sanitize", "kernels tiles", "kv-tiles generate", "generate-batched speculative",
+# "speculative-demo".
 # GPTFAST_COMMIT names the measured commit where .git is absent.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels tiles generate generate-batched speculative speculative-demo}
+STAGES=${*:-build tests sanitize kernels tiles kv-tiles generate generate-batched speculative speculative-demo}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -112,6 +114,7 @@ for stage in $STAGES; do
     sanitize) stage_sanitize ;;
     kernels) bench int8_linear,kv_cache_attention,verify_draft ;;
     tiles) bench int8_tiles ;;
+    kv-tiles) bench kv_tiles ;;
     generate) bench generate --cases batch1 ;;
     generate-batched) bench generate --cases batch8,batch32 ;;
     speculative) bench speculative --cases rounds ;;

@@ -129,6 +129,18 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, floa
     return _percentiles(samples)
 
 
+def checked(fn: Callable[[], torch.Tensor], want: torch.Tensor, max_relative_error: float):
+    """``fn`` if its output is within ``max_relative_error`` of ``want`` (Frobenius norms), else the
+    reason it must not be timed: its error, or the exception it raised (Triton's OutOfResources
+    for a tile that does not fit, a compile error). For sweeps over launch configs."""
+    try:
+        got = fn()
+    except Exception as error:  # noqa: BLE001  (recorded as the config's result)
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+    err = float((got.float() - want).norm() / want.norm())
+    return fn if err <= max_relative_error else f"relative error {err:.2e}"
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

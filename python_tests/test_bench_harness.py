@@ -57,3 +57,20 @@ def test_gpu_timing_flushes_before_every_timed_call(fake_cuda):
     # about GPU_REP_MS of calls at ~0.6 ms each (flush included)
     assert 100 <= len(timed) <= 250
     assert (p20, p50, p80) == pytest.approx((0.2, 0.4, 0.6), abs=0.06)
+
+
+def test_checked_times_only_correct_configs():
+    want = torch.ones(4, 4)
+
+    def right():
+        return want + 1e-4
+
+    def wrong():
+        return want * 2
+
+    def broken():
+        raise RuntimeError("out of resource: shared memory")
+
+    assert harness.checked(right, want, 1e-3) is right
+    assert harness.checked(wrong, want, 1e-3).startswith("relative error 1.00e+00")
+    assert harness.checked(broken, want, 1e-3) == "RuntimeError: out of resource: shared memory"

@@ -50,7 +50,7 @@ LOG2_E = 1.0 / math.log(2.0)  # the kernels use exp2 / log2
 SCATTER_BLOCK_LATER = 128
 
 
-class _Tuning(NamedTuple):
+class Tuning(NamedTuple):
     """Launch constants of one target (GPU or Triton interpreter)."""
     decode_block_n: int       # slots per decode tile (halved for head dims above 128)
     decode_max_rows: int      # query rows (group heads x tokens) per decode program
@@ -67,12 +67,12 @@ class _Tuning(NamedTuple):
 # H100-class defaults, not yet tuned on a GPU (none was available when this was written): 64-slot
 # tiles of 128 bf16 values are 16 KiB per K/V load, 2 x 132 SMs programs cover a B = 1, Hkv = 8 row
 # with ~33 splits, and 64 x 64 prefill tiles are the usual flash-attention starting point.
-_GPU = _Tuning(decode_block_n=64, decode_max_rows=64, min_split_len=256, max_splits=64,
+_GPU = Tuning(decode_block_n=64, decode_max_rows=64, min_split_len=256, max_splits=64,
                programs_per_sm=2, prefill_block_m=64, prefill_block_n=64, scatter_block_t=16,
                combine_block_s=16, num_warps=4)
 # The interpreter runs every program in numpy: small tiles keep the tests quick and make their
 # small shapes span several tiles and splits, so tile, split and combine boundaries are exercised.
-_INTERPRETER = _Tuning(decode_block_n=16, decode_max_rows=16, min_split_len=16, max_splits=8,
+_INTERPRETER = Tuning(decode_block_n=16, decode_max_rows=16, min_split_len=16, max_splits=8,
                        programs_per_sm=2, prefill_block_m=16, prefill_block_n=16, scatter_block_t=16,
                        combine_block_s=4, num_warps=4)
 # SM count the split heuristic assumes under the interpreter (there is no device to ask).
@@ -289,20 +289,20 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _launch_options(dtype: torch.dtype, tune: _Tuning) -> dict:
+def _launch_options(dtype: torch.dtype, tune: Tuning) -> dict:
     options = {"num_warps": tune.num_warps}
     if dtype == torch.float32:
         options["num_stages"] = FP32_NUM_STAGES
     return options
 
 
-def _tuning(device: torch.device) -> tuple[_Tuning, int]:
+def _tuning(device: torch.device) -> tuple[Tuning, int]:
     if device.type == "cuda":
         return _GPU, _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return _INTERPRETER, _INTERPRETER_NUM_SMS
 
 
-def _num_splits(tune: _Tuning, num_sms: int, programs: int, S: int) -> int:
+def _num_splits(tune: Tuning, num_sms: int, programs: int, S: int) -> int:
     """Splits per (row, kv head, query-row block) from host-known sizes only: enough programs to
     fill the device, at least min_split_len slots each, at most max_splits."""
     wanted = triton.cdiv(tune.programs_per_sm * num_sms, programs)
@@ -356,25 +356,29 @@ def _prefill(q, k, v, k_cache, v_cache, positions, out, qk_scale, fp32_dot, tune
         BLOCK_M=tune.prefill_block_m, BLOCK_N=block_n, BLOCK_D=block_d, **_launch_options(q.dtype, tune))
 
 
-@torch.library.custom_op("gptfast_kernels::kv_cache_attention_triton", mutates_args=("k_cache", "v_cache"))
-def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Hq, T, D], k, v [B, Hkv, T, D] (any strides, stride(-1) == 1); k_cache, v_cache
-    [B, Hkv, S, D] contiguous, written in place; positions [B, T] int64 contiguous, -1 = padding
-    -> out [B, Hq, T, D] contiguous in q's dtype."""
+def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float, tune: Tuning,
+                             num_sms: int) -> torch.Tensor:
+    """The Triton op's computation with the launch constants ``tune`` and an assumed SM count (for
+    tuning: bench/bench_kv_tiles.py); inputs as ``kv_cache_attention_triton``'s."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if q.numel() == 0:
-        return out
-    tune, num_sms = _tuning(q.device)
-    qk_scale = float(scale) * LOG2_E
-    fp32_dot = dot_in_fp32(q.dtype)
-    args = (q, k, v, k_cache, v_cache, positions, out, qk_scale, fp32_dot, tune)
+    args = (q, k, v, k_cache, v_cache, positions, out, float(scale) * LOG2_E, dot_in_fp32(q.dtype), tune)
     with on_device(q):
         if q.shape[2] <= DECODE_MAX_T:
             _decode(*args, num_sms)
         else:
             _prefill(*args)
     return out
+
+
+@torch.library.custom_op("gptfast_kernels::kv_cache_attention_triton", mutates_args=("k_cache", "v_cache"))
+def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D], k, v [B, Hkv, T, D] (any strides, stride(-1) == 1); k_cache, v_cache
+    [B, Hkv, S, D] contiguous, written in place; positions [B, T] int64 contiguous, -1 = padding
+    -> out [B, Hq, T, D] contiguous in q's dtype."""
+    if q.numel() == 0:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device))
 
 
 @kv_cache_attention_triton.register_fake

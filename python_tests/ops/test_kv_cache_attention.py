@@ -376,3 +376,24 @@ def test_cuda_decode_shared_memory_edges_in_a_fresh_process():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ok ") == len(SHARED_MEMORY_EDGES)
+
+
+@pytest.mark.parametrize("backend, device", [p for p in BACKENDS if p.values[0] == "triton"])
+def test_every_launch_config_of_the_decode_sweep(backend, device):
+    """bench/bench_kv_tiles.py times these decode launch constants (tile, splits, warps) to pick
+    the GPU's: each one computes the op (ragged rows, padding, several splits), caches included."""
+    from bench.bench_kv_tiles import tunings
+    from gptfast_kernels.triton import kv_cache_attention as kv
+
+    positions = [[300, 301, 302], [500, -1, 561]]
+    configs = list(tunings(kv._GPU))
+    assert len(configs) > 1
+    for tune in configs:
+        q, k, v, k_cache, v_cache, pos = make_case(2, 4, 2, 3, 32, 600, positions, device=device)
+        inputs64 = [t.cpu().double() for t in (q, k, v, k_cache, v_cache)]
+        want = reference.kv_cache_attention(*inputs64, pos.cpu(), None)
+        got = kv.kv_cache_attention_tuned(q, k, v, k_cache, v_cache, pos, 32 ** -0.5, tune, 8)
+        assert torch.equal(k_cache.cpu().double(), inputs64[3]), tune
+        assert torch.equal(v_cache.cpu().double(), inputs64[4]), tune
+        error = (got.cpu().double() - want).abs().max().item()
+        assert error <= ERROR_FLOOR[torch.float32], f"{tune}: max error {error:.3g}"

@@ -138,8 +138,9 @@ def test_sampling_kwargs_without_sample_function(checkpoints):
 def test_load_int8(checkpoints):
     model = compat.load_int8(checkpoints["target"], device="cpu")
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    # q, k, v, o, gate + up (one Int8GatedMLP matmul), down per layer, and lm_head (patch_model's default)
-    assert len(layers) == 2 * 6 + 1
+    # q + k + v (one Int8FusedProjections matmul), o, gate + up (one Int8GatedMLP matmul), down per
+    # layer, and lm_head (patch_model's default)
+    assert len(layers) == 2 * 4 + 1
     assert isinstance(model.lm_head, Int8Linear)
     cur = _prompts(1, 4)
     out = model.generate(cur, max_new_tokens=5, do_sample=False, pad_token_id=PAD)  # still a transformers model

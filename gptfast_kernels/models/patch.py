@@ -6,6 +6,7 @@ from torch import nn
 
 from gptfast_kernels.models import attention
 from gptfast_kernels.models.families import family_of
+from gptfast_kernels.modules.fused_qkv import fuse_qkv_
 from gptfast_kernels.modules.gated_mlp import fuse_gated_mlps_
 from gptfast_kernels.modules.int8_linear import quantize_int8_
 
@@ -16,7 +17,8 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     and torchao, except names matching ``int8_skip``) and makes the model's attention run
     ``kv_cache_attention`` whenever it is called with a StaticKVCache (``fused_attention=False``:
     the same semantics in plain PyTorch). With int8, a gated MLP's gate and up projections become
-    one Int8Linear (Int8GatedMLP), one launch per step. In place; returns model. Decoding reads every weight
+    one Int8Linear (Int8GatedMLP), and separate q / k / v projections one too (Int8FusedProjections):
+    one launch each per step instead of two and three. In place; returns model. Decoding reads every weight
     once per token, and the lm_head is a large share of a small model's weights (a quarter of a
     125M Llama with a 32k vocabulary), so it is quantized too unless skipped.
     Supported families: see gptfast_kernels.models.families.FAMILIES."""
@@ -30,6 +32,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         quantize_int8_(model, skip=int8_skip)
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class)
+        fuse_qkv_(model, family.attention_class)
     attention.register_attention_functions()
     model.set_attn_implementation(attention.FUSED if fused_attention else attention.UNFUSED)
     if getattr(model, "_gptfast_hooks", None) is None:

@@ -64,6 +64,11 @@ def test_int8_equals_transformers_on_dequantised_weights(family):
             if name.endswith(".gate_up_proj"):  # Int8GatedMLP: [gate | up] rows of one matmul
                 mlp = dequantised.get_submodule(name.rpartition(".")[0])
                 pairs = zip((mlp.gate_proj, mlp.up_proj), weight.chunk(2))
+            elif name.endswith(".qkv_proj.fused"):  # Int8FusedProjections: [q | k | v] rows
+                owner = name.rpartition(".")[0]
+                attn = dequantised.get_submodule(owner.rpartition(".")[0])
+                sizes = patched.get_submodule(owner).sizes
+                pairs = zip((attn.q_proj, attn.k_proj, attn.v_proj), weight.split(sizes))
             else:
                 pairs = [(dequantised.get_submodule(name), weight)]
             for original, w in pairs:

@@ -1,0 +1,82 @@
+"""Fused q / k / v projections for attention modules that project one input three times
+(Llama, Mistral, Qwen2): one int8 matmul streams the three weight matrices in one launch, where
+the k and v projections of a grouped-query model (1024 x 4096 for Llama-3-8B) are each too small
+to keep a GPU busy on their own.
+
+transformers' attention forward still calls ``q_proj``, ``k_proj`` and ``v_proj``; after fusion
+they are ``ProjectionPart``s of one ``Int8FusedProjections``: the first call computes all three
+outputs and keeps them until the last part has been handed out, so the forward itself is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from gptfast_kernels.modules.int8_linear import Int8Linear
+
+
+class Int8FusedProjections(nn.Module):
+    """Several projections of one input as one Int8Linear (``fused``, their weights stacked), whose
+    output is split into parts of ``sizes`` features. ``part(x, i)`` computes all parts for x when
+    it has not already (a call with another input recomputes) and forgets them once the last part
+    is taken, so nothing stays alive between forwards (or in a CUDA graph's memory pool)."""
+
+    def __init__(self, fused: Int8Linear, sizes: Sequence[int]):
+        super().__init__()
+        if sum(sizes) != fused.out_features:
+            raise ValueError(f"Int8FusedProjections: sizes {list(sizes)} must add up to the fused "
+                             f"out_features {fused.out_features}")
+        self.fused, self.sizes = fused, list(sizes)
+        self._input: torch.Tensor | None = None
+        self._parts: tuple[torch.Tensor, ...] | None = None
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if self._parts is None or x is not self._input:
+            self._input, self._parts = x, self.fused(x).split(self.sizes, dim=-1)
+        out = self._parts[index]
+        if index == len(self.sizes) - 1:
+            self._input = self._parts = None
+        return out
+
+
+class ProjectionPart(nn.Module):
+    """Stands where one projection was (q_proj, k_proj or v_proj): part ``index`` of ``owner``'s
+    output. The owner is not a submodule here (the attention module holds it as ``qkv_proj``), so
+    its weights appear once in the state dict."""
+
+    def __init__(self, owner: Int8FusedProjections, index: int):
+        super().__init__()
+        object.__setattr__(self, "owner", owner)
+        self.index = index
+        self.in_features, self.out_features = owner.fused.in_features, owner.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.owner.part(x, self.index)
+
+    def extra_repr(self) -> str:
+        return f"part {self.index} of qkv_proj, in_features={self.in_features}, out_features={self.out_features}"
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
+def fuse_qkv_(model: nn.Module, attention_class: str) -> int:
+    """In place: every module of class name ``attention_class`` whose q_proj, k_proj and v_proj are
+    all Int8Linear (none kept in float by int8_skip) gets ``qkv_proj``, their fusion, and the three
+    become its parts. Returns how many attention modules were fused."""
+    fused = 0
+    for module in model.modules():
+        if type(module).__name__ != attention_class:
+            continue
+        projections = [getattr(module, name, None) for name in PROJECTIONS]
+        if not all(isinstance(p, Int8Linear) for p in projections):
+            continue
+        owner = Int8FusedProjections(Int8Linear.concat(projections), [p.out_features for p in projections])
+        module.qkv_proj = owner
+        for index, name in enumerate(PROJECTIONS):
+            setattr(module, name, ProjectionPart(owner, index))
+        fused += 1
+    return fused

@@ -63,9 +63,9 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 # Measured on an H100 (bench/results/nvidia-h100-80gb-hbm3_2026-11-23_*): the CUDA GEMV is the
 # fastest for one row, and for a few rows while K is moderate (N x K = 14336 x 4096, M = 4: 60 us
-# against Triton's 142); Triton's tensor-core tiles win from about 8 rows on (M = 16: 32 us against
-# the CUDA tiles' 99; M = 40: 34 against 1145) and for a few rows of a long K (4096 x 14336, M = 4:
-# 47 against 87).
+# against Triton's 142); Triton's tensor-core tiles win at 16 rows and more (M = 16: 32 us against
+# the CUDA kernel's 99; M = 40: 34 against 1145) and for a few rows of a long K (4096 x 14336,
+# M = 4: 47 against 87). Between 5 and 16 rows nothing was measured but M = 5; 8 is the guess.
 CUDA_MAX_ROWS = 8
 CUDA_MAX_K_FOR_FEW_ROWS = 8192
 

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from gptfast_kernels import ops
 
-# decode (1), batched decode (4, 16), speculative verification with k = 4 at B = 1 and 8 (5, 40), prefill
-ROWS = (1, 4, 5, 16, 40, 256)
+# decode (1), batched decode (4, 8, 16), speculative verification with k = 4 at B = 1 and 8 (5, 40), prefill
+ROWS = (1, 4, 5, 8, 16, 40, 256)
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K): Llama-3-8B attention / MLP
 
 

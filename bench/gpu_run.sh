@@ -12,6 +12,7 @@
 #   kernels      microbenchmarks of the three ops + copy bandwidth   -> <device>_<date>_<commit>_<benches>.json
 #   tiles        Triton int8 tile sweep, 2-64 rows (bench_int8_tiles) -> ..._int8_tiles.json
 #   kv-tiles     Triton decode launch-constant sweep (bench_kv_tiles)  -> ..._kv_tiles.json
+#   profile      Nsight Compute on one call of each kernel (bench/profile_kernels.py) -> ncu.txt
 #   generate     end to end, Llama-3-8B shapes, batch 1               -> ..._generate_batch1.json
 #   generate-batched   the same at batch 8 and 32                     -> ..._generate_batch32-batch8.json
 #   speculative  rounds/s at B = 1 / 8 / 32, 8B-shape target + 4-layer draft -> ..._speculative_rounds.json
@@ -23,14 +24,14 @@
 # Logs of the bench stages go to bench.log. The device tool brings back 8 files at most: one call
 # per group of stages. Seen on an H100 (2026-11-23): tests 140 s (8 workers), sanitize about 4 min,
 # kernels 130 s, generate 85 s, generate-batched 215 s, speculative 250 s; so e.g.
-# "tests sanitize", "kernels tiles", "kv-tiles generate", "generate-batched speculative",
+# "tests sanitize", "kernels tiles", "kv-tiles profile generate", "generate-batched speculative",
 # "speculative-demo".
 # GPTFAST_COMMIT names the measured commit where .git is absent.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels tiles kv-tiles generate generate-batched speculative speculative-demo}
+STAGES=${*:-build tests sanitize kernels tiles kv-tiles profile generate generate-batched speculative speculative-demo}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -89,6 +90,20 @@ stage_sanitize() {
   SANITIZER_LOG_DIR=$OUT_DIR timeout "$STAGE_TIMEOUT" bash scripts/sanitize.sh 2>&1 | tee "$OUT_DIR/sanitizer.log" | tail -60
 }
 
+# Nsight Compute on one call of each kernel whose tuning is open (bench/profile_kernels.py): the
+# full report in ncu.txt, the key lines of each kernel on screen. Clocks are left as they are.
+stage_profile() {
+  local ncu
+  ncu=$(command -v ncu || echo "$CUDA_HOME/bin/ncu")
+  timeout "$STAGE_TIMEOUT" "$ncu" --clock-control none -k "regex:$("$PY" -m bench.profile_kernels --kernels)" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    "$PY" -m bench.profile_kernels > "$OUT_DIR/ncu.txt" 2>&1
+  local rc=$?
+  grep -E "^case:|^  [A-Za-z_].*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Stall" \
+    "$OUT_DIR/ncu.txt" | head -300
+  return $rc
+}
+
 bench() {  # bench <comma-separated benches> [bench.run options]
   local ops=$1; shift
   timeout "$STAGE_TIMEOUT" "$PY" -m bench.run --ops "$ops" --out-dir "$OUT_DIR" "$@" 2>&1 | tee -a "$OUT_DIR/bench.log" | tail -60
@@ -115,6 +130,7 @@ for stage in $STAGES; do
     kernels) bench int8_linear,kv_cache_attention,verify_draft ;;
     tiles) bench int8_tiles ;;
     kv-tiles) bench kv_tiles ;;
+    profile) stage_profile ;;
     generate) bench generate --cases batch1 ;;
     generate-batched) bench generate --cases batch8,batch32 ;;
     speculative) bench speculative --cases rounds ;;

@@ -12,7 +12,6 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from bench.harness import checked
 from gptfast_kernels import _extension, ops
 from gptfast_kernels.ops import reference
 
@@ -36,6 +35,10 @@ def tile_configs(M: int):
         yield TileConfig(block_m, block_n, block_k, stages, warps)
 
 
+def name_of(config) -> str:
+    return "n{}_k{}_s{}_w{}".format(*config[1:])
+
+
 def run(h) -> None:
     if h.device.type != "cuda" or "triton" not in _extension.usable_backends(h.device):
         print("int8_tiles: GPU with Triton only; skipped")
@@ -48,25 +51,15 @@ def run(h) -> None:
         qweight, scales = ops.quantize_int8(weight)
         for M in rows:
             x = torch.randn(M, K, device=h.device, dtype=torch.bfloat16)
-            want = reference.int8_linear(x.float(), qweight, scales, None)
             current = _tile_config(M, x.dtype)
-            candidates = {"F.linear_bfloat16": lambda: F.linear(x, weight),
-                          "current": lambda: tiled_int8_linear(x, qweight, scales, current)}
-            skipped = {}
-            for config in tile_configs(M):
-                name = "n{}_k{}_s{}_w{}".format(*config[1:])
-                result = checked(lambda c=config: tiled_int8_linear(x, qweight, scales, c), want,
-                                 MAX_RELATIVE_ERROR)
-                if callable(result):
-                    candidates[name] = result
-                else:
-                    skipped[name] = result
-            case = {"M": M, "N": N, "K": K, "dtype": "bfloat16", "current": "n{}_k{}_s{}_w{}".format(*current[1:])}
-            timed = h.compare("int8_tiles", case, candidates, baseline="F.linear_bfloat16",
-                              nbytes=N * K + 4 * N + 2 * M * (K + N))
-            us = {row["impl"]: 1e3 * row["ms_median"] for row in timed}
-            best = min((name for name in us if name.startswith("n")), key=us.get, default="current")
+            fixed = {"F.linear_bfloat16": lambda: F.linear(x, weight),
+                     "current": lambda: tiled_int8_linear(x, qweight, scales, current)}
+            configs = {name_of(c): (lambda c=c: tiled_int8_linear(x, qweight, scales, c)) for c in tile_configs(M)}
+            case = {"M": M, "N": N, "K": K, "dtype": "bfloat16", "current": name_of(current)}
+            timed, best = h.sweep("int8_tiles", case, fixed, configs,
+                                  reference.int8_linear(x.float(), qweight, scales, None), MAX_RELATIVE_ERROR,
+                                  baseline="F.linear_bfloat16", nbytes=N * K + 4 * N + 2 * M * (K + N))
+            us = {name: 1e3 * row["ms_median"] for name, row in timed.items()}
+            best = best or "current"
             print(f"int8_tiles N={N} K={K} M={M}: F.linear {us['F.linear_bfloat16']:.1f} us, current "
                   f"{case['current']} {us['current']:.1f} us, best {best} {us[best]:.1f} us", flush=True)
-            for name, reason in skipped.items():
-                h.rows.append({"op": "int8_tiles", **case, "impl": name, "not_timed": reason, **h.meta})

@@ -12,7 +12,6 @@ import itertools
 
 import torch
 
-from bench.harness import checked
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
 
@@ -62,25 +61,17 @@ def run(h) -> None:
         def tuned(tune):
             return lambda: kv.kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, tune, num_sms)
 
-        candidates = {"current": tuned(current)}
+        fixed = {"current": tuned(current)}
         if _extension.has_kernel("kv_cache_attention", "CUDA"):
-            candidates["cuda_kernel"] = lambda: torch.ops.gptfast_kernels.kv_cache_attention(
+            fixed["cuda_kernel"] = lambda: torch.ops.gptfast_kernels.kv_cache_attention(
                 q, k, v, k_cache, v_cache, positions, scale)
-        skipped = {}
-        for tune in tunings(current):
-            result = checked(tuned(tune), want, MAX_RELATIVE_ERROR)
-            if callable(result):
-                candidates[name_of(tune)] = result
-            else:
-                skipped[name_of(tune)] = result
         case = {"B": B, "T": T, "context": context, "S": S, "dtype": "bfloat16", "current": name_of(current)}
         nbytes = 2 * B * HKV * (context + T) * D * 2 + 2 * B * HQ * T * D * 2
-        timed = h.compare("kv_tiles", case, candidates, baseline="current", nbytes=nbytes)
-        us = {row["impl"]: (1e3 * row["ms_median"], row.get("fraction_of_copy_bw", 0.0)) for row in timed}
-        best = min((name for name in us if name.startswith("n")), key=lambda name: us[name][0], default="current")
+        timed, best = h.sweep("kv_tiles", case, fixed, {name_of(t): tuned(t) for t in tunings(current)}, want,
+                              MAX_RELATIVE_ERROR, baseline="current", nbytes=nbytes)
+        us = {name: (1e3 * row["ms_median"], row.get("fraction_of_copy_bw", 0.0)) for name, row in timed.items()}
+        best = best or "current"
         print(f"kv_tiles B={B} T={T} ctx={context}: current {us['current'][0]:.1f} us "
               f"({us['current'][1]:.0%} of copy), best {best} {us[best][0]:.1f} us ({us[best][1]:.0%})"
               + (f", CUDA {us['cuda_kernel'][0]:.1f} us" if "cuda_kernel" in us else ""), flush=True)
-        for name, reason in skipped.items():
-            h.rows.append({"op": "kv_tiles", **case, "impl": name, "not_timed": reason, **h.meta})
         del q, k, v, k_cache, v_cache, want

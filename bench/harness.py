@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-QUANTILES = (0.2, 0.5, 0.8)
 CPU_WARMUP = 3
 CPU_MIN_REPEATS = 10
 CPU_MIN_SECONDS = 0.5
@@ -226,6 +225,25 @@ class Harness:
             new_rows.append(row)
         self.rows.extend(new_rows)
         return new_rows
+
+    def sweep(self, op: str, case: dict, fixed: dict[str, Callable[[], object]],
+              configs: dict[str, Callable[[], torch.Tensor]], want: torch.Tensor, max_relative_error: float,
+              baseline: str, nbytes: int | None = None) -> tuple[dict[str, dict], str | None]:
+        """``compare`` over the ``fixed`` candidates and every launch config in ``configs`` whose
+        output passes ``checked`` against ``want``; a config that fails is recorded with the reason,
+        not timed. Returns the timed rows by name and the fastest config's name (None if none ran)."""
+        candidates, not_timed = dict(fixed), {}
+        for name, fn in configs.items():
+            result = checked(fn, want, max_relative_error)
+            if callable(result):
+                candidates[name] = result
+            else:
+                not_timed[name] = result
+        timed = {row["impl"]: row for row in self.compare(op, case, candidates, baseline, nbytes)}
+        self.rows.extend({"op": op, **case, "impl": name, "not_timed": reason, **self.meta}
+                         for name, reason in not_timed.items())
+        best = min((name for name in configs if name in timed), key=lambda n: timed[n]["ms_median"], default=None)
+        return timed, best
 
     def write_json(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -74,3 +74,15 @@ def test_checked_times_only_correct_configs():
     assert harness.checked(right, want, 1e-3) is right
     assert harness.checked(wrong, want, 1e-3).startswith("relative error 1.00e+00")
     assert harness.checked(broken, want, 1e-3) == "RuntimeError: out of resource: shared memory"
+
+
+def test_sweep_times_the_fixed_candidates_and_the_correct_configs():
+    h = harness.Harness(torch.device("cpu"))
+    want = torch.ones(8)
+    fixed = {"baseline": lambda: want.clone()}
+    configs = {"right": lambda: want + 1e-5, "wrong": lambda: want * 3,
+               "broken": lambda: (_ for _ in ()).throw(RuntimeError("no fit"))}
+    timed, best = h.sweep("op", {"M": 1}, fixed, configs, want, 1e-3, baseline="baseline")
+    assert set(timed) == {"baseline", "right"} and best == "right"
+    not_timed = {row["impl"]: row["not_timed"] for row in h.rows if "not_timed" in row}
+    assert not_timed == {"wrong": "relative error 2.00e+00", "broken": "RuntimeError: no fit"}

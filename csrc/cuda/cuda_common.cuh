@@ -1,9 +1,11 @@
 // Small CUDA helpers shared by the kernels in csrc/cuda/ (each op's own constants stay in its file).
 #pragma once
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
@@ -25,8 +27,22 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Scalar conversions through float (c10::Half / c10::BFloat16 / float).
+template <typename T>
+__device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t from_float(float v) { return static_cast<scalar_t>(v); }
+
 // Whether a pointer allows 16-byte vector loads / stores.
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// An attribute of the current device (a host-side lookup: no synchronisation).
+inline int device_attribute(cudaDeviceAttr attr) {
+  int device = 0, value = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
+  return value;
+}
 
 // The CUDA type of a 16-bit ATen scalar type, as WMMA fragments take it.
 template <typename T>

@@ -2,13 +2,16 @@
 //
 //   y[m, n] = (sum_k x[m, k] * qweight[n, k]) * scales[n] + bias[n], accumulated in float32.
 //
-// Decode (M <= GEMV_MAX_ROWS): memory-bound on the N*K weight bytes. One warp per output feature
-// (two from GEMV_SHARED_X_ROWS rows of x on); each lane streams 16 int8 weights per 16-byte load (a
-// warp reads 512 contiguous bytes per step), widens them in registers and reuses them for every
-// row of x. x is small and L1/L2-resident.
-// Prefill (M > GEMV_MAX_ROWS): compute-bound. fp16/bf16 use tensor cores (WMMA 16x16x16, fp32
-// accumulators) on tiles whose int8 weights are widened to x's dtype while staged in shared memory
-// (exact: |q| <= 127); fp32 uses a SIMT tiled kernel so its products stay in full fp32.
+// One row of x (decode, batch 1): memory-bound on the N*K weight bytes. One warp per output
+// feature; each lane streams 16 int8 weights per 16-byte load (a warp reads 512 contiguous bytes
+// per step), widens them in registers with integer-pipe tricks and FMAs them in fp32.
+// 2..16 rows (batched decode, speculative verification), fp16 / bf16: still memory-bound, but fp32
+// FMAs per weight byte grow with the rows and overtake the weight stream from about 4 rows (the H100
+// run: 4 rows took twice as long as 1). The tensor-core kernel below (mma.sync, weights straight
+// from global memory into fragments) makes the rows nearly free; 8 warps split K per feature group.
+// Prefill (more rows), fp16 / bf16: the same tensor-core kernel with 64 x 64 output tiles.
+// fp32 activations, and inputs the vector loads cannot take (K % 16 != 0, misaligned rows), use
+// the FMA GEMV for up to 16 rows and a SIMT tiled kernel above, so fp32 products stay exact fp32.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -16,16 +19,18 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <mma.h>
 #include <torch/library.h>
 
 #include <algorithm>
 
 #include "../common.h"
 #include "cuda_common.cuh"
+#include "int8_linear_tensor_core.cuh"
 
 namespace gptfast_kernels {
 namespace {
+
+using namespace int8_tensor_core;
 
 // Largest M served by the GEMV kernel: up to 16 rows the weight stream still dominates.
 constexpr int64_t GEMV_MAX_ROWS = 16;
@@ -40,25 +45,14 @@ constexpr int GEMV_UNROLL = 4;
 // serves two weight rows (reasoned from L1's 128 B / clock on sm_90; not yet measured).
 constexpr int GEMV_SHARED_X_ROWS = 4;
 
-// WMMA tile for fp16/bf16 prefill: 64 x 64 outputs per block, 4 warps of 32 x 32, K step 32.
-constexpr int TC_BLOCK_M = 64;
-constexpr int TC_BLOCK_N = 64;
-constexpr int TC_BLOCK_K = 32;
-constexpr int TC_WARPS = 4;
-constexpr int TC_SMEM_PAD = 8;  // breaks shared-memory bank conflicts on the fragment loads
-// SIMT tile for fp32 prefill: 64 x 64 outputs, 256 threads each computing 4 x 4.
+// SIMT tile for fp32 prefill (and 16-bit inputs the vector loads cannot take): 64 x 64 outputs,
+// 256 threads each computing 4 x 4.
 constexpr int SIMT_BLOCK = 64;
 constexpr int SIMT_BLOCK_K = 16;
 constexpr int SIMT_THREADS = 256;
-// CUDA's limit on gridDim.y, which holds the prefill kernels' row tiles.
+// CUDA's limit on gridDim.y, which holds the SIMT kernel's row tiles and the tensor-core kernel's
+// feature tiles.
 constexpr int64_t MAX_GRID_Y = 65535;
-
-template <typename T>
-__device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
-
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t from_float(float v) { return static_cast<scalar_t>(v); }
-
 
 // 16 int8 weights -> float without the conversion unit: I2F runs at 16 per clock per SM on
 // sm_80 / sm_90, and streaming int8 weights at full HBM3 bandwidth (~3 TB/s over 132 SMs at
@@ -179,79 +173,10 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
 }
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(TC_WARPS * WARP)
-int8_linear_wmma_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict__ qweight,
+__global__ void __launch_bounds__(SIMT_THREADS)
+int8_linear_simt_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict__ qweight,
                         const float* __restrict__ scales, const scalar_t* __restrict__ bias,
                         scalar_t* __restrict__ y, int64_t M, int64_t N, int64_t K, int64_t stride_xm) {
-  using namespace nvcuda;
-  using mma_t = typename MmaType<scalar_t>::type;
-  constexpr int LD = TC_BLOCK_K + TC_SMEM_PAD;
-  __shared__ __align__(32) mma_t x_tile[TC_BLOCK_M][LD];
-  __shared__ __align__(32) mma_t w_tile[TC_BLOCK_N][LD];  // [n][k]: column-major B of K x N
-  __shared__ __align__(32) float out_tile[TC_BLOCK_M][TC_BLOCK_N + TC_SMEM_PAD];
-
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * TC_BLOCK_M;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * TC_BLOCK_N;
-  const int warp = threadIdx.x / WARP;
-  const int warp_m = (warp / 2) * 32, warp_n = (warp % 2) * 32;
-
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
-
-  for (int64_t k0 = 0; k0 < K; k0 += TC_BLOCK_K) {
-    for (int idx = threadIdx.x; idx < TC_BLOCK_M * TC_BLOCK_K; idx += blockDim.x) {
-      const int r = idx / TC_BLOCK_K, c = idx % TC_BLOCK_K;
-      const int64_t gm = m0 + r, gk = k0 + c;
-      const scalar_t v = (gm < M && gk < K) ? x[gm * stride_xm + gk] : scalar_t(0.f);
-      x_tile[r][c] = *reinterpret_cast<const mma_t*>(&v);
-    }
-    for (int idx = threadIdx.x; idx < TC_BLOCK_N * TC_BLOCK_K; idx += blockDim.x) {
-      const int r = idx / TC_BLOCK_K, c = idx % TC_BLOCK_K;
-      const int64_t gn = n0 + r, gk = k0 + c;
-      const scalar_t v = scalar_t(static_cast<float>((gn < N && gk < K) ? qweight[gn * K + gk] : 0));
-      w_tile[r][c] = *reinterpret_cast<const mma_t*>(&v);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < TC_BLOCK_K; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, mma_t, wmma::row_major> a[2];
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, mma_t, wmma::col_major> b[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(a[i], &x_tile[warp_m + 16 * i][kk], LD);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(b[j], &w_tile[warp_n + 16 * j][kk], LD);
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      wmma::store_matrix_sync(&out_tile[warp_m + 16 * i][warp_n + 16 * j], acc[i][j],
-                              TC_BLOCK_N + TC_SMEM_PAD, wmma::mem_row_major);
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < TC_BLOCK_M * TC_BLOCK_N; idx += blockDim.x) {
-    const int r = idx / TC_BLOCK_N, c = idx % TC_BLOCK_N;
-    const int64_t gm = m0 + r, gn = n0 + c;
-    if (gm < M && gn < N) {
-      float v = out_tile[r][c] * scales[gn];
-      if (bias != nullptr) v += to_float(bias[gn]);
-      y[gm * N + gn] = from_float<scalar_t>(v);
-    }
-  }
-}
-
-__global__ void __launch_bounds__(SIMT_THREADS)
-int8_linear_simt_kernel(const float* __restrict__ x, const int8_t* __restrict__ qweight,
-                        const float* __restrict__ scales, const float* __restrict__ bias,
-                        float* __restrict__ y, int64_t M, int64_t N, int64_t K, int64_t stride_xm) {
   constexpr int MICRO = 4;  // each thread: 4 x 4 outputs
   __shared__ float x_tile[SIMT_BLOCK_K][SIMT_BLOCK + 1];
   __shared__ float w_tile[SIMT_BLOCK_K][SIMT_BLOCK + 1];
@@ -264,7 +189,7 @@ int8_linear_simt_kernel(const float* __restrict__ x, const int8_t* __restrict__ 
     for (int idx = threadIdx.x; idx < SIMT_BLOCK * SIMT_BLOCK_K; idx += blockDim.x) {
       const int r = idx / SIMT_BLOCK_K, c = idx % SIMT_BLOCK_K;
       const int64_t gk = k0 + c;
-      x_tile[c][r] = (m0 + r < M && gk < K) ? x[(m0 + r) * stride_xm + gk] : 0.f;
+      x_tile[c][r] = (m0 + r < M && gk < K) ? to_float(x[(m0 + r) * stride_xm + gk]) : 0.f;
       w_tile[c][r] = (n0 + r < N && gk < K) ? static_cast<float>(qweight[(n0 + r) * K + gk]) : 0.f;
     }
     __syncthreads();
@@ -287,7 +212,8 @@ int8_linear_simt_kernel(const float* __restrict__ x, const int8_t* __restrict__ 
 #pragma unroll
     for (int j = 0; j < MICRO; ++j) {
       const int64_t gm = m0 + tm + i, gn = n0 + tn + j;
-      if (gm < M && gn < N) y[gm * N + gn] = acc[i][j] * scales[gn] + (bias ? bias[gn] : 0.f);
+      if (gm < M && gn < N)
+        y[gm * N + gn] = from_float<scalar_t>(acc[i][j] * scales[gn] + (bias ? to_float(bias[gn]) : 0.f));
     }
 }
 
@@ -323,26 +249,65 @@ void dispatch_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   return launch_gemv<scalar_t, GEMV_MAX_ROWS>(x, qweight, scales, bias, y, stream);
 }
 
+// Whether the tensor-core kernel can take x: fp16 / bf16, 16-byte vector loads possible (K % 16 ==
+// 0, aligned rows), an sm_80+ device, and the feature tiles within gridDim.y.
 template <typename scalar_t>
-void launch_prefill(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                    const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
+bool mma_path_applies(const at::Tensor& x, const at::Tensor& qweight) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  constexpr bool fp32 = std::is_same_v<scalar_t, float>;
-  constexpr int64_t block_m = fp32 ? SIMT_BLOCK : TC_BLOCK_M, block_n = fp32 ? SIMT_BLOCK : TC_BLOCK_N;
+  constexpr int64_t ELEMS_PER_16B = 16 / sizeof(scalar_t);
+  const bool vectorized = K % GEMV_VEC == 0 && (M == 1 || x.stride(0) % ELEMS_PER_16B == 0) &&
+                          aligned16(x.data_ptr()) && aligned16(qweight.data_ptr());
+  constexpr int64_t NARROWEST_BLOCK_N = 16;
+  return vectorized && device_attribute(cudaDevAttrComputeCapabilityMajor) >= 8 &&
+         (N + NARROWEST_BLOCK_N - 1) / NARROWEST_BLOCK_N <= MAX_GRID_Y;
+}
+
+template <typename scalar_t, typename Tiling>
+void launch_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const int64_t feature_tiles = (N + Tiling::BLOCK_N - 1) / Tiling::BLOCK_N;
+  const int64_t row_tiles = (M + Tiling::BLOCK_M - 1) / Tiling::BLOCK_M;  // gridDim.x: up to 2^31 - 1
+  TORCH_CHECK(feature_tiles <= MAX_GRID_Y && row_tiles < (int64_t{1} << 31),
+              "int8_linear: shape too large for the tensor-core kernel's grid");
+  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(feature_tiles));
+  int8_linear_mma_kernel<scalar_t, Tiling><<<grid, Tiling::WARPS * WARP, 0, stream>>>(
+      x.data_ptr<scalar_t>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
+      y.data_ptr<scalar_t>(), M, N, K, x.stride(0));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// 2..16 rows on tensor cores: 16-row tiles of A are the weights, 8-row tiles of B the rows of x.
+// 32 features per warp halve the reads of x per weight byte, but only pay when N leaves enough
+// blocks (two per SM) for the whole GPU.
+template <typename scalar_t>
+void dispatch_mma_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
+  constexpr int BLOCKS_PER_SM = 2;
+  const int64_t M = x.size(0), N = qweight.size(0);
+  const int64_t sms = device_attribute(cudaDevAttrMultiProcessorCount);
+  const bool wide = N >= BLOCKS_PER_SM * sms * MmaGemvTiling<2, 1>::BLOCK_N;
+  if (M <= 8) {
+    return wide ? launch_mma<scalar_t, MmaGemvTiling<2, 1>>(x, qweight, scales, bias, y, stream)
+                : launch_mma<scalar_t, MmaGemvTiling<1, 1>>(x, qweight, scales, bias, y, stream);
+  }
+  return wide ? launch_mma<scalar_t, MmaGemvTiling<2, 2>>(x, qweight, scales, bias, y, stream)
+              : launch_mma<scalar_t, MmaGemvTiling<1, 2>>(x, qweight, scales, bias, y, stream);
+}
+
+template <typename scalar_t>
+void launch_simt(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   // Row tiles go in gridDim.y (at most MAX_GRID_Y): larger M runs as several launches.
-  const int64_t rows_per_launch = MAX_GRID_Y * block_m;
+  const int64_t rows_per_launch = MAX_GRID_Y * SIMT_BLOCK;
   for (int64_t m0 = 0; m0 < M; m0 += rows_per_launch) {
     const int64_t rows = std::min(rows_per_launch, M - m0);
-    const dim3 grid(static_cast<unsigned>((N + block_n - 1) / block_n), static_cast<unsigned>((rows + block_m - 1) / block_m));
-    const scalar_t* x_rows = x.data_ptr<scalar_t>() + m0 * x.stride(0);
-    scalar_t* y_rows = y.data_ptr<scalar_t>() + m0 * N;
-    if constexpr (fp32) {
-      int8_linear_simt_kernel<<<grid, SIMT_THREADS, 0, stream>>>(
-          x_rows, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y_rows, rows, N, K, x.stride(0));
-    } else {
-      int8_linear_wmma_kernel<scalar_t><<<grid, TC_WARPS * WARP, 0, stream>>>(
-          x_rows, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y_rows, rows, N, K, x.stride(0));
-    }
+    const dim3 grid(static_cast<unsigned>((N + SIMT_BLOCK - 1) / SIMT_BLOCK),
+                    static_cast<unsigned>((rows + SIMT_BLOCK - 1) / SIMT_BLOCK));
+    int8_linear_simt_kernel<scalar_t><<<grid, SIMT_THREADS, 0, stream>>>(
+        x.data_ptr<scalar_t>() + m0 * x.stride(0), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+        bias, y.data_ptr<scalar_t>() + m0 * N, rows, N, K, x.stride(0));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -360,11 +325,14 @@ at::Tensor int8_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   if (M == 0 || N == 0) return y;
   GPTFAST_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "int8_linear_cuda", [&] {
     const scalar_t* bias_ptr = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
-    if (M <= GEMV_MAX_ROWS) {
-      dispatch_gemv<scalar_t>(x, qweight, scales, bias_ptr, y, stream);
-    } else {
-      launch_prefill<scalar_t>(x, qweight, scales, bias_ptr, y, stream);
+    if constexpr (!std::is_same_v<scalar_t, float>) {
+      if (M > 1 && mma_path_applies<scalar_t>(x, qweight)) {
+        if (M <= GEMV_MAX_ROWS) return dispatch_mma_gemv<scalar_t>(x, qweight, scales, bias_ptr, y, stream);
+        return launch_mma<scalar_t, MmaPrefillTiling>(x, qweight, scales, bias_ptr, y, stream);
+      }
     }
+    if (M <= GEMV_MAX_ROWS) return dispatch_gemv<scalar_t>(x, qweight, scales, bias_ptr, y, stream);
+    launch_simt<scalar_t>(x, qweight, scales, bias_ptr, y, stream);
   });
   return y;
 }

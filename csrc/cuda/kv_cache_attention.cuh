@@ -13,7 +13,7 @@
 // Scatter: the block whose range holds slot positions[b, t] writes k/v[b, :, t] there, and every
 // read of that slot inside the block comes from k/v instead of the cache: no block reads a slot
 // another block writes, so there is no race and no second pass. Splits are merged by log-sum-exp
-// by the last block of the (b, kv head) to finish (an atomic ticket that this block resets).
+// by the last block of the (b, kv head) to finish (an atomic ticket, zeroed for each launch).
 // Prefill (T > DECODE_MAX_T): every query tile reads the new K/V, so no single block can own them:
 // a small scatter kernel (T x Hkv x D elements, negligible next to O(T^2) attention) runs first on
 // the same stream, then a tiled kernel over query tiles x heads x batch reads the cache, with an
@@ -169,7 +169,7 @@ struct Params {
   const int64_t* positions;
   float* ws_o;    // decode partials [B * Hkv, splits, G * T, D] (splits > 1 only)
   float* ws_lse;  // [B * Hkv, splits, G * T], log2 domain
-  int* counters;  // [B * Hkv] split tickets, zero between launches
+  int* counters;  // [B * Hkv] split tickets, zeroed by the launcher
   int64_t q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st;
   int Hq, Hkv, G, T, S, D;
   int dp;    // D padded to the vector (SIMT) or to 16 (WMMA) in shared memory
@@ -355,13 +355,6 @@ int simt_rows(int wanted, int bn, int dp) {
   while (rows > 1 && SimtSmem<T>(0, rows, bn, dp).bytes > SIMT_SMEM_BUDGET) --rows;
   const int passes = ceil_div(std::min(wanted, MAX_ROWS_PER_PASS), rows);
   return ceil_div(std::min(wanted, MAX_ROWS_PER_PASS), passes);
-}
-
-inline int device_attribute(cudaDeviceAttr attr) {  // a host-side lookup: no synchronisation
-  int device = 0, value = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
-  return value;
 }
 
 // Static shared memory of a kernel (its __shared__ arrays), which counts against the same limits.

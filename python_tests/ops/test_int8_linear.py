@@ -85,6 +85,26 @@ def test_int8_linear_llama_shapes_on_gpu(backend, device, dtype, atol, rtol, N, 
                                    msg=lambda m: f"M={M}: {m}")
 
 
+@pytest.mark.parametrize("backend, device", [p for p in GPU_BACKENDS if p.id == "cuda"])
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES[1:])
+@pytest.mark.parametrize("N", [200, 8500], ids=["narrow", "wide"])
+def test_int8_linear_tensor_core_edges_on_gpu(backend, device, dtype, atol, rtol, N):
+    """The tensor-core paths' edges: K a multiple of 16 but not of the 64-wide chunk (and a single
+    16), row counts around the 8-row fragments and the GEMV / prefill switch, N not a multiple of
+    the feature tiles (8500 takes the 32-feature layout on an H100), rows of x strided inside a wider
+    buffer (the op itself takes them; the wrapper would copy); a misaligned x takes the fallback
+    kernels and must agree too."""
+    for K in (16, 208, 1040):
+        qweight, scales, bias = _make(N, K, dtype, device, bias=True)
+        for M in (2, 8, 9, 16, 17, 64, 129):
+            wide = (torch.randn(M, K + 24, device=device) / K ** 0.5).to(dtype)
+            for x in (wide[:, :K], wide[:, 1:K + 1]):  # aligned rows of stride K + 24; misaligned
+                for b in (bias, None):
+                    y = torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, b)
+                    torch.testing.assert_close(y.double(), _expected(x, qweight, scales, b), atol=atol,
+                                               rtol=rtol, msg=lambda m: f"K={K} M={M}: {m}")
+
+
 @pytest.mark.parametrize("N, K", [(50257, 64), (24, 4095)])
 def test_int8_linear_odd_shapes_cpu(N, K):
     qweight, scales, bias = _make(N, K, torch.float32, "cpu", bias=True)

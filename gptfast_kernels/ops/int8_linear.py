@@ -66,6 +66,9 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 # against Triton's 142); Triton's tensor-core tiles win at 16 rows and more (M = 16: 32 us against
 # the CUDA kernel's 99; M = 40: 34 against 1145) and for a few rows of a long K (4096 x 14336,
 # M = 4: 47 against 87). Between 5 and 16 rows nothing was measured but M = 5; 8 is the guess.
+# Those CUDA figures for 2+ rows are of the fp32-FMA GEMV and the WMMA tiles, since replaced (for
+# fp16 / bf16) by a tensor-core kernel that has not run on a GPU yet: the rule stands until the
+# int8 bench has timed it against Triton.
 CUDA_MAX_ROWS = 8
 CUDA_MAX_K_FOR_FEW_ROWS = 8192
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -10,25 +12,31 @@ from gptfast_kernels import ops
 # decode (1), batched decode (4, 8, 16), speculative verification with k = 4 at B = 1 and 8 (5, 40), prefill
 ROWS = (1, 4, 5, 8, 16, 40, 256)
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K): Llama-3-8B attention / MLP
+# GPTFAST_INT8_ONE_ROW=tensor_core makes the CUDA op take one row on its tensor-core kernel (read once
+# per process, see csrc/cuda/int8_linear.cu); with --cases one_row only M = 1 runs, so a second
+# process times that choice against the default's figures (bench/gpu_run.sh, stage int8-one-row).
+ONE_ROW_KERNEL = os.environ.get("GPTFAST_INT8_ONE_ROW", "")
 
 
 def run(h) -> None:
     device = h.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = SHAPES[:1] if h.quick else SHAPES
+    rows = (1,) if h.cases == frozenset({"one_row"}) else ROWS
+    suffix = f"_one_row_{ONE_ROW_KERNEL}" if ONE_ROW_KERNEL else ""
     for N, K in shapes:
         weight = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
         qweight, scales = ops.quantize_int8(weight)
-        for M in ROWS:
+        for M in rows:
             x = torch.randn(M, K, device=device, dtype=dtype)
             candidates = {f"F.linear_{str(dtype)[6:]}": lambda: F.linear(x, weight)}
             if device.type == "cpu" or dtype != torch.float32:
                 # _weight_int8pack_mm takes the same per-channel int8 layout (scales in x's dtype)
                 candidates["torch._weight_int8pack_mm"] = (
                     lambda: torch._weight_int8pack_mm(x, qweight, scales.to(dtype)))
-            candidates["ours_auto"] = lambda: ops.int8_linear(x, qweight, scales)
+            candidates["ours_auto" + suffix] = lambda: ops.int8_linear(x, qweight, scales)
             if device.type == "cuda":
-                candidates["ours_cuda"] = lambda: ops.int8_linear(x, qweight, scales, backend="cuda")
+                candidates["ours_cuda" + suffix] = lambda: ops.int8_linear(x, qweight, scales, backend="cuda")
                 candidates["ours_triton"] = lambda: ops.int8_linear(x, qweight, scales,
                                                                     backend="triton")
             # minimum bytes: int8 weights + scales + activations in + out

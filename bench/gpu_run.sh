@@ -5,11 +5,14 @@
 #   bash bench/gpu_run.sh OUT_DIR [STAGE ...]        (default: every stage, in this order)
 #
 #   build        the extension in place (MAX_JOBS=16, sm_90a); skipped when a prebuilt one that
-#                loads with CUDA kernels for this torch is carried in .gpu_build/ (scripts/
-#                build_for_gpu_machine.sh makes it on a machine without a GPU)
+#                loads with CUDA kernels for this torch, built from the same csrc/ and setup.py, is
+#                carried in .gpu_build/ (scripts/build_for_gpu_machine.sh makes it on a machine
+#                without a GPU)
 #   tests        the whole suite with CUDA (TESTS="paths/options" for part of it) -> tests.log
 #   sanitize     compute-sanitizer memcheck + racecheck, CUDA op tests   -> sanitizer.log
 #   kernels      microbenchmarks of the three ops + copy bandwidth   -> <device>_<date>_<commit>_<benches>.json
+#   int8-one-row int8_linear at M = 1 with the CUDA op's tensor-core kernel (GPTFAST_INT8_ONE_ROW)
+#                instead of its FMA GEMV                                 -> ..._int8_linear_one_row.json
 #   tiles        Triton int8 tile sweep, 2-64 rows (bench_int8_tiles) -> ..._int8_tiles.json
 #   kv-tiles     Triton decode launch-constant sweep (bench_kv_tiles)  -> ..._kv_tiles.json
 #   profile      Nsight Compute on one call of each kernel (bench/profile_kernels.py) -> ncu.txt
@@ -31,7 +34,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels tiles kv-tiles profile generate generate-batched speculative speculative-demo}
+STAGES=${*:-build tests sanitize kernels int8-one-row tiles kv-tiles profile generate generate-batched speculative speculative-demo}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -52,7 +55,10 @@ PY
 }
 
 stage_build() {
-  if [ -f .gpu_build/_C.abi3.so ] && [ ! -f gptfast_kernels/_C.abi3.so ]; then
+  if [ -f .gpu_build/_C.abi3.so ] && [ ! -f gptfast_kernels/_C.abi3.so ] &&
+     [ "$(cat .gpu_build/SOURCES 2>/dev/null)" != "$(bash scripts/sources_digest.sh)" ]; then
+    echo "the prebuilt extension in .gpu_build was built from other sources than csrc/ here; building"
+  elif [ -f .gpu_build/_C.abi3.so ] && [ ! -f gptfast_kernels/_C.abi3.so ]; then
     cp .gpu_build/_C.abi3.so gptfast_kernels/_C.abi3.so
     if has_cuda_kernels; then echo "using the prebuilt extension from .gpu_build ($(cat .gpu_build/BUILD_INFO 2>/dev/null))"; return 0; fi
     echo "the prebuilt extension does not load here; building"; rm -f gptfast_kernels/_C.abi3.so
@@ -128,6 +134,7 @@ for stage in $STAGES; do
     tests) stage_tests ;;
     sanitize) stage_sanitize ;;
     kernels) bench int8_linear,kv_cache_attention,verify_draft ;;
+    int8-one-row) GPTFAST_INT8_ONE_ROW=tensor_core bench int8_linear --cases one_row ;;
     tiles) bench int8_tiles ;;
     kv-tiles) bench kv_tiles ;;
     profile) stage_profile ;;

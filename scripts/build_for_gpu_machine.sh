@@ -31,5 +31,7 @@ mkdir -p "$ROOT/.gpu_build"
 cp gptfast_kernels/_C.abi3.so "$ROOT/.gpu_build/_C.abi3.so"
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__, 'sm_90a', end=' ')" > "$ROOT/.gpu_build/BUILD_INFO"
 (cd "$ROOT" && git rev-parse --short HEAD) >> "$ROOT/.gpu_build/BUILD_INFO"
+# what bench/gpu_run.sh compares with the tree it runs on before it uses this build
+bash "$ROOT/scripts/sources_digest.sh" > "$ROOT/.gpu_build/SOURCES"
 rm -rf "$WORK"
 echo "built $(du -h "$ROOT/.gpu_build/_C.abi3.so" | cut -f1) for the GPU machine: $(cat "$ROOT/.gpu_build/BUILD_INFO")"

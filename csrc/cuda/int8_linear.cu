@@ -22,6 +22,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "../common.h"
 #include "cuda_common.cuh"
@@ -262,6 +264,18 @@ bool mma_path_applies(const at::Tensor& x, const at::Tensor& qweight) {
          (N + NARROWEST_BLOCK_N - 1) / NARROWEST_BLOCK_N <= MAX_GRID_Y;
 }
 
+// Which kernel takes a single row of fp16 / bf16 x: the FMA GEMV (the default, timed on an H100),
+// or, with GPTFAST_INT8_ONE_ROW=tensor_core in the environment, the tensor-core kernel, which spends
+// fewer instructions per weight byte (no FMAs, no warp reduction) but has not been timed. Read once;
+// bench/gpu_run.sh times both from one build.
+bool one_row_on_tensor_cores() {
+  static const bool chosen = [] {
+    const char* value = std::getenv("GPTFAST_INT8_ONE_ROW");
+    return value != nullptr && std::strcmp(value, "tensor_core") == 0;
+  }();
+  return chosen;
+}
+
 template <typename scalar_t, typename Tiling>
 void launch_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
@@ -326,7 +340,7 @@ at::Tensor int8_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   GPTFAST_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "int8_linear_cuda", [&] {
     const scalar_t* bias_ptr = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     if constexpr (!std::is_same_v<scalar_t, float>) {
-      if (M > 1 && mma_path_applies<scalar_t>(x, qweight)) {
+      if ((M > 1 || one_row_on_tensor_cores()) && mma_path_applies<scalar_t>(x, qweight)) {
         if (M <= GEMV_MAX_ROWS) return dispatch_mma_gemv<scalar_t>(x, qweight, scales, bias_ptr, y, stream);
         return launch_mma<scalar_t, MmaPrefillTiling>(x, qweight, scales, bias_ptr, y, stream);
       }

@@ -222,12 +222,12 @@ int8_linear_mma_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict_
   };
 
   const int64_t stages = (K + STAGE * MMA_CHUNK_K - 1) / (STAGE * MMA_CHUNK_K);
-  Stage current, next;
+  Stage current{}, next{};  // zeros: the copy after the last stage reads an unloaded `next`
   if (warp_k < stages) load(current, warp_k);
   for (int64_t stage = warp_k; stage < stages; stage += WARPS_K) {
     if (stage + WARPS_K < stages) load(next, stage + WARPS_K);
     multiply(current);
-    current = next;
+    current = next;  // after the last stage a stale copy, never multiplied
   }
 
   if constexpr (WARPS_K > 1) {

@@ -1,5 +1,9 @@
 """quantize_int8 and int8_linear: every backend against the reference."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -103,6 +107,47 @@ def test_int8_linear_tensor_core_edges_on_gpu(backend, device, dtype, atol, rtol
                     y = torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, b)
                     torch.testing.assert_close(y.double(), _expected(x, qweight, scales, b), atol=atol,
                                                rtol=rtol, msg=lambda m: f"K={K} M={M}: {m}")
+    aligned, misaligned = wide[:, :K], wide[:, 1:K + 1]
+    assert _ran_tensor_core_kernel(lambda: torch.ops.gptfast_kernels.int8_linear(aligned, qweight, scales))
+    assert not _ran_tensor_core_kernel(lambda: torch.ops.gptfast_kernels.int8_linear(misaligned, qweight, scales))
+
+
+def _ran_tensor_core_kernel(call) -> bool:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return any("int8_linear_mma_kernel" in event.name for event in prof.events())
+
+
+ONE_ROW_ON_TENSOR_CORES = """
+import torch
+from gptfast_kernels import ops
+from gptfast_kernels.ops import reference
+for dtype, atol, rtol in ((torch.float16, 5e-2, 2e-3), (torch.bfloat16, 2e-1, 1.6e-2)):
+    for N, K in ((200, 16), (200, 208), (8500, 1040), (4096, 4096)):
+        qweight, scales = ops.quantize_int8(torch.randn(N, K, device="cuda"))
+        bias = torch.randn(N, device="cuda", dtype=dtype)
+        x = (torch.randn(1, K, device="cuda") / K ** 0.5).to(dtype)
+        y = torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias)
+        want = reference.int8_linear(x.double(), qweight, scales, bias.double())
+        torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol)
+# and the tensor-core kernel is the one that ran
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias)
+    torch.cuda.synchronize()
+names = [event.name for event in prof.events()]
+assert any("int8_linear_mma_kernel" in name for name in names), names
+"""
+
+
+@pytest.mark.parametrize("backend, device", [p for p in GPU_BACKENDS if p.id == "cuda"])
+def test_int8_linear_one_row_on_tensor_cores_on_gpu(backend, device):
+    """GPTFAST_INT8_ONE_ROW=tensor_core (read once per process, so in a child process): one row of
+    x on the tensor-core kernel, fragment columns 1..7 of x empty."""
+    env = {**os.environ, "GPTFAST_INT8_ONE_ROW": "tensor_core"}
+    result = subprocess.run([sys.executable, "-c", ONE_ROW_ON_TENSOR_CORES], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("N, K", [(50257, 64), (24, 4095)])

@@ -9,7 +9,8 @@
 // FMAs per weight byte grow with the rows and overtake the weight stream from about 4 rows (the H100
 // run: 4 rows took twice as long as 1). The tensor-core kernel below (mma.sync, weights straight
 // from global memory into fragments) makes the rows nearly free; 8 warps split K per feature group.
-// Prefill (more rows), fp16 / bf16: the same tensor-core kernel with 64 x 64 output tiles.
+// More rows, fp16 / bf16: the same tensor-core kernel, 16 x 64 output tiles up to 64 rows and
+// 64 x 64 tiles (prefill) above.
 // fp32 activations, and inputs the vector loads cannot take (K % 16 != 0, misaligned rows), use
 // the FMA GEMV for up to 16 rows and a SIMT tiled kernel above, so fp32 products stay exact fp32.
 #include <ATen/ATen.h>
@@ -342,6 +343,7 @@ at::Tensor int8_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
     if constexpr (!std::is_same_v<scalar_t, float>) {
       if ((M > 1 || one_row_on_tensor_cores()) && mma_path_applies<scalar_t>(x, qweight)) {
         if (M <= GEMV_MAX_ROWS) return dispatch_mma_gemv<scalar_t>(x, qweight, scales, bias_ptr, y, stream);
+        if (M <= MmaSkinnyTiling::BLOCK_M) return launch_mma<scalar_t, MmaSkinnyTiling>(x, qweight, scales, bias_ptr, y, stream);
         return launch_mma<scalar_t, MmaPrefillTiling>(x, qweight, scales, bias_ptr, y, stream);
       }
     }

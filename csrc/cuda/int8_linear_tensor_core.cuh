@@ -50,6 +50,11 @@ constexpr int MMA_GEMV_WARPS_K = 8;
 constexpr int MMA_GEMV_STAGE = 2;
 template <int FT, int RT>
 using MmaGemvTiling = MmaTiling<FT, RT, 1, 1, MMA_GEMV_WARPS_K, MMA_GEMV_STAGE, true>;
+// Skinny, 17..64 rows (speculative verification of several rows, short prompts): the prefill
+// layout would make only N / 64 blocks (64 at N = 4096). Instead 16 features x 64 rows per block of
+// 8 warps: 4 warps along the rows (they share each weight chunk through L1) times 2 splitting K,
+// so N = 4096 makes 256 blocks. Reasoned, not yet timed.
+using MmaSkinnyTiling = MmaTiling<1, 2, 1, 4, 2, 2, false>;
 // Prefill: 64 x 64 outputs per block of 4 warps (32 x 32 each); x and weight chunks are shared
 // through L1 by the two warps on the same rows / features, and through L2 by the blocks that run
 // together: blockIdx.x walks the row tiles, so consecutive blocks share one feature tile. Reasoned,

@@ -94,10 +94,10 @@ def test_int8_linear_llama_shapes_on_gpu(backend, device, dtype, atol, rtol, N, 
 @pytest.mark.parametrize("N", [200, 8500], ids=["narrow", "wide"])
 def test_int8_linear_tensor_core_edges_on_gpu(backend, device, dtype, atol, rtol, N):
     """The tensor-core paths' edges: K a multiple of 16 but not of the 64-wide chunk (and a single
-    16), row counts around the 8-row fragments and the GEMV / prefill switch, N not a multiple of
-    the feature tiles (8500 takes the 32-feature layout on an H100), rows of x strided inside a wider
-    buffer (the op itself takes them; the wrapper would copy); a misaligned x takes the fallback
-    kernels and must agree too."""
+    16); row counts around the 8-row fragments and the switches between the three layouts (up to
+    16, up to 64, more rows); N not a multiple of the feature tiles (8500 takes the 32-feature layout
+    on an H100); rows of x strided inside a wider buffer (the op itself takes them; the wrapper
+    would copy). A misaligned x takes the fallback kernels and must agree too."""
     for K in (16, 208, 1040):
         qweight, scales, bias = _make(N, K, dtype, device, bias=True)
         for M in (2, 8, 9, 16, 17, 64, 129):

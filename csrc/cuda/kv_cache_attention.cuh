@@ -66,6 +66,10 @@ constexpr int DOT_GROUPS = THREADS / DOT_LANES;
 // K (and V) tile size in shared memory: 64 slots of a 128-dim fp16 head, fewer for larger rows.
 constexpr int KV_TILE_BYTES = 16 * 1024;
 constexpr int MAX_KV_TILE = 2 * WARP;  // the softmax step gives each lane two slots of a row
+// Lanes that may share one (row, 16-byte vector) item of p @ v, each summing a share of the tile's
+// slots (a power of two dividing WARP): 4 at decode (4 rows x 16 vectors fill the 256 threads),
+// so each lane sums 16 slots of a 64-slot tile instead of 64. Reasoned, not yet timed.
+constexpr int MAX_PV_SLOT_LANES = 8;
 constexpr int MIN_KV_TILE = 16;
 // Query rows computed per pass over the slot range (G x T up to 64 shares one read of K/V);
 // bounded further by SIMT_SMEM_BUDGET so that two or more blocks fit on an SM.
@@ -147,6 +151,12 @@ __device__ __forceinline__ void load_vec(T* dst, const T* src, int c, int D) {
 }
 
 __device__ __forceinline__ void async_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most PENDING committed groups of this thread's cp.async copies are in flight.
+template <int PENDING>
+__device__ __forceinline__ void async_wait_pending() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
 
 // Vector c of a D-element row, global -> global (the cache write).
 template <typename T, bool GVEC>
@@ -212,6 +222,14 @@ struct SimtSmem {
   }
 };
 
+// Lanes per (row, vector) item of the p @ v step: a power of two, at most MAX_PV_SLOT_LANES, as many
+// as keep the items within one pass of the block (1 when they fill it already).
+__device__ __forceinline__ int pv_slot_lanes(int items) {
+  int lanes = 1;
+  while (lanes < MAX_PV_SLOT_LANES && items * lanes * 2 <= THREADS) lanes *= 2;
+  return lanes;
+}
+
 // Online softmax of `rows` query rows over cache slots [lo, hi), one K/V tile at a time. On entry
 // q, pos, acc (0), m (-inf), l (0) are set and the block synchronised; on exit acc / m / l hold
 // the unnormalised result (log2 domain), synchronised. A (row, slot) pair that the row must not
@@ -223,16 +241,26 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
   const int nvec = dp / V;
   const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
   const int group = tid / DOT_LANES, sub = tid % DOT_LANES;
-  for (int tile = lo; tile < hi; tile += bn) {
-    const int n = min(bn, hi - tile);
-    kv.prepare(tile, n);
-    __syncthreads();  // src ready; the previous tile's readers of k / v / p are done
+  // K and V of a tile load as separate cp.async groups, each as soon as its buffer is free: a
+  // tile's V load overlaps its scores and softmax, the next tile's K load overlaps this tile's
+  // p @ v, the next V load the next scores. Groups complete in order, so "at most one pending"
+  // after issuing [K, V] means K has landed.
+  auto issue = [&](T* dst, bool keys, int tile, int n) {
     for (int i = tid; i < n * nvec; i += THREADS) {
       const int j = i / nvec, c = i % nvec;
-      load_vec<T, GVEC>(sm.k + j * dp, kv.k_row(tile + j, j), c, D);
-      load_vec<T, GVEC>(sm.v + j * dp, kv.v_row(tile + j, j), c, D);
+      load_vec<T, GVEC>(dst + j * dp, keys ? kv.k_row(tile + j, j) : kv.v_row(tile + j, j), c, D);
     }
-    async_wait();
+    async_commit();
+  };
+  if (lo < hi) {
+    kv.prepare(lo, min(bn, hi - lo));
+    __syncthreads();  // src ready
+    issue(sm.k, true, lo, min(bn, hi - lo));
+    issue(sm.v, false, lo, min(bn, hi - lo));
+  }
+  for (int tile = lo; tile < hi; tile += bn) {
+    const int n = min(bn, hi - tile), next = tile + bn, next_n = min(bn, hi - next);
+    async_wait_pending<1>();  // this tile's K
     __syncthreads();
     // Scores (log2 domain). The trip count is uniform so that every lane reaches the shuffles.
     const int pairs = rows * bn;
@@ -278,22 +306,41 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
         sm.m[r] = m_new;
       }
     }
+    if (next_n > 0) kv.prepare(next, next_n);  // every load of this tile is issued
+    __syncthreads();  // p, alpha and src ready; nothing reads k any more
+    if (next_n > 0) {
+      issue(sm.k, true, next, next_n);
+      async_wait_pending<1>();  // this tile's V (the next K may still be in flight)
+    } else {
+      async_wait_pending<0>();
+    }
     __syncthreads();
     // acc = acc * alpha + p @ v; a row that sees nothing of this tile keeps its state unchanged.
-    for (int i = tid; i < rows * nvec; i += THREADS) {
-      const int r = i / nvec, c = i % nvec;
+    // Few rows (decode: G x T = 4 rows of 16 vectors at D = 128 in 16-bit) leave most threads idle,
+    // so `slot_lanes` adjacent lanes share one (row, vector) item, each summing every slot_lanes-th
+    // slot, and meet by shuffles (the lanes of an item agree on its trip counts and mask).
+    const int slot_lanes = pv_slot_lanes(rows * nvec);
+    for (int i = tid; i < rows * nvec * slot_lanes; i += THREADS) {
+      const int item = i / slot_lanes, first = i % slot_lanes;
+      const int r = item / nvec, c = item % nvec;
       const int seen = min(n, sm.pos[r] - tile + 1);
       if (seen <= 0) continue;
       float o[V];
 #pragma unroll
       for (int e = 0; e < V; ++e) o[e] = 0.f;
-      for (int j = 0; j < seen; ++j) {
+#pragma unroll 4
+      for (int j = first; j < seen; j += slot_lanes) {
         const float pj = sm.p[r * bn + j];
         float vf[V];
         unpack<T>(*reinterpret_cast<const uint4*>(sm.v + j * dp + c * V), vf);
 #pragma unroll
         for (int e = 0; e < V; ++e) o[e] = fmaf(pj, vf[e], o[e]);
       }
+      const unsigned item_mask = ((1u << slot_lanes) - 1u) << (lane & ~(slot_lanes - 1));
+      for (int offset = 1; offset < slot_lanes; offset <<= 1)
+#pragma unroll
+        for (int e = 0; e < V; ++e) o[e] += __shfl_xor_sync(item_mask, o[e], offset);
+      if (first != 0) continue;
       float4* a = reinterpret_cast<float4*>(sm.acc + r * dp + c * V);
       const float alpha = sm.alpha[r];
 #pragma unroll
@@ -303,8 +350,10 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
                            fmaf(x.w, alpha, o[4 * e + 3]));
       }
     }
+    __syncthreads();  // nothing reads v or p any more
+    if (next_n > 0) issue(sm.v, false, next, next_n);
   }
-  __syncthreads();
+  __syncthreads();  // (also when there was no tile)
 }
 
 // Output row of query (b, q head, t): out is contiguous [B, Hq, T, D].

@@ -23,7 +23,7 @@ def run(h) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = SHAPES[:1] if h.quick else SHAPES
     rows = (1,) if h.cases == frozenset({"one_row"}) else ROWS
-    suffix = f"_one_row_{ONE_ROW_KERNEL}" if ONE_ROW_KERNEL else ""
+    suffix = f"_one_row_{ONE_ROW_KERNEL}" if ONE_ROW_KERNEL and device.type == "cuda" else ""
     for N, K in shapes:
         weight = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
         qweight, scales = ops.quantize_int8(weight)

@@ -25,13 +25,15 @@ fi
 WORK=$(mktemp -d)
 git ls-files -z | xargs -0 -I{} cp --parents {} "$WORK"  # the tracked sources, nothing built
 cd "$WORK"
+# the digest of the sources this build compiles, which bench/gpu_run.sh compares with the tree it
+# runs on before it uses the build (taken from the copy: the tree may change while nvcc runs)
+bash scripts/sources_digest.sh > SOURCES
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PATH=${CUDA_HOME:-/usr/local/cuda}/bin:$PATH MAX_JOBS=${MAX_JOBS:-$(nproc)} \
   TORCH_CUDA_ARCH_LIST=9.0a GPTFAST_KERNELS_REQUIRE_CUDA=1 "$VENV/bin/python" setup.py -q build_ext --inplace
 mkdir -p "$ROOT/.gpu_build"
 cp gptfast_kernels/_C.abi3.so "$ROOT/.gpu_build/_C.abi3.so"
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__, 'sm_90a', end=' ')" > "$ROOT/.gpu_build/BUILD_INFO"
 (cd "$ROOT" && git rev-parse --short HEAD) >> "$ROOT/.gpu_build/BUILD_INFO"
-# what bench/gpu_run.sh compares with the tree it runs on before it uses this build
-bash "$ROOT/scripts/sources_digest.sh" > "$ROOT/.gpu_build/SOURCES"
+mv "$WORK/SOURCES" "$ROOT/.gpu_build/SOURCES"
 rm -rf "$WORK"
 echo "built $(du -h "$ROOT/.gpu_build/_C.abi3.so" | cut -f1) for the GPU machine: $(cat "$ROOT/.gpu_build/BUILD_INFO")"

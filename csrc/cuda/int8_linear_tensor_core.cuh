@@ -1,5 +1,6 @@
-// int8_linear's tensor-core kernel (fp16 / bf16 activations, K % 16 == 0, sm_80+), for 2..16 rows
-// of x (batched decode, speculative verification) and for prefill; int8_linear.cu launches it.
+// int8_linear's tensor-core kernel (fp16 / bf16 activations, K % 16 == 0, sm_80+), for 2 or more rows
+// of x (batched decode, speculative verification, prefill) in three block layouts below;
+// int8_linear.cu launches it.
 //
 // mma.sync m16n8k16 with fp32 accumulators: A = 16 weight rows (output features) x 16 k, B = 16 k x
 // 8 rows of x, D = 16 features x 8 rows. int8 -> fp16 / bf16 is exact (|q| <= 128), so only the

@@ -32,10 +32,6 @@ class SpeculativeOutput:
     acceptance_rate: float      # accepted / proposed over the batch (0 when nothing was proposed)
 
 
-def _sample(probs: torch.Tensor, greedy: bool, generator) -> torch.Tensor:
-    if greedy:
-        return probs.argmax(dim=-1)
-    return sample_from(probs, generator)
 
 
 @torch.no_grad()
@@ -76,15 +72,20 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     draft_cache = cache_for(draft_model, B, capacity, device, draft_dtype, reuse=compile)
     target_step, draft_step = step_function(model, compile), step_function(draft_model, compile)
 
-    def shape(logits):
-        return logits_to_probs(logits, temperature, top_k, top_p)
+    def pick(logits):
+        """[B, V] logits -> ([B] tokens, [B, V] float32 probabilities, or None when greedy: greedy
+        verification needs only the target's argmax, so no distribution is built)."""
+        if greedy:
+            return logits.argmax(dim=-1), None
+        probs = logits_to_probs(logits, temperature, top_k, top_p)
+        return sample_from(probs, generator), probs
 
     prefill_kwargs = {"logits_to_keep": 1} if prompt.ends_aligned else {}
     logits = model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=target_cache,
                    **prefill_kwargs).logits
     draft_model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=draft_cache,
                 logits_to_keep=1)
-    last = _sample(shape(common.last_real_logits(logits, prompt)), greedy, generator)
+    last, _ = pick(common.last_real_logits(logits, prompt))
 
     eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)
     # generated tokens; a round writes up to k + 1 more, and column `dump` absorbs masked writes
@@ -105,8 +106,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
         draft_logits = draft_step(first_input, first_mask, draft_cache)[:, -1]
         draft_probs, draft_tokens = [], []
         for i in range(k):
-            probs = shape(draft_logits)
-            token = _sample(probs, greedy, generator)
+            token, probs = pick(draft_logits)
             draft_probs.append(probs)
             draft_tokens.append(token)
             if i < k - 1:
@@ -116,9 +116,16 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
         # 2. the target scores last + k drafts in one forward, 3. verify every row at once
         target_input = torch.cat([last[:, None], draft_tokens], dim=1)
         target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
-        # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync)
-        tokens, num_emitted = verify_draft(shape(target_logits), None if greedy else torch.stack(draft_probs, 1),
-                                           draft_tokens, generator=generator, check_values=False)
+        # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync).
+        # Greedy verification compares the drafts with the target's argmax, which the logits give
+        # as they are (the target's own greedy decoding takes the argmax of its logits, too).
+        if greedy:
+            target_scores, stacked_draft_probs = target_logits.float(), None
+        else:
+            target_scores = logits_to_probs(target_logits, temperature, top_k, top_p)
+            stacked_draft_probs = torch.stack(draft_probs, 1)
+        tokens, num_emitted = verify_draft(target_scores, stacked_draft_probs, draft_tokens, generator=generator,
+                                           check_values=False)
         num_emitted = torch.where(active, num_emitted, 0)
         num_accepted = (num_emitted - 1).clamp(min=0)
         proposed += k * active

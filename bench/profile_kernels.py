@@ -25,7 +25,8 @@ def cases(device: torch.device):
     out = []
     for shape_name, (N, K) in N_K_SHAPES.items():
         qweight, scales = ops.quantize_int8(torch.randn(N, K, **bf16) / K ** 0.5)
-        for M, backend in ((1, "cuda"), (4, "cuda"), (4, "triton"), (16, "triton")):
+        # the CUDA op: FMA GEMV (1 row), tensor-core layouts for 2-16 rows and 17-64 rows
+        for M, backend in ((1, "cuda"), (4, "cuda"), (16, "cuda"), (40, "cuda"), (4, "triton"), (16, "triton")):
             x = torch.randn(M, K, **bf16)
             out.append((f"int8_linear {backend} M={M} {shape_name} {N}x{K}",
                         lambda x=x, q=qweight, s=scales, b=backend: ops.int8_linear(x, q, s, backend=b)))

@@ -3,8 +3,9 @@
 // int8_linear.cu launches it.
 //
 // mma.sync m16n8k16 with fp32 accumulators: A = 16 weight rows (output features) x 16 k, B = 16 k x
-// 8 rows of x, D = 16 features x 8 rows. int8 -> fp16 / bf16 is exact (|q| <= 128), so only the
-// products' rounding differs from the fp32 FMA path, and the accumulation stays in fp32.
+// 8 rows of x, D = 16 features x 8 rows. int8 -> fp16 / bf16 is exact (|q| <= 128) and so is every
+// product, as in the fp32 FMA path; the fp32 sums run in another order, so a row of x can come out
+// a few ulps different from the same row in a one-row (FMA GEMV) call.
 //
 // Fragment order (PTX ISA, "Matrix Fragments for mma.m16n8k16"): lane = 4 g + t holds A rows g and
 // g + 8 at k pairs {2t, 2t+1} and {2t+8, 2t+9}, B column g at the same k pairs, and D rows g, g + 8

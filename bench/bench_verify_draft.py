@@ -104,4 +104,5 @@ def run(h) -> None:
                     "mean_emitted": round(float(num_emitted.float().mean()), 2),
                     "issue_target": (B, k, V) in (ISSUE_CPU_CASE, ISSUE_CUDA_CASE)}
             h.compare("verify_draft", case, candidates, baseline="hf_per_row_loop",
-                      nbytes=needed_bytes(num_emitted.cpu(), k, V, greedy))
+                      nbytes=needed_bytes(num_emitted.cpu(), k, V, greedy),
+                      graphed=("ours_kernel", "ours_triton_kernel"))

@@ -1,7 +1,8 @@
 """The one benchmark harness: timing, metadata and JSON output shared by every bench_<op>.py.
 
 GPU: CUDA events around each call, after a read-only L2 flush (do_bench's method otherwise),
-reporting the 20th / 50th / 80th percentile.
+reporting the 20th / 50th / 80th percentile; the candidates a bench marks as capturable are also
+timed as CUDA-graph replays ("<name>@graph" rows), which leave out the host's launch work.
 CPU: a plain timer loop with warm-up and the caches flushed before every timed call, same
 percentiles. Every row carries the device, torch version, commit and date, so results from
 different machines never get mixed up.
@@ -37,6 +38,8 @@ GPU_WARMUP_MS, GPU_REP_MS = 25.0, 100.0
 GPU_ESTIMATE_CALLS = 5
 GPU_MIN_REPEATS, GPU_MAX_REPEATS = 10, 1000
 GPU_FLUSH_BYTES = 256 << 20
+GRAPH_WARMUP_CALLS = 3  # before a CUDA-graph capture (cuda_graph_replay)
+GRAPH_SUFFIX = "@graph"  # impl name of a candidate timed as a CUDA-graph replay
 _gpu_flush_buffers: dict[torch.device, torch.Tensor] = {}
 
 
@@ -109,6 +112,25 @@ def _time_gpu_ms(fn: Callable[[], object], device: torch.device) -> tuple[float,
             finish.record()
         torch.cuda.synchronize()
     return _percentiles([begin.elapsed_time(finish) for begin, finish in zip(starts, ends)])
+
+
+def cuda_graph_replay(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
+    """``fn`` captured once into a CUDA graph, after warm-up calls on a side stream (which also
+    JIT-compile Triton kernels); returns the graph's replay: the same kernels without the host's
+    launch work (Python, dispatch, Triton's launcher), as a compiled decode step runs them. Eager
+    timings of a few-microsecond kernel can be mostly that work. ``fn`` must not synchronise with
+    the host (a capture refuses it)."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(GRAPH_WARMUP_CALLS):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    return graph.replay
 
 
 def time_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
@@ -207,16 +229,31 @@ class Harness:
         return self.copy_gbps
 
     def compare(self, op: str, case: dict, candidates: dict[str, Callable[[], object]],
-                baseline: str, nbytes: int | None = None) -> list[dict]:
+                baseline: str, nbytes: int | None = None, graphed: tuple[str, ...] = ()) -> list[dict]:
         """Times every candidate in the same run and records each as a row with its ratio
         (speed-up) over ``baseline`` and, when ``nbytes`` (minimum bytes moved) is given, its
-        achieved GB/s and fraction of the measured copy bandwidth."""
-        timings = {name: time_ms(fn, self.device) for name, fn in candidates.items()}
-        base_ms = timings[baseline][1]
+        achieved GB/s and fraction of the measured copy bandwidth. On a GPU the candidates named in
+        ``graphed`` (calls that never synchronise with the host) are also timed as CUDA-graph
+        replays, rows "<name>@graph", whose ratio is over the baseline's replay when the baseline is
+        graphed too: the kernels' own time, as in a compiled decode step."""
+        timings, not_captured = {}, {}
+        for name, fn in candidates.items():
+            timings[name] = time_ms(fn, self.device)
+            if name in graphed and self.device.type == "cuda":
+                try:
+                    replay = cuda_graph_replay(fn, self.device)
+                except RuntimeError as error:  # e.g. a host synchronisation inside fn
+                    not_captured[name + GRAPH_SUFFIX] = f"not capturable: {str(error).splitlines()[0][:160]}"
+                else:
+                    timings[name + GRAPH_SUFFIX] = time_ms(replay, self.device)
+        self.rows.extend({"op": op, **case, "impl": name, "not_timed": reason, **self.meta}
+                         for name, reason in not_captured.items())
         new_rows = []
         for name, (p20, p50, p80) in timings.items():
-            row = {"op": op, **case, "impl": name, "baseline": baseline, "ms_p20": p20,
-                   "ms_median": p50, "ms_p80": p80, "speedup_vs_baseline": base_ms / p50, **self.meta}
+            base = baseline + GRAPH_SUFFIX if name.endswith(GRAPH_SUFFIX) and baseline + GRAPH_SUFFIX in timings \
+                else baseline
+            row = {"op": op, **case, "impl": name, "baseline": base, "ms_p20": p20, "ms_median": p50,
+                   "ms_p80": p80, "speedup_vs_baseline": timings[base][1] / p50, **self.meta}
             if nbytes is not None:
                 gbps = nbytes / (p50 * 1e-3) / 1e9
                 row["gbps"] = gbps

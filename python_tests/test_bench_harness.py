@@ -86,3 +86,51 @@ def test_sweep_times_the_fixed_candidates_and_the_correct_configs():
     assert set(timed) == {"baseline", "right"} and best == "right"
     not_timed = {row["impl"]: row["not_timed"] for row in h.rows if "not_timed" in row}
     assert not_timed == {"wrong": "relative error 2.00e+00", "broken": "RuntimeError: no fit"}
+
+
+def test_compare_times_graphed_candidates_as_replays_against_the_replayed_baseline(fake_cuda, monkeypatch):
+    """On a GPU, candidates named in ``graphed`` get a second row, "<name>@graph", timed on the
+    CUDA-graph replay (here a stand-in without the eager call's 0.3 ms of launch work), whose ratio
+    is over the baseline's replay; the other rows keep the eager baseline."""
+    monkeypatch.setattr(harness, "device_name", lambda device: "fake GPU")
+    launch_ms, kernel_ms = {"base": 0.3, "ours": 0.3, "other": 0.3}, {"base": 0.4, "ours": 0.1, "other": 0.2}
+
+    def call(name):
+        def fn():
+            fake_cuda.now_ms += launch_ms[name] + kernel_ms[name]
+        fn.name = name
+        return fn
+
+    def replay_of(fn, device):
+        def replay():
+            fake_cuda.now_ms += kernel_ms[fn.name]
+        return replay
+
+    monkeypatch.setattr(harness, "cuda_graph_replay", replay_of)
+    h = harness.Harness(torch.device("cuda"))
+    rows = {row["impl"]: row for row in h.compare("op", {"M": 1}, {n: call(n) for n in ("base", "ours", "other")},
+                                                 baseline="base", graphed=("base", "ours"))}
+    assert set(rows) == {"base", "base@graph", "ours", "ours@graph", "other"}
+    assert rows["ours@graph"]["baseline"] == "base@graph" and rows["ours"]["baseline"] == "base"
+    assert rows["ours@graph"]["ms_median"] == pytest.approx(0.1)
+    assert rows["ours@graph"]["speedup_vs_baseline"] == pytest.approx(4.0)
+    assert rows["ours"]["speedup_vs_baseline"] == pytest.approx(0.7 / 0.4)
+    assert rows["other"]["speedup_vs_baseline"] == pytest.approx(0.7 / 0.5)
+
+
+def test_compare_records_a_candidate_that_cannot_be_captured(fake_cuda, monkeypatch):
+    monkeypatch.setattr(harness, "device_name", lambda device: "fake GPU")
+
+    def refuse(fn, device):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(harness, "cuda_graph_replay", refuse)
+
+    def fn():
+        fake_cuda.now_ms += 0.1
+
+    h = harness.Harness(torch.device("cuda"))
+    timed = h.compare("op", {"M": 1}, {"base": fn, "syncs": fn}, baseline="base", graphed=("syncs",))
+    assert [row["impl"] for row in timed] == ["base", "syncs"]
+    assert [(row["impl"], row["not_timed"]) for row in h.rows if "not_timed" in row] == [
+        ("syncs@graph", "not capturable: operation not permitted when stream is capturing")]

@@ -271,14 +271,16 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
       if (live) {
         const T* qr = sm.q + r * dp;
         const T* kr = sm.k + j * dp;
+        float half_dot[2] = {0.f, 0.f};  // two FMA chains: half the dependent latency per lane
 #pragma unroll 2  // deeper unrolling spills the fp32 decode kernel at its 128-register budget
         for (int c = sub; c < nvec; c += DOT_LANES) {
           float qf[V], kf[V];
           unpack<T>(*reinterpret_cast<const uint4*>(qr + c * V), qf);
           unpack<T>(*reinterpret_cast<const uint4*>(kr + c * V), kf);
 #pragma unroll
-          for (int e = 0; e < V; ++e) dot = fmaf(qf[e], kf[e], dot);
+          for (int e = 0; e < V; ++e) half_dot[e % 2] = fmaf(qf[e], kf[e], half_dot[e % 2]);
         }
+        dot = half_dot[0] + half_dot[1];
       }
 #pragma unroll
       for (int offset = DOT_LANES / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, offset);

@@ -11,6 +11,7 @@
 #   tests        the whole suite with CUDA (TESTS="paths/options" for part of it) -> tests.log
 #   sanitize     compute-sanitizer memcheck + racecheck, CUDA op tests   -> sanitizer.log
 #   kernels      microbenchmarks of the three ops + copy bandwidth   -> <device>_<date>_<commit>_<benches>.json
+#                then bench/check_auto.py: where backend="auto" picks the slower kernel
 #   int8-one-row int8_linear at M = 1 with the CUDA op's tensor-core kernel (GPTFAST_INT8_ONE_ROW)
 #                instead of its FMA GEMV                                 -> ..._int8_linear_one_row.json
 #   tiles        Triton int8 tile sweep, 2-64 rows (bench_int8_tiles) -> ..._int8_tiles.json
@@ -133,7 +134,9 @@ for stage in $STAGES; do
     build) stage_build ;;
     tests) stage_tests ;;
     sanitize) stage_sanitize ;;
-    kernels) bench int8_linear,kv_cache_attention,verify_draft ;;
+    kernels) bench int8_linear,kv_cache_attention,verify_draft &&
+             "$PY" -m bench.check_auto "$(ls -t "$OUT_DIR"/*_int8_linear-kv_cache_attention-verify_draft.json | head -1)" \
+               | tee -a "$OUT_DIR/bench.log" ;;
     int8-one-row) GPTFAST_INT8_ONE_ROW=tensor_core bench int8_linear --cases one_row ;;
     tiles) bench int8_tiles ;;
     kv-tiles) bench kv_tiles ;;

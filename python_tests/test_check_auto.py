@@ -1,0 +1,34 @@
+"""bench/check_auto.py: per measured case, the faster of the CUDA and Triton kernels (from the
+CUDA-graph rows where a run has them) against what backend="auto" picks."""
+
+import pytest
+
+from bench.check_auto import verdicts
+
+
+def _row(op, impl, ms, **case):
+    return {"op": op, "impl": impl, "ms_median": ms, **case}
+
+
+def test_verdicts_prefer_graph_rows_and_price_a_wrong_pick():
+    int8_case = dict(M=1, N=4096, K=4096)        # auto: CUDA (one row)
+    kv_case = dict(B=32, T=1, context=1024, S=2048)  # auto: Triton (256 head rows)
+    rows = [
+        # eager rows say Triton is faster, the CUDA-graph replays say CUDA: the replays count
+        _row("int8_linear", "ours_cuda", 0.050, **int8_case), _row("int8_linear", "ours_triton", 0.030, **int8_case),
+        _row("int8_linear", "ours_cuda@graph", 0.015, **int8_case),
+        _row("int8_linear", "ours_triton@graph", 0.022, **int8_case),
+        _row("kv_cache_attention", "ours_kernel", 0.183, **kv_case),
+        _row("kv_cache_attention", "ours_triton_kernel", 0.217, **kv_case),
+        _row("kv_cache_attention", "hf_static_cache", 1.0, **kv_case),
+        # a case with only one of the two kernels measured is left out
+        _row("int8_linear", "ours_cuda", 0.1, M=2, N=8, K=16),
+    ]
+    found = {v["op"]: v for v in verdicts(rows)}
+    assert set(found) == {"int8_linear", "kv_cache_attention"}
+    int8 = found["int8_linear"]
+    assert (int8["faster"], int8["auto"], int8["lost_ms"]) == ("cuda", "cuda", 0)
+    assert int8["cuda_ms"] == pytest.approx(0.015) and int8["triton_ms"] == pytest.approx(0.022)
+    kv = found["kv_cache_attention"]
+    assert (kv["faster"], kv["auto"]) == ("cuda", "triton")
+    assert kv["lost_ms"] == pytest.approx(0.217 - 0.183)

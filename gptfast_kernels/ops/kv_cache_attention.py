@@ -73,16 +73,23 @@ def _check_position_values(positions: torch.Tensor, S: int) -> None:
 # Measured on an H100 (bench/results/nvidia-h100-80gb-hbm3_2026-11-23_*, Llama-3-8B heads, half
 # fill): the CUDA kernel is the faster for one row of 8 kv heads (T = 1 at S = 32768: 93 us against
 # Triton's 189), Triton's split kernel from 8 rows on (B = 32, T = 1, S = 32768: 1.09 ms against
-# 2.27) and for verification at long caches (B = 1, T = 5, S = 32768: 92 us against 271).
+# 2.27) and for verification at long caches (B = 1, T = 5, S = 32768: 92 us against 271); but on
+# short caches the CUDA kernel's single launch wins at any batch (S = 2048, T = 1: 60 / 183 us at
+# B = 8 / 32 against 80 / 217), and for verification up to 8 rows (B = 8, T = 5: 173 against 250;
+# B = 32: 565 against 202). bench/check_auto.py holds these rules against a run.
 CUDA_MAX_HEAD_ROWS = 8
 CUDA_MAX_SLOTS_FOR_VERIFY = 8192
+CUDA_MAX_SLOTS_ANY_ROWS = 2048
+CUDA_MAX_HEAD_ROWS_SHORT_VERIFY = 64
 
 
 def auto_backend(usable: list[str], head_rows: int, T: int, S: int) -> str:
     """backend="auto" for ``head_rows`` = B * Hkv (batch rows times kv heads), T new tokens and a
     cache of S slots: on a GPU the CUDA kernel or Triton by shape (only sizes known on the host,
     so a CUDA graph keeps its choice), on a CPU the C++ kernel; else the reference."""
-    return gpu_backend(usable, head_rows <= CUDA_MAX_HEAD_ROWS and (T == 1 or S <= CUDA_MAX_SLOTS_FOR_VERIFY))
+    few_rows = head_rows <= CUDA_MAX_HEAD_ROWS and (T == 1 or S <= CUDA_MAX_SLOTS_FOR_VERIFY)
+    short_cache = S <= CUDA_MAX_SLOTS_ANY_ROWS and (T == 1 or head_rows <= CUDA_MAX_HEAD_ROWS_SHORT_VERIFY)
+    return gpu_backend(usable, few_rows or short_cache)
 
 
 def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

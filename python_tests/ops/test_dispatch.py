@@ -23,7 +23,9 @@ def test_int8_linear_auto_on_gpu(rows, K, want):
 @pytest.mark.parametrize("head_rows, T, S, want", [
     (8, 1, 32768, "cuda"), (8, 5, 8192, "cuda"),     # one row of Llama-3's 8 kv heads
     (8, 5, 32768, "triton"),                         # verification over a long cache
-    (16, 1, 2048, "triton"), (256, 5, 8192, "triton"),
+    (16, 1, 4096, "triton"), (256, 5, 8192, "triton"), (64, 1, 8192, "triton"),
+    # short caches: the CUDA kernel at any batch for decode, up to 64 head rows for verification
+    (256, 1, 2048, "cuda"), (64, 5, 2048, "cuda"), (256, 5, 2048, "triton"),
 ])
 def test_kv_cache_attention_auto_on_gpu(head_rows, T, S, want):
     assert kv_auto(GPU, head_rows, T, S) == want

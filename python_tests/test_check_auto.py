@@ -12,7 +12,7 @@ def _row(op, impl, ms, **case):
 
 def test_verdicts_prefer_graph_rows_and_price_a_wrong_pick():
     int8_case = dict(M=1, N=4096, K=4096)        # auto: CUDA (one row)
-    kv_case = dict(B=32, T=1, context=1024, S=2048)  # auto: Triton (256 head rows)
+    kv_case = dict(B=32, T=1, context=4096, S=8192)  # auto: Triton (256 head rows, a long cache)
     rows = [
         # eager rows say Triton is faster, the CUDA-graph replays say CUDA: the replays count
         _row("int8_linear", "ours_cuda", 0.050, **int8_case), _row("int8_linear", "ours_triton", 0.030, **int8_case),

@@ -33,6 +33,16 @@ __device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
 template <typename scalar_t>
 __device__ __forceinline__ scalar_t from_float(float v) { return static_cast<scalar_t>(v); }
 
+// Byte i of a word of four int8 values, each stored biased (b ^ 0x80 = b + 128 as unsigned), -> the
+// float b, without the conversion unit: the biased byte placed in the mantissa of 2^23 reads as
+// 2^23 + 128 + b (exact: the ulp there is 1), so one PRMT (integer pipe) and one FADD give b exactly.
+__device__ __forceinline__ float biased_int8_to_float(unsigned biased, int i) {
+  constexpr unsigned MAGIC_BITS = 0x4B000000u;  // 2^23 as float bits
+  constexpr float MAGIC_PLUS_BIAS = 8388608.f + 128.f;
+  // result bytes: [biased byte i, 0, 0, 0x4B] (selector nibbles 7, 5, 4, i over {biased, MAGIC_BITS})
+  return __uint_as_float(__byte_perm(biased, MAGIC_BITS, 0x7540u | i)) - MAGIC_PLUS_BIAS;
+}
+
 // Whether a pointer allows 16-byte vector loads / stores.
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 

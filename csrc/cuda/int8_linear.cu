@@ -57,25 +57,18 @@ constexpr int SIMT_THREADS = 256;
 // feature tiles.
 constexpr int64_t MAX_GRID_Y = 65535;
 
-// 16 int8 weights -> float without the conversion unit: I2F runs at 16 per clock per SM on
-// sm_80 / sm_90, and streaming int8 weights at full HBM3 bandwidth (~3 TB/s over 132 SMs at
-// ~1.75 GHz) needs ~13 per clock. Instead, byte b + 128 placed in the mantissa of 2^23 reads as
-// the float 2^23 + 128 + b (exact: the ulp there is 1), so one PRMT (integer pipe) and one FADD
-// give b exactly.
+// 16 int8 weights -> float without the conversion unit (biased_int8_to_float): I2F runs at 16 per
+// clock per SM on sm_80 / sm_90, and streaming int8 weights at full HBM3 bandwidth (~3 TB/s over
+// 132 SMs at ~1.75 GHz) needs ~13 per clock.
 static_assert(GEMV_VEC == 16, "int8x16_to_float widens one 16-byte vector of weights");
 __device__ __forceinline__ void int8x16_to_float(const int4& packed, float* out) {
-  constexpr unsigned MAGIC_BITS = 0x4B000000u;  // 2^23 as float bits
-  constexpr float MAGIC_PLUS_BIAS = 8388608.f + 128.f;
   const unsigned words[4] = {static_cast<unsigned>(packed.x), static_cast<unsigned>(packed.y),
                              static_cast<unsigned>(packed.z), static_cast<unsigned>(packed.w)};
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     const unsigned biased = words[w] ^ 0x80808080u;  // each signed byte b -> unsigned b + 128
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      // result bytes: [biased byte i, 0, 0, 0x4B] (selector nibbles 7, 5, 4, i over {biased, MAGIC_BITS})
-      out[4 * w + i] = __uint_as_float(__byte_perm(biased, MAGIC_BITS, 0x7540u | i)) - MAGIC_PLUS_BIAS;
-    }
+    for (int i = 0; i < 4; ++i) out[4 * w + i] = biased_int8_to_float(biased, i);
   }
 }
 

@@ -107,16 +107,13 @@ struct MmaOps<c10::Half> {
 template <>
 struct MmaOps<c10::BFloat16> {
   // bf16 has too few mantissa bits for the fp16 trick; go through the exact fp32 of
-  // int8x16_to_float's trick and keep the upper halves (a float holding an integer of at most 8
+  // biased_int8_to_float and keep the upper halves (a float holding an integer of at most 8
   // significant bits has zero low 16 bits, so its bf16 is exact).
   static __device__ __forceinline__ void widen(uint32_t word, uint32_t& lo, uint32_t& hi) {
-    constexpr unsigned MAGIC_BITS = 0x4B000000u;
-    constexpr float MAGIC_PLUS_BIAS = 8388608.f + 128.f;
     const uint32_t biased = word ^ 0x80808080u;
     uint32_t f[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      f[i] = __float_as_uint(__uint_as_float(__byte_perm(biased, MAGIC_BITS, 0x7540u | i)) - MAGIC_PLUS_BIAS);
+    for (int i = 0; i < 4; ++i) f[i] = __float_as_uint(biased_int8_to_float(biased, i));
     lo = __byte_perm(f[0], f[1], 0x7632);  // upper halves of f0 (low) and f1 (high)
     hi = __byte_perm(f[2], f[3], 0x7632);
   }

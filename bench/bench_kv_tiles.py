@@ -12,10 +12,10 @@ import itertools
 
 import torch
 
+from bench.bench_kv_cache_attention import D, HKV, HQ
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
 
-HQ, HKV, D = 32, 8, 128
 CASES = [(B, T, ctx) for ctx in (4096, 16384) for B in (1, 8, 32) for T in (1, 5)]  # S = 2 x ctx
 QUICK_CASES = [(1, 1, 4096), (32, 1, 4096)]
 BLOCK_N = (32, 64, 128)

@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from bench.bench_kv_cache_attention import HKV
 from bench.harness import GRAPH_SUFFIX
 from gptfast_kernels.ops.int8_linear import auto_backend as int8_auto
 from gptfast_kernels.ops.kv_cache_attention import auto_backend as kv_auto
@@ -35,14 +36,8 @@ RULES = (
     Rule("int8_linear", ("M", "N", "K"), {"cuda": "ours_cuda", "triton": "ours_triton"},
          lambda case: int8_auto(GPU_BACKENDS, case["M"], case["K"])),
     Rule("kv_cache_attention", ("B", "T", "context", "S"), {"cuda": "ours_kernel", "triton": "ours_triton_kernel"},
-         lambda case: kv_auto(GPU_BACKENDS, case["B"] * kv_heads(case), case["T"], case["S"])),
+         lambda case: kv_auto(GPU_BACKENDS, case["B"] * HKV, case["T"], case["S"])),
 )
-
-
-def kv_heads(case: dict) -> int:
-    from bench.bench_kv_cache_attention import HKV
-
-    return case.get("Hkv", HKV)
 
 
 def _median_ms(rows: Iterable[dict], impl: str) -> float | None:
@@ -64,10 +59,10 @@ def verdicts(rows: list[dict]) -> list[dict]:
             ms = {backend: _median_ms(case_rows, impl) for backend, impl in rule.impls.items()}
             if any(v is None for v in ms.values()):
                 continue
-            case = dict(zip(rule.key, values)) | {k: case_rows[0][k] for k in ("Hkv",) if k in case_rows[0]}
+            case = dict(zip(rule.key, values))
             faster = min(ms, key=ms.get)
             picked = rule.picks(case)
-            out.append({"op": rule.op, **dict(zip(rule.key, values)), "cuda_ms": ms["cuda"],
+            out.append({"op": rule.op, **case, "cuda_ms": ms["cuda"],
                         "triton_ms": ms["triton"], "faster": faster, "auto": picked,
                         "lost_ms": ms[picked] - ms[faster]})
     return out

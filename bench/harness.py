@@ -246,8 +246,7 @@ class Harness:
                     not_captured[name + GRAPH_SUFFIX] = f"not capturable: {str(error).splitlines()[0][:160]}"
                 else:
                     timings[name + GRAPH_SUFFIX] = time_ms(replay, self.device)
-        self.rows.extend({"op": op, **case, "impl": name, "not_timed": reason, **self.meta}
-                         for name, reason in not_captured.items())
+        self._record_not_timed(op, case, not_captured)
         new_rows = []
         for name, (p20, p50, p80) in timings.items():
             base = baseline + GRAPH_SUFFIX if name.endswith(GRAPH_SUFFIX) and baseline + GRAPH_SUFFIX in timings \
@@ -277,10 +276,14 @@ class Harness:
             else:
                 not_timed[name] = result
         timed = {row["impl"]: row for row in self.compare(op, case, candidates, baseline, nbytes)}
-        self.rows.extend({"op": op, **case, "impl": name, "not_timed": reason, **self.meta}
-                         for name, reason in not_timed.items())
+        self._record_not_timed(op, case, not_timed)
         best = min((name for name in configs if name in timed), key=lambda n: timed[n]["ms_median"], default=None)
         return timed, best
+
+    def _record_not_timed(self, op: str, case: dict, reasons: dict[str, str]) -> None:
+        """A row per candidate that was not timed, with the reason."""
+        self.rows.extend({"op": op, **case, "impl": name, "not_timed": reason, **self.meta}
+                         for name, reason in reasons.items())
 
     def write_json(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

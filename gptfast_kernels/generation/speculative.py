@@ -32,8 +32,6 @@ class SpeculativeOutput:
     acceptance_rate: float      # accepted / proposed over the batch (0 when nothing was proposed)
 
 
-
-
 @torch.no_grad()
 def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                          *, max_new_tokens: int, speculate_k: int = 4, temperature: float = 0.0,

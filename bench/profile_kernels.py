@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from bench.bench_kv_cache_attention import D, HKV, HQ
 from gptfast_kernels import ops
 
 KERNELS = "int8_linear|decode_kernel|combine_kernel|verify_draft"
@@ -33,8 +34,8 @@ def cases(device: torch.device):
     for B, T, context, backend in ((1, 1, 4096, "cuda"), (1, 1, 4096, "triton"), (32, 1, 4096, "cuda"),
                                    (32, 1, 4096, "triton"), (1, 5, 4096, "cuda")):
         S = 2 * context
-        q, k, v = torch.randn(B, 32, T, 128, **bf16), torch.randn(B, 8, T, 128, **bf16), torch.randn(B, 8, T, 128, **bf16)
-        k_cache, v_cache = torch.randn(B, 8, S, 128, **bf16), torch.randn(B, 8, S, 128, **bf16)
+        q, k, v = torch.randn(B, HQ, T, D, **bf16), torch.randn(B, HKV, T, D, **bf16), torch.randn(B, HKV, T, D, **bf16)
+        k_cache, v_cache = torch.randn(B, HKV, S, D, **bf16), torch.randn(B, HKV, S, D, **bf16)
         positions = torch.arange(context, context + T, device=device).expand(B, T).contiguous()
         out.append((f"kv_cache_attention {backend} B={B} T={T} ctx={context}",
                     lambda a=(q, k, v, k_cache, v_cache, positions), b=backend:

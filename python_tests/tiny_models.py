@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import (AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig,
-                          Qwen2Config)
+from transformers import (AutoModelForCausalLM, GemmaConfig, GPT2Config, GPTNeoXConfig, GraniteConfig, LlamaConfig,
+                          MistralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
 
 VOCAB = 97
 PAD, EOS = 0, 1
@@ -32,6 +32,23 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
     elif family == "gpt_neox":
         config = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                num_attention_heads=4, max_position_embeddings=256, **common)
+    elif family == "qwen3":  # q / k norms; head_dim x heads != hidden
+        config = Qwen3Config(hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, **common)
+    elif family == "gemma":  # scaled embeddings, GELU gate, head_dim x heads != hidden, one KV head
+        config = GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=1, head_dim=32, max_position_embeddings=256, **common)
+    elif family == "olmo2":  # q / k norms over all heads, norms after attention and MLP
+        config = Olmo2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=256, **common)
+    elif family == "granite":  # attention scale other than D ** -0.5, embedding / residual / logit scales
+        config = GraniteConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=256, attention_multiplier=0.3,
+                               embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0, **common)
+    elif family == "phi3":  # q / k / v and gate / up as single Linears
+        config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=256,
+                            **common)
     else:
         raise ValueError(family)
     for key, value in overrides.items():
@@ -39,7 +56,9 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
     return config
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "granite", "phi3", "gpt2", "gpt_neox")
+# families whose MLP has separate gate / up projections and whose attention separate q / k / v ones
+SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "granite")
 
 
 def tiny_model(family: str, *, seed: int = 0, **kwargs):

@@ -1,6 +1,6 @@
 """The supported model families, as a table: what patching and the cache need to know per family.
 
-Every supported family already routes attention through transformers' AttentionInterface and its
+Every supported family routes attention through transformers' AttentionInterface and its
 KV cache through ``Cache.update`` (transformers 5.x), so patching needs no per-family forward: the
 table records the attention module class (to check a model really has the structure we rely on),
 where the config keeps the KV-head count and head size, the gated MLP class whose gate and up
@@ -38,6 +38,12 @@ FAMILIES: dict[str, Family] = {
         Family("llama", "LlamaAttention", "num_key_value_heads", "head_dim", "LlamaMLP"),
         Family("mistral", "MistralAttention", "num_key_value_heads", "head_dim", "MistralMLP"),
         Family("qwen2", "Qwen2Attention", "num_key_value_heads", "head_dim", "Qwen2MLP"),
+        Family("qwen3", "Qwen3Attention", "num_key_value_heads", "head_dim", "Qwen3MLP"),
+        Family("gemma", "GemmaAttention", "num_key_value_heads", "head_dim", "GemmaMLP"),
+        Family("olmo2", "Olmo2Attention", "num_key_value_heads", None, "Olmo2MLP"),
+        Family("granite", "GraniteAttention", "num_key_value_heads", None, "GraniteMLP"),
+        # Phi-3 projects q / k / v and gate / up as single Linears already
+        Family("phi3", "Phi3Attention", "num_key_value_heads", None),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_neox", "GPTNeoXAttention", None, None),
     )

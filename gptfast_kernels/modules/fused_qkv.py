@@ -1,5 +1,5 @@
 """Fused q / k / v projections for attention modules that project one input three times
-(Llama, Mistral, Qwen2): one int8 matmul streams the three weight matrices in one launch, where
+(the Llama-like families): one int8 matmul streams the three weight matrices in one launch, where
 the k and v projections of a grouped-query model (1024 x 4096 for Llama-3-8B) are each too small
 to keep a GPU busy on their own.
 

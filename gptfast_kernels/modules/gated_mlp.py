@@ -1,4 +1,4 @@
-"""``Int8GatedMLP``: a gated MLP (Llama / Mistral / Qwen2) whose gate and up projections are one
+"""``Int8GatedMLP``: a gated MLP (the Llama-like families) whose gate and up projections are one
 int8 matmul, so a decode step streams their weights in one kernel launch instead of two."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ def _on_cuda(*tensors):
     return [t.cuda() for t in tensors]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gpt2"])
 def test_greedy_equals_transformers(family):
     model = tiny_model(family).cuda()
     patched = patched_copy(model, int8=False)

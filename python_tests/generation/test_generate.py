@@ -202,10 +202,11 @@ def test_unpatched_model_and_short_cache_refused():
                  past_key_values=StaticKVCache(patched.config, 1, 4))
 
 
-def test_compiled_decode_step_gives_the_same_tokens():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_decode_step_gives_the_same_tokens(family):
     """compile=True: the decode step runs through torch.compile(fullgraph=True) (a CUDA graph on
     GPUs); tokens equal the eager run, and a second call reuses the model's compiled step."""
-    patched = patched_copy(tiny_model("llama"), int8=True)
+    patched = patched_copy(tiny_model(family), int8=True)
     ids, mask = ragged_prompts(2, 6, "left")
     eager = generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[]).sequences
     compiled = generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[], compile=True).sequences

@@ -4,7 +4,7 @@ kv_cache_attention call per layer per forward, int8 within quantization error, c
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BertConfig, DynamicCache
+from transformers import AutoModelForCausalLM, BertConfig, DynamicCache, Gemma2Config
 
 import gptfast_kernels.models.attention as attention
 from gptfast_kernels import Int8Linear, StaticKVCache, patch_model
@@ -119,5 +119,11 @@ def test_unsupported_model_names_supported_families():
                                                         intermediate_size=64, vocab_size=50, is_decoder=True))
     with pytest.raises(ValueError, match="llama.*mistral|gpt2"):
         patch_model(model)
+    # Gemma 2 soft-caps its attention logits, which kv_cache_attention does not: refused, not wrong
+    gemma2 = AutoModelForCausalLM.from_config(Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                                           vocab_size=50))
+    with pytest.raises(ValueError, match="gemma2.*supported model families: .*gemma, "):
+        patch_model(gemma2)
     with pytest.raises(TypeError, match="model"):
         patch_model(torch.nn.Linear(2, 2))

@@ -9,7 +9,7 @@ import torch
 from gptfast_kernels import Int8Linear
 from gptfast_kernels.modules import Int8FusedProjections
 from gptfast_kernels.modules.fused_qkv import PROJECTIONS, ProjectionPart
-from python_tests.tiny_models import patched_copy, tiny_model
+from python_tests.tiny_models import SEPARATE_PROJECTIONS, patched_copy, tiny_model
 
 
 def _separate_projections(owner):
@@ -26,7 +26,7 @@ def _separate_projections(owner):
     return parts
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])  # qwen2: q / k / v with biases
+@pytest.mark.parametrize("family", SEPARATE_PROJECTIONS)  # qwen2: q / k / v with biases
 def test_patch_model_fuses_qkv_exactly(family):
     model = tiny_model(family)
     patched = patched_copy(model, int8=True)

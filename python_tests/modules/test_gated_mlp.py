@@ -7,7 +7,7 @@ from torch import nn
 
 from gptfast_kernels import Int8Linear
 from gptfast_kernels.modules import Int8GatedMLP
-from python_tests.tiny_models import patched_copy, tiny_model
+from python_tests.tiny_models import SEPARATE_PROJECTIONS, patched_copy, tiny_model
 
 
 def _int8(in_features, out_features, bias=False, seed=0):
@@ -38,7 +38,7 @@ def test_concat_bad_inputs():
         Int8Linear.concat([_int8(4, 4, bias=True), _int8(4, 4)])
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", SEPARATE_PROJECTIONS)
 def test_patch_model_fuses_gated_mlps_exactly(family):
     model = tiny_model(family)
     unfused = patched_copy(model, int8=True)

@@ -9,8 +9,9 @@ from transformers.cache_utils import Cache
 from gptfast_kernels import StaticKVCache
 from python_tests.tiny_models import FAMILIES, tiny_config, tiny_model
 
-GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "gpt2": (2, 4, 16),
-            "gpt_neox": (2, 4, 16)}
+GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwen3": (2, 2, 16),
+            "gemma": (2, 1, 32), "olmo2": (2, 2, 16), "granite": (2, 2, 16), "phi3": (2, 2, 16),
+            "gpt2": (2, 4, 16), "gpt_neox": (2, 4, 16)}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -12,18 +12,22 @@ from gptfast_kernels import ops
 # decode (1), batched decode (4, 8, 16), speculative verification with k = 4 at B = 1 and 8 (5, 40), prefill
 ROWS = (1, 4, 5, 8, 16, 40, 256)
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K): Llama-3-8B attention / MLP
-# GPTFAST_INT8_ONE_ROW=tensor_core makes the CUDA op take one row on its tensor-core kernel (read once
-# per process, see csrc/cuda/int8_linear.cu); with --cases one_row only M = 1 runs, so a second
-# process times that choice against the default's figures (bench/gpu_run.sh, stage int8-one-row).
-ONE_ROW_KERNEL = os.environ.get("GPTFAST_INT8_ONE_ROW", "")
+# GPTFAST_INT8_CUDA_KERNEL (read once per process, see csrc/cuda/int8_linear.cu) moves the CUDA op
+# to other kernels: "tensor_core" takes one row on tensor cores too, "fma" keeps 2-16 rows on the FMA
+# GEMV. A second process times such a choice on the rows it changes (--cases one_row or multi_row)
+# against the default's figures (bench/gpu_run.sh, stage int8-kernels); its rows carry the choice in
+# their names.
+CUDA_KERNEL = os.environ.get("GPTFAST_INT8_CUDA_KERNEL", "")
+ROWS_OF_CASE = {"one_row": (1,), "multi_row": (4, 5, 8, 16)}
 
 
 def run(h) -> None:
     device = h.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = SHAPES[:1] if h.quick else SHAPES
-    rows = (1,) if h.cases == frozenset({"one_row"}) else ROWS
-    suffix = f"_one_row_{ONE_ROW_KERNEL}" if ONE_ROW_KERNEL and device.type == "cuda" else ""
+    named = [case for case in ROWS_OF_CASE if h.cases is not None and case in h.cases]
+    rows = sorted({m for case in named for m in ROWS_OF_CASE[case]}) if named else ROWS
+    suffix = f"_{CUDA_KERNEL}" if CUDA_KERNEL and device.type == "cuda" else ""
     for N, K in shapes:
         weight = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
         qweight, scales = ops.quantize_int8(weight)

@@ -12,8 +12,10 @@
 #   sanitize     compute-sanitizer memcheck + racecheck, CUDA op tests   -> sanitizer.log
 #   kernels      microbenchmarks of the three ops + copy bandwidth   -> <device>_<date>_<commit>_<benches>.json
 #                then bench/check_auto.py: where backend="auto" picks the slower kernel
-#   int8-one-row int8_linear at M = 1 with the CUDA op's tensor-core kernel (GPTFAST_INT8_ONE_ROW)
-#                instead of its FMA GEMV                                 -> ..._int8_linear_one_row.json
+#   int8-kernels the CUDA int8 op's other kernels (GPTFAST_INT8_CUDA_KERNEL), against the default
+#                kernels' figures from `kernels`: M = 1 on tensor cores instead of the FMA GEMV
+#                (-> ..._int8_linear_one_row.json), and 4-16 rows on the FMA GEMV instead of
+#                tensor cores (-> ..._int8_linear_multi_row.json)
 #   tiles        Triton int8 tile sweep, 2-64 rows (bench_int8_tiles) -> ..._int8_tiles.json
 #   kv-tiles     Triton decode launch-constant sweep (bench_kv_tiles)  -> ..._kv_tiles.json
 #   profile      Nsight Compute on one call of each kernel (bench/profile_kernels.py) -> ncu.txt
@@ -35,7 +37,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels int8-one-row tiles kv-tiles profile generate generate-batched speculative speculative-demo}
+STAGES=${*:-build tests sanitize kernels int8-kernels tiles kv-tiles profile generate generate-batched speculative speculative-demo}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -137,7 +139,8 @@ for stage in $STAGES; do
     kernels) bench int8_linear,kv_cache_attention,verify_draft &&
              "$PY" -m bench.check_auto "$(ls -t "$OUT_DIR"/*_int8_linear-kv_cache_attention-verify_draft.json | head -1)" \
                | tee -a "$OUT_DIR/bench.log" ;;
-    int8-one-row) GPTFAST_INT8_ONE_ROW=tensor_core bench int8_linear --cases one_row ;;
+    int8-kernels) GPTFAST_INT8_CUDA_KERNEL=tensor_core bench int8_linear --cases one_row &&
+                  GPTFAST_INT8_CUDA_KERNEL=fma bench int8_linear --cases multi_row ;;
     tiles) bench int8_tiles ;;
     kv-tiles) bench kv_tiles ;;
     profile) stage_profile ;;

@@ -39,6 +39,8 @@ GPU_ESTIMATE_CALLS = 5
 GPU_MIN_REPEATS, GPU_MAX_REPEATS = 10, 1000
 GPU_FLUSH_BYTES = 256 << 20
 GRAPH_WARMUP_CALLS = 3  # before a CUDA-graph capture (cuda_graph_replay)
+# environment variables that pick kernels (recorded in every row's metadata when set)
+KERNEL_CHOICE_VARIABLES = ("GPTFAST_INT8_CUDA_KERNEL",)
 GRAPH_SUFFIX = "@graph"  # impl name of a candidate timed as a CUDA-graph replay
 _gpu_flush_buffers: dict[torch.device, torch.Tensor] = {}
 
@@ -218,6 +220,10 @@ class Harness:
             "commit": _commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
+        # a kernel choice made by the environment (csrc/cuda/int8_linear.cu) travels with every row
+        for variable in KERNEL_CHOICE_VARIABLES:
+            if os.environ.get(variable):
+                self.meta[variable] = os.environ[variable]
 
     def wants(self, case: str) -> bool:
         """Whether to run the named case (``--cases``): lets a long benchmark be split over runs."""

@@ -12,7 +12,7 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
   "$PYTHON" -m pip install -q "torch==$TORCH_VERSION"
 fi
-"$PYTHON" -m pip install -q ninja "transformers>=5,<6" numpy "pytest>=8" "hypothesis>=6" scipy
+"$PYTHON" -m pip install -q ninja "transformers>=5.8,<6" numpy "pytest>=8" "hypothesis>=6" scipy
 
 if [ -x "$CUDA_HOME/bin/nvcc" ]; then
   # nvcc is here: the CUDA kernels must build, or set-up fails loudly (no silent CPU-only build).

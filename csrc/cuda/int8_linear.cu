@@ -258,16 +258,34 @@ bool mma_path_applies(const at::Tensor& x, const at::Tensor& qweight) {
          (N + NARROWEST_BLOCK_N - 1) / NARROWEST_BLOCK_N <= MAX_GRID_Y;
 }
 
-// Which kernel takes a single row of fp16 / bf16 x: the FMA GEMV (the default, timed on an H100),
-// or, with GPTFAST_INT8_ONE_ROW=tensor_core in the environment, the tensor-core kernel, which spends
-// fewer instructions per weight byte (no FMAs, no warp reduction) but has not been timed. Read once;
-// bench/gpu_run.sh times both from one build.
-bool one_row_on_tensor_cores() {
-  static const bool chosen = [] {
-    const char* value = std::getenv("GPTFAST_INT8_ONE_ROW");
-    return value != nullptr && std::strcmp(value, "tensor_core") == 0;
+// Which kernels take fp16 / bf16 x, from GPTFAST_INT8_CUDA_KERNEL (read once per process):
+// - unset or "auto": one row on the FMA GEMV (timed on an H100), 2+ rows on tensor cores;
+// - "tensor_core": every row count on tensor cores, one row too (fewer instructions per weight byte:
+//   no FMAs, no warp reduction; not yet timed for one row);
+// - "fma": no tensor cores: the FMA GEMV up to 16 rows, the SIMT tiles above (the kernels before the
+//   tensor-core ones, for timing both from one build and as a fallback).
+// bench/gpu_run.sh (stage int8-kernels) times the choices against the default.
+enum class Int8KernelChoice { Auto, TensorCore, Fma };
+
+Int8KernelChoice int8_kernel_choice() {
+  static const Int8KernelChoice chosen = [] {
+    const char* value = std::getenv("GPTFAST_INT8_CUDA_KERNEL");
+    if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return Int8KernelChoice::Auto;
+    if (std::strcmp(value, "tensor_core") == 0) return Int8KernelChoice::TensorCore;
+    if (std::strcmp(value, "fma") == 0) return Int8KernelChoice::Fma;
+    TORCH_CHECK(false, "int8_linear: the environment variable GPTFAST_INT8_CUDA_KERNEL must be auto, "
+                "tensor_core or fma, got '", value, "'");
   }();
   return chosen;
+}
+
+bool on_tensor_cores(int64_t rows) {
+  switch (int8_kernel_choice()) {
+    case Int8KernelChoice::TensorCore: return true;
+    case Int8KernelChoice::Fma: return false;
+    case Int8KernelChoice::Auto: break;
+  }
+  return rows > 1;
 }
 
 template <typename scalar_t, typename Tiling>
@@ -334,7 +352,7 @@ at::Tensor int8_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   GPTFAST_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "int8_linear_cuda", [&] {
     const scalar_t* bias_ptr = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     if constexpr (!std::is_same_v<scalar_t, float>) {
-      if ((M > 1 || one_row_on_tensor_cores()) && mma_path_applies<scalar_t>(x, qweight)) {
+      if (on_tensor_cores(M) && mma_path_applies<scalar_t>(x, qweight)) {
         if (M <= GEMV_MAX_ROWS) return dispatch_mma_gemv<scalar_t>(x, qweight, scales, bias_ptr, y, stream);
         if (M <= MmaSkinnyTiling::BLOCK_M) return launch_mma<scalar_t, MmaSkinnyTiling>(x, qweight, scales, bias_ptr, y, stream);
         return launch_mma<scalar_t, MmaPrefillTiling>(x, qweight, scales, bias_ptr, y, stream);

@@ -109,15 +109,23 @@ def _skipped(name: str, skip: Iterable[str]) -> bool:
                or fnmatch.fnmatch(leaf, pattern) for pattern in skip)
 
 
-def quantize_int8_(model: nn.Module, skip: Iterable[str] = ("lm_head",)) -> nn.Module:
+OUTPUT_HEAD = "lm_head"
+
+
+def quantize_int8_(model: nn.Module, skip: Iterable[str] = (OUTPUT_HEAD,)) -> nn.Module:
     """Replaces every nn.Linear / Conv1D of ``model`` in place with an Int8Linear, except those
-    whose dotted name (or last name component) matches a pattern in ``skip``. Returns model."""
+    whose dotted name (or last name component) matches a pattern in ``skip``. The model's output
+    head (``get_output_embeddings()``) also answers to "lm_head", whatever its attribute name
+    (GPT-NeoX's is ``embed_out`` before transformers 5.14). Returns model."""
     if isinstance(skip, str):
         skip = (skip,)
     skip = tuple(skip)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    skip_head = _skipped(OUTPUT_HEAD, skip)
     targets = [(name, module) for name, module in model.named_modules()
                if name and (isinstance(module, nn.Linear) or _is_conv1d(module))
-               and not _skipped(name, skip)]
+               and not _skipped(name, skip) and not (skip_head and module is head)]
     for name, module in targets:
         model.set_submodule(name, Int8Linear.from_float(module))
     return model

@@ -63,6 +63,8 @@ class StaticKVLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_cache_len
 
+    get_max_cache_shape = get_max_length  # its name before transformers 5.13
+
     def reset(self) -> None:
         self.keys.zero_()
         self.values.zero_()

@@ -47,6 +47,26 @@ def test_quantize_skip_patterns():
     assert isinstance(model2[0], Int8Linear) and isinstance(model2[1], nn.Linear)
 
 
+class _HeadNamedOtherwise(nn.Module):
+    """A model whose output head is not called lm_head (GPT-NeoX's embed_out before transformers 5.14)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.embed_out = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def get_output_embeddings(self):
+        return self.embed_out
+
+
+def test_lm_head_pattern_names_the_output_head_whatever_its_name():
+    model = quantize_int8_(_HeadNamedOtherwise())
+    assert isinstance(model.proj, Int8Linear) and type(model.embed_out) is nn.Linear
+    model = quantize_int8_(_HeadNamedOtherwise(), skip=())
+    assert isinstance(model.embed_out, Int8Linear)
+    model = quantize_int8_(_HeadNamedOtherwise(), skip=("lm_*",))  # patterns match the head's alias too
+    assert type(model.embed_out) is nn.Linear
+
+
 TINY = {
     "gpt2": GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4),
     "llama": LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -119,35 +119,52 @@ def _ran_tensor_core_kernel(call) -> bool:
     return any("int8_linear_mma_kernel" in event.name for event in prof.events())
 
 
-ONE_ROW_ON_TENSOR_CORES = """
+# Run in a child process with GPTFAST_INT8_CUDA_KERNEL set (the op reads it once per process):
+# results against the reference for the rows the choice moves, and the profiler names the kernel.
+CHOSEN_KERNEL = """
+import sys
 import torch
 from gptfast_kernels import ops
 from gptfast_kernels.ops import reference
+rows, kernel = [int(m) for m in sys.argv[1].split(",")], sys.argv[2]
 for dtype, atol, rtol in ((torch.float16, 5e-2, 2e-3), (torch.bfloat16, 2e-1, 1.6e-2)):
     for N, K in ((200, 16), (200, 208), (8500, 1040), (4096, 4096)):
         qweight, scales = ops.quantize_int8(torch.randn(N, K, device="cuda"))
         bias = torch.randn(N, device="cuda", dtype=dtype)
-        x = (torch.randn(1, K, device="cuda") / K ** 0.5).to(dtype)
-        y = torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias)
-        want = reference.int8_linear(x.double(), qweight, scales, bias.double())
-        torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol)
-# and the tensor-core kernel is the one that ran
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-    torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias)
-    torch.cuda.synchronize()
-names = [event.name for event in prof.events()]
-assert any("int8_linear_mma_kernel" in name for name in names), names
+        for M in rows:
+            x = (torch.randn(M, K, device="cuda") / K ** 0.5).to(dtype)
+            y = torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias)
+            want = reference.int8_linear(x.double(), qweight, scales, bias.double())
+            torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias)
+                torch.cuda.synchronize()
+            names = [event.name for event in prof.events()]
+            assert any(kernel in name for name in names), (M, names)
 """
 
 
 @pytest.mark.parametrize("backend, device", [p for p in GPU_BACKENDS if p.id == "cuda"])
-def test_int8_linear_one_row_on_tensor_cores_on_gpu(backend, device):
-    """GPTFAST_INT8_ONE_ROW=tensor_core (read once per process, so in a child process): one row of
-    x on the tensor-core kernel, fragment columns 1..7 of x empty."""
-    env = {**os.environ, "GPTFAST_INT8_ONE_ROW": "tensor_core"}
-    result = subprocess.run([sys.executable, "-c", ONE_ROW_ON_TENSOR_CORES], env=env, capture_output=True,
+@pytest.mark.parametrize("choice, rows, kernel", [
+    ("tensor_core", "1", "int8_linear_mma_kernel"),   # one row on tensor cores: fragment columns 1..7 empty
+    ("fma", "2,5,16", "int8_linear_gemv_kernel"),     # 2-16 rows kept on the FMA GEMV
+    ("fma", "17", "int8_linear_simt_kernel"),         # and more rows on the SIMT tiles
+])
+def test_int8_linear_kernel_chosen_by_environment_on_gpu(backend, device, choice, rows, kernel):
+    env = {**os.environ, "GPTFAST_INT8_CUDA_KERNEL": choice}
+    result = subprocess.run([sys.executable, "-c", CHOSEN_KERNEL, rows, kernel], env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend, device", [p for p in GPU_BACKENDS if p.id == "cuda"])
+def test_int8_linear_bad_kernel_choice_names_the_variable_on_gpu(backend, device):
+    code = ("import torch\nfrom gptfast_kernels import ops\nq, s = ops.quantize_int8(torch.randn(32, 32, device='cuda'))\n"
+            "torch.ops.gptfast_kernels.int8_linear(torch.randn(2, 32, device='cuda', dtype=torch.half), q, s)")
+    env = {**os.environ, "GPTFAST_INT8_CUDA_KERNEL": "wmma"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "GPTFAST_INT8_CUDA_KERNEL must be auto, tensor_core or fma, got 'wmma'" in result.stderr
 
 
 @pytest.mark.parametrize("N, K", [(50257, 64), (24, 4095)])

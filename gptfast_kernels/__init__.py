@@ -18,6 +18,7 @@ _LAZY = {
     "GenerateOutput": "gptfast_kernels.generation.generate",
     "speculative_generate": "gptfast_kernels.generation.speculative",
     "SpeculativeOutput": "gptfast_kernels.generation.speculative",
+    "prompt_lookup_generate": "gptfast_kernels.generation.prompt_lookup",
 }
 
 __all__ = ["__version__", "ops", "Int8Linear", "quantize_int8_", *_LAZY]

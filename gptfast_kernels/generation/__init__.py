@@ -1,6 +1,8 @@
-"""Generation on the static cache and fused kernels: generate and batched speculative_generate."""
+"""Generation on the static cache and fused kernels: generate, batched speculative_generate (a draft
+model proposes) and prompt_lookup_generate (the text itself proposes)."""
 
 from gptfast_kernels.generation.generate import GenerateOutput, generate
+from gptfast_kernels.generation.prompt_lookup import prompt_lookup_generate
 from gptfast_kernels.generation.speculative import SpeculativeOutput, speculative_generate
 
-__all__ = ["GenerateOutput", "SpeculativeOutput", "generate", "speculative_generate"]
+__all__ = ["GenerateOutput", "SpeculativeOutput", "generate", "prompt_lookup_generate", "speculative_generate"]

@@ -1,14 +1,11 @@
-"""Batched speculative decoding (API.md section 2): a draft model proposes k tokens per row, the
-target scores all k + 1 positions in one forward (kv_cache_attention with T = k + 1) and
-``verify_draft`` accepts a prefix per row; rows advance by different amounts and finish
-independently. Greedy output equals the target's own greedy decoding; sampled output follows the
-target's distribution (after temperature / top-k / top-p), whatever the draft.
+"""Batched speculative decoding (API.md section 2): k proposed tokens per row, the target scores
+all k + 1 positions in one forward (kv_cache_attention with T = k + 1) and ``verify_draft``
+accepts a prefix per row; rows advance by different amounts and finish independently. Greedy
+output equals the target's own greedy decoding; sampled output follows the target's distribution
+(after temperature / top-k / top-p), whatever the proposals.
 
-Cache invariant at the start of a round, per row: the target cache holds every token so far except
-the last one emitted (``last``); the draft cache holds the same, except that when the previous
-round accepted all k drafts, the k-th draft token is not in it yet (``pending``). The draft's first
-forward of a round therefore takes two tokens, [pending, last], the first one padding (-1
-position) in rows with nothing pending.
+``speculative_generate`` proposes with a draft model (DraftModelProposer); the round loop
+(SpeculativeRounds) also serves prompt-lookup decoding (generation/prompt_lookup.py).
 """
 
 from __future__ import annotations
@@ -49,109 +46,196 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     if target_vocab != draft_vocab:
         raise ValueError(f"{op}: draft_model's vocabulary ({draft_vocab} tokens) differs from model's "
                          f"({target_vocab}); the two models must share a tokenizer")
-    check_int(op, "speculate_k", speculate_k, 1)
-    device, dtype = common.model_device_dtype(model)
-    draft_device, draft_dtype = common.model_device_dtype(draft_model)
+    device, _ = common.model_device_dtype(model)
+    draft_device, _ = common.model_device_dtype(draft_model)
     if draft_device != device:
         raise ValueError(f"{op}: draft_model is on {draft_device} but model is on {device}")
-    prompt = common.check_prompt(op, input_ids, attention_mask, device,
-                                 min(common.input_vocab_size(model), common.input_vocab_size(draft_model)))
-    max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
-    check_sampling_args(op, temperature, top_k, top_p)
-    eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
-    k, greedy = speculate_k, temperature == 0
-    B = prompt.input_ids.shape[0]
-    zeros = torch.zeros(B, dtype=torch.int64, device=device)
-    if max_new_tokens == 0:
-        return SpeculativeOutput(prompt.input_ids.clone(), zeros, zeros.clone(), 0.0)
+    rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
+                                       temperature, top_k, top_p, eos_token_id, generator, compile,
+                                       min(common.input_vocab_size(model), common.input_vocab_size(draft_model)))
+    return rounds.run(lambda capacity: DraftModelProposer(draft_model, rounds.batch_size, capacity, compile))
 
-    capacity = max(prompt.lengths) + max_new_tokens + k
-    target_cache = cache_for(model, B, capacity, device, dtype, reuse=compile)
-    draft_cache = cache_for(draft_model, B, capacity, device, draft_dtype, reuse=compile)
-    target_step, draft_step = step_function(model, compile), step_function(draft_model, compile)
 
-    def pick(logits):
+class DraftModelProposer:
+    """Proposals from a draft model with a StaticKVCache of its own. Its cache holds what the
+    target's holds, except that when the previous round accepted all k drafts, the k-th draft token
+    is not in it yet (``pending``): the round's first draft forward therefore takes two tokens,
+    [pending, last], the first one padding (-1 position) in rows with nothing pending."""
+
+    def __init__(self, draft_model, batch_size: int, capacity: int, compile: bool):
+        device, dtype = common.model_device_dtype(draft_model)
+        self.model = draft_model
+        self.cache = cache_for(draft_model, batch_size, capacity, device, dtype, reuse=compile)
+        self.step = step_function(draft_model, compile)
+        self.pending = torch.full((batch_size,), -1, dtype=torch.int64, device=device)
+
+    def prefill(self, prompt: common.Prompt) -> None:
+        self.model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=self.cache,
+                   logits_to_keep=1)
+
+    def propose(self, rounds: "SpeculativeRounds", last, active, history) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> draft tokens [B, k], and their distributions [B, k, V] (None when greedy)."""
+        k, pick = rounds.k, rounds.pick
+        first_input = torch.stack([self.pending.clamp(min=0), last], dim=1)
+        first_mask = torch.stack([(self.pending >= 0) & active, active], dim=1)
+        logits = self.step(first_input, first_mask, self.cache)[:, -1]
+        tokens, probs = [], []
+        for i in range(k):
+            token, distribution = pick(logits)
+            tokens.append(token)
+            probs.append(distribution)
+            if i < k - 1:
+                logits = self.step(token[:, None], active[:, None], self.cache)[:, -1]
+        return torch.stack(tokens, dim=1), None if probs[0] is None else torch.stack(probs, dim=1)
+
+    def commit(self, active, committed, num_accepted, draft_tokens) -> None:
+        """The round's outcome: each active row keeps ``committed`` tokens in the cache."""
+        self.cache.crop(torch.where(active, committed, self.cache.seq_lengths), check=False)
+        k = draft_tokens.shape[1]
+        self.pending = torch.where(active & (num_accepted == k), draft_tokens[:, -1], -1)
+
+
+@dataclass
+class History:
+    """Every row's tokens so far: the prompt's real tokens (``prompt`` [B, P], -1 after each row's
+    ``prompt_lengths``), then ``generated`` [B, W] up to ``num_generated`` per row."""
+    prompt: torch.Tensor
+    prompt_lengths: torch.Tensor
+    generated: torch.Tensor
+    num_generated: torch.Tensor
+
+
+@dataclass
+class SpeculativeRounds:
+    """The round loop both speculative generators share; a proposer supplies the k drafts per row.
+    Cache invariant at the start of a round, per row: the target cache holds every token so far
+    except the last one emitted (``last``)."""
+    model: object
+    prompt: common.Prompt
+    max_new_tokens: int
+    k: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    eos: list[int]
+    pad: int
+    generator: torch.Generator | None
+    compile: bool
+
+    @classmethod
+    def checked(cls, op, model, input_ids, attention_mask, max_new_tokens, speculate_k, temperature, top_k, top_p,
+                eos_token_id, generator, compile, vocab_size) -> "SpeculativeRounds":
+        """Validates the arguments every speculative generator shares (``op`` names the caller)."""
+        common.check_model(op, "model", model)
+        check_int(op, "speculate_k", speculate_k, 1)
+        device, _ = common.model_device_dtype(model)
+        prompt = common.check_prompt(op, input_ids, attention_mask, device, vocab_size)
+        max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
+        check_sampling_args(op, temperature, top_k, top_p)
+        eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
+        return cls(model, prompt, max_new_tokens, speculate_k, temperature, top_k, top_p, eos, pad, generator, compile)
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompt.input_ids.shape[0]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def pick(self, logits):
         """[B, V] logits -> ([B] tokens, [B, V] float32 probabilities, or None when greedy: greedy
         verification needs only the target's argmax, so no distribution is built)."""
-        if greedy:
+        if self.greedy:
             return logits.argmax(dim=-1), None
-        probs = logits_to_probs(logits, temperature, top_k, top_p)
-        return sample_from(probs, generator), probs
+        probs = logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+        return sample_from(probs, self.generator), probs
 
-    prefill_kwargs = {"logits_to_keep": 1} if prompt.ends_aligned else {}
-    logits = model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=target_cache,
-                   **prefill_kwargs).logits
-    draft_model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=draft_cache,
-                logits_to_keep=1)
-    last, _ = pick(common.last_real_logits(logits, prompt))
+    def run(self, make_proposer) -> SpeculativeOutput:
+        """``make_proposer(capacity)``: the proposer, given the cache length the rounds need."""
+        model, prompt, k, pad, B = self.model, self.prompt, self.k, self.pad, self.batch_size
+        device, dtype = common.model_device_dtype(model)
+        zeros = torch.zeros(B, dtype=torch.int64, device=device)
+        if self.max_new_tokens == 0:
+            return SpeculativeOutput(prompt.input_ids.clone(), zeros, zeros.clone(), 0.0)
+        capacity = max(prompt.lengths) + self.max_new_tokens + k
+        target_cache = cache_for(model, B, capacity, device, dtype, reuse=self.compile)
+        proposer = make_proposer(capacity)
+        target_step = step_function(model, self.compile)
 
-    eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)
-    # generated tokens; a round writes up to k + 1 more, and column `dump` absorbs masked writes
-    out = torch.full((B, max_new_tokens + 2 * (k + 1)), pad, dtype=torch.int64, device=device)
-    dump = out.shape[1] - 1
-    out[:, 0] = last
-    num_generated = torch.ones(B, dtype=torch.int64, device=device)
-    finished = torch.isin(last, eos_ids) | (num_generated >= max_new_tokens)
-    pending = torch.full((B,), -1, dtype=torch.int64, device=device)
-    proposed, accepted = zeros.clone(), zeros.clone()
-    columns = torch.arange(k + 1, device=device)
+        prefill_kwargs = {"logits_to_keep": 1} if prompt.ends_aligned else {}
+        logits = model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=target_cache,
+                       **prefill_kwargs).logits
+        proposer.prefill(prompt)
+        last, _ = self.pick(common.last_real_logits(logits, prompt))
 
-    while not bool(finished.all()):
-        active = ~finished
-        # 1. the draft proposes k tokens per row (finished rows are padding: nothing written)
-        first_input = torch.stack([pending.clamp(min=0), last], dim=1)
-        first_mask = torch.stack([(pending >= 0) & active, active], dim=1)
-        draft_logits = draft_step(first_input, first_mask, draft_cache)[:, -1]
-        draft_probs, draft_tokens = [], []
-        for i in range(k):
-            token, probs = pick(draft_logits)
-            draft_probs.append(probs)
-            draft_tokens.append(token)
-            if i < k - 1:
-                draft_logits = draft_step(token[:, None], active[:, None], draft_cache)[:, -1]
-        draft_tokens = torch.stack(draft_tokens, dim=1)  # [B, k]
+        eos_ids = torch.tensor(self.eos, dtype=torch.int64, device=device)
+        # generated tokens; a round writes up to k + 1 more, and column `dump` absorbs masked writes
+        out = torch.full((B, self.max_new_tokens + 2 * (k + 1)), pad, dtype=torch.int64, device=device)
+        dump = out.shape[1] - 1
+        out[:, 0] = last
+        num_generated = torch.ones(B, dtype=torch.int64, device=device)
+        finished = torch.isin(last, eos_ids) | (num_generated >= self.max_new_tokens)
+        proposed, accepted = zeros.clone(), zeros.clone()
+        columns = torch.arange(k + 1, device=device)
+        prompt_tokens, prompt_lengths = _compact(prompt)
 
-        # 2. the target scores last + k drafts in one forward, 3. verify every row at once
-        target_input = torch.cat([last[:, None], draft_tokens], dim=1)
-        target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
-        # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync).
-        # Greedy verification compares the drafts with the target's argmax, which the logits give
-        # as they are (the target's own greedy decoding takes the argmax of its logits, too).
-        if greedy:
-            target_scores, stacked_draft_probs = target_logits.float(), None
-        else:
-            target_scores = logits_to_probs(target_logits, temperature, top_k, top_p)
-            stacked_draft_probs = torch.stack(draft_probs, 1)
-        tokens, num_emitted = verify_draft(target_scores, stacked_draft_probs, draft_tokens, generator=generator,
-                                           check_values=False)
-        num_emitted = torch.where(active, num_emitted, 0)
-        num_accepted = (num_emitted - 1).clamp(min=0)
-        proposed += k * active
-        accepted += num_accepted
+        while not bool(finished.all()):
+            active = ~finished
+            # 1. k proposals per row (finished rows are padding: nothing written)
+            history = History(prompt_tokens, prompt_lengths, out, num_generated)
+            draft_tokens, draft_probs = proposer.propose(self, last, active, history)
 
-        # 4. each row's caches keep its committed tokens: last + accepted drafts
-        # (>= 1 by construction: the target wrote k + 1 tokens, so no sync to check it)
-        committed = target_cache.seq_lengths - k + num_accepted
-        target_cache.crop(torch.where(active, committed, target_cache.seq_lengths), check=False)
-        draft_cache.crop(torch.where(active, committed, draft_cache.seq_lengths), check=False)
-        pending = torch.where(active & (num_accepted == k), draft_tokens[:, -1], -1)
-        last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], last)
+            # 2. the target scores last + k drafts in one forward, 3. verify every row at once
+            target_input = torch.cat([last[:, None], draft_tokens], dim=1)
+            target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
+            # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync).
+            # Greedy verification compares the drafts with the target's argmax, which the logits give
+            # as they are (the target's own greedy decoding takes the argmax of its logits, too).
+            if self.greedy:
+                target_scores, draft_probs = target_logits.float(), None
+            else:
+                target_scores = logits_to_probs(target_logits, self.temperature, self.top_k, self.top_p)
+            tokens, num_emitted = verify_draft(target_scores, draft_probs, draft_tokens, generator=self.generator,
+                                               check_values=False)
+            num_emitted = torch.where(active, num_emitted, 0)
+            num_accepted = (num_emitted - 1).clamp(min=0)
+            proposed += k * active
+            accepted += num_accepted
 
-        # 5. append the emitted tokens, cut each row at its first eos and at max_new_tokens
-        emitted = columns[None, :] < num_emitted[:, None]
-        is_eos = torch.isin(tokens, eos_ids) & emitted
-        after_eos = (is_eos.to(torch.int64).cumsum(dim=1) - is_eos.to(torch.int64)) > 0
-        emitted &= ~after_eos
-        slots = torch.where(emitted, num_generated[:, None] + columns[None, :], dump)
-        out.scatter_(1, slots, torch.where(emitted, tokens, pad))
-        num_generated += emitted.sum(dim=1)
-        finished |= is_eos.any(dim=1) | (num_generated >= max_new_tokens)
+            # 4. each row's caches keep its committed tokens: last + accepted drafts
+            # (>= 1 by construction: the target wrote k + 1 tokens, so no sync to check it)
+            committed = target_cache.seq_lengths - k + num_accepted
+            target_cache.crop(torch.where(active, committed, target_cache.seq_lengths), check=False)
+            proposer.commit(active, committed, num_accepted, draft_tokens)
+            last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], last)
 
-    new = min(int(num_generated.max()), max_new_tokens)
-    generated = out[:, :new]
-    # positions past a row's own length hold pad already; rows cut by max_new_tokens lose the rest
-    generated = torch.where(torch.arange(new, device=device)[None, :] < num_generated[:, None].clamp(
-        max=max_new_tokens), generated, pad)
-    total_proposed = int(proposed.sum())
-    rate = int(accepted.sum()) / total_proposed if total_proposed else 0.0
-    return SpeculativeOutput(torch.cat([prompt.input_ids, generated], dim=1), proposed, accepted, rate)
+            # 5. append the emitted tokens, cut each row at its first eos and at max_new_tokens
+            emitted = columns[None, :] < num_emitted[:, None]
+            is_eos = torch.isin(tokens, eos_ids) & emitted
+            after_eos = (is_eos.to(torch.int64).cumsum(dim=1) - is_eos.to(torch.int64)) > 0
+            emitted &= ~after_eos
+            slots = torch.where(emitted, num_generated[:, None] + columns[None, :], dump)
+            out.scatter_(1, slots, torch.where(emitted, tokens, pad))
+            num_generated += emitted.sum(dim=1)
+            finished |= is_eos.any(dim=1) | (num_generated >= self.max_new_tokens)
+
+        new = min(int(num_generated.max()), self.max_new_tokens)
+        generated = out[:, :new]
+        # positions past a row's own length hold pad already; rows cut by max_new_tokens lose the rest
+        generated = torch.where(torch.arange(new, device=device)[None, :] < num_generated[:, None].clamp(
+            max=self.max_new_tokens), generated, pad)
+        total_proposed = int(proposed.sum())
+        rate = int(accepted.sum()) / total_proposed if total_proposed else 0.0
+        return SpeculativeOutput(torch.cat([prompt.input_ids, generated], dim=1), proposed, accepted, rate)
+
+
+def _compact(prompt: common.Prompt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's real prompt tokens moved to the front ([B, P], -1 after them), and their counts [B]."""
+    mask = prompt.attention_mask
+    B, P = mask.shape
+    lengths = mask.sum(dim=1)
+    columns = torch.where(mask, mask.cumsum(dim=1) - 1, P)  # padding goes to a dump column
+    compact = torch.full((B, P + 1), -1, dtype=torch.int64, device=mask.device)
+    compact.scatter_(1, columns, prompt.input_ids)
+    return compact[:, :P], lengths

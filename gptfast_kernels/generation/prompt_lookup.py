@@ -1,0 +1,99 @@
+"""Prompt-lookup decoding: speculative decoding whose proposals come from the text itself, with no
+draft model. Each row looks for the latest earlier occurrence of its last n tokens (n from
+``max_ngram_size`` down to 1) in its prompt and what it has generated, and proposes the k tokens
+that followed it. Input-grounded generation (summaries, edits of code or text, answers quoting a
+document) repeats long spans, which the target then accepts several tokens per forward.
+
+The proposals are one-hot "distributions", so verification is exact as for any draft: greedy
+output equals the target's own greedy decoding, and sampling follows the target's distribution.
+Every step runs on the device, batched over rows, with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gptfast_kernels.generation import common
+from gptfast_kernels.generation.speculative import History, SpeculativeOutput, SpeculativeRounds
+from gptfast_kernels.ops._dispatch import check_int
+
+
+@torch.no_grad()
+def prompt_lookup_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                           max_new_tokens: int, speculate_k: int = 4, max_ngram_size: int = 3,
+                           temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                           eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
+                           compile: bool = False) -> SpeculativeOutput:
+    """input_ids [B, P] (attention_mask [B, P], 0 = padding, left or right) -> SpeculativeOutput,
+    as ``speculative_generate`` but with proposals looked up in each row's own tokens (n-grams of
+    up to ``max_ngram_size`` tokens). ``model`` must be patched (patch_model)."""
+    op = "prompt_lookup_generate"
+    check_int(op, "max_ngram_size", max_ngram_size, 1)
+    rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
+                                       temperature, top_k, top_p, eos_token_id, generator, compile,
+                                       common.input_vocab_size(model))
+    return rounds.run(lambda capacity: PromptLookupProposer(max_ngram_size, common.output_vocab_size(model)))
+
+
+class PromptLookupProposer:
+    """Proposals from each row's own tokens (see the module docstring); keeps no state."""
+
+    def __init__(self, max_ngram_size: int, vocab_size: int):
+        self.max_ngram_size, self.vocab_size = max_ngram_size, vocab_size
+
+    def prefill(self, prompt: common.Prompt) -> None:
+        return None
+
+    def propose(self, rounds: SpeculativeRounds, last, active, history: History):
+        """-> draft tokens [B, k], and their one-hot distributions [B, k, V] (None when greedy)."""
+        tokens, lengths = _join(history)
+        drafts = lookup_continuations(tokens, lengths, rounds.k, self.max_ngram_size)
+        if rounds.greedy:
+            return drafts, None
+        return drafts, torch.nn.functional.one_hot(drafts, self.vocab_size).float()
+
+    def commit(self, active, committed, num_accepted, draft_tokens) -> None:
+        return None
+
+
+def _join(history: History) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's prompt then generated tokens, packed from the left ([B, P + W], -1 after each
+    row's end), and each row's count [B]."""
+    prompt, generated = history.prompt, history.generated
+    B, P = prompt.shape
+    width = P + generated.shape[1]
+    joined = torch.full((B, width + 1), -1, dtype=torch.int64, device=prompt.device)
+    joined[:, :P] = prompt
+    columns = torch.arange(generated.shape[1], device=prompt.device)[None, :]
+    slots = torch.where(columns < history.num_generated[:, None], history.prompt_lengths[:, None] + columns, width)
+    joined.scatter_(1, slots, generated)
+    return joined[:, :width], history.prompt_lengths + history.num_generated
+
+
+def lookup_continuations(tokens: torch.Tensor, lengths: torch.Tensor, k: int, max_ngram_size: int) -> torch.Tensor:
+    """tokens [B, L] int64 (row b's first lengths[b] entries are its text, the rest -1) -> [B, k]:
+    the k tokens that followed the latest earlier occurrence of the row's last n tokens, for the
+    largest n <= max_ngram_size that occurs. A continuation that reaches the end of the text goes on
+    copying what it has proposed (as an overlapping LZ77 copy does), so a text that cycles is
+    proposed cycling. Where nothing matches, the row's last token fills in (any proposal is valid;
+    a wrong one is only rejected)."""
+    B, L = tokens.shape
+    device = tokens.device
+    start = torch.full((B,), -1, dtype=torch.int64, device=device)  # where the continuation begins
+    for n in range(min(max_ngram_size, L - 1), 0, -1):
+        tail_columns = (lengths[:, None] - n + torch.arange(n, device=device)[None, :]).clamp(min=0)
+        tail = tokens.gather(1, tail_columns)                                   # [B, n]
+        windows = tokens.unfold(1, n, 1)                                        # [B, L - n + 1, n]
+        offsets = torch.arange(windows.shape[1], device=device)[None, :]
+        # an earlier window (its continuation starts inside the text), equal to the tail; windows
+        # over the -1 padding never equal a tail of real tokens
+        match = (windows == tail[:, None, :]).all(dim=2) & (offsets + n < lengths[:, None]) \
+            & (lengths[:, None] > n)
+        latest = torch.where(match, offsets, -1).amax(dim=1)
+        start = torch.where((start < 0) & (latest >= 0), latest + n, start)
+    found = start >= 0
+    # the continuation's i-th token: text[start + i], or past the end the proposal d = length - start
+    # before it, i.e. text[start + i mod d]
+    period = torch.where(found, lengths - start, 1)
+    columns = torch.where(found, start, lengths - 1)[:, None] + torch.arange(k, device=device)[None, :] % period[:, None]
+    return tokens.gather(1, columns)

@@ -1,0 +1,138 @@
+"""prompt_lookup_generate: the n-gram lookup itself, greedy output equal to the target's own greedy
+decoding (any batch, padding side, eos per row), the sampled distribution equal to the target's,
+compiled rounds, bad arguments."""
+
+import pytest
+import torch
+
+from gptfast_kernels import generate, prompt_lookup_generate
+from gptfast_kernels.generation.prompt_lookup import lookup_continuations
+from python_tests.generation.test_speculative import _exact_target_distribution
+from python_tests.tiny_models import patched_copy, ragged_prompts, tiny_model
+
+NEW = 40
+
+
+def _tokens(rows, width):
+    """Rows of text packed from the left, -1 after; -> (tokens [B, width], lengths [B])."""
+    tokens = torch.full((len(rows), width), -1, dtype=torch.int64)
+    for b, row in enumerate(rows):
+        tokens[b, :len(row)] = torch.tensor(row)
+    return tokens, torch.tensor([len(row) for row in rows])
+
+
+def test_lookup_takes_the_latest_longest_match():
+    tokens, lengths = _tokens([
+        [5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 6, 7],  # tail (6, 7): latest earlier match at 6..7 -> 2, 3, 6
+        [1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3],         # tail (1, 2, 3) at 0 beats the later (2, 3) at 5
+        [4, 5, 6],                                  # nothing earlier: the last token repeated
+        [8, 9, 8, 9],                               # tail (8, 9) at 0 -> 8, 9, then copying on: 8
+        [3],                                        # one token: nothing earlier
+    ], width=14)
+    got = lookup_continuations(tokens, lengths, k=3, max_ngram_size=3)
+    assert got.tolist() == [[2, 3, 6], [4, 9, 2], [6, 6, 6], [8, 9, 8], [3, 3, 3]]
+    # n limited to 1: row 1's tail (3) last occurred at 6 -> 5, 1, 2
+    assert lookup_continuations(tokens, lengths, k=3, max_ngram_size=1)[1].tolist() == [5, 1, 2]
+
+
+def test_lookup_ignores_the_padding():
+    """-1 padding after the text never matches, and a match is never the tail itself."""
+    tokens, lengths = _tokens([[7, 7], [2]], width=6)
+    got = lookup_continuations(tokens, lengths, k=2, max_ngram_size=2)
+    assert got.tolist() == [[7, 7], [2, 2]]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_greedy_equals_target_greedy(family, int8, side):
+    patched = patched_copy(tiny_model(family, layers=3), int8=int8)
+    ids, mask = ragged_prompts(4, 8, side, seed=2)
+    out = prompt_lookup_generate(patched, ids, mask, max_new_tokens=NEW, speculate_k=3, eos_token_id=[])
+    want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    assert torch.equal(out.sequences, want)
+    assert torch.all(out.num_accepted <= out.num_proposed)
+    # tiny random models fall into loops, which the lookup finds
+    assert out.acceptance_rate > 0
+
+
+def _bigram_model():
+    """A target whose next token depends on the current token only (every attention output zeroed):
+    its greedy text soon cycles, and then every lookup of the last token finds the exact
+    continuation."""
+    model = tiny_model("llama", layers=2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return patched_copy(model, int8=False)
+
+
+def test_a_cycling_text_is_proposed_exactly_and_eos_stops_rows():
+    patched = _bigram_model()
+    ids, mask = ragged_prompts(3, 8, "left", seed=2)
+    plain = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    out = prompt_lookup_generate(patched, ids, mask, max_new_tokens=NEW, speculate_k=4, eos_token_id=[])
+    assert torch.equal(out.sequences, plain)
+    # with the cycle already in the prompt, every round accepts all 4 proposals
+    cycled = plain[:, :8 + 20]
+    assert torch.equal(cycled[:, -4:-2], cycled[:, -2:])  # each row has entered its cycle (length 1 or 2)
+    out = prompt_lookup_generate(patched, cycled, max_new_tokens=NEW, speculate_k=4, eos_token_id=[])
+    assert torch.equal(out.sequences, generate(patched, cycled, max_new_tokens=NEW, eos_token_id=[]).sequences)
+    assert out.acceptance_rate == 1.0
+    stop = int(plain[1, 8 + 5])
+    want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=stop).sequences
+    got = prompt_lookup_generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=stop).sequences
+    assert torch.equal(got, want)
+
+
+def test_sampling_follows_the_target_distribution():
+    """20000 rows sample 3 tokens; the proposals are point masses, so every accept / reject path
+    runs; the joint distribution of (t1, t2, t3) fits the target's exact one (chi-square)."""
+    from scipy.stats import chisquare
+
+    vocab, rows, steps, temperature = 6, 20000, 3, 1.0
+    target = patched_copy(tiny_model("llama", vocab=vocab, seed=1), int8=False)
+    prompt = torch.tensor([[2, 3, 2, 4, 2]])
+    g = torch.Generator().manual_seed(0)
+    out = prompt_lookup_generate(target, prompt.expand(rows, -1).contiguous(), max_new_tokens=steps,
+                                 speculate_k=2, max_ngram_size=2, temperature=temperature, generator=g,
+                                 eos_token_id=[])
+    assert 0.05 < out.acceptance_rate < 0.95
+    tokens = out.sequences[:, prompt.shape[1]:]
+    cells = (tokens * torch.tensor([vocab * vocab, vocab, 1])).sum(1)
+    counts = torch.bincount(cells, minlength=vocab ** steps).double()
+    expected = _exact_target_distribution(target, prompt, steps, vocab, temperature).flatten() * rows
+    enough = expected >= 5
+    observed = torch.cat([counts[enough], counts[~enough].sum()[None]])
+    wanted = torch.cat([expected[enough], expected[~enough].sum()[None]])
+    keep = wanted > 0
+    observed, wanted = observed[keep], wanted[keep]
+    wanted = wanted / wanted.sum() * observed.sum()
+    assert chisquare(observed.numpy(), wanted.numpy()).pvalue > 1e-3
+
+
+def test_compiled_rounds_give_the_same_tokens():
+    patched = patched_copy(tiny_model("llama", layers=3), int8=True)
+    ids, mask = ragged_prompts(2, 6, "left")
+    eager = prompt_lookup_generate(patched, ids, mask, max_new_tokens=12, speculate_k=3, eos_token_id=[])
+    compiled = prompt_lookup_generate(patched, ids, mask, max_new_tokens=12, speculate_k=3, eos_token_id=[],
+                                      compile=True)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch.equal(compiled.num_accepted, eager.num_accepted)
+
+
+def test_bad_arguments_name_the_argument():
+    patched = patched_copy(tiny_model("llama"), int8=False)
+    ids = torch.tensor([[2, 3, 4]])
+    with pytest.raises(ValueError, match="max_ngram_size"):
+        prompt_lookup_generate(patched, ids, max_new_tokens=4, max_ngram_size=0)
+    with pytest.raises(ValueError, match="speculate_k"):
+        prompt_lookup_generate(patched, ids, max_new_tokens=4, speculate_k=0)
+    with pytest.raises(ValueError, match="model"):
+        prompt_lookup_generate(tiny_model("llama"), ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="input_ids"):
+        prompt_lookup_generate(patched, torch.tensor([[2, 300]]), max_new_tokens=4)
+    with pytest.raises(ValueError, match="temperature"):
+        prompt_lookup_generate(patched, ids, max_new_tokens=4, temperature=-1.0)
+    out = prompt_lookup_generate(patched, ids, max_new_tokens=0)
+    assert torch.equal(out.sequences, ids) and out.acceptance_rate == 0.0

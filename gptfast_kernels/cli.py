@@ -20,6 +20,7 @@ def _version(package: str) -> str:
 def cmd_info(_args) -> int:
     import gptfast_kernels
     from gptfast_kernels import _extension
+    from gptfast_kernels.models.families import FAMILIES
 
     print(f"gptfast_kernels {gptfast_kernels.__version__}")
     print(f"torch           {torch.__version__} (CUDA {torch.version.cuda})")
@@ -35,6 +36,7 @@ def cmd_info(_args) -> int:
     print(f"usable on cpu   {sorted(_extension.usable_backends(torch.device('cpu')))}")
     if torch.cuda.is_available():
         print(f"usable on cuda  {sorted(_extension.usable_backends(torch.device('cuda')))}")
+    print(f"model families  {', '.join(FAMILIES)} (patch_model)")
     return 0
 
 

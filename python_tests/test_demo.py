@@ -32,6 +32,13 @@ def _check_report(out: str, prompts: int) -> None:
     assert re.search(r"speculative == transformers generate, float32 baseline: (True|False)", out), out
 
 
+def test_info_names_backends_and_families(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"usable on cpu\s+\[.*'cpu'.*'reference'", out), out
+    assert "model families  llama, mistral, qwen2, qwen3, gemma" in out, out
+
+
 def test_demo_trains_caches_and_reports(tmp_path, capsys):
     tiny = ["--train-seconds", "2", "--max-new-tokens", "8", "--num-prompts", "2", "--cache-dir", str(tmp_path)]
     first = _demo(capsys, *tiny)

@@ -2,8 +2,9 @@
 
 Rows "speculative_e2e": the demo's trained byte-level target and draft (so acceptance is realistic;
 trained and cached on first use, see gptfast_kernels/demo), greedy, at B = 1 and B = 8:
-``speculative_generate`` against the same patched target decoding alone (``generate``), against
-transformers' plain greedy generate and, at B = 1, transformers' assisted generation (batch 1 only).
+``speculative_generate`` and ``prompt_lookup_generate`` (no draft model) against the same patched
+target decoding alone (``generate``), against transformers' plain greedy generate and, at B = 1,
+transformers' assisted generation (batch 1 only).
 Tokens/s count new tokens; acceptance is accepted / proposed drafts.
 
 Rows "speculative_rounds" (GPU only): a random-weight target with Llama-3-8B shapes and a draft
@@ -23,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import gptfast_kernels.generation.speculative as speculative_module
 from bench.harness import best_seconds, default_dtype, synchronize
-from gptfast_kernels import StaticKVCache, generate, patch_model, speculative_generate
+from gptfast_kernels import StaticKVCache, generate, patch_model, prompt_lookup_generate, speculative_generate
 
 SPECULATE_K = 4
 GPU_TARGET = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -65,6 +66,10 @@ def _e2e_rows(h):
                 "ours_speculative": lambda: speculative_generate(patched_target, patched_draft, ids, mask,
                                                                  max_new_tokens=new_tokens, speculate_k=SPECULATE_K,
                                                                  eos_token_id=eos, compile=on_gpu),
+                "ours_prompt_lookup": lambda: prompt_lookup_generate(patched_target, ids, mask,
+                                                                     max_new_tokens=new_tokens,
+                                                                     speculate_k=SPECULATE_K, eos_token_id=eos,
+                                                                     compile=on_gpu),
             }
             if rows == 1:
                 candidates["hf_assisted"] = lambda: target.generate(
@@ -75,7 +80,7 @@ def _e2e_rows(h):
         for name, (seconds, out) in timings.items():
             row = {**case, "impl": name, "tokens_per_s": rows * new_tokens / seconds,
                    "speedup_vs_target_alone": base / seconds}
-            if name == "ours_speculative":
+            if name in ("ours_speculative", "ours_prompt_lookup"):
                 row["acceptance_rate"] = out.acceptance_rate
                 row["greedy_equals_target_alone"] = bool(torch.equal(out.sequences,
                                                                      timings["ours_target_alone"][1]))

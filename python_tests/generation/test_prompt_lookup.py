@@ -42,6 +42,34 @@ def test_lookup_ignores_the_padding():
     assert got.tolist() == [[7, 7], [2, 2]]
 
 
+def _lookup_one_row(text, k, max_ngram_size):
+    """The rule, one row in plain Python: the latest earlier occurrence of the longest tail."""
+    for n in range(min(max_ngram_size, len(text) - 1), 0, -1):
+        tail = text[-n:]
+        for w in range(len(text) - n - 1, -1, -1):  # latest first; w + n < len(text)
+            if text[w:w + n] == tail:
+                proposal = list(text)
+                for i in range(k):  # copying on past the end, as an overlapping copy does
+                    proposal.append(proposal[w + n + i])
+                return proposal[len(text):]
+    return [text[-1]] * k
+
+
+def test_lookup_equals_the_one_row_rule_on_random_texts():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True)
+    @given(texts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=4),
+           k=st.integers(1, 6), max_ngram_size=st.integers(1, 4))
+    def check(texts, k, max_ngram_size):
+        tokens, lengths = _tokens(texts, width=max(len(t) for t in texts) + 3)
+        got = lookup_continuations(tokens, lengths, k, max_ngram_size).tolist()
+        assert got == [_lookup_one_row(t, k, max_ngram_size) for t in texts]
+
+    check()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
 @pytest.mark.parametrize("side", ["left", "right"])

@@ -10,7 +10,9 @@ output equals the target's own greedy decoding; sampled output follows the targe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -54,6 +56,24 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
                                        temperature, top_k, top_p, eos_token_id, generator, compile,
                                        min(common.input_vocab_size(model), common.input_vocab_size(draft_model)))
     return rounds.run(lambda capacity: DraftModelProposer(draft_model, rounds.batch_size, capacity, compile))
+
+
+class Proposer(Protocol):
+    """What SpeculativeRounds asks of a source of drafts, once per call / round."""
+
+    def prefill(self, prompt: common.Prompt) -> None:
+        """After the target's prefill: take in the prompt."""
+
+    def propose(self, rounds: "SpeculativeRounds", last: torch.Tensor, active: torch.Tensor,
+                history: "History") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """last [B] (the last emitted token, not yet in the target's cache), active [B] bool ->
+        draft tokens [B, k] int64 and the distributions they were drawn from [B, k, V] float32
+        (None when ``rounds.greedy``)."""
+
+    def commit(self, active: torch.Tensor, committed: torch.Tensor, num_accepted: torch.Tensor,
+               draft_tokens: torch.Tensor) -> None:
+        """After verification: each active row kept ``committed`` tokens in the target's cache,
+        ``num_accepted`` [B] of the drafts."""
 
 
 class DraftModelProposer:
@@ -151,7 +171,7 @@ class SpeculativeRounds:
         probs = logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
         return sample_from(probs, self.generator), probs
 
-    def run(self, make_proposer) -> SpeculativeOutput:
+    def run(self, make_proposer: Callable[[int], Proposer]) -> SpeculativeOutput:
         """``make_proposer(capacity)``: the proposer, given the cache length the rounds need."""
         model, prompt, k, pad, B = self.model, self.prompt, self.k, self.pad, self.batch_size
         device, dtype = common.model_device_dtype(model)

@@ -24,11 +24,13 @@ def _demo(capsys, *args) -> str:
 
 def _check_report(out: str, prompts: int) -> None:
     for side in ("baseline: transformers generate", "optimized: int8 + fused attention",
-                 "optimized + speculative (k="):
+                 "optimized + speculative (k=", "optimized + prompt lookup (k="):
         assert re.search(re.escape(side) + r".*\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out), (side, out)
     assert re.search(r"speed-up \(speculative vs baseline\): [\d.]+x", out), out
     assert re.search(r"acceptance rate: [\d.]+% \(\d+ of \d+ draft tokens\)", out), out
     assert f"speculative == optimized target's own greedy decoding: True ({prompts}/{prompts} prompts" in out, out
+    assert re.search(r"prompt lookup acceptance rate: [\d.]+% \(\d+ of \d+ draft tokens\)", out), out
+    assert f"prompt lookup == optimized target's own greedy decoding: True ({prompts}/{prompts} prompts" in out, out
     assert re.search(r"speculative == transformers generate, float32 baseline: (True|False)", out), out
 
 

@@ -2,10 +2,11 @@
 
 Baseline: transformers' ``generate(do_sample=False)`` on the unpatched target. Optimized: a deep
 copy of the target patched with ``patch_model`` (int8 weights + fused static-cache attention)
-decoding with ``speculative_generate`` and the patched draft. The patched target's own greedy
-``generate`` runs as well: speculative output must equal it token for token (greedy speculative
-decoding is exact by construction, so this is a real check), while it may differ from the float
-baseline where int8 rounding flips a close argmax.
+decoding with ``speculative_generate`` and the patched draft, and with ``prompt_lookup_generate``
+(drafts looked up in each prompt and output, no draft model). The patched target's own greedy
+``generate`` runs as well: both speculative outputs must equal it token for token (greedy
+speculative decoding is exact by construction, so this is a real check), while they may differ
+from the float baseline where int8 rounding flips a close argmax.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def run_demo(args) -> int:
 
 
 def _run_demo(args) -> int:
-    from gptfast_kernels import _extension, generate, patch_model, speculative_generate
+    from gptfast_kernels import _extension, generate, patch_model, prompt_lookup_generate, speculative_generate
     from gptfast_kernels.generation.common import resolve_special_tokens
 
     device = _device(args.device)
@@ -225,17 +226,24 @@ def _run_demo(args) -> int:
         def own_greedy(ids, mask, n):
             return generate(fast_target, ids, mask, max_new_tokens=n).sequences
 
-        def speculative(ids, mask, n):
-            out = speculative_generate(fast_target, fast_draft, ids, mask, max_new_tokens=n,
-                                       speculate_k=args.speculate_k)
-            counts = sides[2].extra
+        def counted(side: int, out):
+            counts = sides[side].extra
             counts["proposed"] = counts.get("proposed", 0) + int(out.num_proposed.sum())
             counts["accepted"] = counts.get("accepted", 0) + int(out.num_accepted.sum())
             return out.sequences
 
+        def speculative(ids, mask, n):
+            return counted(2, speculative_generate(fast_target, fast_draft, ids, mask, max_new_tokens=n,
+                                                   speculate_k=args.speculate_k))
+
+        def prompt_lookup(ids, mask, n):
+            return counted(3, prompt_lookup_generate(fast_target, ids, mask, max_new_tokens=n,
+                                                     speculate_k=args.speculate_k))
+
         sides = [Side(f"baseline: transformers generate, {args.dtype}", baseline),
                  Side(f"optimized: {int8} + fused attention", own_greedy),
-                 Side(f"optimized + speculative (k={args.speculate_k})", speculative)]
+                 Side(f"optimized + speculative (k={args.speculate_k})", speculative),
+                 Side(f"optimized + prompt lookup (k={args.speculate_k}, no draft)", prompt_lookup)]
         batches = [tokenizer.batch(prompts[i:i + args.batch_size], device)
                    for i in range(0, len(prompts), args.batch_size)]
         print(f"\nGenerating: {len(prompts)} prompts in batches of {args.batch_size}, {args.max_new_tokens} new tokens "
@@ -244,24 +252,32 @@ def _run_demo(args) -> int:
     return _report(args, prompts, tokenizer, sides, setup_seconds, started)
 
 
+def _acceptance(side: Side) -> str:
+    proposed, accepted = side.extra.get("proposed", 0), side.extra.get("accepted", 0)
+    rate = accepted / proposed if proposed else 0.0
+    return f"{100 * rate:.1f}% ({accepted} of {proposed} draft tokens)"
+
+
 def _report(args, prompts, tokenizer, sides, setup_seconds, started) -> int:
-    baseline, own, spec = sides
-    spec_stats = spec.extra
+    baseline, own, spec, lookup = sides
     print(f"\n{'':<46}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'speed-up':>10}")
     for side in sides:
         rate = side.tokens / side.seconds if side.seconds else float("nan")
         speedup = (side.tokens / side.seconds) / (baseline.tokens / baseline.seconds)
         print(f"  {side.name:<44}{side.tokens:>8}{side.seconds:>9.2f}{rate:>10.1f}{speedup:>9.2f}x")
     speedup = (spec.tokens / spec.seconds) / (baseline.tokens / baseline.seconds)
-    rate = spec_stats["accepted"] / spec_stats["proposed"] if spec_stats.get("proposed") else 0.0
     own_match = sum(a == b for a, b in zip(spec.outputs, own.outputs))
+    lookup_match = sum(a == b for a, b in zip(lookup.outputs, own.outputs))
     base_match = sum(a == b for a, b in zip(spec.outputs, baseline.outputs))
     n = len(prompts)
     print(f"\nspeed-up (speculative vs baseline): {speedup:.2f}x")
-    print(f"acceptance rate: {100 * rate:.1f}% ({spec_stats['accepted']} of {spec_stats['proposed']} draft tokens)")
+    print(f"acceptance rate: {_acceptance(spec)}")
+    print(f"prompt lookup acceptance rate: {_acceptance(lookup)}")
     print("greedy outputs matched:")
     print(f"  speculative == optimized target's own greedy decoding: {own_match == n} ({own_match}/{n} prompts; "
           "exact by construction, so this checks the implementation)")
+    print(f"  prompt lookup == optimized target's own greedy decoding: {lookup_match == n} ({lookup_match}/{n} "
+          "prompts; exact by construction too)")
     note = ("int8 weights change the target's numerics, so a close argmax may flip and the texts diverge from there"
             if not args.no_int8 else "float weights: differences would only come from summation order")
     print(f"  speculative == {baseline.name.split(': ')[1]} baseline: {base_match == n} ({base_match}/{n} prompts; "
@@ -272,4 +288,4 @@ def _report(args, prompts, tokenizer, sides, setup_seconds, started) -> int:
     print(f"  speculative : {tokenizer.decode(spec.outputs[0])!r}")
     print(f"\n(setup {setup_seconds:.1f} s, total {time.perf_counter() - started:.1f} s)")
     sys.stdout.flush()
-    return 0 if own_match == n else 1
+    return 0 if own_match == n and lookup_match == n else 1

@@ -101,3 +101,17 @@ def hf_greedy(model, ids, mask, new: int, **kwargs):
     """transformers' own greedy generate, the reference our decoding is compared with."""
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **kwargs)
+
+
+class RecordingStreamer:
+    """A transformers-style streamer that keeps what it was given."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        assert self.ended == 0, "put after end"
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended += 1

@@ -112,3 +112,11 @@ def last_real_logits(logits: torch.Tensor, prompt: Prompt) -> torch.Tensor:
     P = prompt.attention_mask.shape[1]
     last = P - 1 - prompt.attention_mask.flip(1).to(torch.int64).argmax(dim=1)
     return logits[torch.arange(logits.shape[0], device=logits.device), last]
+
+
+def check_streamer(op: str, streamer) -> None:
+    """A transformers-style streamer (``put(tokens)``, ``end()``), or None."""
+    if streamer is not None and not (callable(getattr(streamer, "put", None))
+                                     and callable(getattr(streamer, "end", None))):
+        raise TypeError(f"{op}: streamer must have put(tokens) and end() methods (a transformers "
+                        f"BaseStreamer such as TextStreamer), got {type(streamer).__name__}")

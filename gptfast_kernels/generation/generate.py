@@ -26,7 +26,7 @@ EOS_CHECK_STEPS = 8
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
-             past_key_values: StaticKVCache | None = None, compile: bool = False) -> GenerateOutput:
+             past_key_values: StaticKVCache | None = None, compile: bool = False, streamer=None) -> GenerateOutput:
     """Decodes up to ``max_new_tokens`` per row from a model patched with ``patch_model``.
 
     input_ids [B, P]; attention_mask [B, P] (0 = padding, left or right) or None. Rows are
@@ -37,6 +37,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     reuse (its rows are emptied first); by default one of the needed size is allocated.
     ``compile``: run each decode step through torch.compile (a CUDA graph on GPUs); the model then
     keeps its compiled step and its cache for later calls (see generation/forward.py).
+    ``streamer``: as in transformers, ``put`` gets the prompt [B, P], then each step's tokens [B]
+    (the pad id for finished rows), on the CPU; then ``end()``. Each put waits for the device.
     Returns GenerateOutput(sequences [B, P + n]) with n <= max_new_tokens.
     """
     op = "generate"
@@ -46,8 +48,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
     check_sampling_args(op, temperature, top_k, top_p)
     eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
+    common.check_streamer(op, streamer)
     B = prompt.input_ids.shape[0]
     if max_new_tokens == 0:
+        if streamer is not None:
+            streamer.put(prompt.input_ids.cpu())
+            streamer.end()
         return GenerateOutput(prompt.input_ids.clone())
     needed = max(prompt.lengths) + max_new_tokens - 1  # the last token is emitted, never cached
     if past_key_values is None:
@@ -59,6 +65,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                              f"max_cache_len >= {needed} (longest prompt + max_new_tokens - 1)")
         cache.crop(torch.zeros_like(cache.seq_lengths), check=False)  # stale slots are never read
     forward_step = step_function(model, compile)
+    if streamer is not None:
+        streamer.put(prompt.input_ids.cpu())
 
     prefill_kwargs = {"logits_to_keep": 1} if prompt.ends_aligned else {}
     logits = model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=cache,
@@ -74,14 +82,19 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         new_tokens.append(tokens)
         lengths += ~finished
         finished |= torch.isin(tokens, eos_ids)
+        if streamer is not None:
+            streamer.put(tokens.cpu())
         if step == max_new_tokens - 1:
             break
         # Whether every row has finished is a GPU sync, so it is asked every EOS_CHECK_STEPS steps
-        # (never without eos ids); the few steps run past the end are cut off below.
-        if eos and (step + 1) % EOS_CHECK_STEPS == 0 and bool(finished.all()):
+        # (never without eos ids; every step when a streamer waits for each step anyway); the few
+        # steps run past the end are cut off below.
+        if eos and (streamer is not None or (step + 1) % EOS_CHECK_STEPS == 0) and bool(finished.all()):
             break
         # finished rows are padding from now on: nothing written, their lengths stay put
         logits = forward_step(tokens[:, None], ~finished[:, None], cache)[:, -1]
+    if streamer is not None:
+        streamer.end()
     generated = torch.stack(new_tokens, dim=1)
     if eos:  # as transformers: stop at the step where the last row emitted its eos
         generated = generated[:, :int(lengths.max())]

@@ -36,11 +36,13 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
                          *, max_new_tokens: int, speculate_k: int = 4, temperature: float = 0.0,
                          top_k: int | None = None, top_p: float | None = None,
                          eos_token_id: int | list[int] | None = None,
-                         generator: torch.Generator | None = None, compile: bool = False) -> SpeculativeOutput:
+                         generator: torch.Generator | None = None, compile: bool = False,
+                         streamer=None) -> SpeculativeOutput:
     """input_ids [B, P] (attention_mask [B, P], 0 = padding, left or right) -> SpeculativeOutput.
     Both models must be patched (patch_model) and share a vocabulary. ``compile``: run the draft's
     and the target's per-round forwards through torch.compile (CUDA graphs on GPUs), as in
-    ``generate``."""
+    ``generate``. ``streamer`` (one prompt only, as in transformers' assisted generation): ``put``
+    gets the prompt [1, P], then each round's new tokens [1, n] on the CPU; then ``end()``."""
     op = "speculative_generate"
     common.check_model(op, "model", model)
     common.check_model(op, "draft_model", draft_model)
@@ -54,7 +56,8 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
         raise ValueError(f"{op}: draft_model is on {draft_device} but model is on {device}")
     rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
                                        temperature, top_k, top_p, eos_token_id, generator, compile,
-                                       min(common.input_vocab_size(model), common.input_vocab_size(draft_model)))
+                                       min(common.input_vocab_size(model), common.input_vocab_size(draft_model)),
+                                       streamer)
     return rounds.run(lambda capacity: DraftModelProposer(draft_model, rounds.batch_size, capacity, compile))
 
 
@@ -141,10 +144,11 @@ class SpeculativeRounds:
     pad: int
     generator: torch.Generator | None
     compile: bool
+    streamer: object = None
 
     @classmethod
     def checked(cls, op, model, input_ids, attention_mask, max_new_tokens, speculate_k, temperature, top_k, top_p,
-                eos_token_id, generator, compile, vocab_size) -> "SpeculativeRounds":
+                eos_token_id, generator, compile, vocab_size, streamer) -> "SpeculativeRounds":
         """Validates the arguments every speculative generator shares (``op`` names the caller)."""
         common.check_model(op, "model", model)
         check_int(op, "speculate_k", speculate_k, 1)
@@ -153,7 +157,12 @@ class SpeculativeRounds:
         max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
         check_sampling_args(op, temperature, top_k, top_p)
         eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
-        return cls(model, prompt, max_new_tokens, speculate_k, temperature, top_k, top_p, eos, pad, generator, compile)
+        common.check_streamer(op, streamer)
+        if streamer is not None and prompt.input_ids.shape[0] != 1:
+            raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
+                             f"per round), got a batch of {prompt.input_ids.shape[0]}")
+        return cls(model, prompt, max_new_tokens, speculate_k, temperature, top_k, top_p, eos, pad, generator, compile,
+                   streamer)
 
     @property
     def batch_size(self) -> int:
@@ -176,7 +185,12 @@ class SpeculativeRounds:
         model, prompt, k, pad, B = self.model, self.prompt, self.k, self.pad, self.batch_size
         device, dtype = common.model_device_dtype(model)
         zeros = torch.zeros(B, dtype=torch.int64, device=device)
+        streamer = self.streamer
+        if streamer is not None:
+            streamer.put(prompt.input_ids.cpu())
         if self.max_new_tokens == 0:
+            if streamer is not None:
+                streamer.end()
             return SpeculativeOutput(prompt.input_ids.clone(), zeros, zeros.clone(), 0.0)
         capacity = max(prompt.lengths) + self.max_new_tokens + k
         target_cache = cache_for(model, B, capacity, device, dtype, reuse=self.compile)
@@ -194,6 +208,8 @@ class SpeculativeRounds:
         out = torch.full((B, self.max_new_tokens + 2 * (k + 1)), pad, dtype=torch.int64, device=device)
         dump = out.shape[1] - 1
         out[:, 0] = last
+        if streamer is not None:
+            streamer.put(last[:, None].cpu())
         num_generated = torch.ones(B, dtype=torch.int64, device=device)
         finished = torch.isin(last, eos_ids) | (num_generated >= self.max_new_tokens)
         proposed, accepted = zeros.clone(), zeros.clone()
@@ -237,9 +253,14 @@ class SpeculativeRounds:
             emitted &= ~after_eos
             slots = torch.where(emitted, num_generated[:, None] + columns[None, :], dump)
             out.scatter_(1, slots, torch.where(emitted, tokens, pad))
+            if streamer is not None:  # one row: its new tokens, up to max_new_tokens
+                room = self.max_new_tokens - int(num_generated[0])
+                streamer.put(tokens[:, :min(int(emitted.sum()), room)].cpu())
             num_generated += emitted.sum(dim=1)
             finished |= is_eos.any(dim=1) | (num_generated >= self.max_new_tokens)
 
+        if streamer is not None:
+            streamer.end()
         new = min(int(num_generated.max()), self.max_new_tokens)
         generated = out[:, :new]
         # positions past a row's own length hold pad already; rows cut by max_new_tokens lose the rest

@@ -11,7 +11,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from gptfast_kernels import Int8Linear, StaticKVCache, generate
 from gptfast_kernels.generation.sampling import logits_to_probs
 from python_tests import tiny_models
-from python_tests.tiny_models import EOS, FAMILIES, PAD, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import (EOS, FAMILIES, PAD, RecordingStreamer, patched_copy, ragged_prompts,
+                                      tiny_model)
 
 NEW = 12
 
@@ -227,3 +228,24 @@ def test_compiled_steps_beyond_dynamo_recompile_limit():
             eager = generate(patched, ids, mask, max_new_tokens=3, eos_token_id=[]).sequences
             compiled = generate(patched, ids, mask, max_new_tokens=3, eos_token_id=[], compile=True).sequences
             assert torch.equal(compiled, eager)
+
+
+def test_streamer_gets_the_prompt_then_every_step():
+    """As transformers' generate: put(prompt [B, P]), put(tokens [B]) per step on the CPU, end();
+    with an eos the stream stops at the step where the last row finished."""
+    patched = patched_copy(tiny_model("llama"), int8=True)
+    ids, mask = ragged_prompts(2, 6, "left")
+    streamer = RecordingStreamer()
+    out = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], streamer=streamer).sequences
+    assert streamer.ended == 1 and torch.equal(streamer.puts[0], ids)
+    assert all(p.device.type == "cpu" and p.shape == (2,) for p in streamer.puts[1:])
+    assert torch.equal(torch.stack(streamer.puts[1:], dim=1), out[:, 6:])
+    # one row: an eos ends the stream at once (no pad steps after it)
+    row = ids[:1]
+    stop = int(out[0, 6 + 3])
+    streamer = RecordingStreamer()
+    got = generate(patched, row, max_new_tokens=NEW, eos_token_id=stop, streamer=streamer).sequences
+    assert torch.equal(torch.stack(streamer.puts[1:], dim=1), got[:, 6:])
+    assert int(streamer.puts[-1][0]) == stop and streamer.ended == 1
+    with pytest.raises(TypeError, match="streamer"):
+        generate(patched, row, max_new_tokens=2, streamer=object())

@@ -5,10 +5,10 @@ compiled rounds, bad arguments."""
 import pytest
 import torch
 
-from gptfast_kernels import generate, prompt_lookup_generate
+from gptfast_kernels import generate, patch_model, prompt_lookup_generate, speculative_generate
 from gptfast_kernels.generation.prompt_lookup import lookup_continuations
 from python_tests.generation.test_speculative import _exact_target_distribution
-from python_tests.tiny_models import patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import RecordingStreamer, draft_of, patched_copy, ragged_prompts, tiny_model
 
 NEW = 40
 
@@ -164,3 +164,29 @@ def test_bad_arguments_name_the_argument():
         prompt_lookup_generate(patched, ids, max_new_tokens=4, temperature=-1.0)
     out = prompt_lookup_generate(patched, ids, max_new_tokens=0)
     assert torch.equal(out.sequences, ids) and out.acceptance_rate == 0.0
+
+
+@pytest.mark.parametrize("generator", ["prompt_lookup", "draft_model"])
+def test_streamer_gets_each_rounds_new_tokens(generator):
+    """One prompt (as transformers' assisted generation): put(prompt [1, P]), put(first token
+    [1, 1]), then each round's new tokens [1, n], cut at max_new_tokens; then end()."""
+    target = tiny_model("llama", layers=3)
+    patched = patched_copy(target, int8=False)
+    draft = patch_model(draft_of(target, 2), int8=False)
+
+    def run(ids, **kwargs):
+        if generator == "draft_model":
+            return speculative_generate(patched, draft, ids, max_new_tokens=13, speculate_k=4, eos_token_id=[],
+                                        **kwargs)
+        return prompt_lookup_generate(patched, ids, max_new_tokens=13, speculate_k=4, eos_token_id=[], **kwargs)
+
+    ids, _ = ragged_prompts(1, 6, "left", seed=4)
+    streamer = RecordingStreamer()
+    out = run(ids, streamer=streamer)
+    assert streamer.ended == 1 and torch.equal(streamer.puts[0], ids)
+    assert all(p.dim() == 2 and p.shape[0] == 1 for p in streamer.puts[1:])
+    assert torch.equal(torch.cat(streamer.puts[1:], dim=1), out.sequences[:, 6:])
+    assert len(streamer.puts) < 2 + 13  # rounds emitted several tokens at once
+    batch, _ = ragged_prompts(2, 6, "left")
+    with pytest.raises(ValueError, match="streamer"):
+        run(batch, streamer=RecordingStreamer())

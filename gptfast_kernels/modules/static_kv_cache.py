@@ -119,6 +119,10 @@ class StaticKVCache(Cache):
         [B, past + T] (its last T columns are used)."""
         B = self.batch_size
         if attention_mask is not None:
+            if attention_mask.dim() == 4:
+                raise ValueError("StaticKVCache: got a 4-D attention_mask, which transformers' generate builds for "
+                                 "static caches; decode with gptfast_kernels.generate (or speculative_generate), "
+                                 "or call the model with the [B, T] padding mask")
             if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < num_tokens:
                 raise ValueError(f"StaticKVCache: attention_mask must be [B, T] or [B, past + T] with B = {B}, "
                                  f"T = {num_tokens}; got {list(attention_mask.shape)}")

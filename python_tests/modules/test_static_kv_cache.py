@@ -134,3 +134,15 @@ def test_sliding_window_and_unsupported_families_refused():
 
     with pytest.raises(ValueError, match="supported model families"):
         StaticKVCache(BertConfig(), 1, 8)
+
+
+def test_transformers_generate_with_it_names_the_way_that_works():
+    """transformers' generate builds a 4-D mask for a static cache, which the per-row positions
+    cannot be read from: a clear error pointing to gptfast_kernels.generate, not a wrong answer."""
+    from python_tests.tiny_models import patched_copy
+
+    patched = patched_copy(tiny_model("llama"), int8=False)
+    ids = torch.randint(2, 90, (2, 6))
+    with pytest.raises(ValueError, match="4-D attention_mask.*gptfast_kernels.generate"):
+        patched.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                         past_key_values=StaticKVCache(patched.config, 2, 16))

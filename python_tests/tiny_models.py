@@ -5,8 +5,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import (AutoModelForCausalLM, GemmaConfig, GPT2Config, GPTNeoXConfig, GraniteConfig, LlamaConfig,
-                          MistralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, CohereConfig, GemmaConfig, GlmConfig, GPT2Config, GPTNeoXConfig,
+                          GraniteConfig, HeliumConfig, LlamaConfig, MistralConfig, OlmoConfig, Olmo2Config, PhiConfig,
+                          Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config, Starcoder2Config)
 
 VOCAB = 97
 PAD, EOS = 0, 1
@@ -49,6 +50,29 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
         config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                             num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=256,
                             **common)
+    elif family == "cohere":  # attention and MLP in parallel, logit scale, tied head
+        config = CohereConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=256, logit_scale=0.5, **common)
+    elif family == "olmo":  # non-parametric layer norms
+        config = OlmoConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=256, **common)
+    elif family == "helium":
+        config = HeliumConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, **common)
+    elif family == "smollm3":  # layer 1 without RoPE (NoPE)
+        config = SmolLM3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=256,
+                               no_rope_layers=[int(i % 2 == 0) for i in range(layers)], **common)
+    elif family == "glm":  # fused gate / up; head_dim x heads != hidden; partial rotary
+        config = GlmConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, max_position_embeddings=256, **common)
+    elif family == "phi":  # partial rotary, parallel attention and MLP, ungated MLP
+        config = PhiConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                           num_key_value_heads=4, max_position_embeddings=256, partial_rotary_factor=0.5, **common)
+    elif family == "starcoder2":  # biases, ungated MLP
+        config = Starcoder2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  sliding_window=None, **common)
     else:
         raise ValueError(family)
     for key, value in overrides.items():
@@ -56,9 +80,11 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
     return config
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "granite", "phi3", "gpt2", "gpt_neox")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "granite", "cohere", "olmo", "helium", "smollm3",
+            "phi3", "glm", "phi", "starcoder2", "gpt2", "gpt_neox")
 # families whose MLP has separate gate / up projections and whose attention separate q / k / v ones
-SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "granite")
+SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "granite", "cohere", "olmo", "helium",
+                        "smollm3")
 
 
 def tiny_model(family: str, *, seed: int = 0, **kwargs):

@@ -42,8 +42,16 @@ FAMILIES: dict[str, Family] = {
         Family("gemma", "GemmaAttention", "num_key_value_heads", "head_dim", "GemmaMLP"),
         Family("olmo2", "Olmo2Attention", "num_key_value_heads", None, "Olmo2MLP"),
         Family("granite", "GraniteAttention", "num_key_value_heads", None, "GraniteMLP"),
-        # Phi-3 projects q / k / v and gate / up as single Linears already
+        Family("cohere", "CohereAttention", "num_key_value_heads", None, "CohereMLP"),
+        Family("olmo", "OlmoAttention", "num_key_value_heads", None, "OlmoMLP"),
+        Family("helium", "HeliumAttention", "num_key_value_heads", "head_dim", "HeliumMLP"),
+        Family("smollm3", "SmolLM3Attention", "num_key_value_heads", None, "SmolLM3MLP"),
+        # Phi-3 and GLM project gate / up as one Linear already (Phi-3 q / k / v too)
         Family("phi3", "Phi3Attention", "num_key_value_heads", None),
+        Family("glm", "GlmAttention", "num_key_value_heads", "head_dim"),
+        # plain (ungated) MLPs
+        Family("phi", "PhiAttention", "num_key_value_heads", None),
+        Family("starcoder2", "Starcoder2Attention", "num_key_value_heads", None),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_neox", "GPTNeoXAttention", None, None),
     )

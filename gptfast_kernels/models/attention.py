@@ -31,6 +31,8 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
     if gptfast_cache is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if not torch.compiler.is_compiling():
+        gptfast_cache.attention_calls += 1  # checked by after_forward
     layer = gptfast_cache.layers[module.layer_idx]
     dtype = layer.dtype
     out = kv_cache_attention(query.to(dtype), key.to(dtype), value.to(dtype), layer.keys, layer.values,
@@ -76,8 +78,18 @@ def before_forward(model, args, kwargs):
 
 
 def after_forward(model, args, kwargs, output):
-    """Forward hook (with_kwargs=True): the step succeeded, so the rows' lengths advance."""
+    """Forward hook (with_kwargs=True): the step succeeded, so the rows' lengths advance. In eager
+    mode it also checks that every layer's attention got the cache: a model whose layers drop the
+    attention keywords would otherwise have attended to the new tokens alone, silently."""
     cache = kwargs.get("past_key_values")
     if isinstance(cache, StaticKVCache):
+        layers = len(cache.layers)
+        if not torch.compiler.is_compiling() and cache.attention_calls != layers:
+            calls = cache.attention_calls
+            cache.discard_step()  # the lengths stay: what this forward wrote is never read
+            raise RuntimeError(f"patch_model: {calls} of this {type(model).__name__}'s {layers} attention layers "
+                               "received the StaticKVCache; its layers do not pass transformers' attention "
+                               "keywords on, so the fused path cannot serve it (its transformers version or "
+                               "family is unsupported)")
         cache.commit_step()
     return None

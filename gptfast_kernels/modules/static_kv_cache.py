@@ -104,6 +104,7 @@ class StaticKVCache(Cache):
             torch._dynamo.mark_static_address(self.seq_lengths)
         self._step_positions: torch.Tensor | None = None  # [B, T] positions of the current forward
         self._fused_step = False
+        self.attention_calls = 0  # fused attention calls of the current forward (eager forwards only)
         # plan_step checks, in eager mode, that every position fits the cache: one GPU sync per
         # forward. A decoding loop that sized the cache for every token it writes may turn it off
         # (generate / speculative_generate do for the caches they allocate).
@@ -149,6 +150,7 @@ class StaticKVCache(Cache):
                 raise ValueError(f"StaticKVCache: position_ids must be >= 0, got {low}")
         self._step_positions = positions
         self._fused_step = fused
+        self.attention_calls = 0
         return positions
 
     def commit_step(self) -> None:
@@ -157,6 +159,11 @@ class StaticKVCache(Cache):
             return
         written = self._step_positions.max(dim=1).values + 1  # 0 for an all-padding row
         self.seq_lengths.copy_(torch.maximum(self.seq_lengths, written))
+        self._step_positions = None
+        self._fused_step = False
+
+    def discard_step(self) -> None:
+        """Ends the current forward without advancing any row (its writes stay past the lengths)."""
         self._step_positions = None
         self._fused_step = False
 

@@ -127,3 +127,23 @@ def test_unsupported_model_names_supported_families():
         patch_model(gemma2)
     with pytest.raises(TypeError, match="model"):
         patch_model(torch.nn.Linear(2, 2))
+
+
+def test_a_family_whose_layers_drop_the_cache_is_caught(monkeypatch):
+    """StableLM's decoder layers do not pass transformers' attention keywords on (5.8 to 5.23),
+    so its attention never sees the StaticKVCache: listed as a family anyway, its patched forward
+    must fail loudly rather than attend to the new tokens alone."""
+    from transformers import StableLmConfig
+
+    from gptfast_kernels.models import families
+
+    monkeypatch.setitem(families.FAMILIES, "stablelm",
+                        families.Family("stablelm", "StableLmAttention", "num_key_value_heads", None))
+    model = AutoModelForCausalLM.from_config(StableLmConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                            num_attention_heads=2, num_key_value_heads=2,
+                                                            vocab_size=50))
+    patched = patch_model(model, int8=False)
+    cache = StaticKVCache(patched.config, 1, 8)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="0 of this StableLmForCausalLM's 2 attention layers"):
+        patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
+    assert cache.seq_lengths.tolist() == [0]

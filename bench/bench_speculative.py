@@ -9,7 +9,9 @@ Tokens/s count new tokens; acceptance is accepted / proposed drafts.
 
 Rows "speculative_rounds" (GPU only): a random-weight target with Llama-3-8B shapes and a draft
 with 1/8 of its layers (bf16 activations, int8 weights, compiled steps): rounds per second at
-B = 1, 8, 32 and the fraction of a round spent outside the two models' forwards (target < 10%).
+B = 1, 8, 32 and the fraction of a round spent outside the two models' forwards (target < 10%);
+the same for prompt_lookup_generate on that target (its rounds and overhead; random weights give
+its lookup nothing to find).
 Cases (``--cases``): demo, rounds.
 """
 
@@ -140,17 +142,38 @@ def _rounds_rows(h):
             synchronize(h.device)
             clocked_seconds = time.perf_counter() - start
 
-        def prefills():  # eager, outside the step functions: timed on their own
+        def prefill(model):  # eager, outside the step functions: timed on its own
             with torch.no_grad():
-                for model in (target, draft):
-                    model(ids, past_key_values=StaticKVCache(model.config, rows, 32, device=h.device,
-                                                             dtype=torch.bfloat16), logits_to_keep=1)
+                model(ids, past_key_values=StaticKVCache(model.config, rows, 32, device=h.device,
+                                                         dtype=torch.bfloat16), logits_to_keep=1)
 
-        prefill_seconds, _ = best_seconds(prefills, h.device, repeats=2)
+        prefill_seconds, _ = best_seconds(lambda: (prefill(target), prefill(draft)), h.device, repeats=2)
         h.rows.append({"op": "speculative_rounds", "model": "llama-8B-shape random + 4-layer draft", "batch": rows,
                        "speculate_k": SPECULATE_K, "impl": "ours_speculative_compiled",
                        "rounds_per_s": rounds / seconds, "tokens_per_s": rows * new_tokens / seconds,
                        "fraction_outside_forwards": 1 - (clock.seconds + prefill_seconds) / clocked_seconds,
+                       "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"], **h.meta})
+
+        # Prompt lookup on the same target: random weights leave nothing to find, so this times its
+        # rounds (the target's k + 1-token forward plus the lookup), not its acceptance.
+        def lookup():
+            return prompt_lookup_generate(target, ids, max_new_tokens=new_tokens, speculate_k=SPECULATE_K,
+                                          eos_token_id=[], compile=True)
+
+        seconds, out = best_seconds(lookup, h.device, repeats=2)
+        rounds = int(out.num_proposed.max()) // SPECULATE_K
+        with _ForwardClock(h.device) as clock:
+            synchronize(h.device)
+            start = time.perf_counter()
+            lookup()
+            synchronize(h.device)
+            clocked_seconds = time.perf_counter() - start
+        target_prefill, _ = best_seconds(lambda: prefill(target), h.device, repeats=2)
+        h.rows.append({"op": "speculative_rounds", "model": "llama-8B-shape random, prompt lookup", "batch": rows,
+                       "speculate_k": SPECULATE_K, "impl": "ours_prompt_lookup_compiled",
+                       "rounds_per_s": rounds / seconds, "tokens_per_s": rows * new_tokens / seconds,
+                       "acceptance_rate": out.acceptance_rate,
+                       "fraction_outside_forwards": 1 - (clock.seconds + target_prefill) / clocked_seconds,
                        "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"], **h.meta})
 
 

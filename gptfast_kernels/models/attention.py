@@ -68,6 +68,11 @@ def before_forward(model, args, kwargs):
     cache = kwargs.get("past_key_values")
     if not isinstance(cache, StaticKVCache):
         return None
+    geometry = (len(cache.layers), cache.layers[0].num_heads, cache.layers[0].head_dim)
+    if geometry != model._gptfast_cache_geometry:
+        raise ValueError("past_key_values: this StaticKVCache holds {} layers x {} kv heads x head dim {}, this model "
+                         "needs {} x {} x {}; build the cache from the model's own config"
+                         .format(*geometry, *model._gptfast_cache_geometry))
     tokens = _tokens_of(args, kwargs)
     if tokens.dim() < 2 or tokens.shape[0] != cache.batch_size:
         raise ValueError(f"input_ids must be [B, T] with B = the StaticKVCache's batch_size "

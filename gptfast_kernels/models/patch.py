@@ -33,6 +33,8 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class)
         fuse_qkv_(model, family.attention_class)
+    # what a StaticKVCache for this model must hold (checked per forward by attention.before_forward)
+    model._gptfast_cache_geometry = family.cache_geometry(model.config.get_text_config(decoder=True))
     attention.register_attention_functions()
     model.set_attn_implementation(attention.FUSED if fused_attention else attention.UNFUSED)
     if getattr(model, "_gptfast_hooks", None) is None:

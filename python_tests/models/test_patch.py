@@ -147,3 +147,12 @@ def test_a_family_whose_layers_drop_the_cache_is_caught(monkeypatch):
     with torch.no_grad(), pytest.raises(RuntimeError, match="0 of this StableLmForCausalLM's 2 attention layers"):
         patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
     assert cache.seq_lengths.tolist() == [0]
+
+
+@pytest.mark.parametrize("other", [dict(layers=3), dict(layers=1), dict(num_key_value_heads=4)])
+def test_a_cache_built_for_another_config_is_refused(other):
+    patched = patched_copy(tiny_model("llama"), int8=False)  # 2 layers x 2 kv heads x head dim 16
+    cache = StaticKVCache(tiny_model("llama", **other).config, 1, 8)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"past_key_values: .* this model needs 2 x 2 x 16"):
+        patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
+    assert cache.seq_lengths.tolist() == [0]

@@ -37,17 +37,21 @@ def prompt_lookup_generate(model, input_ids: torch.Tensor, attention_mask: torch
 
 
 class PromptLookupProposer:
-    """Proposals from each row's own tokens (see the module docstring); keeps no state."""
+    """Proposals from each row's own tokens (see the module docstring); keeps only the prompt."""
 
     def __init__(self, max_ngram_size: int, vocab_size: int):
         self.max_ngram_size, self.vocab_size = max_ngram_size, vocab_size
+        self.prompt: common.Prompt | None = None
 
     def prefill(self, prompt: common.Prompt) -> None:
-        return None
+        self.prompt = prompt
 
     def propose(self, rounds: SpeculativeRounds, last, active, history: History):
         """-> draft tokens [B, k], and their one-hot distributions [B, k, V] (None when greedy)."""
-        tokens, lengths = _join(history)
+        generated = history.generated
+        made = torch.arange(generated.shape[1], device=generated.device)[None, :] < history.num_generated[:, None]
+        tokens, lengths = _pack_left(torch.cat([self.prompt.input_ids, generated], dim=1),
+                                     torch.cat([self.prompt.attention_mask, made], dim=1))
         drafts = lookup_continuations(tokens, lengths, rounds.k, self.max_ngram_size)
         if rounds.greedy:
             return drafts, None
@@ -57,18 +61,14 @@ class PromptLookupProposer:
         return None
 
 
-def _join(history: History) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's prompt then generated tokens, packed from the left ([B, P + W], -1 after each
-    row's end), and each row's count [B]."""
-    prompt, generated = history.prompt, history.generated
-    B, P = prompt.shape
-    width = P + generated.shape[1]
-    joined = torch.full((B, width + 1), -1, dtype=torch.int64, device=prompt.device)
-    joined[:, :P] = prompt
-    columns = torch.arange(generated.shape[1], device=prompt.device)[None, :]
-    slots = torch.where(columns < history.num_generated[:, None], history.prompt_lengths[:, None] + columns, width)
-    joined.scatter_(1, slots, generated)
-    return joined[:, :width], history.prompt_lengths + history.num_generated
+def _pack_left(tokens: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, L], keep [B, L] bool -> each row's kept tokens in order from the left ([B, L], -1
+    after them), and their counts [B]: a row's text without its padding."""
+    B, L = tokens.shape
+    columns = torch.where(keep, keep.cumsum(dim=1) - 1, L)  # dropped tokens go to a dump column
+    packed = torch.full((B, L + 1), -1, dtype=torch.int64, device=tokens.device)
+    packed.scatter_(1, columns, tokens)
+    return packed[:, :L], keep.sum(dim=1)
 
 
 def lookup_continuations(tokens: torch.Tensor, lengths: torch.Tensor, k: int, max_ngram_size: int) -> torch.Tensor:

@@ -120,10 +120,8 @@ class DraftModelProposer:
 
 @dataclass
 class History:
-    """Every row's tokens so far: the prompt's real tokens (``prompt`` [B, P], -1 after each row's
-    ``prompt_lengths``), then ``generated`` [B, W] up to ``num_generated`` per row."""
-    prompt: torch.Tensor
-    prompt_lengths: torch.Tensor
+    """What every row has generated so far (after its prompt): ``generated`` [B, W], valid up to
+    ``num_generated`` [B] per row."""
     generated: torch.Tensor
     num_generated: torch.Tensor
 
@@ -214,13 +212,11 @@ class SpeculativeRounds:
         finished = torch.isin(last, eos_ids) | (num_generated >= self.max_new_tokens)
         proposed, accepted = zeros.clone(), zeros.clone()
         columns = torch.arange(k + 1, device=device)
-        prompt_tokens, prompt_lengths = _compact(prompt)
 
         while not bool(finished.all()):
             active = ~finished
             # 1. k proposals per row (finished rows are padding: nothing written)
-            history = History(prompt_tokens, prompt_lengths, out, num_generated)
-            draft_tokens, draft_probs = proposer.propose(self, last, active, history)
+            draft_tokens, draft_probs = proposer.propose(self, last, active, History(out, num_generated))
 
             # 2. the target scores last + k drafts in one forward, 3. verify every row at once
             target_input = torch.cat([last[:, None], draft_tokens], dim=1)
@@ -270,13 +266,3 @@ class SpeculativeRounds:
         rate = int(accepted.sum()) / total_proposed if total_proposed else 0.0
         return SpeculativeOutput(torch.cat([prompt.input_ids, generated], dim=1), proposed, accepted, rate)
 
-
-def _compact(prompt: common.Prompt) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's real prompt tokens moved to the front ([B, P], -1 after them), and their counts [B]."""
-    mask = prompt.attention_mask
-    B, P = mask.shape
-    lengths = mask.sum(dim=1)
-    columns = torch.where(mask, mask.cumsum(dim=1) - 1, P)  # padding goes to a dump column
-    compact = torch.full((B, P + 1), -1, dtype=torch.int64, device=mask.device)
-    compact.scatter_(1, columns, prompt.input_ids)
-    return compact[:, :P], lengths

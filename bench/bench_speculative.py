@@ -116,6 +116,28 @@ class _ForwardClock:
         speculative_module.step_function = self.original
 
 
+def _timed_rounds(h, generate_fn, rows: int, new_tokens: int, prefill_seconds: float) -> tuple[dict, object]:
+    """Rounds/s and tokens/s of ``generate_fn`` (best of 2), and the share of a round outside the
+    models' forwards -> (row fields, its output). The forwards are timed in a run of their own,
+    synchronised around every step, and compared with that run's own length (an unsynchronised
+    run overlaps host work with the GPU, so its length cannot be split this way): an upper bound
+    on the host's share. The eager prefills, outside the step functions, are timed apart
+    (``prefill_seconds``)."""
+    seconds, out = best_seconds(generate_fn, h.device, repeats=2)
+    with _ForwardClock(h.device) as clock:
+        synchronize(h.device)
+        start = time.perf_counter()
+        generate_fn()
+        synchronize(h.device)
+        clocked_seconds = time.perf_counter() - start
+    fields = {"batch": rows, "speculate_k": SPECULATE_K,
+              "rounds_per_s": int(out.num_proposed.max()) // SPECULATE_K / seconds,
+              "tokens_per_s": rows * new_tokens / seconds,
+              "fraction_outside_forwards": 1 - (clock.seconds + prefill_seconds) / clocked_seconds,
+              "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"]}
+    return fields, out
+
+
 def _rounds_rows(h):
     torch.manual_seed(0)
     draft_cfg = dict(GPU_TARGET, num_hidden_layers=GPU_TARGET["num_hidden_layers"] // DRAFT_LAYER_FRACTION)
@@ -126,55 +148,28 @@ def _rounds_rows(h):
     for rows in (1, 8, 32):
         ids = torch.randint(0, GPU_TARGET["vocab_size"], (rows, 16), device=h.device)
 
-        def run():
-            return speculative_generate(target, draft, ids, max_new_tokens=new_tokens, speculate_k=SPECULATE_K,
-                                        eos_token_id=[], compile=True)
-
-        seconds, out = best_seconds(run, h.device, repeats=2)
-        rounds = int(out.num_proposed.max()) // SPECULATE_K
-        # The forwards are timed in a run of their own, synchronised around every step, and
-        # compared with that run's own length (the unsynchronised run above overlaps host work
-        # with the GPU, so its length cannot be split this way): an upper bound on the host's share.
-        with _ForwardClock(h.device) as clock:
-            synchronize(h.device)
-            start = time.perf_counter()
-            run()
-            synchronize(h.device)
-            clocked_seconds = time.perf_counter() - start
-
         def prefill(model):  # eager, outside the step functions: timed on its own
             with torch.no_grad():
                 model(ids, past_key_values=StaticKVCache(model.config, rows, 32, device=h.device,
                                                          dtype=torch.bfloat16), logits_to_keep=1)
 
-        prefill_seconds, _ = best_seconds(lambda: (prefill(target), prefill(draft)), h.device, repeats=2)
-        h.rows.append({"op": "speculative_rounds", "model": "llama-8B-shape random + 4-layer draft", "batch": rows,
-                       "speculate_k": SPECULATE_K, "impl": "ours_speculative_compiled",
-                       "rounds_per_s": rounds / seconds, "tokens_per_s": rows * new_tokens / seconds,
-                       "fraction_outside_forwards": 1 - (clock.seconds + prefill_seconds) / clocked_seconds,
-                       "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"], **h.meta})
-
+        target_prefill, _ = best_seconds(lambda: prefill(target), h.device, repeats=2)
+        draft_prefill, _ = best_seconds(lambda: prefill(draft), h.device, repeats=2)
+        fields, _ = _timed_rounds(
+            h, lambda: speculative_generate(target, draft, ids, max_new_tokens=new_tokens, speculate_k=SPECULATE_K,
+                                            eos_token_id=[], compile=True),
+            rows, new_tokens, target_prefill + draft_prefill)
+        h.rows.append({"op": "speculative_rounds", "model": "llama-8B-shape random + 4-layer draft",
+                       "impl": "ours_speculative_compiled", **fields, **h.meta})
         # Prompt lookup on the same target: random weights leave nothing to find, so this times its
         # rounds (the target's k + 1-token forward plus the lookup), not its acceptance.
-        def lookup():
-            return prompt_lookup_generate(target, ids, max_new_tokens=new_tokens, speculate_k=SPECULATE_K,
-                                          eos_token_id=[], compile=True)
-
-        seconds, out = best_seconds(lookup, h.device, repeats=2)
-        rounds = int(out.num_proposed.max()) // SPECULATE_K
-        with _ForwardClock(h.device) as clock:
-            synchronize(h.device)
-            start = time.perf_counter()
-            lookup()
-            synchronize(h.device)
-            clocked_seconds = time.perf_counter() - start
-        target_prefill, _ = best_seconds(lambda: prefill(target), h.device, repeats=2)
-        h.rows.append({"op": "speculative_rounds", "model": "llama-8B-shape random, prompt lookup", "batch": rows,
-                       "speculate_k": SPECULATE_K, "impl": "ours_prompt_lookup_compiled",
-                       "rounds_per_s": rounds / seconds, "tokens_per_s": rows * new_tokens / seconds,
-                       "acceptance_rate": out.acceptance_rate,
-                       "fraction_outside_forwards": 1 - (clock.seconds + target_prefill) / clocked_seconds,
-                       "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"], **h.meta})
+        fields, out = _timed_rounds(
+            h, lambda: prompt_lookup_generate(target, ids, max_new_tokens=new_tokens, speculate_k=SPECULATE_K,
+                                              eos_token_id=[], compile=True),
+            rows, new_tokens, target_prefill)
+        h.rows.append({"op": "speculative_rounds", "model": "llama-8B-shape random, prompt lookup",
+                       "impl": "ours_prompt_lookup_compiled", **fields, "acceptance_rate": out.acceptance_rate,
+                       **h.meta})
 
 
 def run(h) -> None:

@@ -41,5 +41,5 @@ void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, co
 // entry points (defined in kv_cache_attention.cpp). Position values are checked by each backend.
 void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                     const at::Tensor& positions);
+                                     const at::Tensor& positions, int64_t window, double softcap);
 }  // namespace gptfast_kernels

@@ -2,10 +2,12 @@
 // kernel.
 //
 //   for (b, t) with positions[b, t] >= 0:  k_cache[b, :, positions[b, t]] = k[b, :, t]  (same for v)
-//   out[b, h, t] = softmax(scale * q[b, h, t] . k_cache[b, h / G, 0..positions[b, t]]) @ v_cache[...]
+//   out[b, h, t] = softmax(cap(scale * q[b, h, t] . k_cache[b, h / G, first..positions[b, t]])) @ v_cache[...]
 //   out[b, h, t] = 0 where positions[b, t] < 0 (padding)
+// first = 0, or positions[b, t] - window + 1 (at least 0) with a sliding window (window > 0);
+// cap(s) = s, or softcap * tanh(s / softcap) when softcap > 0 (Gemma 2's logit soft-capping).
 //
-// Each query reads only slots 0..position, never the whole preallocated cache. The scatter runs
+// Each query reads only slots first..position, never the whole preallocated cache. The scatter runs
 // first (one parallel pass), then the attention, parallel over (batch, kv head, query token);
 // each work item computes the whole head group of G = Hq / Hkv query heads, so a key / value row
 // is loaded once per group and reused G times (GQA / MQA). Online softmax over blocks of
@@ -71,9 +73,12 @@ void scatter_new_tokens(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
   });
 }
 
+// First slot a query at `pos` sees: the window's start, or 0 without a window (window == 0).
+inline int64_t first_slot(int64_t pos, int64_t window) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+
 template <typename scalar_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* positions,
-            double scale, at::Tensor& out) {
+            double scale, int64_t window, double softcap, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2), G = Hq / Hkv;
   const Strides4 qs(q);
@@ -81,7 +86,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const scalar_t* kc = k_cache.data_ptr<scalar_t>();
   const scalar_t* vc = v_cache.data_ptr<scalar_t>();
   scalar_t* o_ptr = out.data_ptr<scalar_t>();  // contiguous [B, Hq, T, D]
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   at::parallel_for(0, B * Hkv * T, ATTENTION_GRAIN, [&](int64_t begin, int64_t end) {
     // Per-task scratch: the group's scaled queries, accumulators, running max / sum, block scores.
@@ -105,12 +110,19 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
       const scalar_t* k_head = kc + (b * Hkv + h) * S * D;
       const scalar_t* v_head = vc + (b * Hkv + h) * S * D;
-      const int64_t length = pos + 1;  // slots 0..pos inclusive
-      for (int64_t s0 = 0; s0 < length; s0 += SLOT_BLOCK) {
+      const int64_t length = pos + 1;  // slots first..pos inclusive
+      for (int64_t s0 = first_slot(pos, window); s0 < length; s0 += SLOT_BLOCK) {
         const int64_t n = std::min(SLOT_BLOCK, length - s0);
         for (int64_t j = 0; j < n; ++j) {
           const scalar_t* krow = k_head + (s0 + j) * D;
           for (int64_t g = 0; g < G; ++g) scores[g * SLOT_BLOCK + j] = dot_f32(qf.data() + g * D, krow, D);
+        }
+        if (cap > 0.f) {
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t j = 0; j < n; ++j) {
+              float& score = scores[g * SLOT_BLOCK + j];
+              score = cap * std::tanh(score / cap);
+            }
         }
         for (int64_t g = 0; g < G; ++g) {
           float* sc = scores.data() + g * SLOT_BLOCK;
@@ -151,8 +163,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 // contiguity of the caches and of positions. Position values are checked by each backend.
 void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                     const at::Tensor& positions) {
+                                     const at::Tensor& positions, int64_t window, double softcap) {
   constexpr const char* op = "kv_cache_attention";
+  TORCH_CHECK(window >= 0 && window <= INT32_MAX, op, ": window must be in 0..2^31 - 1 (0: no window), got ", window);
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), op, ": softcap must be finite and >= 0 (0: none), got ",
+              softcap);
   GPTFAST_CHECK_DIM(op, q, 4);
   GPTFAST_CHECK_FLOATING(op, q);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
@@ -189,9 +204,9 @@ void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
 // place); positions [B, T] int64 contiguous, -1 = padding -> out [B, Hq, T, D] contiguous.
 at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
-                                  double scale) {
+                                  double scale, int64_t window, double softcap) {
   constexpr const char* op = "kv_cache_attention";
-  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions);
+  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap);
   const int64_t S = k_cache.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < positions.numel(); ++i) {  // before anything is written
@@ -201,14 +216,14 @@ at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
   if (q.numel() == 0) return out;
   GPTFAST_DISPATCH_FLOAT_HALF_BF16(q.scalar_type(), "kv_cache_attention_cpu", [&] {
     scatter_new_tokens<scalar_t>(k, v, k_cache, v_cache, pos);
-    attend<scalar_t>(q, k_cache, v_cache, pos, scale, out);
+    attend<scalar_t>(q, k_cache, v_cache, pos, scale, window, softcap, out);
   });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
   m.def("kv_cache_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor positions, float scale) -> Tensor");
+        "Tensor positions, float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gptfast_kernels, CPU, m) {

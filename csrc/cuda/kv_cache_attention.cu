@@ -12,9 +12,9 @@ using namespace kv_attention;
 // out-of-range positions are treated as padding by the kernels.
 at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
-                                   double scale) {
+                                   double scale, int64_t window, double softcap) {
   constexpr const char* op = "kv_cache_attention";
-  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions);
+  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return out;
@@ -37,7 +37,11 @@ at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, con
     p.v_sb = v.stride(0), p.v_sh = v.stride(1), p.v_st = v.stride(2);
     p.Hq = static_cast<int>(Hq), p.Hkv = static_cast<int>(Hkv), p.G = static_cast<int>(Hq / Hkv);
     p.T = static_cast<int>(T), p.S = static_cast<int>(S), p.D = static_cast<int>(D);
-    p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // log2(e)
+    constexpr double LOG2_E = 1.4426950408889634;
+    p.score.scale_log2 = static_cast<float>(scale * LOG2_E);
+    p.score.cap_log2 = static_cast<float>(softcap * LOG2_E);
+    p.score.scale_over_cap = softcap > 0 ? static_cast<float>(scale / softcap) : 0.f;
+    p.score.window = static_cast<int>(window);  // checked: fits int
     // 16-byte global vectors need aligned rows: every base pointer and row stride a multiple of them.
     const int64_t vec = VEC<scalar_t>;
     bool gvec = D % vec == 0;

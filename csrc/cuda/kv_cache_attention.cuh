@@ -1,8 +1,9 @@
 // kv_cache_attention CUDA kernels: static-KV-cache attention with the position scatter fused in.
 //
 //   for (b, t) with 0 <= positions[b, t] < S:  k_cache[b, :, positions[b, t]] = k[b, :, t]  (same for v)
-//   out[b, h, t] = softmax(scale * q[b, h, t] . k_cache[b, h / G, 0..positions[b, t]]) @ v_cache[...]
+//   out[b, h, t] = softmax(cap(scale * q[b, h, t] . k_cache[b, h / G, first..positions[b, t]])) @ v_cache[...]
 //   out[b, h, t] = 0 where the position is outside [0, S) (padding, or a bad value under capture)
+// first = 0, or the start of a sliding window; cap = soft-capping when asked for (see Scoring).
 //
 // Decode / verification (T <= DECODE_MAX_T): flash-decoding in ONE launch. Blocks = splits x kv
 // heads x batch (flattened into blockIdx.x). A block owns one (b, kv head) and one range of cache
@@ -171,6 +172,27 @@ __device__ __forceinline__ void copy_vec(T* dst, const T* src, int c, int D) {
   }
 }
 
+// tanh from exp2: under --use_fast_math tanhf may become the hardware approximation (2^-11 relative
+// error), which a softcap of 30 to 50 would turn into logit errors near 1e-2.
+__device__ __forceinline__ float accurate_tanh(float x) {
+  const float e = exp2f(-2.8853900817779268f * fabsf(x));  // exp(-2|x|), in (0, 1]
+  return copysignf((1.f - e) / (1.f + e), x);
+}
+
+// How a q . k dot product becomes a score, and which slots a query sees.
+struct Scoring {
+  float scale_log2;      // scale * log2(e): the softmax runs on exp2
+  float cap_log2;        // softcap * log2(e); 0: no soft-capping
+  float scale_over_cap;  // scale / softcap
+  int window;            // a query at pos sees slots pos - window + 1 .. pos; 0: all of 0 .. pos
+  // log2-domain score: scale * dot, or softcap * tanh(scale * dot / softcap) (Gemma 2).
+  __device__ __forceinline__ float operator()(float dot) const {
+    return cap_log2 > 0.f ? cap_log2 * accurate_tanh(dot * scale_over_cap) : dot * scale_log2;
+  }
+  // First slot a query at pos (>= -1) sees; no overflow for any int pos >= -1 and window >= 0.
+  __device__ __forceinline__ int first_slot(int pos) const { return window > 0 ? max(0, pos - window + 1) : 0; }
+};
+
 // Everything the kernels need; strides in elements, int64 (B * H * T * D can pass 2^31).
 template <typename E>
 struct Params {
@@ -186,7 +208,7 @@ struct Params {
   int bn;    // slots per K/V tile
   int rows;  // query rows per pass (decode) or per query tile (prefill)
   int splits;
-  float scale_log2;  // scale * log2(e): the softmax runs on exp2
+  Scoring score;
 };
 
 __device__ __forceinline__ int sanitize(int64_t pos, int S) { return pos >= 0 && pos < S ? static_cast<int>(pos) : -1; }
@@ -233,10 +255,11 @@ __device__ __forceinline__ int pv_slot_lanes(int items) {
 // Online softmax of `rows` query rows over cache slots [lo, hi), one K/V tile at a time. On entry
 // q, pos, acc (0), m (-inf), l (0) are set and the block synchronised; on exit acc / m / l hold
 // the unnormalised result (log2 domain), synchronised. A (row, slot) pair that the row must not
-// see is never computed, so stale or non-finite values there cannot leak in.
+// see (past its position, or before its window) is never computed, so stale or non-finite values
+// there cannot leak in.
 template <typename T, bool GVEC, typename KvSource>
 __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int D, int lo, int hi,
-                            float scale_log2, const KvSource& kv) {
+                            const Scoring& score, const KvSource& kv) {
   constexpr int V = VEC<T>;
   const int nvec = dp / V;
   const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
@@ -266,7 +289,7 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
     const int pairs = rows * bn;
     for (int base = 0; base < pairs; base += DOT_GROUPS) {
       const int i = base + group, r = i / bn, j = i % bn;
-      const bool live = i < pairs && j < n && tile + j <= sm.pos[r];
+      const bool live = i < pairs && j < n && tile + j <= sm.pos[r] && tile + j >= score.first_slot(sm.pos[r]);
       float dot = 0.f;
       if (live) {
         const T* qr = sm.q + r * dp;
@@ -284,7 +307,7 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
       }
 #pragma unroll
       for (int offset = DOT_LANES / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, offset);
-      if (i < pairs && sub == 0) sm.p[r * bn + j] = live ? dot * scale_log2 : -INFINITY;
+      if (i < pairs && sub == 0) sm.p[r * bn + j] = live ? score(dot) : -INFINITY;
     }
     __syncthreads();
     // Online softmax, one warp per row. m_use keeps exp2's argument at -inf (never NaN) while a
@@ -325,13 +348,13 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
     for (int i = tid; i < rows * nvec * slot_lanes; i += THREADS) {
       const int item = i / slot_lanes, first = i % slot_lanes;
       const int r = item / nvec, c = item % nvec;
-      const int seen = min(n, sm.pos[r] - tile + 1);
-      if (seen <= 0) continue;
+      const int seen = min(n, sm.pos[r] - tile + 1), skipped = max(0, score.first_slot(sm.pos[r]) - tile);
+      if (seen <= skipped) continue;
       float o[V];
 #pragma unroll
       for (int e = 0; e < V; ++e) o[e] = 0.f;
 #pragma unroll 4
-      for (int j = first; j < seen; j += slot_lanes) {
+      for (int j = skipped + first; j < seen; j += slot_lanes) {
         const float pj = sm.p[r * bn + j];
         float vf[V];
         unpack<T>(*reinterpret_cast<const uint4*>(sm.v + j * dp + c * V), vf);
@@ -356,6 +379,19 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
     if (next_n > 0) issue(sm.v, false, next, next_n);
   }
   __syncthreads();  // (also when there was no tile)
+}
+
+// The slots [first, last + 1) that any of `rows` sanitised positions sees; (0, 0) when all are padding.
+template <typename PosOf>
+__device__ __forceinline__ int2 slot_span(int rows, const PosOf& pos_of, const Scoring& score) {
+  int first = INT_MAX, end = 0;
+  for (int r = 0; r < rows; ++r) {
+    const int pos = pos_of(r);
+    if (pos < 0) continue;
+    first = min(first, score.first_slot(pos));
+    end = max(end, pos + 1);
+  }
+  return end == 0 ? make_int2(0, 0) : make_int2(first, end);
 }
 
 // Output row of query (b, q head, t): out is contiguous [B, Hq, T, D].

@@ -57,18 +57,20 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
   auto group_out = [&](int rr) { return out_row(p, b, h * p.G + rr / p.T, rr % p.T); };
   if (tid < p.T) new_pos[tid] = sanitize(p.positions[b * p.T + tid], p.S);
   __syncthreads();
-  int len = 0;  // slots any query of the row reads
-  for (int t = 0; t < p.T; ++t) len = max(len, new_pos[t] + 1);
-  // Every block of the row derives the same partition of [0, len), so exactly one owns each slot.
-  const int chunk = max(MIN_SPLIT_SLOTS, align_up(ceil_div(len, p.splits), p.bn));
-  const int active = ceil_div(len, chunk);
+  // The slots [first, len) any query of the row reads (with a sliding window, not from 0). Every
+  // block of the row derives the same partition of them, so exactly one owns each slot; the new
+  // tokens' own slots lie inside.
+  const int2 span = slot_span(p.T, [&](int t) { return new_pos[t]; }, p.score);
+  const int first = span.x, len = span.y;
+  const int chunk = max(MIN_SPLIT_SLOTS, align_up(ceil_div(len - first, p.splits), p.bn));
+  const int active = ceil_div(len - first, chunk);
   if (split >= active) {
     if (split == 0) {  // len == 0: every query of the row is padding
       for (int i = tid; i < GT * D; i += THREADS) group_out(i / D)[i % D] = T(0.f);
     }
     return;
   }
-  const int lo = split * chunk, hi = min(lo + chunk, len);
+  const int lo = first + split * chunk, hi = min(lo + chunk, len);
   const T* k_new = p.k + b * p.k_sb + h * p.k_sh;
   const T* v_new = p.v + b * p.v_sb + h * p.v_sh;
   T* k_cache = p.k_cache + bh * p.S * static_cast<int64_t>(D);
@@ -93,7 +95,7 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
         sm, rows, p.dp, D,
         [&](int r) { return p.q + b * p.q_sb + (h * p.G + (r0 + r) / p.T) * p.q_sh + ((r0 + r) % p.T) * p.q_st; },
         [&](int r) { return new_pos[(r0 + r) % p.T]; });
-    simt_attend<T, GVEC>(sm, rows, p.bn, p.dp, D, lo, hi, p.scale_log2, kv);
+    simt_attend<T, GVEC>(sm, rows, p.bn, p.dp, D, lo, hi, p.score, kv);
     for (int i = tid; i < rows * D; i += THREADS) {
       const int r = i / D, d = i % D;
       const float l = sm.l[r], o = l > 0.f ? sm.acc[r * p.dp + d] / l : 0.f;

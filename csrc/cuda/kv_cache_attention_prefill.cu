@@ -58,11 +58,10 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) prefill_simt_kernel(
   simt_init_rows<T, GVEC>(
       sm, tl.rows, p.dp, p.D, [&](int r) { return p.q + tl.b * p.q_sb + tl.qh * p.q_sh + (tl.t0 + r) * p.q_st; },
       [&](int r) { return sanitize(p.positions[tl.b * p.T + tl.t0 + r], p.S); });
-  int len = 0;  // keys up to the tile's largest position
-  for (int r = 0; r < tl.rows; ++r) len = max(len, sm.pos[r] + 1);
+  const int2 span = slot_span(tl.rows, [&](int r) { return sm.pos[r]; }, p.score);  // the keys the tile sees
   const int64_t kv_off = (tl.b * p.Hkv + tl.qh / p.G) * p.S * static_cast<int64_t>(p.D);
   const CacheKv<T> kv{p.k_cache + kv_off, p.v_cache + kv_off, p.D};
-  simt_attend<T, GVEC>(sm, tl.rows, p.bn, p.dp, p.D, 0, len, p.scale_log2, kv);
+  simt_attend<T, GVEC>(sm, tl.rows, p.bn, p.dp, p.D, span.x, span.y, p.score, kv);
   for (int i = threadIdx.x; i < tl.rows * p.D; i += THREADS) {
     const int r = i / p.D, d = i % p.D;
     const float l = sm.l[r];
@@ -120,14 +119,13 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
   }
   async_wait();
   __syncthreads();
-  int len = 0;  // keys up to the tile's largest position
-  for (int r = 0; r < tl.rows; ++r) len = max(len, sm.pos[r] + 1);
+  const int2 span = slot_span(tl.rows, [&](int r) { return sm.pos[r]; }, p.score);  // the keys the tile sees
   const int64_t kv_off = (tl.b * p.Hkv + tl.qh / p.G) * p.S * static_cast<int64_t>(D);
   const T* k_cache = p.k_cache + kv_off;
   const T* v_cache = p.v_cache + kv_off;
 
-  for (int tile = 0; tile < len; tile += bn) {
-    const int n = min(bn, len - tile);
+  for (int tile = span.x; tile < span.y; tile += bn) {
+    const int n = min(bn, span.y - tile);
     for (int i = tid; i < bn * nvec; i += TC_THREADS) {
       const int j = i / nvec, c = i % nvec;
       if (j < n) {  // rows past n are zeros: P is 0 there, and 0 * garbage could be NaN
@@ -158,17 +156,20 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
     // Online softmax, one warp per row (as in simt_attend), then the row of O is rescaled.
     for (int r = warp; r < bm; r += TC_WARPS) {
       const float* sr = sm.s + r * sm.lds;
-      const int seen = min(n, sm.pos[r] - tile + 1);
-      const float s0 = lane < seen ? sr[lane] * p.scale_log2 : -INFINITY;
-      const float s1 = lane + WARP < seen ? sr[lane + WARP] * p.scale_log2 : -INFINITY;
+      // slots [skipped, seen) of the tile are the row's (none for padding rows)
+      const int seen = min(n, sm.pos[r] - tile + 1), skipped = max(0, p.score.first_slot(sm.pos[r]) - tile);
+      const float s0 = lane >= skipped && lane < seen ? p.score(sr[lane]) : -INFINITY;
+      const float s1 = lane + WARP >= skipped && lane + WARP < seen ? p.score(sr[lane + WARP]) : -INFINITY;
       const float m_old = sm.m[r];
       const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float e0 = exp2f(s0 - m_use), e1 = exp2f(s1 - m_use);
+      // P is rounded to T for the tensor cores, and l sums the rounded values: the output is then a
+      // weighted mean of V whose weights' rounding largely cancels in the ratio (as in the Triton kernel)
+      const T e0 = T(exp2f(s0 - m_use)), e1 = T(exp2f(s1 - m_use));
       T* pr = sm.p + r * sm.ldp;
-      if (lane < bn) pr[lane] = T(e0);
-      if (lane + WARP < bn) pr[lane + WARP] = T(e1);
-      const float sum = warp_sum(e0 + e1);
+      if (lane < bn) pr[lane] = e0;
+      if (lane + WARP < bn) pr[lane + WARP] = e1;
+      const float sum = warp_sum(static_cast<float>(e0) + static_cast<float>(e1));
       const float alpha = exp2f(m_old - m_use);
       for (int d = lane; d < dp; d += WARP) sm.o[r * sm.ldo + d] *= alpha;
       __syncwarp();  // every lane has read sm.m[r] (as in simt_attend)

@@ -13,9 +13,10 @@ from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, chec
 
 OP = "kv_cache_attention"
 MAX_HEAD_DIM = 256
+MAX_WINDOW = 2**31 - 1  # the kernels hold positions and windows as int32
 
 
-def _check_inputs(q, k, v, k_cache, v_cache, positions, scale) -> None:
+def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap) -> None:
     check_tensor(OP, "q", q, dtypes=FLOAT_DTYPES, ndim=4)
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(OP, name, t, ndim=4)
@@ -49,6 +50,12 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale) -> None:
                          f"got {list(positions.shape)}")
     if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
         raise ValueError(f"{OP}: scale must be a finite number or None, got {scale!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW):
+        raise ValueError(f"{OP}: window must be None or an int in 1..{MAX_WINDOW} (the number of latest "
+                         f"slots a query sees, itself included), got {window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"{OP}: softcap must be None or a finite number > 0, got {softcap!r}")
     check_same_device(OP, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions)
 
 
@@ -94,17 +101,21 @@ def auto_backend(usable: list[str], head_rows: int, T: int, S: int) -> str:
 
 def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
-                       *, backend: str = "auto", check_positions: bool = True) -> torch.Tensor:
+                       *, window: int | None = None, softcap: float | None = None, backend: str = "auto",
+                       check_positions: bool = True) -> torch.Tensor:
     """Writes k, v into the caches at ``positions`` and attends, in one kernel launch.
 
     q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] (mutated in place);
     positions [B, T] or [T] int32/int64, -1 = padding -> out [B, Hq, T, D] in q's dtype.
-    Query (b, t) attends to cache slots 0..positions[b, t] of its head group.
+    Query (b, t) attends to cache slots 0..positions[b, t] of its head group; with a sliding
+    ``window`` (Mistral, Gemma 2 / 3, Qwen2 ...) to the latest ``window`` of them only,
+    positions[b, t] - window < slot <= positions[b, t], and the kernels read no slot before that.
+    ``softcap`` caps the scaled scores at +-softcap by softcap * tanh(score / softcap) (Gemma 2).
     In eager mode the position values are checked (one host synchronisation) unless
     ``check_positions=False``, for callers that validated them already (StaticKVCache checks them
     once per forward, not once per layer); the kernels never access memory out of bounds either way.
     """
-    _check_inputs(q, k, v, k_cache, v_cache, positions, scale)
+    _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap)
     if check_positions and not is_tracing():
         _check_position_values(positions, k_cache.shape[2])
     chosen = resolve_backend(OP, backend, q.device,
@@ -112,19 +123,23 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
                                                               k_cache.shape[2]))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if chosen == "reference":
-        return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale)
+        return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window, softcap)
+    # the kernels' encoding of "none": window 0, softcap 0
+    window = 0 if window is None else window
+    softcap = 0.0 if softcap is None else float(softcap)
     positions = reference.broadcast_positions(positions, q.shape[0]).contiguous()
     # kernels take any strides except in the head dim (HF's [B, T, H, D] -> [B, H, T, D] views pass)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if chosen == "triton":
         from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
-        return kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, scale)
-    return torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale)
+        return kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, scale, window, softcap)
+    return torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window,
+                                                        softcap)
 
 
 if _extension.has_kernel(OP, "CPU"):
 
     @torch.library.register_fake(f"gptfast_kernels::{OP}")
-    def _kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale):
+    def _kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0):
         return q.new_empty(q.shape)  # the kernels return a contiguous tensor, whatever q's strides

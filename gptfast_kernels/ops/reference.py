@@ -39,10 +39,12 @@ def broadcast_positions(positions: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, positions: torch.Tensor,
-                       scale: float | None = None) -> torch.Tensor:
+                       v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
+                       window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Writes k/v [B, Hkv, T, D] into the caches [B, Hkv, S, D] at positions [B, T] (or [T]),
-    in place, then returns the causal attention of q [B, Hq, T, D] over cache slots 0..position.
+    in place, then returns the causal attention of q [B, Hq, T, D] over cache slots 0..position
+    (with a ``window``: only the last ``window`` of them, position - window < slot <= position).
+    ``softcap``: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
     Negative positions are padding: nothing is written and their output rows are zero."""
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -59,7 +61,12 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     acc = _compute_dtype(q.dtype)
     qg = q.to(acc).reshape(B, Hkv, group, T, D)
     scores = torch.einsum("bhgtd,bhsd->bhgts", qg, k_cache.to(acc)) * scale
-    allowed = torch.arange(S, device=q.device)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    cache_slots = torch.arange(S, device=q.device)[None, None, :]
+    allowed = cache_slots <= pos[:, :, None]  # [B, T, S]
+    if window:
+        allowed &= cache_slots > pos[:, :, None] - window
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows are all -inf
     out = torch.einsum("bhgts,bhsd->bhgtd", probs, v_cache.to(acc)).reshape(B, Hq, T, D)

@@ -18,6 +18,11 @@ Two regimes, chosen on T (host-known, never on position values):
   launch), then a tiled flash-attention kernel (tl.dot) reads only the cache: each query tile runs
   an online softmax over key tiles up to its own largest position.
 
+A sliding ``window`` (> 0) limits query (b, t) to slots positions[b, t] - window + 1 .. positions[b, t]:
+splits and key tiles then start at the earliest slot any query of the row / tile sees, so a long
+cache costs a window's reads, not a position's. ``softcap`` (> 0) caps the scaled scores at
++-softcap by softcap * tanh(score / softcap), Gemma 2's attention soft-capping.
+
 Positions outside [-1, S) are treated as padding (zero output, nothing written): the wrapper
 raises for them in eager mode but cannot under torch.compile or CUDA-graph capture. All sums are
 float32; no host synchronisation. Registered as ``gptfast_kernels::kv_cache_attention_triton``
@@ -86,33 +91,64 @@ def _clean_positions(pos, S):
 
 
 @triton.jit
-def _row_split(Pos_ptr, b, T, S, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
+def _first_slots(pos, window):
+    """The first slot a query at each (clean) position sees: its window's start, or 0 (window 0)."""
+    return tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+
+
+@triton.jit
+def _span_start(pos, first, span_end, S):
+    """The earliest of the first slots of the non-padding positions; span_end when all are padding."""
+    return tl.minimum(tl.min(tl.where(pos >= 0, first, S), axis=0), span_end)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2, exact to float32 rounding (no overflow: the exponent is never positive)."""
+    e = tl.math.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """q [M, D] . k [N, D]^T -> scores [M, N] in the log2 domain, soft-capped when SOFTCAP."""
+    dot = _dot(q, tl.trans(k), FP32_DOT)
+    if SOFTCAP:
+        return cap_log2 * _tanh(dot * scale_over_cap)
+    return dot * qk_scale
+
+
+@triton.jit
+def _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Row b's T positions [BLOCK_T], its attended length (largest position + 1) and the slots
-    per split: the same in the attention and the combine kernel, a multiple of BLOCK_N."""
+    """Row b's T positions [BLOCK_T], the slots [row_first, row_len) its queries see (row_len =
+    largest position + 1; row_first > 0 only with a window) and the slots per split: the same in
+    the attention and the combine kernel, a multiple of BLOCK_N."""
     offs_t = tl.arange(0, BLOCK_T)
     pos = _clean_positions(tl.load(Pos_ptr + b * T + offs_t, mask=offs_t < T, other=-1), S)
     row_len = tl.max(pos, axis=0) + 1
-    split_len = tl.cdiv(tl.cdiv(row_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    return pos, row_len, tl.maximum(split_len, MIN_SPLIT_LEN)
+    row_first = _span_start(pos, _first_slots(pos, window), row_len, S)
+    split_len = tl.cdiv(tl.cdiv(row_len - row_first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return pos, row_first, row_len, tl.maximum(split_len, MIN_SPLIT_LEN)
 
 
 @triton.jit
 def _kv_cache_attention_decode_kernel(
         Q_ptr, K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, Out_ptr, OPart_ptr, LsePart_ptr,
-        qk_scale, T, S, D, G, Hq,
+        qk_scale, cap_log2, scale_over_cap, window, T, S, D, G, Hq,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_cb, stride_ch, stride_cs,
         NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
-        FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     split = tl.program_id(0)
     h = (tl.program_id(1) // NUM_M_BLOCKS).to(tl.int64)  # h * stride_ch may pass 2^31
     m_block = tl.program_id(1) % NUM_M_BLOCKS
     b = tl.program_id(2).to(tl.int64)
-    pos_row, row_len, split_len = _row_split(Pos_ptr, b, T, S, NUM_SPLITS, MIN_SPLIT_LEN, BLOCK_N,
-                                             BLOCK_T)
-    start = split * split_len
+    pos_row, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN,
+                                                        BLOCK_N, BLOCK_T)
+    start = row_first + split * split_len
     if NUM_SPLITS > 1:
         if start >= row_len:  # nothing of this row here: the combine kernel skips this split
             return
@@ -124,6 +160,7 @@ def _kv_cache_attention_decode_kernel(
     t_m = offs_m % T
     hq_m = (h * G + offs_m // T).to(tl.int64)
     pos_m = _clean_positions(tl.load(Pos_ptr + b * T + t_m, mask=row_ok, other=-1), S)
+    first_m = _first_slots(pos_m, window)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     q = tl.load(Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
@@ -157,15 +194,19 @@ def _kv_cache_attention_decode_kernel(
         tl.store(kc_ptr + cache_offs, k_new, mask=new_mask & (m_block == 0))
         tl.store(vc_ptr + cache_offs, v_new, mask=new_mask & (m_block == 0))
 
-        s = _dot(q, tl.trans(k), FP32_DOT) * qk_scale  # log2 domain
-        allowed = (offs_n[None, :] <= pos_m[:, None]) & in_range[None, :]
+        s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+        allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])
+                   & in_range[None, :])
         s = tl.where(allowed, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows with nothing allowed yet
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+        # the row sum takes the probabilities as rounded for the dot: the output is then a weighted
+        # mean of v whose weights' rounding largely cancels in the ratio (a third less 16-bit error)
+        p = p.to(v.dtype)
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), axis=1)
+        acc = acc * alpha[:, None] + _dot(p, v, FP32_DOT)
         m_i = m_new
 
     rows = (b * Hq + hq_m) * T + t_m  # row of the [B, Hq, T] output
@@ -184,14 +225,15 @@ def _kv_cache_attention_decode_kernel(
 
 @triton.jit
 def _kv_cache_attention_combine_kernel(
-        Pos_ptr, OPart_ptr, LsePart_ptr, Out_ptr, T, S, D, Hq,
+        Pos_ptr, OPart_ptr, LsePart_ptr, Out_ptr, window, T, S, D, Hq,
         NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (b * Hq + hq) * T + t
     b = row // (Hq * T)
-    _, row_len, split_len = _row_split(Pos_ptr, b, T, S, NUM_SPLITS, MIN_SPLIT_LEN, BLOCK_N, BLOCK_T)
-    num_active = tl.cdiv(row_len, split_len)  # the splits the attention kernel wrote
+    _, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN, BLOCK_N,
+                                                  BLOCK_T)
+    num_active = tl.cdiv(row_len - row_first, split_len)  # the splits the attention kernel wrote
     offs_all = tl.arange(0, BLOCK_SPLITS)
     lse_all = tl.load(LsePart_ptr + row * NUM_SPLITS + offs_all, mask=offs_all < num_active,
                       other=-float("inf"))
@@ -243,9 +285,9 @@ def _kv_cache_attention_scatter_kernel(
 
 @triton.jit
 def _kv_cache_attention_prefill_kernel(
-        Q_ptr, KC_ptr, VC_ptr, Pos_ptr, Out_ptr, qk_scale, T, S, D, G, Hq,
+        Q_ptr, KC_ptr, VC_ptr, Pos_ptr, Out_ptr, qk_scale, cap_log2, scale_over_cap, window, T, S, D, G, Hq,
         stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
-        FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr):
     # The last (longest) query tiles first, so the short ones fill the tail of the grid.
     offs_m = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -254,6 +296,8 @@ def _kv_cache_attention_prefill_kernel(
     row_ok = offs_m < T
     pos_m = _clean_positions(tl.load(Pos_ptr + b * T + offs_m, mask=row_ok, other=-1), S)
     tile_len = tl.max(pos_m, axis=0) + 1  # positions need not be sorted: the tile's largest
+    first_m = _first_slots(pos_m, window)
+    tile_first = _span_start(pos_m, first_m, tile_len, S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     q = tl.load(Q_ptr + b * stride_qb + hq * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
@@ -262,21 +306,26 @@ def _kv_cache_attention_prefill_kernel(
     m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for n0 in range(0, tile_len, BLOCK_N):
+    for n0 in range(tile_first, tile_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < tile_len
         offs = kv_head + offs_n[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
         kv_mask = in_range[:, None] & mask_d[None, :]
         k = tl.load(KC_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(VC_ptr + offs, mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), FP32_DOT) * qk_scale  # log2 domain
-        s = tl.where((offs_n[None, :] <= pos_m[:, None]) & in_range[None, :], s, -float("inf"))
+        s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+        allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])
+                   & in_range[None, :])
+        s = tl.where(allowed, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+        # the row sum takes the probabilities as rounded for the dot: the output is then a weighted
+        # mean of v whose weights' rounding largely cancels in the ratio (a third less 16-bit error)
+        p = p.to(v.dtype)
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), axis=1)
+        acc = acc * alpha[:, None] + _dot(p, v, FP32_DOT)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows: zeros
     rows = (b * Hq + hq) * T + offs_m
@@ -309,7 +358,7 @@ def _num_splits(tune: Tuning, num_sms: int, programs: int, S: int) -> int:
     return max(1, min(wanted, triton.cdiv(S, tune.min_split_len), tune.max_splits))
 
 
-def _decode(q, k, v, k_cache, v_cache, positions, out, qk_scale, fp32_dot, tune, num_sms):
+def _decode(q, k, v, k_cache, v_cache, positions, out, scoring, fp32_dot, tune, num_sms):
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -325,22 +374,22 @@ def _decode(q, k, v, k_cache, v_cache, positions, out, qk_scale, fp32_dot, tune,
     else:
         o_part = lse_part = out  # never touched with a single split
     _kv_cache_attention_decode_kernel[(num_splits, Hkv * num_m_blocks, B)](
-        q, k, v, k_cache, v_cache, positions, out, o_part, lse_part, qk_scale, T, S, D, G, Hq,
+        q, k, v, k_cache, v_cache, positions, out, o_part, lse_part, *scoring.args, T, S, D, G, Hq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT_LEN=tune.min_split_len, NUM_M_BLOCKS=num_m_blocks,
-        FP32_DOT=fp32_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
+        FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
         **_launch_options(q.dtype, tune))
     if num_splits > 1:
         _kv_cache_attention_combine_kernel[(B * Hq * T,)](
-            positions, o_part, lse_part, out, T, S, D, Hq, NUM_SPLITS=num_splits,
+            positions, o_part, lse_part, out, scoring.window, T, S, D, Hq, NUM_SPLITS=num_splits,
             MIN_SPLIT_LEN=tune.min_split_len, BLOCK_N=block_n, BLOCK_T=block_t,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits),
             BLOCK_S=min(tune.combine_block_s, triton.next_power_of_2(num_splits)),
             BLOCK_D=triton.next_power_of_2(D), num_warps=tune.num_warps)
 
 
-def _prefill(q, k, v, k_cache, v_cache, positions, out, qk_scale, fp32_dot, tune):
+def _prefill(q, k, v, k_cache, v_cache, positions, out, scoring, fp32_dot, tune):
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     block_d = max(triton.next_power_of_2(D), MIN_DOT_DIM)
@@ -351,17 +400,32 @@ def _prefill(q, k, v, k_cache, v_cache, positions, out, qk_scale, fp32_dot, tune
         BLOCK_D=triton.next_power_of_2(D), BLOCK_LATER=SCATTER_BLOCK_LATER, num_warps=tune.num_warps)
     block_n = tune.prefill_block_n if block_d <= 128 else tune.prefill_block_n // 2
     _kv_cache_attention_prefill_kernel[(triton.cdiv(T, tune.prefill_block_m), Hq, B)](
-        q, k_cache, v_cache, positions, out, qk_scale, T, S, D, Hq // Hkv, Hq,
-        q.stride(0), q.stride(1), q.stride(2), *cache_strides, FP32_DOT=fp32_dot,
+        q, k_cache, v_cache, positions, out, *scoring.args, T, S, D, Hq // Hkv, Hq,
+        q.stride(0), q.stride(1), q.stride(2), *cache_strides, FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap,
         BLOCK_M=tune.prefill_block_m, BLOCK_N=block_n, BLOCK_D=block_d, **_launch_options(q.dtype, tune))
 
 
+class _Scoring(NamedTuple):
+    """Score arguments of the attention kernels: (qk_scale, cap_log2, scale_over_cap, window) in
+    ``args``, and whether soft-capping is on (a constexpr: no tanh in kernels that do not cap)."""
+    args: tuple[float, float, float, int]
+    window: int
+    softcap: bool
+
+    @classmethod
+    def of(cls, scale: float, window: int, softcap: float) -> "_Scoring":
+        capped = softcap > 0
+        args = (scale * LOG2_E, softcap * LOG2_E, scale / softcap if capped else 0.0, window)
+        return cls(args, window, capped)
+
+
 def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float, tune: Tuning,
-                             num_sms: int) -> torch.Tensor:
+                             num_sms: int, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The Triton op's computation with the launch constants ``tune`` and an assumed SM count (for
     tuning: bench/bench_kv_tiles.py); inputs as ``kv_cache_attention_triton``'s."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    args = (q, k, v, k_cache, v_cache, positions, out, float(scale) * LOG2_E, dot_in_fp32(q.dtype), tune)
+    scoring = _Scoring.of(float(scale), int(window), float(softcap))
+    args = (q, k, v, k_cache, v_cache, positions, out, scoring, dot_in_fp32(q.dtype), tune)
     with on_device(q):
         if q.shape[2] <= DECODE_MAX_T:
             _decode(*args, num_sms)
@@ -372,15 +436,17 @@ def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float,
 
 @torch.library.custom_op("gptfast_kernels::kv_cache_attention_triton", mutates_args=("k_cache", "v_cache"))
 def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+                              v_cache: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0,
+                              softcap: float = 0.0) -> torch.Tensor:
     """q [B, Hq, T, D], k, v [B, Hkv, T, D] (any strides, stride(-1) == 1); k_cache, v_cache
     [B, Hkv, S, D] contiguous, written in place; positions [B, T] int64 contiguous, -1 = padding
-    -> out [B, Hq, T, D] contiguous in q's dtype."""
+    -> out [B, Hq, T, D] contiguous in q's dtype. window 0 / softcap 0: none (checked by the wrapper)."""
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device))
+    return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device), window,
+                                    softcap)
 
 
 @kv_cache_attention_triton.register_fake
-def _(q, k, v, k_cache, v_cache, positions, scale):
+def _(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

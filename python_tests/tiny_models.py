@@ -5,14 +5,25 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import (AutoModelForCausalLM, CohereConfig, GemmaConfig, GlmConfig, GPT2Config, GPTNeoXConfig,
-                          GraniteConfig, HeliumConfig, LlamaConfig, MistralConfig, OlmoConfig, Olmo2Config, PhiConfig,
-                          Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config, Starcoder2Config)
+from transformers import (AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GlmConfig,
+                          GPT2Config, GPTNeoXConfig, GraniteConfig, HeliumConfig, LlamaConfig, MistralConfig,
+                          OlmoConfig, Olmo2Config, PhiConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config,
+                          Starcoder2Config)
 
 VOCAB = 97
 PAD, EOS = 0, 1
 # a larger initializer spreads the logits, so float-rounding differences cannot flip an argmax
 INIT_RANGE = 0.1
+# Sliding windows shorter than the tests' prompts (6 to 12 tokens), so that every family test on
+# a windowed family attends through the window; Gemma 2's attention scores (about +-1 in these
+# tiny models) are capped at 1, so the tanh changes every one of them.
+WINDOW = 4
+ATTENTION_SOFTCAP = 1.0
+
+
+def alternating_layers(layers: int) -> list[str]:
+    """Gemma-style layer types: local (sliding-window) and global layers in turn, local first."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
 
 
 def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides):
@@ -23,11 +34,12 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
                              num_key_value_heads=2, max_position_embeddings=256, **common)
     elif family == "mistral":
         config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                               num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=None,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
                                max_position_embeddings=256, **common)
-    elif family == "qwen2":
+    elif family == "qwen2":  # sliding window from layer 1 on (max_window_layers), layer 0 global
         config = Qwen2Config(hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=6,
-                             num_key_value_heads=1, max_position_embeddings=256, **common)
+                             num_key_value_heads=1, max_position_embeddings=256, use_sliding_window=True,
+                             sliding_window=WINDOW, max_window_layers=1, **common)
     elif family == "gpt2":
         config = GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=256, **common)
     elif family == "gpt_neox":
@@ -39,6 +51,16 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
     elif family == "gemma":  # scaled embeddings, GELU gate, head_dim x heads != hidden, one KV head
         config = GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                              num_key_value_heads=1, head_dim=32, max_position_embeddings=256, **common)
+    elif family == "gemma2":  # local / global layers, attention and final-logit soft-capping
+        config = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+                              layer_types=alternating_layers(layers), attn_logit_softcapping=ATTENTION_SOFTCAP,
+                              final_logit_softcapping=30.0, max_position_embeddings=256, **common)
+    elif family == "gemma3_text":  # local / global layers with their own RoPE, q / k norms
+        config = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                                  sliding_window=WINDOW, layer_types=alternating_layers(layers),
+                                  max_position_embeddings=256, **common)
     elif family == "olmo2":  # q / k norms over all heads, norms after attention and MLP
         config = Olmo2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=256, **common)
@@ -49,7 +71,7 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
     elif family == "phi3":  # q / k / v and gate / up as single Linears
         config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                             num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=256,
-                            **common)
+                            sliding_window=WINDOW, **common)
     elif family == "cohere":  # attention and MLP in parallel, logit scale, tied head
         config = CohereConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                               num_key_value_heads=2, max_position_embeddings=256, logit_scale=0.5, **common)
@@ -72,7 +94,7 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
     elif family == "starcoder2":  # biases, ungated MLP
         config = Starcoder2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                  sliding_window=None, **common)
+                                  sliding_window=WINDOW, **common)
     else:
         raise ValueError(family)
     for key, value in overrides.items():
@@ -80,11 +102,13 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
     return config
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "granite", "cohere", "olmo", "helium", "smollm3",
-            "phi3", "glm", "phi", "starcoder2", "gpt2", "gpt_neox")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "cohere",
+            "olmo", "helium", "smollm3", "phi3", "glm", "phi", "starcoder2", "gpt2", "gpt_neox")
+# families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
+WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2")
 # families whose MLP has separate gate / up projections and whose attention separate q / k / v ones
-SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "granite", "cohere", "olmo", "helium",
-                        "smollm3")
+SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite",
+                        "cohere", "olmo", "helium", "smollm3")
 
 
 def tiny_model(family: str, *, seed: int = 0, **kwargs):

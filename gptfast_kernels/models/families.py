@@ -4,7 +4,9 @@ Every supported family routes attention through transformers' AttentionInterface
 KV cache through ``Cache.update`` (transformers 5.x), so patching needs no per-family forward: the
 table records the attention module class (to check a model really has the structure we rely on),
 where the config keeps the KV-head count and head size, the gated MLP class whose gate and up
-projections are fused into one int8 matmul, and config features we refuse.
+projections are fused into one int8 matmul, and config features we refuse. Sliding windows and
+attention soft-capping reach the kernel through the attention keywords each layer passes
+(``sliding_window``, ``softcap``), so they need no entry here.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class Family:
     kv_heads_attr: str | None       # config attribute with the KV-head count (None: MHA)
     head_dim_attr: str | None       # config attribute with the head size (None: hidden / heads)
     gated_mlp_class: str | None = None  # MLP class computing down(act(gate(x)) * up(x)), fused when int8
+    refused_flags: tuple[str, ...] = ()  # config flags that, when true, break causal decoding
 
     def cache_geometry(self, config) -> tuple[int, int, int]:
         """(layers, kv heads, head dim) for this family's config."""
@@ -28,8 +31,10 @@ class Family:
         return config.num_hidden_layers, kv_heads or heads, head_dim or config.hidden_size // heads
 
     def check_config(self, config) -> None:
-        if getattr(config, "add_cross_attention", False):
-            raise ValueError(f"{self.model_type} models with cross-attention are not supported")
+        for flag in ("add_cross_attention", *self.refused_flags):
+            if getattr(config, flag, False):
+                raise ValueError(f"{self.model_type} models with {flag}=True are not supported (the fused "
+                                 "attention is causal self-attention over the cache)")
 
 
 FAMILIES: dict[str, Family] = {
@@ -40,6 +45,10 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2Attention", "num_key_value_heads", "head_dim", "Qwen2MLP"),
         Family("qwen3", "Qwen3Attention", "num_key_value_heads", "head_dim", "Qwen3MLP"),
         Family("gemma", "GemmaAttention", "num_key_value_heads", "head_dim", "GemmaMLP"),
+        # local (sliding-window) and global layers alternate; Gemma 2 soft-caps attention scores
+        Family("gemma2", "Gemma2Attention", "num_key_value_heads", "head_dim", "Gemma2MLP"),
+        Family("gemma3_text", "Gemma3Attention", "num_key_value_heads", "head_dim", "Gemma3MLP",
+               refused_flags=("use_bidirectional_attention",)),
         Family("olmo2", "Olmo2Attention", "num_key_value_heads", None, "Olmo2MLP"),
         Family("granite", "GraniteAttention", "num_key_value_heads", None, "GraniteMLP"),
         Family("cohere", "CohereAttention", "num_key_value_heads", None, "CohereMLP"),
@@ -60,7 +69,12 @@ FAMILIES: dict[str, Family] = {
 
 def family_of(config) -> Family:
     """The Family of a (decoder) config; ValueError naming the supported families otherwise."""
-    config = config.get_text_config(decoder=True)
+    text_config = config.get_text_config(decoder=True)
+    if text_config is not config and getattr(config, "model_type", None) not in FAMILIES:
+        raise ValueError(f"gptfast_kernels supports text-only causal language models; {config.model_type!r} wraps "
+                         f"a {text_config.model_type!r} text model (load the text model alone, e.g. "
+                         "AutoModelForCausalLM on a text-only checkpoint)")
+    config = text_config
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:

@@ -88,11 +88,6 @@ class StaticKVCache(Cache):
             dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"StaticKVCache: dtype must be float16, bfloat16 or float32, got {dtype}")
-        window = _sliding_window(text_config)
-        if window is not None and max_cache_len > window:
-            raise ValueError(f"StaticKVCache: max_cache_len ({max_cache_len}) exceeds the model's sliding window "
-                             f"({window}); sliding-window attention is not supported, so keep "
-                             "max_cache_len <= sliding_window")
         device = torch.device("cpu") if device is None else torch.device(device)
         layers = [StaticKVLayer(batch_size, num_heads, max_cache_len, head_dim, device, dtype)
                   for _ in range(num_layers)]
@@ -262,10 +257,3 @@ class StaticKVCache(Cache):
     def __repr__(self) -> str:
         return (f"StaticKVCache(layers={len(self.layers)}, batch_size={self.batch_size}, "
                 f"max_cache_len={self.max_cache_len}, dtype={self.dtype}, device={self.device})")
-
-
-def _sliding_window(config) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)

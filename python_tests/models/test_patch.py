@@ -4,11 +4,13 @@ kv_cache_attention call per layer per forward, int8 within quantization error, c
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BertConfig, DynamicCache, Gemma2Config
+from transformers import AutoModelForCausalLM, BertConfig, DynamicCache, Gemma3Config
 
 import gptfast_kernels.models.attention as attention
+from gptfast_kernels.models.families import family_of
 from gptfast_kernels import Int8Linear, StaticKVCache, patch_model
-from python_tests.tiny_models import FAMILIES, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, WINDOW, WINDOWED, patched_copy, ragged_prompts,
+                                     tiny_model)
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -106,6 +108,33 @@ def test_int8_logits_within_quantization_error(family):
     assert error < 0.05 * want[real].abs().max(), f"int8 error {error:.3g}"
 
 
+@pytest.mark.parametrize("family", WINDOWED)
+def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, monkeypatch):
+    """Each layer's sliding window (or none, for global layers) and Gemma 2's softcap reach
+    kv_cache_attention; 12 decode steps past the window give the unpatched model's logits."""
+    seen = []
+    real = attention.kv_cache_attention
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs.get("window"), kwargs.get("softcap")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "kv_cache_attention", recording)
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=False)
+    ids = torch.randint(2, 90, (2, 18), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(ids).logits
+        cache = StaticKVCache(patched.config, 2, 24)
+        steps = [patched(ids[:, :6], past_key_values=cache).logits]
+        steps += [patched(ids[:, t:t + 1], past_key_values=cache).logits for t in range(6, 18)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), want, **TOL)
+    layer_types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * 2
+    softcap = ATTENTION_SOFTCAP if family == "gemma2" else None
+    want_calls = [(WINDOW if kind == "sliding_attention" else None, softcap) for kind in layer_types]
+    assert seen[:2] == want_calls and len(seen) == 13 * 2
+
+
 def test_patch_is_idempotent_and_switchable():
     model = tiny_model("llama")
     patched = patch_model(patch_model(model, int8=False), int8=False, fused_attention=False)
@@ -119,12 +148,13 @@ def test_unsupported_model_names_supported_families():
                                                         intermediate_size=64, vocab_size=50, is_decoder=True))
     with pytest.raises(ValueError, match="llama.*mistral|gpt2"):
         patch_model(model)
-    # Gemma 2 soft-caps its attention logits, which kv_cache_attention does not: refused, not wrong
-    gemma2 = AutoModelForCausalLM.from_config(Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                                           vocab_size=50))
-    with pytest.raises(ValueError, match="gemma2.*supported model families: .*gemma, "):
-        patch_model(gemma2)
+    # bidirectional attention (Gemma 3 used as an encoder) is not causal decoding: refused, not wrong
+    bidirectional = tiny_model("gemma3_text", use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        patch_model(bidirectional)
+    # a multimodal wrapper of a supported text model (its image tokens attend both ways)
+    with pytest.raises(ValueError, match="'gemma3' wraps a 'gemma3_text' text model"):
+        family_of(Gemma3Config())
     with pytest.raises(TypeError, match="model"):
         patch_model(torch.nn.Linear(2, 2))
 

@@ -111,9 +111,15 @@ SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
                         "cohere", "olmo", "helium", "smollm3")
 
 
+# transformers 5.8 to 5.17 (at least) defaults Gemma 2 to SDPA, which drops its attention soft-capping: the
+# reference model must run eager attention, as transformers recommends for Gemma 2
+REFERENCE_ATTENTION = {"gemma2": "eager"}
+
+
 def tiny_model(family: str, *, seed: int = 0, **kwargs):
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(family, **kwargs)).eval()
+    options = {"attn_implementation": REFERENCE_ATTENTION[family]} if family in REFERENCE_ATTENTION else {}
+    return AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), **options).eval()
 
 
 def patched_copy(model, **kwargs):

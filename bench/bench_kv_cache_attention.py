@@ -15,6 +15,11 @@ out. "ours_auto" is the eager wrapper, whose position checks synchronise with th
 "ours_kernel" / "ours_triton_kernel" are the ops alone, as under torch.compile or CUDA graphs;
 on a GPU their "@graph" rows time them as CUDA-graph replays (no host launch work): the figures to
 hold against the bandwidth target.
+
+Sliding-window rows (Mistral-7B-v0.1: the same heads, window 4096) decode far past the window.
+Their baseline, "hf_sliding_window", is transformers' sliding static-cache layer at its best: SDPA
+over only the slots the window covers (its ring buffer holds no more), after the same
+``index_copy_``; ours gets ``window=`` and must read no more than that either.
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ CPU_QUICK_CASES = [(1, 1, 1024, 2048), (1, 5, 1024, 2048), (8, 1, 1024, 2048)]
 ISSUE_CPU_CASE = (1, 1, 1024, 4096)  # target on CPU: decode at 25% fill
 GPU_CASES = [(B, T, ctx, 2 * ctx) for ctx in CONTEXTS for B in BATCHES for T in TOKENS]
 GPU_QUICK_CASES = [(B, T, 4096, 8192) for B in (1, 32) for T in TOKENS]
+WINDOW = 4096  # Mistral-7B-v0.1
+# (B, T, context, S, window): decode at 16k / 32k tokens, verification at 16k
+GPU_WINDOW_CASES = [(B, 1, ctx, 2 * ctx, WINDOW) for ctx in (16384, 32768) for B in BATCHES] + \
+    [(B, 5, 16384, 32768, WINDOW) for B in (1, 32)]
+GPU_QUICK_WINDOW_CASES = [(1, 1, 32768, 65536, WINDOW), (32, 1, 16384, 32768, WINDOW)]
+CPU_WINDOW_CASES = [(1, 1, 8192, 16384, 1024), (1, 5, 8192, 16384, 1024)]
 
 
 def hf_static_cache_step(module, q, k, v, k_cache, v_cache, cache_position, mask, scale):
@@ -95,5 +106,53 @@ def run(h) -> None:
         # the kernels alone also as CUDA-graph replays, as a compiled decode step runs them (the
         # baseline stays eager: transformers' attention path is not checked for host syncs)
         h.compare("kv_cache_attention", case, candidates, baseline="hf_static_cache", nbytes=nbytes,
+                  graphed=("ours_kernel", "ours_triton_kernel"))
+        del q, k, v, k_cache, v_cache, mask
+    run_window(h, dtype, usable, module, scale)
+
+
+def run_window(h, dtype, usable, module, scale) -> None:
+    """Decode / verification with a sliding window far behind the position (see the docstring)."""
+    device = h.device
+    if device.type == "cuda":
+        cases = GPU_QUICK_WINDOW_CASES if h.quick else GPU_WINDOW_CASES
+    else:
+        cases = CPU_WINDOW_CASES[:1] if h.quick else CPU_WINDOW_CASES
+    for B, T, context, S, window in cases:
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+        q, k, v = rand(B, HQ, T, D), rand(B, HKV, T, D), rand(B, HKV, T, D)
+        k_cache, v_cache = rand(B, HKV, S, D), rand(B, HKV, S, D)
+        cache_position = torch.arange(context, context + T, device=device)
+        positions = cache_position.expand(B, T).contiguous()
+        first = context - window + 1  # the earliest slot any of the T queries sees
+        slots = torch.arange(first, context + T, device=device)[None, :]
+        mask = ((slots <= cache_position[:, None]) & (slots > cache_position[:, None] - window)).expand(B, 1, T, -1)
+
+        def hf_sliding_window():
+            k_cache.index_copy_(2, cache_position, k)
+            v_cache.index_copy_(2, cache_position, v)
+            return sdpa_attention_forward(module, q, k_cache[:, :, first:context + T], v_cache[:, :, first:context + T],
+                                          mask, scaling=scale)[0]
+
+        candidates = {
+            "hf_sliding_window": hf_sliding_window,
+            "ours_auto": lambda: ops.kv_cache_attention(q, k, v, k_cache, v_cache, cache_position, window=window),
+        }
+        if _extension.has_kernel("kv_cache_attention", "CUDA" if device.type == "cuda" else "CPU"):
+            candidates["ours_kernel"] = lambda: torch.ops.gptfast_kernels.kv_cache_attention(
+                q, k, v, k_cache, v_cache, positions, scale, window)
+        if device.type == "cuda" and "triton" in usable:
+            from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
+
+            candidates["ours_triton_kernel"] = lambda: kv_cache_attention_triton(
+                q, k, v, k_cache, v_cache, positions, scale, window)
+        elem = q.element_size()
+        nbytes = 2 * B * HKV * (window + T - 1) * D * elem + 2 * B * HQ * T * D * elem
+        case = {"B": B, "T": T, "context": context, "S": S, "window": window, "dtype": str(dtype)[6:]}
+        h.compare("kv_cache_attention", case, candidates, baseline="hf_sliding_window", nbytes=nbytes,
                   graphed=("ours_kernel", "ours_triton_kernel"))
         del q, k, v, k_cache, v_cache, mask

@@ -12,7 +12,7 @@ import os
 import torch
 
 NAMESPACE = "gptfast_kernels"
-_OPS_WITH_KERNELS = ("int8_linear", "kv_cache_attention", "verify_draft")
+_OPS_WITH_KERNELS = ("int8_linear", "int8_expert_linear", "kv_cache_attention", "verify_draft")
 
 try:
     from gptfast_kernels import _C  # noqa: F401  (registers torch.ops.gptfast_kernels.*)

@@ -7,8 +7,8 @@ import copy
 import torch
 from transformers import (AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GlmConfig,
                           GPT2Config, GPTNeoXConfig, GraniteConfig, HeliumConfig, LlamaConfig, MistralConfig,
-                          OlmoConfig, Olmo2Config, PhiConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config,
-                          Starcoder2Config)
+                          MixtralConfig, OlmoConfig, Olmo2Config, OlmoeConfig, PhiConfig, Phi3Config, Qwen2Config,
+                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config, Starcoder2Config)
 
 VOCAB = 97
 PAD, EOS = 0, 1
@@ -95,6 +95,23 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
         config = Starcoder2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                   sliding_window=WINDOW, **common)
+    elif family == "mixtral":  # 4 experts, top 2
+        config = MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+                               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                               max_position_embeddings=256, sliding_window=None, **common)
+    elif family == "qwen2_moe":  # a gated shared expert besides the routed ones; biased q / k / v
+        config = Qwen2MoeConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=6,
+                                num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                shared_expert_intermediate_size=80, max_position_embeddings=256, **common)
+    elif family == "qwen3_moe":  # layer 0 a dense MLP, layer 1 sparse; q / k norms; unnormalised top-k
+        config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                moe_intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=False,
+                                max_position_embeddings=256, **common)
+    elif family == "olmoe":  # 8 experts, top 2; q / k norms
+        config = OlmoeConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                             max_position_embeddings=256, **common)
     else:
         raise ValueError(family)
     for key, value in overrides.items():
@@ -103,7 +120,10 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "cohere",
-            "olmo", "helium", "smollm3", "phi3", "glm", "phi", "starcoder2", "gpt2", "gpt_neox")
+            "olmo", "helium", "smollm3", "phi3", "glm", "phi", "starcoder2", "gpt2", "gpt_neox", "mixtral", "qwen2_moe",
+            "qwen3_moe", "olmoe")
+# mixture-of-experts families (their experts become Int8Experts)
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2")
 # families whose MLP has separate gate / up projections and whose attention separate q / k / v ones
@@ -120,6 +140,32 @@ def tiny_model(family: str, *, seed: int = 0, **kwargs):
     torch.manual_seed(seed)
     options = {"attn_implementation": REFERENCE_ATTENTION[family]} if family in REFERENCE_ATTENTION else {}
     return AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), **options).eval()
+
+
+def dequantized_copy(model):
+    """A copy of ``model`` whose Linear / Conv1D weights and 3-D expert weights are rounded to int8 and
+    back (per output channel, as patch_model's int8 does): patched int8 logits must equal its logits
+    up to float summation order, routing included (the routers are not rounded)."""
+    from transformers.pytorch_utils import Conv1D
+
+    from gptfast_kernels.ops import reference
+
+    def rounded(weight):  # [..., N, K]
+        flat = weight.reshape(-1, weight.shape[-1])
+        qweight, scales = reference.quantize_int8(flat)
+        return (qweight.float() * scales[:, None]).to(weight.dtype).reshape(weight.shape)
+
+    copy_ = copy.deepcopy(model)
+    for module in copy_.modules():
+        # new Parameters, not in-place writes: a head tied to the input embeddings must not round them
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(rounded(module.weight.data))
+        elif isinstance(module, Conv1D):  # weight [in, out]
+            module.weight = torch.nn.Parameter(rounded(module.weight.data.t()).t().contiguous())
+        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and module.gate_up_proj.dim() == 3:
+            module.gate_up_proj.data = rounded(module.gate_up_proj.data)
+            module.down_proj.data = rounded(module.down_proj.data)
+    return copy_
 
 
 def patched_copy(model, **kwargs):

@@ -22,6 +22,7 @@ class Family:
     head_dim_attr: str | None       # config attribute with the head size (None: hidden / heads)
     gated_mlp_class: str | None = None  # MLP class computing down(act(gate(x)) * up(x)), fused when int8
     refused_flags: tuple[str, ...] = ()  # config flags that, when true, break causal decoding
+    experts_class: str | None = None  # mixture-of-experts: the experts module class, int8 as Int8Experts
 
     def cache_geometry(self, config) -> tuple[int, int, int]:
         """(layers, kv heads, head dim) for this family's config."""
@@ -55,6 +56,14 @@ FAMILIES: dict[str, Family] = {
         Family("olmo", "OlmoAttention", "num_key_value_heads", None, "OlmoMLP"),
         Family("helium", "HeliumAttention", "num_key_value_heads", "head_dim", "HeliumMLP"),
         Family("smollm3", "SmolLM3Attention", "num_key_value_heads", None, "SmolLM3MLP"),
+        # mixture of experts: routers stay float, experts become Int8Experts (Qwen2-MoE's shared expert
+        # and Qwen3-MoE's dense layers are gated MLPs)
+        Family("mixtral", "MixtralAttention", "num_key_value_heads", "head_dim", experts_class="MixtralExperts"),
+        Family("qwen2_moe", "Qwen2MoeAttention", "num_key_value_heads", None, "Qwen2MoeMLP",
+               experts_class="Qwen2MoeExperts"),
+        Family("qwen3_moe", "Qwen3MoeAttention", "num_key_value_heads", "head_dim", "Qwen3MoeMLP",
+               experts_class="Qwen3MoeExperts"),
+        Family("olmoe", "OlmoeAttention", "num_key_value_heads", None, experts_class="OlmoeExperts"),
         # Phi-3 and GLM project gate / up as one Linear already (Phi-3 q / k / v too)
         Family("phi3", "Phi3Attention", "num_key_value_heads", None),
         Family("glm", "GlmAttention", "num_key_value_heads", "head_dim"),

@@ -8,6 +8,7 @@ from gptfast_kernels.models import attention
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels.modules.fused_qkv import fuse_qkv_
 from gptfast_kernels.modules.gated_mlp import fuse_gated_mlps_
+from gptfast_kernels.modules.int8_experts import quantize_experts_
 from gptfast_kernels.modules.int8_linear import quantize_int8_
 
 
@@ -18,7 +19,8 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     ``kv_cache_attention`` whenever it is called with a StaticKVCache (``fused_attention=False``:
     the same semantics in plain PyTorch). With int8, a gated MLP's gate and up projections become
     one Int8Linear (Int8GatedMLP), and separate q / k / v projections one too (Int8FusedProjections):
-    one launch each per step instead of two and three. In place; returns model. Decoding reads every weight
+    one launch each per step instead of two and three. A mixture-of-experts model's experts become
+    Int8Experts (its routers stay float). In place; returns model. Decoding reads every weight
     once per token, and the lm_head is a large share of a small model's weights (a quarter of a
     125M Llama with a 32k vocabulary), so it is quantized too unless skipped.
     Supported families: see gptfast_kernels.models.families.FAMILIES."""
@@ -33,6 +35,12 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class)
         fuse_qkv_(model, family.attention_class)
+        if family.experts_class is not None:
+            quantize_experts_(model, family.experts_class)
+    elif family.experts_class is not None and hasattr(model, "set_experts_implementation"):
+        # float experts: transformers' gather-based implementation, which has no host sync (its
+        # default loop does), so a compiled decode step stays one graph
+        model.set_experts_implementation("batched_mm")
     # what a StaticKVCache for this model must hold (checked per forward by attention.before_forward)
     model._gptfast_cache_geometry = family.cache_geometry(model.config.get_text_config(decoder=True))
     attention.register_attention_functions()

@@ -31,6 +31,18 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return y.to(x.dtype)
 
 
+def int8_expert_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       experts: torch.Tensor) -> torch.Tensor:
+    """Row p of x [P, K] times expert experts[p]'s dequantised qweight [E, N, K]^T * scales [E, N]
+    -> [P, N] in x's dtype; a row whose expert is outside [0, E) (-1: padding) is zero."""
+    acc = _compute_dtype(x.dtype)
+    E = qweight.shape[0]
+    valid = (experts >= 0) & (experts < E)
+    index = experts.clamp(0, E - 1)
+    y = torch.einsum("pk,pnk->pn", x.to(acc), qweight[index].to(acc)) * scales[index].to(acc)
+    return (y * valid[:, None]).to(x.dtype)
+
+
 def broadcast_positions(positions: torch.Tensor, batch: int) -> torch.Tensor:
     """[T] or [B, T] positions -> [B, T] int64."""
     if positions.dim() == 1:

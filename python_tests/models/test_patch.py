@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, BertConfig, DynamicCache, Gemma3C
 import gptfast_kernels.models.attention as attention
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels import Int8Linear, StaticKVCache, patch_model
-from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, WINDOW, WINDOWED, patched_copy, ragged_prompts,
-                                     tiny_model)
+from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, MOE, WINDOW, WINDOWED, dequantized_copy,
+                                     patched_copy, ragged_prompts, tiny_model)
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -133,6 +133,47 @@ def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, mon
     softcap = ATTENTION_SOFTCAP if family == "gemma2" else None
     want_calls = [(WINDOW if kind == "sliding_attention" else None, softcap) for kind in layer_types]
     assert seen[:2] == want_calls and len(seen) == 13 * 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int8_logits_equal_the_model_with_dequantized_weights(family):
+    """int8 changes the weights and nothing else: the patched model's logits equal transformers'
+    model running the int8-rounded weights in float (mixture-of-experts routing included)."""
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=True)
+    rounded = dequantized_copy(model)
+    ids, mask = ragged_prompts(2, 8, "left")
+    with torch.no_grad():
+        want = rounded(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        cache = StaticKVCache(patched.config, 2, 12)
+        got = patched(ids, attention_mask=mask, past_key_values=cache).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_moe_experts_become_int8_and_decode_steps_match(family):
+    """Experts become Int8Experts, routers stay float; prefill (the grouped per-expert path above
+    GROUPED_MIN_ROWS rows) and decode steps (one int8_expert_linear row per chosen expert) both give
+    the rounded model's logits."""
+    from gptfast_kernels.modules.int8_experts import GROUPED_MIN_ROWS, Int8Experts
+
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=True)
+    experts = [m for m in patched.modules() if isinstance(m, Int8Experts)]
+    assert len(experts) == sum(1 for m in model.modules() if type(m).__name__.endswith("Experts"))
+    assert not any(type(m).__name__.endswith("Experts") for m in patched.modules() if not isinstance(m, Int8Experts))
+    routers = [(name, m) for name, m in patched.named_modules() if type(m).__name__.endswith("TopKRouter")]
+    assert routers and all(torch.equal(m.weight, model.get_submodule(name).weight) for name, m in routers)
+    rounded = dequantized_copy(model)
+    length = GROUPED_MIN_ROWS // model.config.num_experts_per_tok + 3  # prompt rows > GROUPED_MIN_ROWS
+    ids = torch.randint(2, 90, (1, length + 4), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = rounded(ids).logits
+        cache = StaticKVCache(patched.config, 1, length + 4)
+        steps = [patched(ids[:, :length], past_key_values=cache).logits]
+        steps += [patched(ids[:, t:t + 1], past_key_values=cache).logits for t in range(length, length + 4)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), want, atol=1e-4, rtol=1e-4)
 
 
 def test_patch_is_idempotent_and_switchable():

@@ -1,0 +1,52 @@
+"""int8_expert_linear against transformers' batched experts matmul in the activation dtype.
+
+Mixtral-8x7B's experts (E = 8, top 2, hidden 4096, intermediate 14336): the gate / up projection
+(N = 28672, K = 4096) for 1, 8 and 32 tokens, i.e. P = 2, 16, 64 (token, expert) rows. Baseline
+"hf_batched_mm": transformers' ``batched_mm`` experts path (the compile-friendly one), which gathers
+each row's expert weight in the activation dtype and multiplies with bmm. GB/s counts the int8
+weights of the experts the rows chose (each read once), plus x and y.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gptfast_kernels import ops
+
+E, TOP_K, N, K = 8, 2, 2 * 14336, 4096
+TOKENS = (1, 8, 32)
+CPU_SHAPE = (8, 2, 2 * 1024, 512)  # a small MoE layer: the CPU machine has 2 cores
+
+
+def hf_batched_mm(x, weight, experts):
+    """transformers.integrations.moe's batched_mm path for one projection: gather, then bmm."""
+    return torch.bmm(weight[experts], x.unsqueeze(-1)).squeeze(-1)
+
+
+def run(h) -> None:
+    device = h.device
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    experts_count, top_k, n, k = (E, TOP_K, N, K) if device.type == "cuda" else CPU_SHAPE
+    tokens = TOKENS[:2] if h.quick else TOKENS
+    g = torch.Generator(device=device).manual_seed(0)
+    weight = torch.randn(experts_count, n, k, device=device, dtype=dtype, generator=g) / k ** 0.5
+    qweight, scales = ops.quantize_int8(weight.reshape(-1, k))
+    qweight, scales = qweight.view(experts_count, n, k), scales.view(experts_count, n)
+    for T in tokens:
+        # each token's top-k distinct experts, drawn at random (a router's choice)
+        experts = torch.rand(T, experts_count, device=device, generator=g).topk(top_k).indices.reshape(-1)
+        x = torch.randn(T * top_k, k, device=device, dtype=dtype, generator=g)
+        candidates = {
+            "hf_batched_mm": lambda: hf_batched_mm(x, weight, experts),
+            "ours_auto": lambda: ops.int8_expert_linear(x, qweight, scales, experts),
+            "ours_kernel": lambda: ops.int8_expert_linear(x, qweight, scales, experts, check_experts=False),
+        }
+        if device.type == "cuda":
+            candidates["ours_triton"] = lambda: ops.int8_expert_linear(x, qweight, scales, experts, backend="triton",
+                                                                       check_experts=False)
+        chosen = int(torch.unique(experts).numel())
+        nbytes = chosen * (n * k + 4 * n) + x.element_size() * T * top_k * (k + n)
+        h.compare("int8_expert_linear", {"tokens": T, "rows": T * top_k, "E": experts_count, "N": n, "K": k,
+                                         "experts_chosen": chosen, "dtype": str(dtype)[6:]},
+                  candidates, baseline="hf_batched_mm", nbytes=nbytes,
+                  graphed=tuple(name for name in candidates if name != "ours_auto"))

@@ -1,0 +1,113 @@
+// int8 weight-only linear per mixture-of-experts expert: the int8_expert_linear schema and its CPU
+// kernel.
+//
+//   y[p, n] = sum_k x[p, k] * qweight[experts[p], n, k] * scales[experts[p], n]   (float32 sums)
+//   y[p, :] = 0 where experts[p] is outside [0, E) (-1: padding)
+//
+// Rows are grouped by expert first (a counting sort of the P ids), then the work is parallel over
+// (expert, block of outputs): each weight row is read once and applied to every row routed to its
+// expert while it is in cache, and experts no row chose are never read.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+
+namespace gptfast_kernels {
+namespace {
+
+// Output features per parallel work item: enough weight rows (64 x K bytes) to amortise the task.
+constexpr int64_t N_BLOCK = 64;
+
+void expert_rows(const int64_t* experts, int64_t P, int64_t E, std::vector<int64_t>& offsets,
+                 std::vector<int64_t>& rows) {
+  offsets.assign(E + 1, 0);
+  for (int64_t p = 0; p < P; ++p)
+    if (experts[p] >= 0 && experts[p] < E) ++offsets[experts[p] + 1];
+  for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
+  rows.resize(offsets[E]);
+  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+  for (int64_t p = 0; p < P; ++p)
+    if (experts[p] >= 0 && experts[p] < E) rows[next[experts[p]]++] = p;
+}
+
+template <typename scalar_t>
+void expert_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                   const int64_t* experts, at::Tensor& y) {
+  const int64_t P = x.size(0), K = x.size(1), E = qweight.size(0), N = qweight.size(1);
+  std::vector<int64_t> offsets, rows;
+  expert_rows(experts, P, E, offsets, rows);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // converted once, read once per weight row
+  const float* x_ptr = xf.data_ptr<float>();
+  const int8_t* w_ptr = qweight.data_ptr<int8_t>();
+  const float* s_ptr = scales.data_ptr<float>();
+  scalar_t* y_ptr = y.data_ptr<scalar_t>();
+  const int64_t n_blocks = (N + N_BLOCK - 1) / N_BLOCK;
+  at::parallel_for(0, E * n_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = item / n_blocks, n0 = (item % n_blocks) * N_BLOCK;
+      if (offsets[e] == offsets[e + 1]) continue;  // no row chose this expert: its weight is not read
+      for (int64_t n = n0; n < std::min(N, n0 + N_BLOCK); ++n) {
+        const int8_t* w = w_ptr + (e * N + n) * K;
+        const float scale = s_ptr[e * N + n];
+        for (int64_t i = offsets[e]; i < offsets[e + 1]; ++i) {
+          const int64_t p = rows[i];
+          const float* xr = x_ptr + p * K;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t k = 0; k < K; ++k) acc += xr[k] * static_cast<float>(w[k]);
+          y_ptr[p * N + n] = static_cast<scalar_t>(acc * scale);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Checks shared by the CPU and CUDA entry points (declared in common.h). Expert id values are
+// not checked here: ids outside [0, E) give zero rows in every kernel.
+void check_int8_expert_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                     const at::Tensor& experts) {
+  constexpr const char* op = "int8_expert_linear";
+  GPTFAST_CHECK_DIM(op, x, 2);
+  GPTFAST_CHECK_FLOATING(op, x);
+  GPTFAST_CHECK_DIM(op, qweight, 3);
+  GPTFAST_CHECK_DTYPE(op, qweight, at::kChar);
+  const int64_t E = qweight.size(0), N = qweight.size(1), K = qweight.size(2);
+  TORCH_CHECK(E > 0 && K > 0, op, ": qweight must be [E, N, K] with E, K >= 1, got ", qweight.sizes());
+  GPTFAST_CHECK_SIZE(op, x, 1, K);
+  GPTFAST_CHECK_DTYPE(op, scales, at::kFloat);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == E && scales.size(1) == N, op, ": scales must be [E, N] = [",
+              E, ", ", N, "], got ", scales.sizes());
+  GPTFAST_CHECK_DTYPE(op, experts, at::kLong);
+  TORCH_CHECK(experts.dim() == 1 && experts.size(0) == x.size(0), op, ": experts must be [P] = [", x.size(0),
+              "], got ", experts.sizes());
+  for (const auto* t : {&qweight, &scales, &experts}) GPTFAST_CHECK_DEVICE(op, *t, x.device());
+  for (const auto* t : {&x, &qweight, &scales, &experts}) {
+    TORCH_CHECK(t->is_contiguous(), op, ": x, qweight, scales and experts must be contiguous");
+  }
+}
+
+// x [P, K] float, qweight [E, N, K] int8, scales [E, N] float32, experts [P] int64 -> y [P, N].
+at::Tensor int8_expert_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                  const at::Tensor& experts) {
+  check_int8_expert_linear_inputs(x, qweight, scales, experts);
+  at::Tensor y = at::zeros({x.size(0), qweight.size(1)}, x.options());  // rows of no expert stay 0
+  if (y.numel() == 0) return y;
+  GPTFAST_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "int8_expert_linear_cpu", [&] {
+    expert_linear<scalar_t>(x, qweight, scales, experts.data_ptr<int64_t>(), y);
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
+  m.def("int8_expert_linear(Tensor x, Tensor qweight, Tensor scales, Tensor experts) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gptfast_kernels, CPU, m) {
+  m.impl("int8_expert_linear", &int8_expert_linear_cpu);
+}
+
+}  // namespace gptfast_kernels

@@ -1,0 +1,135 @@
+"""int8_expert_linear: every kernel backend against the reference (odd N / K, several rows per expert,
+experts no row chose, padding and out-of-range ids), bad inputs naming the argument, opcheck and
+torch.compile."""
+
+import pytest
+import torch
+
+from gptfast_kernels import _extension, ops
+from gptfast_kernels.ops import reference
+from python_tests.backends import kernel_backends
+
+BACKENDS = kernel_backends("int8_expert_linear")
+TRITON_BACKENDS = [p for p in BACKENDS if p.id.startswith("triton")]
+# float32 sums in a different order; 16-bit outputs round once (bf16: 8 bits of mantissa)
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+             torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def make_case(P, E, N, K, experts, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(P, K, generator=g).to(dtype).to(device)
+    qweight = torch.randint(-127, 128, (E, N, K), generator=g, dtype=torch.int8).to(device)
+    scales = (torch.rand(E, N, generator=g) * 0.01 + 1e-3).to(device)
+    return x, qweight, scales, torch.as_tensor(experts, dtype=torch.int64).to(device)
+
+
+def check_against_reference(backend, x, qweight, scales, experts):
+    want = reference.int8_expert_linear(x.cpu().double(), qweight.cpu(), scales.cpu().double(), experts.cpu())
+    got = ops.int8_expert_linear(x, qweight, scales, experts, backend=backend)
+    assert got.shape == (x.shape[0], qweight.shape[1]) and got.dtype == x.dtype and got.device == x.device
+    torch.testing.assert_close(got.cpu().double(), want, **TOLERANCE[x.dtype])
+    return got
+
+
+# (P, E, N, K, experts): decode (one token, top-2 of 4), verification-like rows sharing experts,
+# an expert nobody chose, odd N and K (no 16-byte loads), padding (-1)
+CASES = {
+    "decode-top2": (2, 4, 64, 128, [3, 1]),
+    "shared-experts-odd": (9, 5, 50, 72, [0, 4, 4, 1, 0, 4, 1, 1, 4]),
+    "odd-k-padding": (6, 3, 33, 101, [2, -1, 0, 2, -1, 0]),
+    "many-rows-one-expert": (40, 9, 24, 64, [7] * 33 + [0] * 7),
+}
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_matches_reference(backend, device, case, dtype):
+    P, E, N, K, experts = CASES[case]
+    check_against_reference(backend, *make_case(P, E, N, K, experts, dtype, device))
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_padding_rows_are_zero_and_unchosen_experts_do_not_matter(backend, device):
+    """Rows with expert -1 are zero; an expert that no row chose may hold anything (here NaN scales)
+    without touching the result."""
+    x, qweight, scales, experts = make_case(4, 3, 16, 32, [0, -1, 0, 2], device=device)
+    scales[1] = float("nan")  # expert 1 is not chosen
+    got = check_against_reference(backend, x, qweight, scales, experts)
+    assert torch.all(got[1] == 0) and torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_empty_rows(backend, device):
+    x, qweight, scales, experts = make_case(0, 2, 8, 16, [], device=device)
+    assert ops.int8_expert_linear(x, qweight, scales, experts, backend=backend).shape == (0, 8)
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_out_of_range_ids_unchecked_give_zero_rows(backend, device):
+    """Under torch.compile the ids cannot be checked: the kernels must neither read outside qweight
+    nor return anything but zeros for them."""
+    x, qweight, scales, _ = make_case(3, 2, 8, 16, [0, 0, 0], device=device)
+    experts = torch.tensor([1, 7, -5], device=device)
+    got = ops.int8_expert_linear(x, qweight, scales, experts, backend=backend, check_experts=False)
+    want = reference.int8_expert_linear(x.cpu(), qweight.cpu(), scales.cpu(), experts.cpu())
+    torch.testing.assert_close(got.cpu(), want, **TOLERANCE[torch.float32])
+    assert torch.all(got[1:] == 0)
+
+
+@pytest.mark.parametrize("experts, needle", [([0, 3], "experts must lie in"), ([-2, 0], "experts must lie in")],
+                         ids=["too-large", "below-minus-one"])
+def test_bad_expert_ids_name_the_argument(experts, needle):
+    x, qweight, scales, ids = make_case(2, 3, 8, 16, experts)
+    with pytest.raises(ValueError, match=needle):
+        ops.int8_expert_linear(x, qweight, scales, ids)
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda a: {**a, "x": a["x"][:, :-1]}, "x must be"),
+    (lambda a: {**a, "qweight": a["qweight"].float()}, "qweight must have dtype"),
+    (lambda a: {**a, "qweight": a["qweight"][0]}, "qweight must have 3 dimensions"),
+    (lambda a: {**a, "scales": a["scales"][:, :-1]}, "scales must have shape"),
+    (lambda a: {**a, "experts": a["experts"][:1]}, "experts must have one entry per row"),
+    (lambda a: {**a, "experts": a["experts"].float()}, "experts must have dtype"),
+    (lambda a: {**a, "x": a["x"].to(torch.int32)}, "x must have dtype"),
+], ids=["x-k", "qweight-dtype", "qweight-dim", "scales-shape", "experts-len", "experts-dtype", "x-dtype"])
+def test_bad_inputs_name_the_argument(change, needle):
+    x, qweight, scales, experts = make_case(2, 3, 8, 16, [0, 2])
+    args = change(dict(x=x, qweight=qweight, scales=scales, experts=experts))
+    with pytest.raises(ValueError, match=needle):
+        ops.int8_expert_linear(**args)
+
+
+@pytest.mark.skipif(not _extension.has_kernel("int8_expert_linear", "CPU"), reason="extension not built")
+def test_cpu_kernel_checks_shapes_when_called_directly():
+    x, qweight, scales, experts = make_case(2, 3, 8, 16, [0, 2])
+    with pytest.raises(RuntimeError, match="experts must be"):
+        torch.ops.gptfast_kernels.int8_expert_linear(x, qweight, scales, experts[:1])
+
+
+@pytest.mark.skipif(not _extension.has_kernel("int8_expert_linear", "CPU"), reason="extension not built")
+def test_opcheck_cpu():
+    torch.library.opcheck(torch.ops.gptfast_kernels.int8_expert_linear.default,
+                          make_case(5, 3, 8, 16, [0, 2, 2, -1, 1]))
+
+
+@pytest.mark.parametrize("backend, device", TRITON_BACKENDS)
+def test_opcheck_triton(backend, device):
+    from gptfast_kernels.triton.int8_expert_linear import int8_expert_linear_triton  # noqa: F401
+
+    torch.library.opcheck(torch.ops.gptfast_kernels.int8_expert_linear_triton.default,
+                          make_case(5, 3, 20, 16, [0, 2, 2, -1, 1], device=device))
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_torch_compile_fullgraph(backend, device):
+    x, qweight, scales, experts = make_case(4, 3, 16, 32, [2, 0, 2, 1], device=device)
+    want = ops.int8_expert_linear(x, qweight, scales, experts, backend=backend)
+
+    @torch.compile(fullgraph=True)
+    def step(x, experts):
+        return ops.int8_expert_linear(x, qweight, scales, experts, backend=backend) * 2
+
+    torch.testing.assert_close(step(x, experts), want * 2)

@@ -30,13 +30,14 @@ class Rule:
     key: tuple[str, ...]
     impls: dict[str, str]  # backend -> impl name in the bench rows
     picks: Callable[[dict], str]
+    optional: tuple[str, ...] = ()  # keys that tell cases apart where present (a sliding window)
 
 
 RULES = (
     Rule("int8_linear", ("M", "N", "K"), {"cuda": "ours_cuda", "triton": "ours_triton"},
          lambda case: int8_auto(GPU_BACKENDS, case["M"], case["K"])),
     Rule("kv_cache_attention", ("B", "T", "context", "S"), {"cuda": "ours_kernel", "triton": "ours_triton_kernel"},
-         lambda case: kv_auto(GPU_BACKENDS, case["B"] * HKV, case["T"], case["S"])),
+         lambda case: kv_auto(GPU_BACKENDS, case["B"] * HKV, case["T"], case["S"]), optional=("window",)),
 )
 
 
@@ -54,12 +55,12 @@ def verdicts(rows: list[dict]) -> list[dict]:
         cases: dict[tuple, list[dict]] = {}
         for row in rows:
             if row.get("op") == rule.op and all(k in row for k in rule.key):
-                cases.setdefault(tuple(row[k] for k in rule.key), []).append(row)
+                cases.setdefault(tuple(row.get(k) for k in rule.key + rule.optional), []).append(row)
         for values, case_rows in cases.items():
             ms = {backend: _median_ms(case_rows, impl) for backend, impl in rule.impls.items()}
             if any(v is None for v in ms.values()):
                 continue
-            case = dict(zip(rule.key, values))
+            case = {k: v for k, v in zip(rule.key + rule.optional, values) if v is not None}
             faster = min(ms, key=ms.get)
             picked = rule.picks(case)
             out.append({"op": rule.op, **case, "cuda_ms": ms["cuda"],

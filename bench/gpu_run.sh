@@ -10,7 +10,7 @@
 #                without a GPU)
 #   tests        the whole suite with CUDA (TESTS="paths/options" for part of it) -> tests.log
 #   sanitize     compute-sanitizer memcheck + racecheck, CUDA op tests   -> sanitizer.log
-#   kernels      microbenchmarks of the three ops + copy bandwidth   -> <device>_<date>_<commit>_<benches>.json
+#   kernels      microbenchmarks of the four ops + copy bandwidth   -> <device>_<date>_<commit>_<benches>.json
 #                then bench/check_auto.py: where backend="auto" picks the slower kernel
 #   int8-kernels the CUDA int8 op's other kernels (GPTFAST_INT8_CUDA_KERNEL), against the default
 #                kernels' figures from `kernels`: M = 1 on tensor cores instead of the FMA GEMV
@@ -136,8 +136,8 @@ for stage in $STAGES; do
     build) stage_build ;;
     tests) stage_tests ;;
     sanitize) stage_sanitize ;;
-    kernels) bench int8_linear,kv_cache_attention,verify_draft &&
-             "$PY" -m bench.check_auto "$(ls -t "$OUT_DIR"/*_int8_linear-kv_cache_attention-verify_draft.json | head -1)" \
+    kernels) bench int8_linear,int8_expert_linear,kv_cache_attention,verify_draft &&
+             "$PY" -m bench.check_auto "$(ls -t "$OUT_DIR"/*_int8_linear-int8_expert_linear-kv_cache_attention-verify_draft.json | head -1)" \
                | tee -a "$OUT_DIR/bench.log" ;;
     int8-kernels) GPTFAST_INT8_CUDA_KERNEL=tensor_core bench int8_linear --cases one_row &&
                   GPTFAST_INT8_CUDA_KERNEL=fma bench int8_linear --cases multi_row ;;

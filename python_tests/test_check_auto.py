@@ -32,3 +32,17 @@ def test_verdicts_prefer_graph_rows_and_price_a_wrong_pick():
     kv = found["kv_cache_attention"]
     assert (kv["faster"], kv["auto"]) == ("cuda", "triton")
     assert kv["lost_ms"] == pytest.approx(0.217 - 0.183)
+
+
+def test_a_windowed_case_is_judged_apart_from_the_same_shape_without_a_window():
+    shape = dict(B=1, T=1, context=16384, S=32768)
+    rows = [
+        _row("kv_cache_attention", "ours_kernel", 0.090, **shape),
+        _row("kv_cache_attention", "ours_triton_kernel", 0.180, **shape),
+        _row("kv_cache_attention", "ours_kernel", 0.040, window=4096, **shape),
+        _row("kv_cache_attention", "ours_triton_kernel", 0.030, window=4096, **shape),
+    ]
+    found = {v.get("window"): v for v in verdicts(rows)}
+    assert set(found) == {None, 4096}
+    assert (found[None]["cuda_ms"], found[None]["triton_ms"]) == (0.090, 0.180)
+    assert (found[4096]["cuda_ms"], found[4096]["triton_ms"], found[4096]["faster"]) == (0.040, 0.030, "triton")

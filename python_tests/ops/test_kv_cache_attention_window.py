@@ -180,7 +180,7 @@ GPU_BACKENDS = [p for p in BACKENDS if p.id in ("cuda", "triton-cuda")]
 @pytest.mark.parametrize("backend, device", GPU_BACKENDS)
 @pytest.mark.parametrize("B, T, S", [(4, 1, 32768), (4, 5, 32768), (2, 100, 16384)],
                          ids=["decode", "verify", "prefill"])
-def test_mistral_window_long_cache_on_gpu(backend, device, B, T, S):
+def test_llama_heads_with_mistral_window_long_cache_on_gpu(backend, device, B, T, S):
     """Mistral-7B-v0.1 heads (32 / 8, D = 128, window 4096) in bf16 with rows past the window, so the
     splits and tiles start mid-cache; Gemma 2's softcap of 50 on top."""
     starts = [S - T, S // 2 + 3, 4095, 0][:B]

@@ -37,10 +37,6 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         fuse_qkv_(model, family.attention_class)
         if family.experts_class is not None:
             quantize_experts_(model, family.experts_class)
-    elif family.experts_class is not None and hasattr(model, "set_experts_implementation"):
-        # float experts: transformers' gather-based implementation, which has no host sync (its
-        # default loop does), so a compiled decode step stays one graph
-        model.set_experts_implementation("batched_mm")
     # what a StaticKVCache for this model must hold (checked per forward by attention.before_forward)
     model._gptfast_cache_geometry = family.cache_geometry(model.config.get_text_config(decoder=True))
     attention.register_attention_functions()

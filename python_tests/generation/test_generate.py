@@ -11,8 +11,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from gptfast_kernels import Int8Linear, StaticKVCache, generate
 from gptfast_kernels.generation.sampling import logits_to_probs
 from python_tests import tiny_models
-from python_tests.tiny_models import (EOS, FAMILIES, PAD, RecordingStreamer, patched_copy, ragged_prompts,
-                                      tiny_model)
+from python_tests.tiny_models import (EOS, FAMILIES, MOE, PAD, RecordingStreamer, patched_copy,
+                                      ragged_prompts, tiny_model)
 
 NEW = 12
 
@@ -216,6 +216,19 @@ def test_compiled_decode_step_gives_the_same_tokens(family):
     again = generate(patched, ids[:, 1:], mask[:, 1:], max_new_tokens=5, eos_token_id=[], compile=True).sequences
     assert torch.equal(again, generate(patched, ids[:, 1:], mask[:, 1:], max_new_tokens=5, eos_token_id=[]).sequences)
     assert patched._gptfast_compiled_forward is step and patched._gptfast_cache is cache
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_float_experts_compile_to_one_graph_and_match_transformers(family):
+    """int8=False keeps a MoE model's experts in float, on transformers' own experts implementation
+    (grouped_mm by default): the compiled decode step is one graph, and the tokens equal
+    transformers' greedy generate."""
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=False)
+    ids, mask = ragged_prompts(2, 6, "left")
+    compiled = generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[], compile=True).sequences
+    want = hf_greedy(model, ids, mask, 6, eos_token_id=None, pad_token_id=PAD)
+    assert torch.equal(compiled, want)
 
 
 def test_compiled_steps_beyond_dynamo_recompile_limit():

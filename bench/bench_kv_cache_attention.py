@@ -57,6 +57,7 @@ def hf_static_cache_step(module, q, k, v, k_cache, v_cache, cache_position, mask
 
 
 def run(h) -> None:
+    """--cases full (no window) and / or window; both by default."""
     device = h.device
     h.measure_copy_bandwidth()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -64,6 +65,8 @@ def run(h) -> None:
         cases = GPU_QUICK_CASES if h.quick else GPU_CASES
     else:
         cases = (CPU_QUICK_CASES if h.quick else CPU_CASES) + [ISSUE_CPU_CASE]
+    if h.cases is not None and "full" not in h.cases:
+        cases = []
     usable = _extension.usable_backends(device)
     module = types.SimpleNamespace(num_key_value_groups=HQ // HKV, is_causal=True)
     scale = D ** -0.5
@@ -108,7 +111,8 @@ def run(h) -> None:
         h.compare("kv_cache_attention", case, candidates, baseline="hf_static_cache", nbytes=nbytes,
                   graphed=("ours_kernel", "ours_triton_kernel"))
         del q, k, v, k_cache, v_cache, mask
-    run_window(h, dtype, usable, module, scale)
+    if h.cases is None or "window" in h.cases:
+        run_window(h, dtype, usable, module, scale)
 
 
 def run_window(h, dtype, usable, module, scale) -> None:

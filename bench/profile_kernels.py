@@ -16,7 +16,7 @@ import torch
 from bench.bench_kv_cache_attention import D, HKV, HQ
 from gptfast_kernels import ops
 
-KERNELS = "int8_linear|decode_kernel|combine_kernel|verify_draft"
+KERNELS = "int8_linear|expert_gemv_kernel|int8_expert_linear|decode_kernel|combine_kernel|verify_draft"
 N_K_SHAPES = {"qkv-size": (4096, 4096), "up": (14336, 4096), "down": (4096, 14336)}
 
 
@@ -40,6 +40,18 @@ def cases(device: torch.device):
         out.append((f"kv_cache_attention {backend} B={B} T={T} ctx={context}",
                     lambda a=(q, k, v, k_cache, v_cache, positions), b=backend:
                     ops.kv_cache_attention(*a, backend=b, check_positions=False)))
+    # Mixtral-8x7B's gate / up experts for 1 and 8 tokens (top 2 of 8): the unmeasured expert kernels
+    experts_weight = torch.randn(8, 2 * 14336, 4096, **bf16) / 64
+    eq, es = ops.quantize_int8(experts_weight.view(-1, 4096))
+    eq, es = eq.view(8, 2 * 14336, 4096), es.view(8, 2 * 14336)
+    del experts_weight
+    for tokens in (1, 8):
+        chosen = torch.arange(2 * tokens, device=device) % 8
+        x = torch.randn(2 * tokens, 4096, **bf16)
+        for backend in ("cuda", "triton"):
+            out.append((f"int8_expert_linear {backend} tokens={tokens} top2-of-8 28672x4096",
+                        lambda x=x, e=chosen, b=backend: ops.int8_expert_linear(x, eq, es, e, backend=b,
+                                                                              check_experts=False)))
     B, k, V = 64, 5, 128256
     target = torch.randn(B, k + 1, V, device=device).softmax(-1)
     draft = torch.randn(B, k, V, device=device).softmax(-1)

@@ -76,6 +76,9 @@ class StaticKVCache(Cache):
     StaticKVCache(config, batch_size, max_cache_len, *, device=None, dtype=None): buffers
     [batch_size, Hkv, max_cache_len, D] per layer, in ``dtype`` (default: the config's dtype, else
     float32) on ``device`` (default: CPU). ``seq_lengths`` [B] int64 holds each row's length.
+    Sliding-window layers (Mistral, Gemma 2 / 3 ...) keep every slot as well, so max_cache_len may
+    exceed the window: the fused kernel reads only each query's window, and a rollback (crop) never
+    needs a slot a ring buffer would have overwritten.
     """
 
     def __init__(self, config, batch_size: int, max_cache_len: int, *, device=None, dtype=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import (AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GlmConfig,
+from transformers import (AutoConfig, AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GlmConfig,
                           GPT2Config, GPTNeoXConfig, GraniteConfig, HeliumConfig, LlamaConfig, MistralConfig,
                           MixtralConfig, OlmoConfig, Olmo2Config, OlmoeConfig, PhiConfig, Phi3Config, Qwen2Config,
                           Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config, Starcoder2Config)
@@ -24,6 +24,32 @@ ATTENTION_SOFTCAP = 1.0
 def alternating_layers(layers: int) -> list[str]:
     """Gemma-style layer types: local (sliding-window) and global layers in turn, local first."""
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+# Families whose tiny config is the model type's defaults at these sizes plus a few overrides (each a
+# function of the layer count): what sets the family apart is in the override's comment.
+AUTO_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 max_position_embeddings=256)
+AUTO_CONFIGS = {
+    # sliding windows: every other layer local (4 tokens), the others global
+    "cohere2": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers)),  # no RoPE on global
+    "olmo3": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers)),
+    "ministral": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers)),
+    "exaone4": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers)),
+    # dense
+    "glm4": lambda layers: {},          # fused gate / up, norms after attention and MLP
+    "seed_oss": lambda layers: {},      # biased q / k / v
+    "ernie4_5": lambda layers: {},
+    "arcee": lambda layers: {},         # ungated ReLU^2 MLP
+    "hunyuan_v1_dense": lambda layers: {},  # q / k norms after RoPE
+    # mixture of experts, 4 experts top 2 (GLM-4-MoE and ERNIE-MoE: layer 0 dense, a shared expert)
+    "granitemoe": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2),
+    "glm4_moe": lambda layers: dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1),
+    "ernie4_5_moe": lambda layers: dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=48, moe_layer_start_index=1,
+                                        moe_num_shared_experts=1),
+    "flex_olmo": lambda layers: dict(num_experts=4, num_experts_per_tok=2),
+}
 
 
 def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides):
@@ -112,6 +138,9 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
         config = OlmoeConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
                              num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
                              max_position_embeddings=256, **common)
+    elif family in AUTO_CONFIGS:
+        config = AutoConfig.for_model(family, num_hidden_layers=layers, **AUTO_DIMS, **AUTO_CONFIGS[family](layers),
+                                      **common)
     else:
         raise ValueError(family)
     for key, value in overrides.items():
@@ -121,11 +150,12 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "cohere",
             "olmo", "helium", "smollm3", "phi3", "glm", "phi", "starcoder2", "gpt2", "gpt_neox", "mixtral", "qwen2_moe",
-            "qwen3_moe", "olmoe")
+            "qwen3_moe", "olmoe", *AUTO_CONFIGS)
 # mixture-of-experts families (their experts become Int8Experts)
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
-WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2")
+WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
+            "exaone4")
 # families whose MLP has separate gate / up projections and whose attention separate q / k / v ones
 SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite",
                         "cohere", "olmo", "helium", "smollm3")

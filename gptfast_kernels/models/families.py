@@ -64,6 +64,23 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_moe", "Qwen3MoeAttention", "num_key_value_heads", "head_dim", "Qwen3MoeMLP",
                experts_class="Qwen3MoeExperts"),
         Family("olmoe", "OlmoeAttention", "num_key_value_heads", None, experts_class="OlmoeExperts"),
+        Family("granitemoe", "GraniteMoeAttention", "num_key_value_heads", None, experts_class="GraniteMoeExperts"),
+        Family("glm4_moe", "Glm4MoeAttention", "num_key_value_heads", "head_dim", "Glm4MoeMLP",
+               experts_class="Glm4MoeExperts"),
+        Family("ernie4_5_moe", "Ernie4_5_MoeAttention", "num_key_value_heads", "head_dim", "Ernie4_5_MoeMLP",
+               experts_class="Ernie4_5_MoeExperts"),
+        Family("flex_olmo", "FlexOlmoAttention", "num_key_value_heads", None, experts_class="FlexOlmoExperts"),
+        # local (sliding-window) and global layers
+        Family("cohere2", "Cohere2Attention", "num_key_value_heads", "head_dim", "Cohere2MLP"),
+        Family("olmo3", "Olmo3Attention", "num_key_value_heads", None, "Olmo3MLP"),
+        Family("ministral", "MinistralAttention", "num_key_value_heads", "head_dim", "MinistralMLP"),
+        Family("exaone4", "Exaone4Attention", "num_key_value_heads", "head_dim", "Exaone4MLP"),
+        # more Llama-like decoders
+        Family("seed_oss", "SeedOssAttention", "num_key_value_heads", "head_dim", "SeedOssMLP"),
+        Family("ernie4_5", "Ernie4_5Attention", "num_key_value_heads", "head_dim", "Ernie4_5MLP"),
+        Family("hunyuan_v1_dense", "HunYuanDenseV1Attention", "num_key_value_heads", "head_dim", "HunYuanDenseV1MLP"),
+        Family("glm4", "Glm4Attention", "num_key_value_heads", "head_dim"),   # gate / up fused already
+        Family("arcee", "ArceeAttention", "num_key_value_heads", "head_dim"),  # ungated MLP
         # Phi-3 and GLM project gate / up as one Linear already (Phi-3 q / k / v too)
         Family("phi3", "Phi3Attention", "num_key_value_heads", None),
         Family("glm", "GlmAttention", "num_key_value_heads", "head_dim"),

@@ -90,7 +90,10 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
         assert len(calls) == 6 and set(calls) == {"auto"}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# Dense families only: a MoE router's top-k is discontinuous, so int8 noise upstream may send a token
+# to other experts (it does in the tiny GLM-4-MoE); the MoE families' int8 is held to the exact
+# standard below (the model running the rounded weights) instead.
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in MOE])
 def test_int8_logits_within_quantization_error(family):
     model = tiny_model(family)
     patched = patched_copy(model, int8=True)
@@ -163,7 +166,7 @@ def test_moe_experts_become_int8_and_decode_steps_match(family):
     experts = [m for m in patched.modules() if isinstance(m, Int8Experts)]
     assert len(experts) == sum(1 for m in model.modules() if type(m).__name__.endswith("Experts"))
     assert not any(type(m).__name__.endswith("Experts") for m in patched.modules() if not isinstance(m, Int8Experts))
-    routers = [(name, m) for name, m in patched.named_modules() if type(m).__name__.endswith("TopKRouter")]
+    routers = [(name, m) for name, m in patched.named_modules() if type(m).__name__.lower().endswith("router")]
     assert routers and all(torch.equal(m.weight, model.get_submodule(name).weight) for name, m in routers)
     rounded = dequantized_copy(model)
     length = GROUPED_MIN_ROWS // model.config.num_experts_per_tok + 3  # prompt rows > GROUPED_MIN_ROWS

@@ -6,6 +6,7 @@
 //   out[b, h, t] = 0 where positions[b, t] < 0 (padding)
 // first = 0, or positions[b, t] - window + 1 (at least 0) with a sliding window (window > 0);
 // cap(s) = s, or softcap * tanh(s / softcap) when softcap > 0 (Gemma 2's logit soft-capping).
+// With sinks [Hq] (GPT-OSS), head h's softmax has one more logit, sinks[h], attending to nothing.
 //
 // Each query reads only slots first..position, never the whole preallocated cache. The scatter runs
 // first (one parallel pass), then the attention, parallel over (batch, kv head, query token);
@@ -78,7 +79,7 @@ inline int64_t first_slot(int64_t pos, int64_t window) { return window > 0 ? std
 
 template <typename scalar_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* positions,
-            double scale, int64_t window, double softcap, at::Tensor& out) {
+            double scale, int64_t window, double softcap, const float* sinks, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2), G = Hq / Hkv;
   const Strides4 qs(q);
@@ -106,8 +107,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qrow[d * qs.d]) * fscale;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      for (int64_t g = 0; g < G; ++g) {  // a sink is a first slot of weight e^sink and value 0
+        row_max[g] = sinks ? sinks[h * G + g] : -std::numeric_limits<float>::infinity();
+        row_sum[g] = sinks ? 1.f : 0.f;
+      }
       const scalar_t* k_head = kc + (b * Hkv + h) * S * D;
       const scalar_t* v_head = vc + (b * Hkv + h) * S * D;
       const int64_t length = pos + 1;  // slots first..pos inclusive
@@ -163,7 +166,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 // contiguity of the caches and of positions. Position values are checked by each backend.
 void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                     const at::Tensor& positions, int64_t window, double softcap) {
+                                     const at::Tensor& positions, int64_t window, double softcap,
+                                     const std::optional<at::Tensor>& sinks) {
   constexpr const char* op = "kv_cache_attention";
   TORCH_CHECK(window >= 0 && window <= INT32_MAX, op, ": window must be in 0..2^31 - 1 (0: no window), got ", window);
   TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), op, ": softcap must be finite and >= 0 (0: none), got ",
@@ -198,15 +202,22 @@ void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
   TORCH_CHECK(positions.sizes() == c10::IntArrayRef({B, T}), op, ": positions must be [B, T] = [", B, ", ", T,
               "], got ", positions.sizes());
   GPTFAST_CHECK_CONTIGUOUS(op, positions);
+  if (sinks.has_value()) {
+    GPTFAST_CHECK_DTYPE(op, *sinks, at::kFloat);
+    GPTFAST_CHECK_DEVICE(op, *sinks, q.device());
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1) && sinks->is_contiguous(), op,
+                ": sinks must be contiguous [Hq] = [", q.size(1), "], got ", sinks->sizes());
+  }
 }
 
 // q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] contiguous (written in
 // place); positions [B, T] int64 contiguous, -1 = padding -> out [B, Hq, T, D] contiguous.
 at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
-                                  double scale, int64_t window, double softcap) {
+                                  double scale, int64_t window, double softcap,
+                                  const std::optional<at::Tensor>& sinks) {
   constexpr const char* op = "kv_cache_attention";
-  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap);
+  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks);
   const int64_t S = k_cache.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < positions.numel(); ++i) {  // before anything is written
@@ -216,14 +227,15 @@ at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
   if (q.numel() == 0) return out;
   GPTFAST_DISPATCH_FLOAT_HALF_BF16(q.scalar_type(), "kv_cache_attention_cpu", [&] {
     scatter_new_tokens<scalar_t>(k, v, k_cache, v_cache, pos);
-    attend<scalar_t>(q, k_cache, v_cache, pos, scale, window, softcap, out);
+    attend<scalar_t>(q, k_cache, v_cache, pos, scale, window, softcap,
+                     sinks.has_value() ? sinks->data_ptr<float>() : nullptr, out);
   });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
   m.def("kv_cache_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor positions, float scale, int window=0, float softcap=0.0) -> Tensor");
+        "Tensor positions, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gptfast_kernels, CPU, m) {

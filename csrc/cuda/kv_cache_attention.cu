@@ -12,9 +12,10 @@ using namespace kv_attention;
 // out-of-range positions are treated as padding by the kernels.
 at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
-                                   double scale, int64_t window, double softcap) {
+                                   double scale, int64_t window, double softcap,
+                                   const std::optional<at::Tensor>& sinks) {
   constexpr const char* op = "kv_cache_attention";
-  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap);
+  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return out;
@@ -31,6 +32,7 @@ at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, con
     p.k_cache = k_cache.data_ptr<scalar_t>();
     p.v_cache = v_cache.data_ptr<scalar_t>();
     p.positions = positions.data_ptr<int64_t>();
+    p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
     p.out = out.data_ptr<scalar_t>();
     p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_st = q.stride(2);
     p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_st = k.stride(2);

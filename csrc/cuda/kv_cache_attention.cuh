@@ -3,7 +3,8 @@
 //   for (b, t) with 0 <= positions[b, t] < S:  k_cache[b, :, positions[b, t]] = k[b, :, t]  (same for v)
 //   out[b, h, t] = softmax(cap(scale * q[b, h, t] . k_cache[b, h / G, first..positions[b, t]])) @ v_cache[...]
 //   out[b, h, t] = 0 where the position is outside [0, S) (padding, or a bad value under capture)
-// first = 0, or the start of a sliding window; cap = soft-capping when asked for (see Scoring).
+// first = 0, or the start of a sliding window; cap = soft-capping when asked for (see Scoring);
+// with sinks [Hq] (GPT-OSS) each head's softmax has one more logit that attends to nothing.
 //
 // Decode / verification (T <= DECODE_MAX_T): flash-decoding in ONE launch. Blocks = splits x kv
 // heads x batch (flattened into blockIdx.x). A block owns one (b, kv head) and one range of cache
@@ -199,6 +200,7 @@ struct Params {
   const E *q, *k, *v;
   E *k_cache, *v_cache, *out;
   const int64_t* positions;
+  const float* sinks;  // [Hq] attention-sink logits (natural log units), or nullptr
   float* ws_o;    // decode partials [B * Hkv, splits, G * T, D] (splits > 1 only)
   float* ws_lse;  // [B * Hkv, splits, G * T], log2 domain
   int* counters;  // [B * Hkv] split tickets, zeroed by the launcher
@@ -392,6 +394,20 @@ __device__ __forceinline__ int2 slot_span(int rows, const PosOf& pos_of, const S
     end = max(end, pos + 1);
   }
   return end == 0 ? make_int2(0, 0) : make_int2(first, end);
+}
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+// Seeds each row's softmax with its head's attention sink: a first slot of score sink_of(r) (log2
+// units) and value 0, so m = sink and l = 1; returns synchronised. Rows are set up (and
+// synchronised) by simt_init_rows before.
+template <typename T, typename SinkOf>
+__device__ void simt_seed_sinks(const SimtSmem<T>& sm, int rows, const SinkOf& sink_of) {
+  for (int r = threadIdx.x; r < rows; r += THREADS) {
+    sm.m[r] = sink_of(r);
+    sm.l[r] = 1.f;
+  }
+  __syncthreads();
 }
 
 // Output row of query (b, q head, t): out is contiguous [B, Hq, T, D].

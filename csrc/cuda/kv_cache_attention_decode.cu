@@ -95,6 +95,9 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
         sm, rows, p.dp, D,
         [&](int r) { return p.q + b * p.q_sb + (h * p.G + (r0 + r) / p.T) * p.q_sh + ((r0 + r) % p.T) * p.q_st; },
         [&](int r) { return new_pos[(r0 + r) % p.T]; });
+    if (p.sinks != nullptr && active == 1) {  // with several splits the merge adds the sink, once
+      simt_seed_sinks(sm, rows, [&](int r) { return p.sinks[h * p.G + (r0 + r) / p.T] * LOG2E; });
+    }
     simt_attend<T, GVEC>(sm, rows, p.bn, p.dp, D, lo, hi, p.score, kv);
     for (int i = tid; i < rows * D; i += THREADS) {
       const int r = i / D, d = i % D;
@@ -127,13 +130,15 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
   for (int rr = warp; rr < GT; rr += WARPS) {
     float mx = -INFINITY;
     for (int s = lane; s < active; s += WARP) mx = fmaxf(mx, __ldcg(lse + s * GT + rr));
-    mx = warp_max(mx);
+    // the attention sink: one more term of the denominator, with no value
+    const float sink = p.sinks != nullptr ? p.sinks[h * p.G + rr / p.T] * LOG2E : -INFINITY;
+    mx = fmaxf(warp_max(mx), sink);
     float total = 0.f;
     for (int s = lane; s < active; s += WARP) {
       w[s] = mx == -INFINITY ? 0.f : exp2f(__ldcg(lse + s * GT + rr) - mx);
       total += w[s];
     }
-    total = warp_sum(total);
+    total = warp_sum(total) + (sink == -INFINITY ? 0.f : exp2f(sink - mx));
     __syncwarp();
     const float inv = total > 0.f ? 1.f / total : 0.f;  // every split empty: padding, zero output
     for (int d = lane; d < D; d += WARP) {

@@ -58,6 +58,7 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) prefill_simt_kernel(
   simt_init_rows<T, GVEC>(
       sm, tl.rows, p.dp, p.D, [&](int r) { return p.q + tl.b * p.q_sb + tl.qh * p.q_sh + (tl.t0 + r) * p.q_st; },
       [&](int r) { return sanitize(p.positions[tl.b * p.T + tl.t0 + r], p.S); });
+  if (p.sinks != nullptr) simt_seed_sinks(sm, tl.rows, [&](int) { return p.sinks[tl.qh] * LOG2E; });
   const int2 span = slot_span(tl.rows, [&](int r) { return sm.pos[r]; }, p.score);  // the keys the tile sees
   const int64_t kv_off = (tl.b * p.Hkv + tl.qh / p.G) * p.S * static_cast<int64_t>(p.D);
   const CacheKv<T> kv{p.k_cache + kv_off, p.v_cache + kv_off, p.D};
@@ -114,8 +115,9 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
   for (int i = tid; i < bm * dp; i += TC_THREADS) sm.o[(i / dp) * sm.ldo + i % dp] = 0.f;
   for (int r = tid; r < bm; r += TC_THREADS) {
     sm.pos[r] = r < tl.rows ? sanitize(p.positions[tl.b * p.T + tl.t0 + r], p.S) : -1;
-    sm.m[r] = -INFINITY;
-    sm.l[r] = 0.f;
+    const bool sink = p.sinks != nullptr && r < tl.rows;  // a first slot of score sink and value 0
+    sm.m[r] = sink ? p.sinks[tl.qh] * LOG2E : -INFINITY;
+    sm.l[r] = sink ? 1.f : 0.f;
   }
   async_wait();
   __syncthreads();

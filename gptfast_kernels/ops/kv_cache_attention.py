@@ -16,7 +16,7 @@ MAX_HEAD_DIM = 256
 MAX_WINDOW = 2**31 - 1  # the kernels hold positions and windows as int32
 
 
-def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap) -> None:
+def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks) -> None:
     check_tensor(OP, "q", q, dtypes=FLOAT_DTYPES, ndim=4)
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(OP, name, t, ndim=4)
@@ -56,7 +56,12 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap) 
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                 or not math.isfinite(softcap) or softcap <= 0):
         raise ValueError(f"{OP}: softcap must be None or a finite number > 0, got {softcap!r}")
-    check_same_device(OP, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions)
+    if sinks is not None:
+        check_tensor(OP, "sinks", sinks, dtypes=FLOAT_DTYPES, ndim=1)
+        if sinks.shape[0] != q.shape[1]:
+            raise ValueError(f"{OP}: sinks must have one logit per query head, [Hq] = [{q.shape[1]}], "
+                             f"got {list(sinks.shape)}")
+    check_same_device(OP, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions, sinks=sinks)
 
 
 def _check_position_values(positions: torch.Tensor, S: int) -> None:
@@ -101,7 +106,8 @@ def auto_backend(usable: list[str], head_rows: int, T: int, S: int) -> str:
 
 def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
-                       *, window: int | None = None, softcap: float | None = None, backend: str = "auto",
+                       *, window: int | None = None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None, backend: str = "auto",
                        check_positions: bool = True) -> torch.Tensor:
     """Writes k, v into the caches at ``positions`` and attends, in one kernel launch.
 
@@ -111,11 +117,13 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     ``window`` (Mistral, Gemma 2 / 3, Qwen2 ...) to the latest ``window`` of them only,
     positions[b, t] - window < slot <= positions[b, t], and the kernels read no slot before that.
     ``softcap`` caps the scaled scores at +-softcap by softcap * tanh(score / softcap) (Gemma 2).
+    ``sinks`` [Hq] adds one logit per query head to the softmax's denominator, attending to nothing
+    (GPT-OSS's attention sinks): out = sum_s e^(score_s) v_s / (e^sink + sum_s e^(score_s)).
     In eager mode the position values are checked (one host synchronisation) unless
     ``check_positions=False``, for callers that validated them already (StaticKVCache checks them
     once per forward, not once per layer); the kernels never access memory out of bounds either way.
     """
-    _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap)
+    _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks)
     if check_positions and not is_tracing():
         _check_position_values(positions, k_cache.shape[2])
     chosen = resolve_backend(OP, backend, q.device,
@@ -123,23 +131,25 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
                                                               k_cache.shape[2]))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if chosen == "reference":
-        return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window, softcap)
+        return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks)
     # the kernels' encoding of "none": window 0, softcap 0
     window = 0 if window is None else window
     softcap = 0.0 if softcap is None else float(softcap)
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
     positions = reference.broadcast_positions(positions, q.shape[0]).contiguous()
     # kernels take any strides except in the head dim (HF's [B, T, H, D] -> [B, H, T, D] views pass)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if chosen == "triton":
         from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
-        return kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, scale, window, softcap)
+        return kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks)
     return torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window,
-                                                        softcap)
+                                                        softcap, sinks)
 
 
 if _extension.has_kernel(OP, "CPU"):
 
     @torch.library.register_fake(f"gptfast_kernels::{OP}")
-    def _kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0):
+    def _kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None):
         return q.new_empty(q.shape)  # the kernels return a contiguous tensor, whatever q's strides

@@ -52,11 +52,13 @@ def broadcast_positions(positions: torch.Tensor, batch: int) -> torch.Tensor:
 
 def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
-                       window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                       window: int | None = None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Writes k/v [B, Hkv, T, D] into the caches [B, Hkv, S, D] at positions [B, T] (or [T]),
     in place, then returns the causal attention of q [B, Hq, T, D] over cache slots 0..position
     (with a ``window``: only the last ``window`` of them, position - window < slot <= position).
     ``softcap``: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
+    ``sinks`` [Hq]: one more logit per head in the softmax's denominator, with no value (GPT-OSS).
     Negative positions are padding: nothing is written and their output rows are zero."""
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -80,7 +82,12 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     if window:
         allowed &= cache_slots > pos[:, :, None] - window
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(acc).reshape(1, Hkv, group, 1, 1).expand(B, Hkv, group, T, 1)
+        scores = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows are all -inf
+    if sinks is not None:
+        probs = probs[..., :S]
     out = torch.einsum("bhgts,bhsd->bhgtd", probs, v_cache.to(acc)).reshape(B, Hq, T, D)
     out = out * valid[:, None, :, None]
     return out.to(q.dtype)

@@ -21,7 +21,9 @@ Two regimes, chosen on T (host-known, never on position values):
 A sliding ``window`` (> 0) limits query (b, t) to slots positions[b, t] - window + 1 .. positions[b, t]:
 splits and key tiles then start at the earliest slot any query of the row / tile sees, so a long
 cache costs a window's reads, not a position's. ``softcap`` (> 0) caps the scaled scores at
-+-softcap by softcap * tanh(score / softcap), Gemma 2's attention soft-capping.
++-softcap by softcap * tanh(score / softcap), Gemma 2's attention soft-capping. ``sinks`` [Hq]
+(GPT-OSS) gives each head's softmax one more logit that attends to nothing: it seeds the online
+softmax (m = sink, l = 1) with one split, and is added once by the combine with several.
 
 Positions outside [-1, S) are treated as padding (zero output, nothing written): the wrapper
 raises for them in eager mode but cannot under torch.compile or CUDA-graph capture. All sums are
@@ -50,6 +52,7 @@ DECODE_MAX_T = 16
 # fewer query rows are padded with masked rows; memory-bound decode does not notice the idle MMA.
 MIN_DOT_DIM = 16
 LOG2_E = 1.0 / math.log(2.0)  # the kernels use exp2 / log2
+LOG2E_: tl.constexpr = tl.constexpr(LOG2_E)  # the same, inside the kernels (attention sinks come in nats)
 # Positions a scatter program compares its tokens with per step, looking for a later writer of the
 # same slot ([BLOCK_T, 128] int compares: noise next to the K/V copy).
 SCATTER_BLOCK_LATER = 128
@@ -135,13 +138,13 @@ def _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN
 
 @triton.jit
 def _kv_cache_attention_decode_kernel(
-        Q_ptr, K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, Out_ptr, OPart_ptr, LsePart_ptr,
+        Q_ptr, K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Out_ptr, OPart_ptr, LsePart_ptr,
         qk_scale, cap_log2, scale_over_cap, window, T, S, D, G, Hq,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_cb, stride_ch, stride_cs,
         NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
-        FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     split = tl.program_id(0)
     h = (tl.program_id(1) // NUM_M_BLOCKS).to(tl.int64)  # h * stride_ch may pass 2^31
     m_block = tl.program_id(1) % NUM_M_BLOCKS
@@ -173,6 +176,9 @@ def _kv_cache_attention_decode_kernel(
     offs_t = tl.arange(0, BLOCK_T)
     m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if HAS_SINKS and NUM_SPLITS == 1:  # with several splits the combine adds the sink, once
+        m_i = tl.where(row_ok, tl.load(Sinks_ptr + hq_m, mask=row_ok, other=0.0) * LOG2E_, m_i)
+        l_i = tl.where(row_ok, 1.0, l_i)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -225,8 +231,8 @@ def _kv_cache_attention_decode_kernel(
 
 @triton.jit
 def _kv_cache_attention_combine_kernel(
-        Pos_ptr, OPart_ptr, LsePart_ptr, Out_ptr, window, T, S, D, Hq,
-        NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
+        Pos_ptr, Sinks_ptr, OPart_ptr, LsePart_ptr, Out_ptr, window, T, S, D, Hq,
+        HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (b * Hq + hq) * T + t
@@ -238,8 +244,13 @@ def _kv_cache_attention_combine_kernel(
     lse_all = tl.load(LsePart_ptr + row * NUM_SPLITS + offs_all, mask=offs_all < num_active,
                       other=-float("inf"))
     lse_max = tl.max(lse_all, axis=0)
+    if HAS_SINKS:  # one more term of the denominator, with no value
+        sink = tl.load(Sinks_ptr + (row // T) % Hq) * LOG2E_
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == -float("inf"), 0.0, lse_max)  # padding query: all weights 0
     total = tl.sum(tl.math.exp2(lse_all - lse_max), axis=0)
+    if HAS_SINKS:
+        total += tl.math.exp2(sink - lse_max)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -285,10 +296,10 @@ def _kv_cache_attention_scatter_kernel(
 
 @triton.jit
 def _kv_cache_attention_prefill_kernel(
-        Q_ptr, KC_ptr, VC_ptr, Pos_ptr, Out_ptr, qk_scale, cap_log2, scale_over_cap, window, T, S, D, G, Hq,
-        stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
-        FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr):
+        Q_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Out_ptr, qk_scale, cap_log2, scale_over_cap, window, T, S, D, G,
+        Hq, stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
+        FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # The last (longest) query tiles first, so the short ones fill the tail of the grid.
     offs_m = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
@@ -305,6 +316,9 @@ def _kv_cache_attention_prefill_kernel(
     kv_head = b * stride_cb + (hq // G) * stride_ch
     m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if HAS_SINKS:  # a first slot of score sink and value 0
+        m_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32) + tl.load(Sinks_ptr + hq) * LOG2E_
+        l_i = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for n0 in range(tile_first, tile_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -358,7 +372,7 @@ def _num_splits(tune: Tuning, num_sms: int, programs: int, S: int) -> int:
     return max(1, min(wanted, triton.cdiv(S, tune.min_split_len), tune.max_splits))
 
 
-def _decode(q, k, v, k_cache, v_cache, positions, out, scoring, fp32_dot, tune, num_sms):
+def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, fp32_dot, tune, num_sms):
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -374,22 +388,24 @@ def _decode(q, k, v, k_cache, v_cache, positions, out, scoring, fp32_dot, tune, 
     else:
         o_part = lse_part = out  # never touched with a single split
     _kv_cache_attention_decode_kernel[(num_splits, Hkv * num_m_blocks, B)](
-        q, k, v, k_cache, v_cache, positions, out, o_part, lse_part, *scoring.args, T, S, D, G, Hq,
+        q, k, v, k_cache, v_cache, positions, q if sinks is None else sinks, out, o_part, lse_part,
+        *scoring.args, T, S, D, G, Hq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT_LEN=tune.min_split_len, NUM_M_BLOCKS=num_m_blocks,
-        FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
+        FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
         **_launch_options(q.dtype, tune))
     if num_splits > 1:
         _kv_cache_attention_combine_kernel[(B * Hq * T,)](
-            positions, o_part, lse_part, out, scoring.window, T, S, D, Hq, NUM_SPLITS=num_splits,
+            positions, q if sinks is None else sinks, o_part, lse_part, out, scoring.window, T, S, D, Hq,
+            HAS_SINKS=sinks is not None, NUM_SPLITS=num_splits,
             MIN_SPLIT_LEN=tune.min_split_len, BLOCK_N=block_n, BLOCK_T=block_t,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits),
             BLOCK_S=min(tune.combine_block_s, triton.next_power_of_2(num_splits)),
             BLOCK_D=triton.next_power_of_2(D), num_warps=tune.num_warps)
 
 
-def _prefill(q, k, v, k_cache, v_cache, positions, out, scoring, fp32_dot, tune):
+def _prefill(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, fp32_dot, tune):
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     block_d = max(triton.next_power_of_2(D), MIN_DOT_DIM)
@@ -400,8 +416,9 @@ def _prefill(q, k, v, k_cache, v_cache, positions, out, scoring, fp32_dot, tune)
         BLOCK_D=triton.next_power_of_2(D), BLOCK_LATER=SCATTER_BLOCK_LATER, num_warps=tune.num_warps)
     block_n = tune.prefill_block_n if block_d <= 128 else tune.prefill_block_n // 2
     _kv_cache_attention_prefill_kernel[(triton.cdiv(T, tune.prefill_block_m), Hq, B)](
-        q, k_cache, v_cache, positions, out, *scoring.args, T, S, D, Hq // Hkv, Hq,
+        q, k_cache, v_cache, positions, q if sinks is None else sinks, out, *scoring.args, T, S, D, Hq // Hkv, Hq,
         q.stride(0), q.stride(1), q.stride(2), *cache_strides, FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap,
+        HAS_SINKS=sinks is not None,
         BLOCK_M=tune.prefill_block_m, BLOCK_N=block_n, BLOCK_D=block_d, **_launch_options(q.dtype, tune))
 
 
@@ -420,12 +437,13 @@ class _Scoring(NamedTuple):
 
 
 def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float, tune: Tuning,
-                             num_sms: int, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                             num_sms: int, window: int = 0, softcap: float = 0.0,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton op's computation with the launch constants ``tune`` and an assumed SM count (for
     tuning: bench/bench_kv_tiles.py); inputs as ``kv_cache_attention_triton``'s."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     scoring = _Scoring.of(float(scale), int(window), float(softcap))
-    args = (q, k, v, k_cache, v_cache, positions, out, scoring, dot_in_fp32(q.dtype), tune)
+    args = (q, k, v, k_cache, v_cache, positions, sinks, out, scoring, dot_in_fp32(q.dtype), tune)
     with on_device(q):
         if q.shape[2] <= DECODE_MAX_T:
             _decode(*args, num_sms)
@@ -437,16 +455,17 @@ def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float,
 @torch.library.custom_op("gptfast_kernels::kv_cache_attention_triton", mutates_args=("k_cache", "v_cache"))
 def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0,
-                              softcap: float = 0.0) -> torch.Tensor:
+                              softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, T, D], k, v [B, Hkv, T, D] (any strides, stride(-1) == 1); k_cache, v_cache
     [B, Hkv, S, D] contiguous, written in place; positions [B, T] int64 contiguous, -1 = padding
-    -> out [B, Hq, T, D] contiguous in q's dtype. window 0 / softcap 0: none (checked by the wrapper)."""
+    -> out [B, Hq, T, D] contiguous in q's dtype. window 0 / softcap 0: none (checked by the wrapper);
+    sinks [Hq] float32 contiguous or None."""
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device), window,
-                                    softcap)
+                                    softcap, sinks)
 
 
 @kv_cache_attention_triton.register_fake
-def _(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0):
+def _(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

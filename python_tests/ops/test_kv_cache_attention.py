@@ -41,7 +41,7 @@ def make_case(B, Hq, Hkv, T, D, S, positions, dtype=torch.float32, device="cpu",
     return q, k, v, k_cache, v_cache, positions
 
 
-def _attention_in_dtype(q, k, v, k_cache, v_cache, positions, scale=None, window=None, softcap=None):
+def _attention_in_dtype(q, k, v, k_cache, v_cache, positions, scale=None, window=None, softcap=None, sinks=None):
     """The same attention computed by PyTorch in q's dtype throughout (the low-precision baseline)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     B, Hq, T, D = q.shape
@@ -61,19 +61,22 @@ def _attention_in_dtype(q, k, v, k_cache, v_cache, positions, scale=None, window
     if window:
         allowed &= slots > pos[:, :, None] - window
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    out = (torch.softmax(scores, dim=-1).nan_to_num(0.0) @ values) * (pos >= 0)[:, None, :, None]
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(scores.dtype)[None, :, None, None].expand(B, Hq, T, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)[..., :S]
+    out = (probs @ values) * (pos >= 0)[:, None, :, None]
     return out
 
 
 def check_against_reference(backend, device, q, k, v, k_cache, v_cache, positions, scale=None, window=None,
-                            softcap=None):
+                            softcap=None, sinks=None):
     """Runs the backend and checks its output and both caches against the float64 reference."""
     inputs64 = [t.cpu().double() for t in (q, k, v, k_cache, v_cache)]
     want_k_cache, want_v_cache = inputs64[3].clone(), inputs64[4].clone()
     want = reference.kv_cache_attention(*inputs64[:3], want_k_cache, want_v_cache, positions.cpu(), scale, window,
-                                        softcap)
+                                        softcap, None if sinks is None else sinks.cpu().double())
     got = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window=window, softcap=softcap,
-                                 backend=backend)
+                                 sinks=sinks, backend=backend)
     assert got.shape == q.shape and got.dtype == q.dtype and got.device == q.device
     # the scatter is a copy: the caches must hold exactly the new k / v at the written slots
     assert torch.equal(k_cache.cpu().double(), want_k_cache), "k_cache differs from the reference"
@@ -83,7 +86,8 @@ def check_against_reference(backend, device, q, k, v, k_cache, v_cache, position
         allowed = ERROR_FLOOR[q.dtype]
     else:
         cpu = [t.cpu() for t in (q, k, v, k_cache, v_cache)]
-        baseline = _attention_in_dtype(*cpu[:3], *cpu[3:], positions.cpu(), scale, window, softcap).double()
+        baseline = _attention_in_dtype(*cpu[:3], *cpu[3:], positions.cpu(), scale, window, softcap,
+                                       None if sinks is None else sinks.cpu()).double()
         allowed = max(2 * (baseline - want).abs().max().item(), ERROR_FLOOR[q.dtype])
     assert error <= allowed, f"max error {error:.3g} > allowed {allowed:.3g}"
     return got

@@ -1,6 +1,7 @@
-"""kv_cache_attention with a sliding window and / or logit soft-capping (Mistral, Qwen2, Phi-3,
-StarCoder2, Gemma 2 / 3): every backend against the float64 reference, with the tolerance rule of
-test_kv_cache_attention.py; slots before the window are never read; bad values name the argument.
+"""kv_cache_attention with a sliding window, logit soft-capping and / or attention sinks (Mistral,
+Qwen2, Phi-3, StarCoder2, Gemma 2 / 3, GPT-OSS): every backend against the float64 reference, with the
+tolerance rule of test_kv_cache_attention.py; slots before the window are never read; bad values
+name the argument.
 """
 
 import pytest
@@ -186,3 +187,73 @@ def test_llama_heads_with_mistral_window_long_cache_on_gpu(backend, device, B, T
     starts = [S - T, S // 2 + 3, 4095, 0][:B]
     case = make_case(B, 32, 8, T, 128, S, _contiguous_positions(B, T, starts), torch.bfloat16, device, seed=11)
     check_against_reference(backend, device, *case, window=4096, softcap=50.0)
+
+
+def _sinks(Hq, device, seed=12):
+    # around the scores' own size, so the sink takes a real share of each softmax
+    return (torch.randn(Hq, generator=torch.Generator().manual_seed(seed)) * 2).to(device)
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("shape", ["decode-gqa", "decode-long-cache", "verify-mqa-g8", "prefill-t37-mha"])
+@pytest.mark.parametrize("window", [None, "shape"], ids=["no-window", "window"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_sinks_match_reference(backend, device, shape, window, dtype):
+    """GPT-OSS's attention sinks, with one split and with several (decode-long-cache: the splits'
+    merge adds each sink once), with and without a window."""
+    if _is_interpreter(backend, device) and dtype == torch.float16:
+        pytest.skip("Triton interpreter: bfloat16 covers the 16-bit path")
+    B, Hq, Hkv, T, D, S, starts, shape_window = WINDOW_SHAPES[shape]
+    case = make_case(B, Hq, Hkv, T, D, S, _contiguous_positions(B, T, starts), dtype, device, seed=13)
+    check_against_reference(backend, device, *case, window=shape_window if window else None,
+                            sinks=_sinks(Hq, device))
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_sinks_with_padding_rows_and_float16_sinks(backend, device):
+    positions = [[-1, -1, 4, 5, 6], [-1, -1, -1, -1, -1]]
+    case = make_case(2, 4, 2, 5, 32, 31, positions, device=device)
+    out = check_against_reference(backend, device, *case, sinks=_sinks(4, device).half())
+    assert torch.all(out[1] == 0) and torch.all(out[0, :, :2] == 0)
+
+
+@pytest.mark.parametrize("sinks, needle", [(torch.zeros(3), r"sinks must have one logit per query head, \[Hq\] = \[2\]"),
+                                           (torch.zeros(2, 1), "sinks must have 1 dimensions"),
+                                           (torch.zeros(2, dtype=torch.int32), "sinks must have dtype")],
+                         ids=["length", "ndim", "dtype"])
+def test_bad_sinks_name_the_argument(sinks, needle):
+    q, k, v, k_cache, v_cache, positions = make_case(1, 2, 1, 1, 16, 8, [[3]])
+    with pytest.raises(ValueError, match=needle):
+        ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, sinks=sinks)
+
+
+@pytest.mark.skipif(not _extension.has_kernel("kv_cache_attention", "CPU"), reason="extension not built")
+def test_opcheck_cpu_with_sinks():
+    q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, 3, 16, 8, [[0, 1, 2], [4, -1, 5]])
+    torch.library.opcheck(torch.ops.gptfast_kernels.kv_cache_attention.default,
+                          (q, k, v, k_cache, v_cache, positions, 0.25, 2, 0.0, _sinks(4, "cpu")))
+
+
+@pytest.mark.parametrize("backend, device", TRITON_BACKENDS)
+def test_opcheck_triton_with_sinks(backend, device):
+    from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton  # noqa: F401
+
+    for T, rows in ((3, [[0, 1, 2], [4, -1, 5]]), (17, [list(range(17)), [-1] * 2 + list(range(5, 20))])):
+        q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, T, 16, 24, rows, device=device)
+        torch.library.opcheck(torch.ops.gptfast_kernels.kv_cache_attention_triton.default,
+                              (q, k, v, k_cache, v_cache, positions, 0.25, 0, 0.0, _sinks(4, device)))
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_torch_compile_fullgraph_with_sinks(backend, device):
+    q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, 1, 16, 12, [[3], [10]], device=device)
+    sinks = _sinks(4, device)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = ops.kv_cache_attention(q, k, v, want_k, want_v, positions, window=4, sinks=sinks, backend=backend)
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, v, k_cache, v_cache, positions, sinks):
+        return ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, window=4, sinks=sinks, backend=backend)
+
+    torch.testing.assert_close(step(q, k, v, k_cache, v_cache, positions, sinks), want)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GlmConfig,
-                          GPT2Config, GPTNeoXConfig, GraniteConfig, HeliumConfig, LlamaConfig, MistralConfig,
+from transformers import (AutoConfig, AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig,
+                          GlmConfig, GPT2Config, GPTNeoXConfig, GraniteConfig, HeliumConfig, LlamaConfig, MistralConfig,
                           MixtralConfig, OlmoConfig, Olmo2Config, OlmoeConfig, PhiConfig, Phi3Config, Qwen2Config,
                           Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config, Starcoder2Config)
 
@@ -49,6 +49,9 @@ AUTO_CONFIGS = {
     "ernie4_5_moe": lambda layers: dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=48, moe_layer_start_index=1,
                                         moe_num_shared_experts=1),
     "flex_olmo": lambda layers: dict(num_experts=4, num_experts_per_tok=2),
+    # attention sinks, local / global layers, experts that stay float
+    "gpt_oss": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                   layer_types=alternating_layers(layers)),
 }
 
 
@@ -151,11 +154,13 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "cohere",
             "olmo", "helium", "smollm3", "phi3", "glm", "phi", "starcoder2", "gpt2", "gpt_neox", "mixtral", "qwen2_moe",
             "qwen3_moe", "olmoe", *AUTO_CONFIGS)
+# mixture-of-experts families whose experts stay float (a layout Int8Experts does not reproduce)
+FLOAT_EXPERTS = ("gpt_oss",)
 # mixture-of-experts families (their experts become Int8Experts)
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
-            "exaone4")
+            "exaone4", "gpt_oss")
 # families whose MLP has separate gate / up projections and whose attention separate q / k / v ones
 SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite",
                         "cohere", "olmo", "helium", "smollm3")
@@ -163,7 +168,7 @@ SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
 
 # transformers 5.8 to 5.17 (at least) defaults Gemma 2 to SDPA, which drops its attention soft-capping: the
 # reference model must run eager attention, as transformers recommends for Gemma 2
-REFERENCE_ATTENTION = {"gemma2": "eager"}
+REFERENCE_ATTENTION = {"gemma2": "eager", "gpt_oss": "eager"}  # GPT-OSS: SDPA would drop its sinks
 
 
 def tiny_model(family: str, *, seed: int = 0, **kwargs):
@@ -178,6 +183,7 @@ def dequantized_copy(model):
     up to float summation order, routing included (the routers are not rounded)."""
     from transformers.pytorch_utils import Conv1D
 
+    from gptfast_kernels.modules.int8_experts import Int8Experts
     from gptfast_kernels.ops import reference
 
     def rounded(weight):  # [..., N, K]
@@ -192,7 +198,7 @@ def dequantized_copy(model):
             module.weight = torch.nn.Parameter(rounded(module.weight.data))
         elif isinstance(module, Conv1D):  # weight [in, out]
             module.weight = torch.nn.Parameter(rounded(module.weight.data.t()).t().contiguous())
-        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and module.gate_up_proj.dim() == 3:
+        elif Int8Experts.supports(module):  # experts patch_model makes int8 (others stay float there too)
             module.gate_up_proj.data = rounded(module.gate_up_proj.data)
             module.down_proj.data = rounded(module.down_proj.data)
     return copy_

@@ -2,10 +2,10 @@
 
 - Two attention functions are registered with transformers' AttentionInterface: "gptfast_kernels"
   (the fused kernel) and "gptfast_kernels_unfused" (the same semantics in plain PyTorch: a scatter,
-  then masked attention). Each layer's ``sliding_window`` and ``softcap`` keywords (Mistral, Qwen2,
-  Gemma 2 / 3 ...) become the kernel's ``window`` and ``softcap``. Without a StaticKVCache both defer
-  to transformers' SDPA attention, or to plain PyTorch attention where the scores are soft-capped
-  (SDPA cannot cap them).
+  then masked attention). Each layer's ``sliding_window``, ``softcap`` and ``s_aux`` keywords
+  (Mistral, Qwen2, Gemma 2 / 3, GPT-OSS ...) become the kernel's ``window``, ``softcap`` and
+  ``sinks``. Without a StaticKVCache both defer to transformers' SDPA attention, or to plain PyTorch
+  attention where the scores are soft-capped or have sinks (SDPA can do neither).
 - A forward pre-hook on the patched model sees ``past_key_values``: for a StaticKVCache it plans the
   step's positions once (per-row lengths, padding from ``attention_mask``), passes them to RoPE /
   position embeddings as ``position_ids``, drops the 2-D mask (positions carry padding and
@@ -27,15 +27,16 @@ FUSED = "gptfast_kernels"
 UNFUSED = "gptfast_kernels_unfused"
 
 
-def _softcapped_attention(query, key, value, attention_mask, scaling, softcap):
-    """Attention with soft-capped scores in plain PyTorch, float32 softmax: q [B, Hq, T, D], k / v
-    [B, Hkv, L, D], mask [B, 1, T, L] boolean (True: attend) or additive, or None (causal, the
-    queries being the last T of the L keys) -> [B, T, Hq, D]."""
+def _plain_attention(query, key, value, attention_mask, scaling, softcap=None, sinks=None):
+    """Attention with soft-capped scores and / or sinks in plain PyTorch, float32 softmax: q [B, Hq,
+    T, D], k / v [B, Hkv, L, D], mask [B, 1, T, L] boolean (True: attend) or additive, or None
+    (causal, the queries being the last T of the L keys), sinks [Hq] -> [B, T, Hq, D]."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     scores = (query @ key.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None:
         T, L = scores.shape[-2:]
         attention_mask = torch.ones(T, L, dtype=torch.bool, device=scores.device).tril(L - T)
@@ -43,21 +44,25 @@ def _softcapped_attention(query, key, value, attention_mask, scaling, softcap):
         scores = scores.masked_fill(~attention_mask, float("-inf"))
     else:
         scores = scores + attention_mask
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    L = scores.shape[-1]
+    if sinks is not None:
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :L].to(value.dtype)
     return (probs @ value).transpose(1, 2).contiguous()
 
 
 def _cached_attention(module, query, key, value, attention_mask, *, backend: str, scaling=None, dropout=0.0,
                       sliding_window: int | None = None, softcap: float | None = None,
-                      gptfast_cache: StaticKVCache | None = None, **kwargs):
+                      s_aux: torch.Tensor | None = None, gptfast_cache: StaticKVCache | None = None, **kwargs):
     """transformers attention-function signature; q [B, Hq, T, D], k / v [B, Hkv, T, D] (the new
     tokens only, when a StaticKVCache is active) -> ([B, T, Hq, D], None)."""
     if gptfast_cache is None:
-        if softcap is not None:
+        if softcap is not None or s_aux is not None:
             if dropout:
-                raise ValueError("patch_model: attention dropout with soft-capped scores is not supported "
+                raise ValueError("patch_model: attention dropout with soft-capped scores or sinks is not supported "
                                  "(call model.eval())")
-            return _softcapped_attention(query, key, value, attention_mask, scaling, softcap), None
+            return _plain_attention(query, key, value, attention_mask, scaling, softcap, s_aux), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if not torch.compiler.is_compiling():
@@ -66,7 +71,8 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
     dtype = layer.dtype
     out = kv_cache_attention(query.to(dtype), key.to(dtype), value.to(dtype), layer.keys, layer.values,
                              gptfast_cache.step_positions(), scaling, window=sliding_window, softcap=softcap,
-                             backend=backend, check_positions=False)  # checked once per forward by plan_step
+                             sinks=s_aux, backend=backend,
+                             check_positions=False)  # checked once per forward by plan_step
     return out.to(query.dtype).transpose(1, 2), None
 
 

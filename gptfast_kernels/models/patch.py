@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 
 from gptfast_kernels.models import attention
@@ -35,8 +37,11 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class)
         fuse_qkv_(model, family.attention_class)
-        if family.experts_class is not None:
-            quantize_experts_(model, family.experts_class)
+        if family.experts_class is not None and quantize_experts_(model, family.experts_class) == 0:
+            warnings.warn(f"patch_model: this {family.model_type} model's experts keep their float weights: "
+                          f"no {family.experts_class} module with the layout Int8Experts reproduces (concatenated "
+                          "gate / up, [out, in] weights, no biases); attention, dense layers and lm_head are int8",
+                          stacklevel=2)
     # what a StaticKVCache for this model must hold (checked per forward by attention.before_forward)
     model._gptfast_cache_geometry = family.cache_geometry(model.config.get_text_config(decoder=True))
     attention.register_attention_functions()

@@ -50,7 +50,8 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, 
                          f"got {list(positions.shape)}")
     if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
         raise ValueError(f"{OP}: scale must be a finite number or None, got {scale!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or not 1 <= window <= MAX_WINDOW):
         raise ValueError(f"{OP}: window must be None or an int in 1..{MAX_WINDOW} (the number of latest "
                          f"slots a query sees, itself included), got {window!r}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))

@@ -393,7 +393,8 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, fp32_dot,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT_LEN=tune.min_split_len, NUM_M_BLOCKS=num_m_blocks,
-        FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
+        FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_T=block_t, BLOCK_D=block_d,
         **_launch_options(q.dtype, tune))
     if num_splits > 1:
         _kv_cache_attention_combine_kernel[(B * Hq * T,)](

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, BertConfig, DynamicCache, Gemma3C
 import gptfast_kernels.models.attention as attention
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels import Int8Linear, StaticKVCache, patch_model
-from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, MOE, WINDOW, WINDOWED, dequantized_copy,
-                                     patched_copy, ragged_prompts, tiny_model)
+from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, FLOAT_EXPERTS, MOE, WINDOW, WINDOWED,
+                                     dequantized_copy, patched_copy, ragged_prompts, tiny_model)
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -93,7 +93,7 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
 # Dense families only: a MoE router's top-k is discontinuous, so int8 noise upstream may send a token
 # to other experts (it does in the tiny GLM-4-MoE); the MoE families' int8 is held to the exact
 # standard below (the model running the rounded weights) instead.
-@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in MOE])
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in MOE + FLOAT_EXPERTS])
 def test_int8_logits_within_quantization_error(family):
     model = tiny_model(family)
     patched = patched_copy(model, int8=True)
@@ -113,13 +113,13 @@ def test_int8_logits_within_quantization_error(family):
 
 @pytest.mark.parametrize("family", WINDOWED)
 def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, monkeypatch):
-    """Each layer's sliding window (or none, for global layers) and Gemma 2's softcap reach
-    kv_cache_attention; 12 decode steps past the window give the unpatched model's logits."""
+    """Each layer's sliding window (or none, for global layers), Gemma 2's softcap and GPT-OSS's sinks
+    reach kv_cache_attention; 12 decode steps past the window give the unpatched model's logits."""
     seen = []
     real = attention.kv_cache_attention
 
     def recording(*args, **kwargs):
-        seen.append((kwargs.get("window"), kwargs.get("softcap")))
+        seen.append((kwargs.get("window"), kwargs.get("softcap"), kwargs.get("sinks") is not None))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(attention, "kv_cache_attention", recording)
@@ -134,7 +134,8 @@ def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, mon
     torch.testing.assert_close(torch.cat(steps, dim=1), want, **TOL)
     layer_types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * 2
     softcap = ATTENTION_SOFTCAP if family == "gemma2" else None
-    want_calls = [(WINDOW if kind == "sliding_attention" else None, softcap) for kind in layer_types]
+    want_calls = [(WINDOW if kind == "sliding_attention" else None, softcap, family == "gpt_oss")
+                  for kind in layer_types]
     assert seen[:2] == want_calls and len(seen) == 13 * 2
 
 

@@ -10,7 +10,8 @@ from gptfast_kernels import StaticKVCache
 from python_tests.tiny_models import AUTO_CONFIGS, FAMILIES, tiny_config, tiny_model
 
 GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwen3": (2, 2, 16),
-            "gemma": (2, 1, 32), "gemma2": (2, 2, 16), "gemma3_text": (2, 2, 16), "olmo2": (2, 2, 16), "granite": (2, 2, 16), "phi3": (2, 2, 16),
+            "gemma": (2, 1, 32), "gemma2": (2, 2, 16), "gemma3_text": (2, 2, 16), "olmo2": (2, 2, 16),
+            "granite": (2, 2, 16), "phi3": (2, 2, 16),
             "cohere": (2, 2, 16), "olmo": (2, 2, 16), "helium": (2, 2, 16), "smollm3": (2, 2, 16),
             "glm": (2, 2, 32), "phi": (2, 4, 16), "starcoder2": (2, 2, 16),
             "gpt2": (2, 4, 16), "gpt_neox": (2, 4, 16), "mixtral": (2, 2, 16), "qwen2_moe": (2, 2, 8),

@@ -217,10 +217,11 @@ def test_sinks_with_padding_rows_and_float16_sinks(backend, device):
     assert torch.all(out[1] == 0) and torch.all(out[0, :, :2] == 0)
 
 
-@pytest.mark.parametrize("sinks, needle", [(torch.zeros(3), r"sinks must have one logit per query head, \[Hq\] = \[2\]"),
-                                           (torch.zeros(2, 1), "sinks must have 1 dimensions"),
-                                           (torch.zeros(2, dtype=torch.int32), "sinks must have dtype")],
-                         ids=["length", "ndim", "dtype"])
+@pytest.mark.parametrize("sinks, needle", [
+    (torch.zeros(3), r"sinks must have one logit per query head, \[Hq\] = \[2\]"),
+    (torch.zeros(2, 1), "sinks must have 1 dimensions"),
+    (torch.zeros(2, dtype=torch.int32), "sinks must have dtype"),
+], ids=["length", "ndim", "dtype"])
 def test_bad_sinks_name_the_argument(sinks, needle):
     q, k, v, k_cache, v_cache, positions = make_case(1, 2, 1, 1, 16, 8, [[3]])
     with pytest.raises(ValueError, match=needle):

@@ -191,6 +191,10 @@ def dequantized_copy(model):
         qweight, scales = reference.quantize_int8(flat)
         return (qweight.float() * scales[:, None]).to(weight.dtype).reshape(weight.shape)
 
+    from gptfast_kernels.models.families import family_of
+
+    experts = family_of(model.config).experts_class or ()
+    experts = (experts,) if isinstance(experts, str) else experts
     copy_ = copy.deepcopy(model)
     for module in copy_.modules():
         # new Parameters, not in-place writes: a head tied to the input embeddings must not round them
@@ -198,7 +202,7 @@ def dequantized_copy(model):
             module.weight = torch.nn.Parameter(rounded(module.weight.data))
         elif isinstance(module, Conv1D):  # weight [in, out]
             module.weight = torch.nn.Parameter(rounded(module.weight.data.t()).t().contiguous())
-        elif Int8Experts.supports(module):  # experts patch_model makes int8 (others stay float there too)
+        elif type(module).__name__ in experts and Int8Experts.supports(module):  # what patch_model makes int8
             module.gate_up_proj.data = rounded(module.gate_up_proj.data)
             module.down_proj.data = rounded(module.down_proj.data)
     return copy_

@@ -22,7 +22,8 @@ class Family:
     head_dim_attr: str | None       # config attribute with the head size (None: hidden / heads)
     gated_mlp_class: str | None = None  # MLP class computing down(act(gate(x)) * up(x)), fused when int8
     refused_flags: tuple[str, ...] = ()  # config flags that, when true, break causal decoding
-    experts_class: str | None = None  # mixture-of-experts: the experts module class, int8 as Int8Experts
+    # mixture of experts: the experts module class (names across transformers versions), int8 as Int8Experts
+    experts_class: str | tuple[str, ...] | None = None
 
     def cache_geometry(self, config) -> tuple[int, int, int]:
         """(layers, kv heads, head dim) for this family's config."""
@@ -66,7 +67,7 @@ FAMILIES: dict[str, Family] = {
         Family("olmoe", "OlmoeAttention", "num_key_value_heads", None, experts_class="OlmoeExperts"),
         Family("granitemoe", "GraniteMoeAttention", "num_key_value_heads", None, experts_class="GraniteMoeExperts"),
         Family("glm4_moe", "Glm4MoeAttention", "num_key_value_heads", "head_dim", "Glm4MoeMLP",
-               experts_class="Glm4MoeExperts"),
+               experts_class=("Glm4MoeExperts", "Glm4MoeNaiveMoe")),  # the latter in transformers 5.8
         Family("ernie4_5_moe", "Ernie4_5_MoeAttention", "num_key_value_heads", "head_dim", "Ernie4_5_MoeMLP",
                experts_class="Ernie4_5_MoeExperts"),
         Family("flex_olmo", "FlexOlmoAttention", "num_key_value_heads", None, experts_class="FlexOlmoExperts"),

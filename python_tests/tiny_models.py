@@ -193,8 +193,7 @@ def dequantized_copy(model):
 
     from gptfast_kernels.models.families import family_of
 
-    experts = family_of(model.config).experts_class or ()
-    experts = (experts,) if isinstance(experts, str) else experts
+    experts = family_of(model.config).experts_classes
     copy_ = copy.deepcopy(model)
     for module in copy_.modules():
         # new Parameters, not in-place writes: a head tied to the input embeddings must not round them

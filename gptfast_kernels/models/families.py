@@ -25,6 +25,13 @@ class Family:
     # mixture of experts: the experts module class (names across transformers versions), int8 as Int8Experts
     experts_class: str | tuple[str, ...] | None = None
 
+    @property
+    def experts_classes(self) -> tuple[str, ...]:
+        """The experts module class names (empty for dense families)."""
+        if self.experts_class is None:
+            return ()
+        return (self.experts_class,) if isinstance(self.experts_class, str) else self.experts_class
+
     def cache_geometry(self, config) -> tuple[int, int, int]:
         """(layers, kv heads, head dim) for this family's config."""
         heads = config.num_attention_heads

@@ -37,7 +37,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class)
         fuse_qkv_(model, family.attention_class)
-        if family.experts_class is not None and quantize_experts_(model, family.experts_class) == 0:
+        if family.experts_classes and quantize_experts_(model, family.experts_classes) == 0:
             warnings.warn(f"patch_model: this {family.model_type} model's experts keep their float weights: "
                           f"no {family.experts_class} module with the layout Int8Experts reproduces (concatenated "
                           "gate / up, [out, in] weights, no biases); attention, dense layers and lm_head are int8",

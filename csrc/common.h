@@ -47,5 +47,5 @@ void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
 // int8_expert_linear's shape / dtype / device / contiguity checks, shared by the CPU and CUDA entry
 // points (defined in int8_expert_linear.cpp).
 void check_int8_expert_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                                     const at::Tensor& experts);
+                                     const at::Tensor& experts, const std::optional<at::Tensor>& bias);
 }  // namespace gptfast_kernels

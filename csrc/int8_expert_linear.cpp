@@ -1,7 +1,8 @@
 // int8 weight-only linear per mixture-of-experts expert: the int8_expert_linear schema and its CPU
 // kernel.
 //
-//   y[p, n] = sum_k x[p, k] * qweight[experts[p], n, k] * scales[experts[p], n]   (float32 sums)
+//   y[p, n] = sum_k x[p, k] * qweight[experts[p], n, k] * scales[experts[p], n] + bias[experts[p], n]
+//             (float32 sums; bias optional, [E, N] in x's dtype)
 //   y[p, :] = 0 where experts[p] is outside [0, E) (-1: padding)
 //
 // Rows are grouped by expert first (a counting sort of the P ids), then the work is parallel over
@@ -34,7 +35,7 @@ void expert_rows(const int64_t* experts, int64_t P, int64_t E, std::vector<int64
 
 template <typename scalar_t>
 void expert_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                   const int64_t* experts, at::Tensor& y) {
+                   const int64_t* experts, const scalar_t* bias, at::Tensor& y) {
   const int64_t P = x.size(0), K = x.size(1), E = qweight.size(0), N = qweight.size(1);
   std::vector<int64_t> offsets, rows;
   expert_rows(experts, P, E, offsets, rows);
@@ -51,13 +52,14 @@ void expert_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
       for (int64_t n = n0; n < std::min(N, n0 + N_BLOCK); ++n) {
         const int8_t* w = w_ptr + (e * N + n) * K;
         const float scale = s_ptr[e * N + n];
+        const float shift = bias != nullptr ? static_cast<float>(bias[e * N + n]) : 0.f;
         for (int64_t i = offsets[e]; i < offsets[e + 1]; ++i) {
           const int64_t p = rows[i];
           const float* xr = x_ptr + p * K;
           float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
           for (int64_t k = 0; k < K; ++k) acc += xr[k] * static_cast<float>(w[k]);
-          y_ptr[p * N + n] = static_cast<scalar_t>(acc * scale);
+          y_ptr[p * N + n] = static_cast<scalar_t>(acc * scale + shift);
         }
       }
     }
@@ -69,7 +71,7 @@ void expert_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
 // Checks shared by the CPU and CUDA entry points (declared in common.h). Expert id values are
 // not checked here: ids outside [0, E) give zero rows in every kernel.
 void check_int8_expert_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                                     const at::Tensor& experts) {
+                                     const at::Tensor& experts, const std::optional<at::Tensor>& bias) {
   constexpr const char* op = "int8_expert_linear";
   GPTFAST_CHECK_DIM(op, x, 2);
   GPTFAST_CHECK_FLOATING(op, x);
@@ -84,26 +86,35 @@ void check_int8_expert_linear_inputs(const at::Tensor& x, const at::Tensor& qwei
   GPTFAST_CHECK_DTYPE(op, experts, at::kLong);
   TORCH_CHECK(experts.dim() == 1 && experts.size(0) == x.size(0), op, ": experts must be [P] = [", x.size(0),
               "], got ", experts.sizes());
+  if (bias.has_value()) {
+    GPTFAST_CHECK_DTYPE(op, (*bias), x.scalar_type());
+    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == E && bias->size(1) == N, op, ": bias must be [E, N] = [", E,
+                ", ", N, "], got ", bias->sizes());
+    GPTFAST_CHECK_CONTIGUOUS(op, (*bias));
+    GPTFAST_CHECK_DEVICE(op, (*bias), x.device());
+  }
   for (const auto* t : {&qweight, &scales, &experts}) GPTFAST_CHECK_DEVICE(op, *t, x.device());
   for (const auto* t : {&x, &qweight, &scales, &experts}) {
     TORCH_CHECK(t->is_contiguous(), op, ": x, qweight, scales and experts must be contiguous");
   }
 }
 
-// x [P, K] float, qweight [E, N, K] int8, scales [E, N] float32, experts [P] int64 -> y [P, N].
+// x [P, K] float, qweight [E, N, K] int8, scales [E, N] float32, experts [P] int64, bias [E, N]
+// (x's dtype) or None -> y [P, N].
 at::Tensor int8_expert_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                                  const at::Tensor& experts) {
-  check_int8_expert_linear_inputs(x, qweight, scales, experts);
+                                  const at::Tensor& experts, const std::optional<at::Tensor>& bias) {
+  check_int8_expert_linear_inputs(x, qweight, scales, experts, bias);
   at::Tensor y = at::zeros({x.size(0), qweight.size(1)}, x.options());  // rows of no expert stay 0
   if (y.numel() == 0) return y;
   GPTFAST_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "int8_expert_linear_cpu", [&] {
-    expert_linear<scalar_t>(x, qweight, scales, experts.data_ptr<int64_t>(), y);
+    expert_linear<scalar_t>(x, qweight, scales, experts.data_ptr<int64_t>(),
+                            bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, y);
   });
   return y;
 }
 
 TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
-  m.def("int8_expert_linear(Tensor x, Tensor qweight, Tensor scales, Tensor experts) -> Tensor");
+  m.def("int8_expert_linear(Tensor x, Tensor qweight, Tensor scales, Tensor experts, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gptfast_kernels, CPU, m) {

@@ -154,10 +154,9 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "cohere",
             "olmo", "helium", "smollm3", "phi3", "glm", "phi", "starcoder2", "gpt2", "gpt_neox", "mixtral", "qwen2_moe",
             "qwen3_moe", "olmoe", *AUTO_CONFIGS)
-# mixture-of-experts families whose experts stay float (a layout Int8Experts does not reproduce)
-FLOAT_EXPERTS = ("gpt_oss",)
-# mixture-of-experts families (their experts become Int8Experts)
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo")
+# mixture-of-experts families (their experts become Int8Experts; GPT-OSS's are biased, transposed, with
+# gate / up interleaved and a clamped gate)
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss")
@@ -171,10 +170,19 @@ SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
 REFERENCE_ATTENTION = {"gemma2": "eager", "gpt_oss": "eager"}  # GPT-OSS: SDPA would drop its sinks
 
 
+# standard deviation of the random biases tiny models get (their weights' is the configs' 0.02)
+BIAS_STD = 0.1
+
+
 def tiny_model(family: str, *, seed: int = 0, **kwargs):
     torch.manual_seed(seed)
     options = {"attn_implementation": REFERENCE_ATTENTION[family]} if family in REFERENCE_ATTENTION else {}
-    return AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), **options).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), **options).eval()
+    with torch.no_grad():  # transformers initialises biases to zero: trained ones are not, and the tests must see them
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") and parameter.dim() >= 1:
+                parameter.normal_(0.0, BIAS_STD)
+    return model
 
 
 def dequantized_copy(model):
@@ -191,6 +199,9 @@ def dequantized_copy(model):
         qweight, scales = reference.quantize_int8(flat)
         return (qweight.float() * scales[:, None]).to(weight.dtype).reshape(weight.shape)
 
+    def rounded_experts(weight, transposed):  # [E, N, K], or [E, K, N] transposed (GPT-OSS)
+        return rounded(weight.transpose(1, 2)).transpose(1, 2) if transposed else rounded(weight)
+
     from gptfast_kernels.models.families import family_of
 
     experts = family_of(model.config).experts_classes
@@ -202,8 +213,9 @@ def dequantized_copy(model):
         elif isinstance(module, Conv1D):  # weight [in, out]
             module.weight = torch.nn.Parameter(rounded(module.weight.data.t()).t().contiguous())
         elif type(module).__name__ in experts and Int8Experts.supports(module):  # what patch_model makes int8
-            module.gate_up_proj.data = rounded(module.gate_up_proj.data)
-            module.down_proj.data = rounded(module.down_proj.data)
+            transposed = getattr(module, "is_transposed", False)  # biases stay float, as in Int8Experts
+            module.gate_up_proj.data = rounded_experts(module.gate_up_proj.data, transposed)
+            module.down_proj.data = rounded_experts(module.down_proj.data, transposed)
     return copy_
 
 

@@ -1,6 +1,7 @@
 // int8_expert_linear CUDA kernel: int8 weight-only GEMV per mixture-of-experts expert.
 //
-//   y[p, n] = sum_k x[p, k] * qweight[experts[p], n, k] * scales[experts[p], n]   (float32 sums)
+//   y[p, n] = sum_k x[p, k] * qweight[experts[p], n, k] * scales[experts[p], n] + bias[experts[p], n]
+//             (float32 sums; bias optional)
 //
 // Grid = (tiles of N_TILE output features, E experts). A block first lists the rows routed to its
 // expert (a scan of the P ids into shared memory, THREADS at a time) and exits if there are none,
@@ -69,7 +70,8 @@ __device__ __forceinline__ void load_x(const T* src, float* out) {
 template <typename T, bool VECTORIZED>
 __global__ void __launch_bounds__(THREADS) expert_gemv_kernel(const T* __restrict__ x, const int8_t* __restrict__ qweight,
                                                               const float* __restrict__ scales,
-                                                              const int64_t* __restrict__ experts, T* __restrict__ y,
+                                                              const int64_t* __restrict__ experts,
+                                                              const T* __restrict__ bias, T* __restrict__ y,
                                                               int64_t P, int64_t N, int64_t K) {
   __shared__ int listed[THREADS];
   __shared__ int count;
@@ -128,7 +130,10 @@ __global__ void __launch_bounds__(THREADS) expert_gemv_kernel(const T* __restric
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           const float sum = warp_sum(acc[j][r]);  // every lane takes part, whatever n and rows
-          if (lane == 0 && n < N && r < rows) y[(p0 + listed[r0 + r]) * N + n] = T(sum * scales[e * N + n]);
+          if (lane == 0 && n < N && r < rows) {
+            const float shift = bias != nullptr ? to_float(bias[e * N + n]) : 0.f;
+            y[(p0 + listed[r0 + r]) * N + n] = T(sum * scales[e * N + n] + shift);
+          }
         }
       }
     }
@@ -139,9 +144,9 @@ __global__ void __launch_bounds__(THREADS) expert_gemv_kernel(const T* __restric
 }  // namespace
 
 at::Tensor int8_expert_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                                   const at::Tensor& experts) {
+                                   const at::Tensor& experts, const std::optional<at::Tensor>& bias) {
   constexpr const char* op = "int8_expert_linear";
-  check_int8_expert_linear_inputs(x, qweight, scales, experts);
+  check_int8_expert_linear_inputs(x, qweight, scales, experts, bias);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t P = x.size(0), K = x.size(1), E = qweight.size(0), N = qweight.size(1);
   at::Tensor y = at::zeros({P, N}, x.options());  // rows whose expert is outside [0, E) stay 0
@@ -155,7 +160,9 @@ at::Tensor int8_expert_linear_cuda(const at::Tensor& x, const at::Tensor& qweigh
   GPTFAST_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "int8_expert_linear_cuda", [&] {
     auto kernel = vectorized ? expert_gemv_kernel<scalar_t, true> : expert_gemv_kernel<scalar_t, false>;
     kernel<<<grid, THREADS, 0, stream>>>(x.data_ptr<scalar_t>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                                         experts.data_ptr<int64_t>(), y.data_ptr<scalar_t>(), P, N, K);
+                                         experts.data_ptr<int64_t>(),
+                                         bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr,
+                                         y.data_ptr<scalar_t>(), P, N, K);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return y;

@@ -78,8 +78,8 @@ FAMILIES: dict[str, Family] = {
         Family("ernie4_5_moe", "Ernie4_5_MoeAttention", "num_key_value_heads", "head_dim", "Ernie4_5_MoeMLP",
                experts_class="Ernie4_5_MoeExperts"),
         Family("flex_olmo", "FlexOlmoAttention", "num_key_value_heads", None, experts_class="FlexOlmoExperts"),
-        # attention sinks, local / global layers; its experts (biased, transposed, interleaved gate / up,
-        # clamped SwiGLU) are not a layout Int8Experts reproduces, so they stay in float
+        # attention sinks, local / global layers; experts biased, transposed, gate / up interleaved, its
+        # own clamped gate (Int8Experts runs it)
         Family("gpt_oss", "GptOssAttention", "num_key_value_heads", "head_dim", experts_class="GptOssExperts"),
         # local (sliding-window) and global layers
         Family("cohere2", "Cohere2Attention", "num_key_value_heads", "head_dim", "Cohere2MLP"),

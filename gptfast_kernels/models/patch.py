@@ -39,8 +39,9 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         fuse_qkv_(model, family.attention_class)
         if family.experts_classes and quantize_experts_(model, family.experts_classes) == 0:
             warnings.warn(f"patch_model: this {family.model_type} model's experts keep their float weights: "
-                          f"no {family.experts_class} module with the layout Int8Experts reproduces (concatenated "
-                          "gate / up, [out, in] weights, no biases); attention, dense layers and lm_head are int8",
+                          f"no {family.experts_class} module Int8Experts reproduces (3-D gate_up_proj / down_proj, "
+                          "a gating it can run, no norm after the experts); attention, dense layers and lm_head "
+                          "are int8",
                           stacklevel=2)
     # what a StaticKVCache for this model must hold (checked per forward by attention.before_forward)
     model._gptfast_cache_geometry = family.cache_geometry(model.config.get_text_config(decoder=True))

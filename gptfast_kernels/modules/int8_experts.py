@@ -1,13 +1,18 @@
 """``Int8Experts``: the expert layers of a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE) with int8 weights, a drop-in for transformers' experts modules.
+OLMoE, GPT-OSS, ...) with int8 weights, a drop-in for transformers' experts modules.
 
 transformers 5.x keeps a MoE layer's experts as two 3-D parameters, gate_up_proj [E, 2I, H] and
-down_proj [E, H, I], behind ``forward(hidden [tokens, H], top_k_index [tokens, k], top_k_weights
-[tokens, k])``; the router stays in float (int8 noise there would change which experts run). Decode
-and verification steps (few tokens: the compiled, CUDA-graphed path) run each (token, chosen expert)
-pair as one row of ``int8_expert_linear``, which streams only the chosen experts' int8 weights, with
-no host synchronisation. A prompt (many tokens, eager) runs expert by expert through ``int8_linear``'s
-tiled kernels instead, as transformers' own loop does.
+down_proj [E, H, I] (GPT-OSS: transposed, [E, H, 2I] and [E, I, H], with biases and gate / up
+interleaved), behind ``forward(hidden [tokens, H], top_k_index [tokens, k], top_k_weights
+[tokens, k])``; the router stays in float (int8 noise there would change which experts run). The
+weights are stored [E, out, in] whatever the source layout, with the gate / up columns in the
+source's order, and the source's own gating (``_apply_gate``: how gate and up are split, the
+activation, GPT-OSS's clamps) runs on the result, so the layouts transformers' experts interface
+describes need no per-model code here. Decode and verification steps (few tokens: the compiled,
+CUDA-graphed path) run each (token, chosen expert) pair as one row of ``int8_expert_linear``, which
+streams only the chosen experts' int8 weights, with no host synchronisation. A prompt (many
+tokens, eager) runs expert by expert through ``int8_linear``'s tiled kernels instead, as
+transformers' own loop does.
 """
 
 from __future__ import annotations
@@ -25,45 +30,79 @@ from gptfast_kernels.ops.int8_linear import int8_linear, quantize_int8
 GROUPED_MIN_ROWS = 64
 
 
-def _quantize_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] float -> (qweight [E, N, K] int8, scales [E, N] float32), per output channel."""
+def _quantize_experts(weight: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] float ([E, K, N] if ``transposed``) -> (qweight [E, N, K] int8, scales [E, N]
+    float32), per output channel."""
+    if transposed:
+        weight = weight.transpose(1, 2)
     E, N, K = weight.shape
-    qweight, scales = quantize_int8(weight.detach().reshape(E * N, K))
+    qweight, scales = quantize_int8(weight.detach().contiguous().reshape(E * N, K))
     return qweight.view(E, N, K), scales.view(E, N)
+
+
+class ExpertsGate(nn.Module):
+    """The gating of a transformers experts module without its weights: [..., 2I] gate / up
+    projections -> [..., I]. Runs the module class's own ``_apply_gate`` (GPT-OSS: interleaved gate /
+    up, clamps, its sigmoid gate) on a copy of the module's plain attributes (alpha, limit, config,
+    ...) and its ``act_fn``; without one, transformers' default: act_fn(gate) * up on the two halves."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.apply_gate = getattr(type(module), "_apply_gate", None)
+        for name, value in vars(module).items():
+            if not name.startswith("_"):  # parameters, buffers and submodules live under _-names
+                setattr(self, name, value)
+        self.act_fn = getattr(module, "act_fn", None)
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.apply_gate is not None:
+            return self.apply_gate(self, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
 
 
 class Int8Experts(nn.Module):
     """Buffers gate_up_qweight [E, 2I, H] int8, gate_up_scales [E, 2I], down_qweight [E, H, I] int8,
-    down_scales [E, H] (float32); act_fn is the experts' activation. Same function as the module
-    it replaces, with its weights rounded to int8."""
+    down_scales [E, H] (float32) and, for experts with biases, gate_up_bias [E, 2I] and down_bias
+    [E, H] (float, as the source's); ``gate`` is the experts' gating (an ExpertsGate). Same function
+    as the module it replaces, with its weights rounded to int8."""
 
     def __init__(self, gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
-                 act_fn: nn.Module):
+                 gate: nn.Module, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("gate_up_qweight", gate_up[0])
         self.register_buffer("gate_up_scales", gate_up[1])
         self.register_buffer("down_qweight", down[0])
         self.register_buffer("down_scales", down[1])
-        self.act_fn = act_fn
+        self.register_buffer("gate_up_bias", gate_up_bias)
+        self.register_buffer("down_bias", down_bias)
+        self.gate = gate
         self.num_experts = gate_up[0].shape[0]
-        self.intermediate_size = gate_up[0].shape[1] // 2
 
     @staticmethod
     def supports(module: nn.Module) -> bool:
-        """Whether ``module`` has the layout Int8Experts reproduces: concatenated [gate; up], weights
-        [out, in], no biases and no norm after the experts (transformers' experts-interface flags)."""
+        """Whether ``module`` is one Int8Experts reproduces: gate_up_proj / down_proj (either
+        orientation, biases or not, any gate / up order its ``_apply_gate`` reads) and no norm after
+        the experts (transformers' experts-interface flags)."""
         return (isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
                 and isinstance(getattr(module, "down_proj", None), torch.Tensor)
-                and module.gate_up_proj.dim() == 3 and getattr(module, "has_gate", True)
-                and not getattr(module, "has_bias", False) and not getattr(module, "is_transposed", False)
-                and getattr(module, "is_concatenated", True) and not getattr(module, "has_post_expert_norm", False))
+                and module.gate_up_proj.dim() == 3 and module.down_proj.dim() == 3 and getattr(module, "has_gate", True)
+                and (hasattr(type(module), "_apply_gate") or isinstance(getattr(module, "act_fn", None), nn.Module))
+                and (not getattr(module, "has_bias", False) or (
+                    isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
+                    and isinstance(getattr(module, "down_proj_bias", None), torch.Tensor)))
+                and not getattr(module, "has_post_expert_norm", False))
 
     @classmethod
     def from_float(cls, module: nn.Module) -> "Int8Experts":
         if not cls.supports(module):
-            raise TypeError(f"Int8Experts.from_float: {type(module).__name__} does not have the concatenated, "
-                            "untransposed, bias-free gate_up_proj / down_proj layout")
-        return cls(_quantize_experts(module.gate_up_proj), _quantize_experts(module.down_proj), module.act_fn)
+            raise TypeError(f"Int8Experts.from_float: {type(module).__name__} does not have 3-D gate_up_proj / "
+                            "down_proj weights (with both biases if any) and a gating Int8Experts can run")
+        transposed = getattr(module, "is_transposed", False)
+        biases = ((module.gate_up_proj_bias.detach(), module.down_proj_bias.detach())
+                  if getattr(module, "has_bias", False) else (None, None))
+        return cls(_quantize_experts(module.gate_up_proj, transposed), _quantize_experts(module.down_proj, transposed),
+                   ExpertsGate(module), *biases)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -73,16 +112,12 @@ class Int8Experts(nn.Module):
         if rows.shape[0] >= GROUPED_MIN_ROWS and not is_tracing():
             out = self._grouped(rows, experts)
         else:
-            gate_up = int8_expert_linear(rows, self.gate_up_qweight, self.gate_up_scales, experts,
+            gate_up = int8_expert_linear(rows, self.gate_up_qweight, self.gate_up_scales, experts, self.gate_up_bias,
                                          check_experts=False)  # router ids: valid by construction
-            out = int8_expert_linear(self._gate(gate_up), self.down_qweight, self.down_scales, experts,
+            out = int8_expert_linear(self.gate(gate_up), self.down_qweight, self.down_scales, experts, self.down_bias,
                                      check_experts=False)
         weighted = out.float() * top_k_weights.reshape(-1, 1).float()
         return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
-
-    def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.act_fn(gate) * up
 
     def _grouped(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Eager prompt path: each chosen expert's rows through the tiled int8_linear kernels."""
@@ -93,10 +128,16 @@ class Int8Experts(nn.Module):
         for expert, count in enumerate(counts[:self.num_experts]):
             if count:
                 index = order[start:start + count]
-                gate_up = int8_linear(rows[index], self.gate_up_qweight[expert], self.gate_up_scales[expert])
-                out[index] = int8_linear(self._gate(gate_up), self.down_qweight[expert], self.down_scales[expert])
+                gate_up = int8_linear(rows[index], self.gate_up_qweight[expert], self.gate_up_scales[expert],
+                                      self._bias(self.gate_up_bias, expert))
+                out[index] = int8_linear(self.gate(gate_up), self.down_qweight[expert], self.down_scales[expert],
+                                         self._bias(self.down_bias, expert))
             start += count
         return out
+
+    @staticmethod
+    def _bias(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+        return None if bias is None else bias[expert]
 
 
 def quantize_experts_(model: nn.Module, experts_class: str | tuple[str, ...]) -> int:

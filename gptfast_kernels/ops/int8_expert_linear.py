@@ -1,7 +1,7 @@
 """int8 weight-only linear per mixture-of-experts expert: ``int8_expert_linear``.
 
-Row p of x goes through expert ``experts[p]``'s int8 weight: the expert layers of Mixtral, Qwen-MoE
-and OLMoE with each (token, chosen expert) pair as one row. The kernels read each expert's weight
+Row p of x goes through expert ``experts[p]``'s int8 weight (and bias, for GPT-OSS): the expert
+layers of Mixtral, Qwen-MoE, OLMoE and GPT-OSS with each (token, chosen expert) pair as one row. The kernels read each expert's weight
 once for all the rows routed to it, and never read the experts no row chose, so a decode step
 streams only the chosen experts' bytes (top-k of E), in int8.
 """
@@ -18,7 +18,7 @@ from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, chec
 OP = "int8_expert_linear"
 
 
-def _check_inputs(x, qweight, scales, experts) -> None:
+def _check_inputs(x, qweight, scales, experts, bias) -> None:
     check_tensor(OP, "x", x, dtypes=FLOAT_DTYPES, ndim=2)
     check_tensor(OP, "qweight", qweight, dtypes=(torch.int8,), ndim=3)
     E, N, K = qweight.shape
@@ -31,11 +31,15 @@ def _check_inputs(x, qweight, scales, experts) -> None:
     check_tensor(OP, "scales", scales, dtypes=(torch.float32, x.dtype), ndim=2)
     if tuple(scales.shape) != (E, N):
         raise ValueError(f"{OP}: scales must have shape [E, N] = [{E}, {N}], got {list(scales.shape)}")
+    if bias is not None:
+        check_tensor(OP, "bias", bias, dtypes=FLOAT_DTYPES, ndim=2)
+        if tuple(bias.shape) != (E, N):
+            raise ValueError(f"{OP}: bias must have shape [E, N] = [{E}, {N}], got {list(bias.shape)}")
     check_tensor(OP, "experts", experts, dtypes=(torch.int32, torch.int64), ndim=1)
     if experts.shape[0] != x.shape[0]:
         raise ValueError(f"{OP}: experts must have one entry per row of x ([P] = [{x.shape[0]}]), "
                          f"got {list(experts.shape)}")
-    check_same_device(OP, x=x, qweight=qweight, scales=scales, experts=experts)
+    check_same_device(OP, x=x, qweight=qweight, scales=scales, experts=experts, bias=bias)
 
 
 def _check_expert_values(experts: torch.Tensor, E: int) -> None:
@@ -49,21 +53,25 @@ def _check_expert_values(experts: torch.Tensor, E: int) -> None:
 
 
 def int8_expert_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
-                       *, backend: str = "auto", check_experts: bool = True) -> torch.Tensor:
-    """y[p] = (x[p] @ qweight[experts[p]].T) * scales[experts[p]], accumulated in float32.
+                       bias: torch.Tensor | None = None, *, backend: str = "auto",
+                       check_experts: bool = True) -> torch.Tensor:
+    """y[p] = (x[p] @ qweight[experts[p]].T) * scales[experts[p]] + bias[experts[p]], accumulated in
+    float32.
 
     x [P, K] float16/bfloat16/float32, qweight [E, N, K] int8, scales [E, N] float32 (or x's
-    dtype), experts [P] int32/int64 in [-1, E) (-1: a padding row, whose output is zero) -> [P, N]
-    in x's dtype. In eager mode the expert ids are checked (one host synchronisation) unless
+    dtype), experts [P] int32/int64 in [-1, E) (-1: a padding row, whose output is zero), bias
+    [E, N] (any float dtype; used in x's, as int8_linear's) or None -> [P, N] in x's dtype. In eager mode the expert ids are checked (one host synchronisation) unless
     ``check_experts=False`` (routers produce valid ids by construction); the kernels treat any id
     outside [0, E) as padding and never read outside qweight either way.
     """
-    _check_inputs(x, qweight, scales, experts)
+    _check_inputs(x, qweight, scales, experts, bias)
     if check_experts and not is_tracing():
         _check_expert_values(experts, qweight.shape[0])
     chosen = resolve_backend(OP, backend, x.device)
     if chosen == "reference":
-        return reference.int8_expert_linear(x, qweight, scales, experts)
+        return reference.int8_expert_linear(x, qweight, scales, experts, bias)
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
     x = x.contiguous()
     qweight = qweight.contiguous()
     scales = scales.to(torch.float32).contiguous()
@@ -71,12 +79,12 @@ def int8_expert_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if chosen == "triton":
         from gptfast_kernels.triton.int8_expert_linear import int8_expert_linear_triton
 
-        return int8_expert_linear_triton(x, qweight, scales, experts)
-    return torch.ops.gptfast_kernels.int8_expert_linear(x, qweight, scales, experts)
+        return int8_expert_linear_triton(x, qweight, scales, experts, bias)
+    return torch.ops.gptfast_kernels.int8_expert_linear(x, qweight, scales, experts, bias)
 
 
 if _extension.has_kernel(OP, "CPU"):
 
     @torch.library.register_fake(f"gptfast_kernels::{OP}")
-    def _int8_expert_linear_fake(x, qweight, scales, experts):
+    def _int8_expert_linear_fake(x, qweight, scales, experts, bias=None):
         return x.new_empty((x.shape[0], qweight.shape[1]))

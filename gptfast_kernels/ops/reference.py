@@ -32,15 +32,18 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 
 def int8_expert_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                       experts: torch.Tensor) -> torch.Tensor:
-    """Row p of x [P, K] times expert experts[p]'s dequantised qweight [E, N, K]^T * scales [E, N]
-    -> [P, N] in x's dtype; a row whose expert is outside [0, E) (-1: padding) is zero."""
+                       experts: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Row p of x [P, K] times expert experts[p]'s dequantised qweight [E, N, K]^T * scales [E, N],
+    plus bias[experts[p]] (bias [E, N] or None) -> [P, N] in x's dtype; a row whose expert is
+    outside [0, E) (-1: padding) is zero."""
     acc = _compute_dtype(x.dtype)
     E = qweight.shape[0]
     valid = (experts >= 0) & (experts < E)
     index = experts.clamp(0, E - 1)
     y = torch.einsum("pk,pnk->pn", x.to(acc), qweight[index].to(acc)) * scales[index].to(acc)
-    return (y * valid[:, None]).to(x.dtype)
+    if bias is not None:
+        y = y + bias[index].to(acc)
+    return torch.where(valid[:, None], y, torch.zeros((), dtype=acc, device=y.device)).to(x.dtype)
 
 
 def broadcast_positions(positions: torch.Tensor, batch: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Triton int8_expert_linear: row p of x times expert experts[p]'s int8 weight and scales, for the
-expert layers of mixture-of-experts models.
+"""Triton int8_expert_linear: row p of x times expert experts[p]'s int8 weight and scales (plus its
+bias, if any), for the expert layers of mixture-of-experts models.
 
 The grid is N tiles x E experts. Program (n tile, e) first counts the rows routed to expert e
 (a scan of the P expert ids) and returns at once when there are none, so the weights of experts no
@@ -59,9 +59,9 @@ _INTERPRETER = Tuning(block_p=16, block_n=16, block_k=32, scan_block=16, num_sta
 
 
 @triton.jit
-def _int8_expert_linear_kernel(X_ptr, W_ptr, S_ptr, Experts_ptr, Order_ptr, Y_ptr, P, N, K, E,
+def _int8_expert_linear_kernel(X_ptr, W_ptr, S_ptr, B_ptr, Experts_ptr, Order_ptr, Y_ptr, P, N, K, E,
                                stride_xm, stride_xk, stride_we, stride_wn, stride_se, stride_ym,
-                               GROUPED: tl.constexpr, FP32_DOT: tl.constexpr, SCAN_BLOCK: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, FP32_DOT: tl.constexpr, SCAN_BLOCK: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)  # e * stride_we may pass 2^31 (E * N * K int8 weights above 2 GiB)
@@ -96,6 +96,8 @@ def _int8_expert_linear_kernel(X_ptr, W_ptr, S_ptr, Experts_ptr, Order_ptr, Y_pt
         hi = P
     w_ptr = W_ptr + e * stride_we + offs_n[None, :] * stride_wn
     scales = tl.load(S_ptr + e * stride_se + offs_n, mask=mask_n, other=0.0)
+    if HAS_BIAS:  # bias [E, N] contiguous, in x's dtype
+        shift = tl.load(B_ptr + e * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     for r0 in range(lo, hi, BLOCK_P):
         offs_r = r0 + tl.arange(0, BLOCK_P)
         if GROUPED:  # positions lo..hi of the order are exactly expert e's rows
@@ -116,6 +118,8 @@ def _int8_expert_linear_kernel(X_ptr, W_ptr, S_ptr, Experts_ptr, Order_ptr, Y_pt
             else:  # int8 values in [-127, 127] are exact in fp16 / bf16: the MMA runs in x's dtype
                 acc += dot(x, w.to(x.dtype), FP32_DOT)
         acc *= scales[None, :]
+        if HAS_BIAS:
+            acc += shift[None, :]
         tl.store(Y_ptr + rows[:, None] * stride_ym + offs_n[None, :], acc.to(Y_ptr.dtype.element_ty),
                  mask=mask_r[:, None] & mask_n[None, :])
 
@@ -127,7 +131,7 @@ def _tuning(device: torch.device, P: int) -> Tuning:
 
 
 def int8_expert_linear_tuned(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                             experts: torch.Tensor, tune: Tuning) -> torch.Tensor:
+                             experts: torch.Tensor, bias: torch.Tensor | None, tune: Tuning) -> torch.Tensor:
     """The Triton op's computation with the launch constants ``tune`` (for tile tuning); inputs as
     ``int8_expert_linear_triton``'s."""
     P, K = x.shape
@@ -140,9 +144,9 @@ def int8_expert_linear_tuned(x: torch.Tensor, qweight: torch.Tensor, scales: tor
     order = torch.argsort(experts) if grouped else experts  # never read when not grouped
     with on_device(x):
         _int8_expert_linear_kernel[(triton.cdiv(N, tune.block_n), E)](
-            x, qweight, scales, experts, order, y, P, N, K, E,
+            x, qweight, scales, scales if bias is None else bias, experts, order, y, P, N, K, E,
             x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), y.stride(0),
-            GROUPED=grouped, FP32_DOT=dot_in_fp32(x.dtype), SCAN_BLOCK=tune.scan_block, BLOCK_P=block_p,
+            HAS_BIAS=bias is not None, GROUPED=grouped, FP32_DOT=dot_in_fp32(x.dtype), SCAN_BLOCK=tune.scan_block, BLOCK_P=block_p,
             BLOCK_N=tune.block_n, BLOCK_K=tune.block_k,
             num_stages=FP32_NUM_STAGES if x.dtype == torch.float32 else tune.num_stages,
             num_warps=tune.num_warps)
@@ -151,12 +155,13 @@ def int8_expert_linear_tuned(x: torch.Tensor, qweight: torch.Tensor, scales: tor
 
 @torch.library.custom_op("gptfast_kernels::int8_expert_linear_triton", mutates_args=())
 def int8_expert_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                              experts: torch.Tensor) -> torch.Tensor:
+                              experts: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [P, K] float (any strides), qweight [E, N, K] int8 contiguous, scales [E, N] float32
-    contiguous, experts [P] int64 contiguous (outside [0, E): a zero row) -> [P, N] in x's dtype."""
-    return int8_expert_linear_tuned(x, qweight, scales, experts, _tuning(x.device, x.shape[0]))
+    contiguous, experts [P] int64 contiguous (outside [0, E): a zero row), bias [E, N] contiguous
+    in x's dtype or None -> [P, N] in x's dtype."""
+    return int8_expert_linear_tuned(x, qweight, scales, experts, bias, _tuning(x.device, x.shape[0]))
 
 
 @int8_expert_linear_triton.register_fake
-def _(x, qweight, scales, experts):
+def _(x, qweight, scales, experts, bias=None):
     return x.new_empty((x.shape[0], qweight.shape[1]))

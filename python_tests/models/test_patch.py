@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, BertConfig, DynamicCache, Gemma3C
 import gptfast_kernels.models.attention as attention
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels import Int8Linear, StaticKVCache, patch_model
-from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, FLOAT_EXPERTS, MOE, WINDOW, WINDOWED,
+from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, MOE, WINDOW, WINDOWED,
                                      dequantized_copy, patched_copy, ragged_prompts, tiny_model)
 
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -93,7 +93,7 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
 # Dense families only: a MoE router's top-k is discontinuous, so int8 noise upstream may send a token
 # to other experts (it does in the tiny GLM-4-MoE); the MoE families' int8 is held to the exact
 # standard below (the model running the rounded weights) instead.
-@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in MOE + FLOAT_EXPERTS])
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in MOE])
 def test_int8_logits_within_quantization_error(family):
     model = tiny_model(family)
     patched = patched_copy(model, int8=True)

@@ -24,9 +24,12 @@ def make_case(P, E, N, K, experts, dtype=torch.float32, device="cpu", seed=0):
     return x, qweight, scales, torch.as_tensor(experts, dtype=torch.int64).to(device)
 
 
-def check_against_reference(backend, x, qweight, scales, experts):
-    want = reference.int8_expert_linear(x.cpu().double(), qweight.cpu(), scales.cpu().double(), experts.cpu())
-    got = ops.int8_expert_linear(x, qweight, scales, experts, backend=backend)
+def check_against_reference(backend, x, qweight, scales, experts, bias=None):
+    # the kernels add the bias in x's dtype (as int8_linear's): the reference gets it rounded the same way
+    want_bias = None if bias is None else bias.to(x.dtype).cpu().double()
+    want = reference.int8_expert_linear(x.cpu().double(), qweight.cpu(), scales.cpu().double(), experts.cpu(),
+                                        want_bias)
+    got = ops.int8_expert_linear(x, qweight, scales, experts, bias, backend=backend)
     assert got.shape == (x.shape[0], qweight.shape[1]) and got.dtype == x.dtype and got.device == x.device
     torch.testing.assert_close(got.cpu().double(), want, **TOLERANCE[x.dtype])
     return got
@@ -48,6 +51,20 @@ CASES = {
 def test_matches_reference(backend, device, case, dtype):
     P, E, N, K, experts = CASES[case]
     check_against_reference(backend, *make_case(P, E, N, K, experts, dtype, device))
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("case", ["decode-top2", "odd-k-padding", "many-rows-one-expert"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_bias_per_expert(backend, device, case, dtype):
+    """GPT-OSS's experts: bias[experts[p]] added after the scales; padding rows stay zero (no bias)."""
+    P, E, N, K, experts = CASES[case]
+    x, qweight, scales, ids = make_case(P, E, N, K, experts, dtype, device)
+    bias = torch.randn(E, N, generator=torch.Generator().manual_seed(3)).to(device)  # float32: cast to x's dtype
+    got = check_against_reference(backend, x, qweight, scales, ids, bias)
+    assert torch.all(got[ids.cpu() < 0] == 0)
+    without = ops.int8_expert_linear(x, qweight, scales, ids, backend=backend)
+    assert not torch.allclose(got[ids.cpu() >= 0], without[ids.cpu() >= 0])  # the bias was applied
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
@@ -94,7 +111,11 @@ def test_bad_expert_ids_name_the_argument(experts, needle):
     (lambda a: {**a, "experts": a["experts"][:1]}, "experts must have one entry per row"),
     (lambda a: {**a, "experts": a["experts"].float()}, "experts must have dtype"),
     (lambda a: {**a, "x": a["x"].to(torch.int32)}, "x must have dtype"),
-], ids=["x-k", "qweight-dtype", "qweight-dim", "scales-shape", "experts-len", "experts-dtype", "x-dtype"])
+    (lambda a: {**a, "bias": torch.zeros(3, 7)}, "bias must have shape"),
+    (lambda a: {**a, "bias": torch.zeros(8)}, "bias must have 2 dimensions"),
+    (lambda a: {**a, "bias": torch.zeros(3, 8, dtype=torch.int32)}, "bias must have dtype"),
+], ids=["x-k", "qweight-dtype", "qweight-dim", "scales-shape", "experts-len", "experts-dtype", "x-dtype", "bias-shape",
+        "bias-dim", "bias-dtype"])
 def test_bad_inputs_name_the_argument(change, needle):
     x, qweight, scales, experts = make_case(2, 3, 8, 16, [0, 2])
     args = change(dict(x=x, qweight=qweight, scales=scales, experts=experts))
@@ -107,29 +128,37 @@ def test_cpu_kernel_checks_shapes_when_called_directly():
     x, qweight, scales, experts = make_case(2, 3, 8, 16, [0, 2])
     with pytest.raises(RuntimeError, match="experts must be"):
         torch.ops.gptfast_kernels.int8_expert_linear(x, qweight, scales, experts[:1])
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.gptfast_kernels.int8_expert_linear(x, qweight, scales, experts, torch.zeros(3, 7))
+    with pytest.raises(RuntimeError, match="bias"):  # the kernel adds it in x's dtype
+        torch.ops.gptfast_kernels.int8_expert_linear(x, qweight, scales, experts, torch.zeros(3, 8).double())
 
 
 @pytest.mark.skipif(not _extension.has_kernel("int8_expert_linear", "CPU"), reason="extension not built")
 def test_opcheck_cpu():
-    torch.library.opcheck(torch.ops.gptfast_kernels.int8_expert_linear.default,
-                          make_case(5, 3, 8, 16, [0, 2, 2, -1, 1]))
+    args = make_case(5, 3, 8, 16, [0, 2, 2, -1, 1])
+    torch.library.opcheck(torch.ops.gptfast_kernels.int8_expert_linear.default, args)
+    torch.library.opcheck(torch.ops.gptfast_kernels.int8_expert_linear.default, (*args, torch.randn(3, 8)))
 
 
 @pytest.mark.parametrize("backend, device", TRITON_BACKENDS)
 def test_opcheck_triton(backend, device):
     from gptfast_kernels.triton.int8_expert_linear import int8_expert_linear_triton  # noqa: F401
 
+    args = make_case(5, 3, 20, 16, [0, 2, 2, -1, 1], device=device)
+    torch.library.opcheck(torch.ops.gptfast_kernels.int8_expert_linear_triton.default, args)
     torch.library.opcheck(torch.ops.gptfast_kernels.int8_expert_linear_triton.default,
-                          make_case(5, 3, 20, 16, [0, 2, 2, -1, 1], device=device))
+                          (*args, torch.randn(3, 20, device=device)))
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
 def test_torch_compile_fullgraph(backend, device):
     x, qweight, scales, experts = make_case(4, 3, 16, 32, [2, 0, 2, 1], device=device)
-    want = ops.int8_expert_linear(x, qweight, scales, experts, backend=backend)
+    bias = torch.randn(3, 16, device=device)
+    want = ops.int8_expert_linear(x, qweight, scales, experts, bias, backend=backend)
 
     @torch.compile(fullgraph=True)
     def step(x, experts):
-        return ops.int8_expert_linear(x, qweight, scales, experts, backend=backend) * 2
+        return ops.int8_expert_linear(x, qweight, scales, experts, bias, backend=backend) * 2
 
     torch.testing.assert_close(step(x, experts), want * 2)

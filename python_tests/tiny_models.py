@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers import (AutoConfig, AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig,
                           GlmConfig, GPT2Config, GPTNeoXConfig, GraniteConfig, HeliumConfig, LlamaConfig, MistralConfig,
                           MixtralConfig, OlmoConfig, Olmo2Config, OlmoeConfig, PhiConfig, Phi3Config, Qwen2Config,
@@ -24,6 +27,11 @@ ATTENTION_SOFTCAP = 1.0
 def alternating_layers(layers: int) -> list[str]:
     """Gemma-style layer types: local (sliding-window) and global layers in turn, local first."""
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+def dense_then_sparse(layers: int) -> list[str]:
+    """MoE layer types: layer 0 a dense MLP when there are two layers or more, the others experts."""
+    return ["dense" if i == 0 and layers > 1 else "sparse" for i in range(layers)]
 
 
 # Families whose tiny config is the model type's defaults at these sizes plus a few overrides (each a
@@ -49,6 +57,31 @@ AUTO_CONFIGS = {
     "ernie4_5_moe": lambda layers: dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=48, moe_layer_start_index=1,
                                         moe_num_shared_experts=1),
     "flex_olmo": lambda layers: dict(num_experts=4, num_experts_per_tok=2),
+    "granitemoeshared": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48),
+    "minimax_m2": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2),  # q / k norms over all heads
+    "solar_open": lambda layers: dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                      n_shared_experts=1, n_group=1, topk_group=1),
+    "dots1": lambda layers: dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                 n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "hunyuan_v1_moe": lambda layers: dict(num_experts=4, moe_topk=2),  # an nn.Linear router (stays float)
+    # mixture of experts with local / global layers
+    "exaone_moe": lambda layers: dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                      num_shared_experts=1, first_k_dense_replace=1,
+                                      mlp_layer_types=dense_then_sparse(layers), sliding_window=WINDOW,
+                                      layer_types=alternating_layers(layers)),
+    "cohere2_moe": lambda layers: dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                                       mlp_layer_types=["sparse"] * layers, sliding_window=WINDOW,
+                                       layer_types=alternating_layers(layers)),
+    "laguna": lambda layers: dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                  shared_expert_intermediate_size=48, mlp_layer_types=dense_then_sparse(layers),
+                                  sliding_window=WINDOW, layer_types=alternating_layers(layers)),
+    "mellum": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                  mlp_layer_types=["sparse"] * layers, sliding_window=WINDOW,
+                                  layer_types=alternating_layers(layers)),
+    "granitemoe_swa": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                          layer_types=alternating_layers(layers)),
+    "afmoe": lambda layers: dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1,
+                                 num_dense_layers=1, sliding_window=WINDOW, layer_types=alternating_layers(layers)),
     # attention sinks, local / global layers, experts that stay float
     "gpt_oss": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                    layer_types=alternating_layers(layers)),
@@ -142,6 +175,8 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
                              num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
                              max_position_embeddings=256, **common)
     elif family in AUTO_CONFIGS:
+        if family not in CONFIG_MAPPING_NAMES:  # newer than the installed transformers
+            pytest.skip(f"transformers {transformers.__version__} has no {family!r} models")
         config = AutoConfig.for_model(family, num_hidden_layers=layers, **AUTO_DIMS, **AUTO_CONFIGS[family](layers),
                                       **common)
     else:
@@ -156,10 +191,12 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
             "qwen3_moe", "olmoe", *AUTO_CONFIGS)
 # mixture-of-experts families (their experts become Int8Experts; GPT-OSS's are biased, transposed, with
 # gate / up interleaved and a clamped gate)
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
+       "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
+       "mellum", "granitemoe_swa", "afmoe")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
-            "exaone4", "gpt_oss")
+            "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe")
 # families whose MLP has separate gate / up projections and whose attention separate q / k / v ones
 SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite",
                         "cohere", "olmo", "helium", "smollm3")
@@ -204,9 +241,14 @@ def dequantized_copy(model):
 
     from gptfast_kernels.models.families import family_of
 
-    experts = family_of(model.config).experts_classes
+    from gptfast_kernels.modules.int8_linear import _skipped
+
+    family = family_of(model.config)
+    experts = family.experts_classes
     copy_ = copy.deepcopy(model)
-    for module in copy_.modules():
+    for name, module in copy_.named_modules():
+        if _skipped(name, family.float_linears):  # what patch_model keeps float (routers)
+            continue
         # new Parameters, not in-place writes: a head tied to the input embeddings must not round them
         if isinstance(module, torch.nn.Linear):
             module.weight = torch.nn.Parameter(rounded(module.weight.data))

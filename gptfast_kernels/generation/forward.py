@@ -10,6 +10,7 @@ whose length changes from call to call, runs eagerly.
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -18,27 +19,35 @@ from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 # Cache lengths are rounded up to a multiple of this when a compiled model allocates its cache, so
 # later calls with somewhat longer prompts reuse the same cache (and the same compiled graphs).
 CACHE_LEN_QUANTUM = 256
-# Every (model, batch size, token count, cache) is a graph of its own, and all of them compile one
-# code object (_forward), whose default recompile limit (8) a target and a draft at three batch
-# sizes already exceed; under fullgraph=True that is a hard error. step_function raises the limit
-# to at least this.
+# Every (batch size, token count, cache) of a model is a graph of its own, all compiled from that
+# model's code object (see _own_forward), whose default recompile limit (8) one model at three batch
+# sizes and three token counts already exceeds; under fullgraph=True that is a hard error.
+# step_function raises the limit to at least this.
 RECOMPILE_LIMIT = 64
 
 
-def _forward(model, tokens: torch.Tensor, attention_mask: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+def _forward(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: StaticKVCache, model=None) -> torch.Tensor:
     return model(tokens, attention_mask=attention_mask, past_key_values=cache).logits
+
+
+def _own_forward(model):
+    """_forward with ``model`` bound, on a code object of its own: dynamo counts graphs against the
+    recompile limit per code object, so a process that compiles many models (an evaluation sweep,
+    a test suite) never adds one model's graphs to another's (a functools.partial would: dynamo
+    compiles every partial through one shared wrapper)."""
+    return types.FunctionType(_forward.__code__.replace(), _forward.__globals__, _forward.__name__, (model,))
 
 
 def step_function(model, compile: bool):
     """(tokens [B, T], attention_mask [B, T], cache) -> logits [B, T, V]."""
     if not compile:
-        return functools.partial(_forward, model)
+        return functools.partial(_forward, model=model)
     compiled = getattr(model, "_gptfast_compiled_forward", None)
     if compiled is None:
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         on_cuda = next(model.parameters()).device.type == "cuda"
-        compiled = torch.compile(functools.partial(_forward, model), fullgraph=True, dynamic=False,
+        compiled = torch.compile(_own_forward(model), fullgraph=True, dynamic=False,
                                  mode="reduce-overhead" if on_cuda else None)
         model._gptfast_compiled_forward = compiled
     return compiled

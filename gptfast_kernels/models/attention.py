@@ -73,7 +73,9 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
                              gptfast_cache.step_positions(), scaling, window=sliding_window, softcap=softcap,
                              sinks=s_aux, backend=backend,
                              check_positions=False)  # checked once per forward by plan_step
-    return out.to(query.dtype).transpose(1, 2), None
+    # [B, T, Hq, D] contiguous, as transformers' attention functions return it (AFMoE .view()s it); for
+    # T = 1 the transpose is contiguous already and this copies nothing
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 def fused_attention(module, query, key, value, attention_mask, **kwargs):

@@ -24,6 +24,9 @@ class Family:
     refused_flags: tuple[str, ...] = ()  # config flags that, when true, break causal decoding
     # mixture of experts: the experts module class (names across transformers versions), int8 as Int8Experts
     experts_class: str | tuple[str, ...] | None = None
+    # Linear layers that stay float with int8 (patterns as patch_model's int8_skip): routers built as
+    # nn.Linear whose model code reads their .weight
+    float_linears: tuple[str, ...] = ()
 
     @property
     def experts_classes(self) -> tuple[str, ...]:
@@ -78,6 +81,29 @@ FAMILIES: dict[str, Family] = {
         Family("ernie4_5_moe", "Ernie4_5_MoeAttention", "num_key_value_heads", "head_dim", "Ernie4_5_MoeMLP",
                experts_class="Ernie4_5_MoeExperts"),
         Family("flex_olmo", "FlexOlmoAttention", "num_key_value_heads", None, experts_class="FlexOlmoExperts"),
+        Family("granitemoeshared", "GraniteMoeSharedAttention", "num_key_value_heads", None,
+               experts_class="GraniteMoeSharedExperts"),
+        Family("minimax_m2", "MiniMaxM2Attention", "num_key_value_heads", "head_dim", experts_class="MiniMaxM2Experts"),
+        Family("solar_open", "SolarOpenAttention", "num_key_value_heads", "head_dim", "SolarOpenMLP",
+               experts_class=("SolarOpenExperts", "SolarOpenNaiveMoe")),  # the latter in transformers 5.8
+        Family("dots1", "Dots1Attention", "num_key_value_heads", "head_dim", "Dots1MLP",
+               experts_class=("Dots1Experts", "Dots1NaiveMoe")),  # the latter in transformers 5.8
+        # its router is an nn.Linear (wg) whose weight dtype the model reads: it stays float
+        Family("hunyuan_v1_moe", "HunYuanMoEV1Attention", "num_key_value_heads", "head_dim", "HunYuanMoEV1MLP",
+               experts_class="HunYuanMoEV1Experts", float_linears=("*.mlp.gate.wg",)),
+        # mixture of experts with local (sliding-window) and global layers
+        Family("exaone_moe", "ExaoneMoeAttention", "num_key_value_heads", "head_dim", "ExaoneMoeMLP",
+               experts_class="ExaoneMoeExperts"),
+        Family("cohere2_moe", "Cohere2MoeAttention", "num_key_value_heads", "head_dim", "Cohere2MoeMLP",
+               experts_class="Cohere2MoeExperts"),
+        Family("laguna", "LagunaAttention", "num_key_value_heads", "head_dim", "LagunaMLP",
+               experts_class="LagunaExperts"),
+        Family("mellum", "MellumAttention", "num_key_value_heads", "head_dim", "MellumMLP",
+               experts_class="MellumExperts"),
+        Family("granitemoe_swa", "GraniteMoeSWAAttention", "num_key_value_heads", None,
+               experts_class="GraniteMoeSWAExperts"),
+        Family("afmoe", "AfmoeAttention", "num_key_value_heads", "head_dim", "AfmoeMLP", experts_class="AfmoeExperts",
+               float_linears=("*.mlp.router.gate",)),  # the router's nn.Linear stays float
         # attention sinks, local / global layers; experts biased, transposed, gate / up interleaved, its
         # own clamped gate (Int8Experts runs it)
         Family("gpt_oss", "GptOssAttention", "num_key_value_heads", "head_dim", experts_class="GptOssExperts"),

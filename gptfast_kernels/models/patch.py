@@ -33,7 +33,8 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         raise ValueError(f"patch_model: a {family.model_type} model should contain {family.attention_class} "
                          "modules and this one has none; its transformers version may be unsupported")
     if int8:
-        quantize_int8_(model, skip=int8_skip)
+        skip = (int8_skip,) if isinstance(int8_skip, str) else tuple(int8_skip)
+        quantize_int8_(model, skip=(*skip, *family.float_linears))
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class)
         fuse_qkv_(model, family.attention_class)

@@ -40,7 +40,7 @@ def _quantize_experts(weight: torch.Tensor, transposed: bool) -> tuple[torch.Ten
     return qweight.view(E, N, K), scales.view(E, N)
 
 
-class ExpertsGate(nn.Module):
+class ExpertsGating(nn.Module):
     """The gating of a transformers experts module without its weights: [..., 2I] gate / up
     projections -> [..., I]. Runs the module class's own ``_apply_gate`` (GPT-OSS: interleaved gate /
     up, clamps, its sigmoid gate) on a copy of the module's plain attributes (alpha, limit, config,
@@ -64,11 +64,11 @@ class ExpertsGate(nn.Module):
 class Int8Experts(nn.Module):
     """Buffers gate_up_qweight [E, 2I, H] int8, gate_up_scales [E, 2I], down_qweight [E, H, I] int8,
     down_scales [E, H] (float32) and, for experts with biases, gate_up_bias [E, 2I] and down_bias
-    [E, H] (float, as the source's); ``gate`` is the experts' gating (an ExpertsGate). Same function
+    [E, H] (float, as the source's); ``gating`` is the experts' gating (an ExpertsGating). Same function
     as the module it replaces, with its weights rounded to int8."""
 
     def __init__(self, gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
-                 gate: nn.Module, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
+                 gating: nn.Module, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("gate_up_qweight", gate_up[0])
         self.register_buffer("gate_up_scales", gate_up[1])
@@ -76,7 +76,7 @@ class Int8Experts(nn.Module):
         self.register_buffer("down_scales", down[1])
         self.register_buffer("gate_up_bias", gate_up_bias)
         self.register_buffer("down_bias", down_bias)
-        self.gate = gate
+        self.gating = gating
         self.num_experts = gate_up[0].shape[0]
 
     @staticmethod
@@ -102,7 +102,7 @@ class Int8Experts(nn.Module):
         biases = ((module.gate_up_proj_bias.detach(), module.down_proj_bias.detach())
                   if getattr(module, "has_bias", False) else (None, None))
         return cls(_quantize_experts(module.gate_up_proj, transposed), _quantize_experts(module.down_proj, transposed),
-                   ExpertsGate(module), *biases)
+                   ExpertsGating(module), *biases)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ class Int8Experts(nn.Module):
         else:
             gate_up = int8_expert_linear(rows, self.gate_up_qweight, self.gate_up_scales, experts, self.gate_up_bias,
                                          check_experts=False)  # router ids: valid by construction
-            out = int8_expert_linear(self.gate(gate_up), self.down_qweight, self.down_scales, experts, self.down_bias,
+            out = int8_expert_linear(self.gating(gate_up), self.down_qweight, self.down_scales, experts, self.down_bias,
                                      check_experts=False)
         weighted = out.float() * top_k_weights.reshape(-1, 1).float()
         return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
@@ -130,7 +130,7 @@ class Int8Experts(nn.Module):
                 index = order[start:start + count]
                 gate_up = int8_linear(rows[index], self.gate_up_qweight[expert], self.gate_up_scales[expert],
                                       self._bias(self.gate_up_bias, expert))
-                out[index] = int8_linear(self.gate(gate_up), self.down_qweight[expert], self.down_scales[expert],
+                out[index] = int8_linear(self.gating(gate_up), self.down_qweight[expert], self.down_scales[expert],
                                          self._bias(self.down_bias, expert))
             start += count
         return out

@@ -1,9 +1,9 @@
 """int8 weight-only linear per mixture-of-experts expert: ``int8_expert_linear``.
 
 Row p of x goes through expert ``experts[p]``'s int8 weight (and bias, for GPT-OSS): the expert
-layers of Mixtral, Qwen-MoE, OLMoE and GPT-OSS with each (token, chosen expert) pair as one row. The kernels read each expert's weight
-once for all the rows routed to it, and never read the experts no row chose, so a decode step
-streams only the chosen experts' bytes (top-k of E), in int8.
+layers of Mixtral, Qwen-MoE, OLMoE, GPT-OSS ... with each (token, chosen expert) pair as one row.
+The kernels read each expert's weight once for all the rows routed to it, and never read the
+experts no row chose, so a decode step streams only the chosen experts' bytes (top-k of E), in int8.
 """
 
 from __future__ import annotations
@@ -60,9 +60,10 @@ def int8_expert_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
     x [P, K] float16/bfloat16/float32, qweight [E, N, K] int8, scales [E, N] float32 (or x's
     dtype), experts [P] int32/int64 in [-1, E) (-1: a padding row, whose output is zero), bias
-    [E, N] (any float dtype; used in x's, as int8_linear's) or None -> [P, N] in x's dtype. In eager mode the expert ids are checked (one host synchronisation) unless
-    ``check_experts=False`` (routers produce valid ids by construction); the kernels treat any id
-    outside [0, E) as padding and never read outside qweight either way.
+    [E, N] (any float dtype; used in x's, as int8_linear's) or None -> [P, N] in x's dtype. In eager
+    mode the expert ids are checked (one host synchronisation) unless ``check_experts=False``
+    (routers produce valid ids by construction); the kernels treat any id outside [0, E) as padding
+    and never read outside qweight either way.
     """
     _check_inputs(x, qweight, scales, experts, bias)
     if check_experts and not is_tracing():

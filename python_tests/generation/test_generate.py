@@ -243,6 +243,21 @@ def test_compiled_steps_beyond_dynamo_recompile_limit():
             assert torch.equal(compiled, eager)
 
 
+def test_each_model_has_its_own_recompile_count(monkeypatch):
+    """Dynamo's recompile limit counts graphs per code object: each model's compiled step has its own,
+    so a process compiling many models (here with a limit of 1) never fails on the next model."""
+    from gptfast_kernels.generation import forward
+
+    monkeypatch.setattr(forward, "RECOMPILE_LIMIT", 1)
+    ids, mask = ragged_prompts(1, 4, "left")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for family in ("llama", "qwen3", "gemma"):  # different modules: different graphs
+            patched = patched_copy(tiny_model(family), int8=False)
+            eager = generate(patched, ids, mask, max_new_tokens=3, eos_token_id=[]).sequences
+            compiled = generate(patched, ids, mask, max_new_tokens=3, eos_token_id=[], compile=True).sequences
+            assert torch.equal(compiled, eager)
+
+
 def test_streamer_gets_the_prompt_then_every_step():
     """As transformers' generate: put(prompt [B, P]), put(tokens [B]) per step on the CPU, end();
     with an eos the stream stops at the step where the last row finished."""

@@ -134,8 +134,9 @@ def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, mon
     torch.testing.assert_close(torch.cat(steps, dim=1), want, **TOL)
     layer_types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * 2
     softcap = ATTENTION_SOFTCAP if family == "gemma2" else None
-    want_calls = [(WINDOW if kind == "sliding_attention" else None, softcap, family == "gpt_oss")
-                  for kind in layer_types]
+    sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())  # GPT-OSS, Granite-SWA
+    assert sinks == (family in ("gpt_oss", "granitemoe_swa"))
+    want_calls = [(WINDOW if kind == "sliding_attention" else None, softcap, sinks) for kind in layer_types]
     assert seen[:2] == want_calls and len(seen) == 13 * 2
 
 
@@ -171,8 +172,14 @@ def test_moe_experts_become_int8_and_decode_steps_match(family):
     experts = [m for m in patched.modules() if isinstance(m, Int8Experts)]
     assert len(experts) == sum(1 for m in model.modules() if type(m).__name__ in names)
     assert not any(type(m).__name__ in names for m in patched.modules())
-    routers = [(name, m) for name, m in patched.named_modules() if type(m).__name__.lower().endswith("router")]
-    assert routers and all(torch.equal(m.weight, model.get_submodule(name).weight) for name, m in routers)
+    # routers (Mixtral's TopKRouter, AFMoE's router around an nn.Linear, HunYuan's Gate): float and unchanged
+    routers = [(name, m) for name, m in patched.named_modules()
+               if type(m).__name__.lower().endswith(("router", "gate"))]
+    assert routers
+    for name, router in routers:
+        original = dict(model.get_submodule(name).named_parameters())
+        assert not any(isinstance(m, Int8Linear) for m in router.modules()), name
+        assert original and all(torch.equal(p, original[n]) for n, p in router.named_parameters()), name
     rounded = dequantized_copy(model)
     length = GROUPED_MIN_ROWS // model.config.num_experts_per_tok + 3  # prompt rows > GROUPED_MIN_ROWS
     ids = torch.randint(2, 90, (1, length + 4), generator=torch.Generator().manual_seed(5))

@@ -207,7 +207,7 @@ SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
 REFERENCE_ATTENTION = {"gemma2": "eager", "gpt_oss": "eager"}  # GPT-OSS: SDPA would drop its sinks
 
 
-# standard deviation of the random biases tiny models get (their weights' is the configs' 0.02)
+# standard deviation of the random biases tiny models get (of the same order as their weights', INIT_RANGE)
 BIAS_STD = 0.1
 
 

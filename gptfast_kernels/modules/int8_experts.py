@@ -42,23 +42,21 @@ def _quantize_experts(weight: torch.Tensor, transposed: bool) -> tuple[torch.Ten
 
 class ExpertsGating(nn.Module):
     """The gating of a transformers experts module without its weights: [..., 2I] gate / up
-    projections -> [..., I]. Runs the module class's own ``_apply_gate`` (GPT-OSS: interleaved gate /
-    up, clamps, its sigmoid gate) on a copy of the module's plain attributes (alpha, limit, config,
-    ...) and its ``act_fn``; without one, transformers' default: act_fn(gate) * up on the two halves."""
+    projections -> [..., I]. Runs the module class's own ``_apply_gate`` (transformers' experts
+    interface gives every experts class one: by default act_fn(gate) * up on the two halves;
+    GPT-OSS's reads interleaved gate / up, clamps, a sigmoid gate) on a copy of the module's plain
+    attributes (alpha, limit, config, ...) and its ``act_fn``."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        self.apply_gate = getattr(type(module), "_apply_gate", None)
+        self.apply_gate = type(module)._apply_gate
         for name, value in vars(module).items():
             if not name.startswith("_"):  # parameters, buffers and submodules live under _-names
                 setattr(self, name, value)
         self.act_fn = getattr(module, "act_fn", None)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.apply_gate is not None:
-            return self.apply_gate(self, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.act_fn(gate) * up
+        return self.apply_gate(self, gate_up)
 
 
 class Int8Experts(nn.Module):
@@ -87,7 +85,7 @@ class Int8Experts(nn.Module):
         return (isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
                 and isinstance(getattr(module, "down_proj", None), torch.Tensor)
                 and module.gate_up_proj.dim() == 3 and module.down_proj.dim() == 3 and getattr(module, "has_gate", True)
-                and (hasattr(type(module), "_apply_gate") or isinstance(getattr(module, "act_fn", None), nn.Module))
+                and hasattr(type(module), "_apply_gate")
                 and (not getattr(module, "has_bias", False) or (
                     isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
                     and isinstance(getattr(module, "down_proj_bias", None), torch.Tensor)))

@@ -61,8 +61,9 @@ _INTERPRETER = Tuning(block_p=16, block_n=16, block_k=32, scan_block=16, num_sta
 @triton.jit
 def _int8_expert_linear_kernel(X_ptr, W_ptr, S_ptr, B_ptr, Experts_ptr, Order_ptr, Y_ptr, P, N, K, E,
                                stride_xm, stride_xk, stride_we, stride_wn, stride_se, stride_ym,
-                               HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, FP32_DOT: tl.constexpr, SCAN_BLOCK: tl.constexpr,
-                               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, FP32_DOT: tl.constexpr,
+                               SCAN_BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)  # e * stride_we may pass 2^31 (E * N * K int8 weights above 2 GiB)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -146,8 +147,8 @@ def int8_expert_linear_tuned(x: torch.Tensor, qweight: torch.Tensor, scales: tor
         _int8_expert_linear_kernel[(triton.cdiv(N, tune.block_n), E)](
             x, qweight, scales, scales if bias is None else bias, experts, order, y, P, N, K, E,
             x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, GROUPED=grouped, FP32_DOT=dot_in_fp32(x.dtype), SCAN_BLOCK=tune.scan_block, BLOCK_P=block_p,
-            BLOCK_N=tune.block_n, BLOCK_K=tune.block_k,
+            HAS_BIAS=bias is not None, GROUPED=grouped, FP32_DOT=dot_in_fp32(x.dtype), SCAN_BLOCK=tune.scan_block,
+            BLOCK_P=block_p, BLOCK_N=tune.block_n, BLOCK_K=tune.block_k,
             num_stages=FP32_NUM_STAGES if x.dtype == torch.float32 else tune.num_stages,
             num_warps=tune.num_warps)
     return y

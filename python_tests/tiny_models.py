@@ -44,12 +44,29 @@ AUTO_CONFIGS = {
     "olmo3": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers)),
     "ministral": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers)),
     "exaone4": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers)),
+    "cwm": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers)),
+    "vaultgemma": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers),  # soft-capped
+                                      query_pre_attn_scalar=16, attn_logit_softcapping=ATTENTION_SOFTCAP),
+    "granite_swa": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers),  # sinks
+                                       attention_multiplier=0.3),
     # dense
     "glm4": lambda layers: {},          # fused gate / up, norms after attention and MLP
     "seed_oss": lambda layers: {},      # biased q / k / v
     "ernie4_5": lambda layers: {},
     "arcee": lambda layers: {},         # ungated ReLU^2 MLP
     "hunyuan_v1_dense": lambda layers: {},  # q / k norms after RoPE
+    "apertus": lambda layers: {},       # ungated xIELU MLP, q / k norms
+    "jais2": lambda layers: {},         # ungated ReLU^2 MLP, LayerNorms, biases everywhere
+    "nanochat": lambda layers: {},      # weightless norms, final-logit soft-capping
+    "bitnet": lambda layers: {},        # norms inside attention (before o_proj) and MLP (before down)
+    "internlm3": lambda layers: {},     # transformers' Llama model under a config of its own
+    "iquestcoder": lambda layers: {},
+    # residual and attention multipliers, norms after attention and MLP
+    "hyperclovax": lambda layers: dict(attention_multiplier=0.3, residual_multiplier=0.5, embedding_multiplier=2.0),
+    # queries scaled by 1 + beta * log(1 + position // 8): the scale changes within the tests' prompts
+    "ministral3": lambda layers: dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=2.0, original_max_position_embeddings=8, beta_fast=32.0,
+        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5)),
     # mixture of experts, 4 experts top 2 (GLM-4-MoE and ERNIE-MoE: layer 0 dense, a shared expert)
     "granitemoe": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2),
     "glm4_moe": lambda layers: dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -64,7 +81,17 @@ AUTO_CONFIGS = {
     "dots1": lambda layers: dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                  n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
     "hunyuan_v1_moe": lambda layers: dict(num_experts=4, moe_topk=2),  # an nn.Linear router (stays float)
+    "hy_v3": lambda layers: dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1,
+                                 mlp_layer_types=dense_then_sparse(layers)),  # score-correction bias in routing
+    "aria_text": lambda layers: dict(moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1),
     # mixture of experts with local / global layers
+    "kolibri1": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    shared_expert_intermediate_size=48, sliding_window=WINDOW,
+                                    layer_types=alternating_layers(layers)),
+    # also attention sinks, and RoPE on the local layers only
+    "flint": lambda layers: dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                 shared_expert_intermediate_size=48, mlp_only_layers=[0] if layers > 1 else [],
+                                 sliding_window=WINDOW, layer_types=alternating_layers(layers)),
     "exaone_moe": lambda layers: dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                       num_shared_experts=1, first_k_dense_replace=1,
                                       mlp_layer_types=dense_then_sparse(layers), sliding_window=WINDOW,
@@ -85,6 +112,16 @@ AUTO_CONFIGS = {
     # attention sinks, local / global layers, experts that stay float
     "gpt_oss": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                    layer_types=alternating_layers(layers)),
+}
+# Families whose configs name their sizes in their own way: the whole tiny config (a function of the layer count)
+OWN_DIMS_CONFIGS = {
+    "opt": lambda layers: dict(hidden_size=64, ffn_dim=128, word_embed_proj_dim=64, num_attention_heads=4,
+                               num_hidden_layers=layers, max_position_embeddings=256),  # learned positions
+    "gpt_bigcode": lambda layers: dict(n_embd=64, n_inner=128, n_head=4, n_layer=layers, n_positions=256,
+                                       multi_query=True),  # one KV head
+    "persimmon": lambda layers: dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                     num_hidden_layers=layers, max_position_embeddings=256,
+                                     partial_rotary_factor=0.5),  # q / k LayerNorms, partial rotary
 }
 
 
@@ -174,11 +211,14 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
         config = OlmoeConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
                              num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
                              max_position_embeddings=256, **common)
-    elif family in AUTO_CONFIGS:
+    elif family in AUTO_CONFIGS or family in OWN_DIMS_CONFIGS:
         if family not in CONFIG_MAPPING_NAMES:  # newer than the installed transformers
             pytest.skip(f"transformers {transformers.__version__} has no {family!r} models")
-        config = AutoConfig.for_model(family, num_hidden_layers=layers, **AUTO_DIMS, **AUTO_CONFIGS[family](layers),
-                                      **common)
+        if family in AUTO_CONFIGS:
+            sizes = dict(num_hidden_layers=layers, **AUTO_DIMS, **AUTO_CONFIGS[family](layers))
+        else:
+            sizes = OWN_DIMS_CONFIGS[family](layers)
+        config = AutoConfig.for_model(family, **sizes, **common)
     else:
         raise ValueError(family)
     for key, value in overrides.items():
@@ -188,15 +228,19 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "cohere",
             "olmo", "helium", "smollm3", "phi3", "glm", "phi", "starcoder2", "gpt2", "gpt_neox", "mixtral", "qwen2_moe",
-            "qwen3_moe", "olmoe", *AUTO_CONFIGS)
+            "qwen3_moe", "olmoe", *AUTO_CONFIGS, *OWN_DIMS_CONFIGS)
 # mixture-of-experts families (their experts become Int8Experts; GPT-OSS's are biased, transposed, with
 # gate / up interleaved and a clamped gate)
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
-       "mellum", "granitemoe_swa", "afmoe")
+       "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
-            "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe")
+            "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
+            "vaultgemma", "granite_swa", "kolibri1", "flint")
+# families whose tiny configs soft-cap attention scores (ATTENTION_SOFTCAP) or have attention sinks
+SOFTCAPPED = ("gemma2", "vaultgemma")
+WITH_SINKS = ("gpt_oss", "granitemoe_swa", "granite_swa", "flint")
 # families whose MLP has separate gate / up projections and whose attention separate q / k / v ones
 SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite",
                         "cohere", "olmo", "helium", "smollm3")
@@ -204,21 +248,32 @@ SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
 
 # transformers 5.8 to 5.17 (at least) defaults Gemma 2 to SDPA, which drops its attention soft-capping: the
 # reference model must run eager attention, as transformers recommends for Gemma 2
-REFERENCE_ATTENTION = {"gemma2": "eager", "gpt_oss": "eager"}  # GPT-OSS: SDPA would drop its sinks
+REFERENCE_ATTENTION = {"gemma2": "eager", "gpt_oss": "eager",  # GPT-OSS: SDPA would drop its sinks
+                       "vaultgemma": "eager"}
 
 
 # standard deviation of the random biases tiny models get (of the same order as their weights', INIT_RANGE)
 BIAS_STD = 0.1
 
 
+def experts_per_token(config) -> int:
+    """The top-k of a mixture-of-experts config (Aria's is moe_topk)."""
+    return config.num_experts_per_tok if hasattr(config, "num_experts_per_tok") else config.moe_topk
+
+
 def tiny_model(family: str, *, seed: int = 0, **kwargs):
     torch.manual_seed(seed)
     options = {"attn_implementation": REFERENCE_ATTENTION[family]} if family in REFERENCE_ATTENTION else {}
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), **options).eval()
-    with torch.no_grad():  # transformers initialises biases to zero: trained ones are not, and the tests must see them
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias") and parameter.dim() >= 1:
-                parameter.normal_(0.0, BIAS_STD)
+    # transformers initialises biases, attention sinks, some routers and routers' score-correction biases to
+    # zero: trained ones are not, and the tests must see them (a zero router ties every expert; a zero
+    # sink or bias hides a path that drops it)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            zero_parameter = isinstance(tensor, torch.nn.Parameter) and not tensor.any()
+            if tensor.dim() >= 1 and tensor.is_floating_point() and (
+                    name.endswith(("bias", "correction_bias")) or zero_parameter):
+                tensor.normal_(0.0, BIAS_STD)
     return model
 
 

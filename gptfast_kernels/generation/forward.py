@@ -14,6 +14,7 @@ import types
 
 import torch
 
+from gptfast_kernels.models.families import family_of
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
 # Cache lengths are rounded up to a multiple of this when a compiled model allocates its cache, so
@@ -44,6 +45,7 @@ def step_function(model, compile: bool):
         return functools.partial(_forward, model=model)
     compiled = getattr(model, "_gptfast_compiled_forward", None)
     if compiled is None:
+        family_of(model.config).check_compile()
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         on_cuda = next(model.parameters()).device.type == "cuda"

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import transformers
+from packaging.version import Version
+
 
 @dataclass(frozen=True)
 class Family:
@@ -27,6 +30,9 @@ class Family:
     # Linear layers that stay float with int8 (patterns as patch_model's int8_skip): routers built as
     # nn.Linear whose model code reads their .weight
     float_linears: tuple[str, ...] = ()
+    # the first transformers release whose model code torch.compile traces with a StaticKVCache (None: all
+    # that gptfast_kernels supports)
+    compiles_from: str | None = None
 
     @property
     def experts_classes(self) -> tuple[str, ...]:
@@ -41,6 +47,14 @@ class Family:
         kv_heads = getattr(config, self.kv_heads_attr, None) if self.kv_heads_attr else None
         head_dim = getattr(config, self.head_dim_attr, None) if self.head_dim_attr else None
         return config.num_hidden_layers, kv_heads or heads, head_dim or config.hidden_size // heads
+
+    def check_compile(self) -> None:
+        """ValueError, naming ``compile``, if the installed transformers' model code for this family
+        cannot be traced by torch.compile."""
+        if self.compiles_from and Version(transformers.__version__) < Version(self.compiles_from):
+            raise ValueError(f"compile=True: transformers {transformers.__version__}'s {self.model_type} models size "
+                             "a tensor by the cache's length, which torch.compile cannot trace; it works from "
+                             f"transformers {self.compiles_from} on (upgrade, or pass compile=False)")
 
     def check_config(self, config) -> None:
         for flag in ("add_cross_attention", *self.refused_flags):
@@ -107,8 +121,19 @@ FAMILIES: dict[str, Family] = {
         # attention sinks, local / global layers; experts biased, transposed, gate / up interleaved, its
         # own clamped gate (Int8Experts runs it)
         Family("gpt_oss", "GptOssAttention", "num_key_value_heads", "head_dim", experts_class="GptOssExperts"),
+        # routers with a score-correction bias (HY-V3) or local / global layers and shared experts (Kolibri);
+        # Flint: also attention sinks, and RoPE on its local layers only
+        Family("hy_v3", "HYV3Attention", "num_key_value_heads", "head_dim", "HYV3MLP", experts_class="HYV3Experts"),
+        Family("kolibri1", "Kolibri1Attention", "num_key_value_heads", "head_dim", "Kolibri1MLP",
+               experts_class="Kolibri1Experts"),
+        Family("flint", "FlintAttention", "num_key_value_heads", "head_dim", "FlintMLP", experts_class="FlintExperts"),
+        Family("aria_text", "AriaTextAttention", "num_key_value_heads", "head_dim", "AriaSharedExpertsMLP",
+               experts_class="AriaExperts"),
         # local (sliding-window) and global layers
         Family("cohere2", "Cohere2Attention", "num_key_value_heads", "head_dim", "Cohere2MLP"),
+        Family("cwm", "CwmAttention", "num_key_value_heads", "head_dim", "CwmMLP"),
+        Family("vaultgemma", "VaultGemmaAttention", "num_key_value_heads", "head_dim", "VaultGemmaMLP"),  # soft-caps
+        Family("granite_swa", "GraniteSWAAttention", "num_key_value_heads", "head_dim", "GraniteSWAMLP"),  # sinks
         Family("olmo3", "Olmo3Attention", "num_key_value_heads", None, "Olmo3MLP"),
         Family("ministral", "MinistralAttention", "num_key_value_heads", "head_dim", "MinistralMLP"),
         Family("exaone4", "Exaone4Attention", "num_key_value_heads", "head_dim", "Exaone4MLP"),
@@ -116,8 +141,18 @@ FAMILIES: dict[str, Family] = {
         Family("seed_oss", "SeedOssAttention", "num_key_value_heads", "head_dim", "SeedOssMLP"),
         Family("ernie4_5", "Ernie4_5Attention", "num_key_value_heads", "head_dim", "Ernie4_5MLP"),
         Family("hunyuan_v1_dense", "HunYuanDenseV1Attention", "num_key_value_heads", "head_dim", "HunYuanDenseV1MLP"),
+        Family("hyperclovax", "HyperCLOVAXAttention", "num_key_value_heads", "head_dim", "HyperCLOVAXMLP"),
+        # query scaled by position (Llama-4 style)
+        Family("ministral3", "Ministral3Attention", "num_key_value_heads", "head_dim", "Ministral3MLP"),
+        # configs of their own over transformers' Llama model
+        Family("internlm3", "LlamaAttention", "num_key_value_heads", "head_dim", "LlamaMLP"),
+        Family("iquestcoder", "LlamaAttention", "num_key_value_heads", "head_dim", "LlamaMLP"),
         Family("glm4", "Glm4Attention", "num_key_value_heads", "head_dim"),   # gate / up fused already
         Family("arcee", "ArceeAttention", "num_key_value_heads", "head_dim"),  # ungated MLP
+        Family("apertus", "ApertusAttention", "num_key_value_heads", "head_dim"),  # ungated xIELU MLP
+        Family("jais2", "Jais2Attention", "num_key_value_heads", "head_dim"),  # ungated, LayerNorms, biases
+        Family("nanochat", "NanoChatAttention", "num_key_value_heads", "head_dim"),  # ungated, weightless norms
+        Family("bitnet", "BitNetAttention", "num_key_value_heads", "head_dim"),  # norms inside attention and MLP
         # Phi-3 and GLM project gate / up as one Linear already (Phi-3 q / k / v too)
         Family("phi3", "Phi3Attention", "num_key_value_heads", None),
         Family("glm", "GlmAttention", "num_key_value_heads", "head_dim"),
@@ -125,6 +160,10 @@ FAMILIES: dict[str, Family] = {
         Family("phi", "PhiAttention", "num_key_value_heads", None),
         Family("starcoder2", "Starcoder2Attention", "num_key_value_heads", None),
         Family("gpt2", "GPT2Attention", None, None),
+        Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
+        # learned positions; before 5.18 its model sizes a mask by the cache length (untraceable)
+        Family("opt", "OPTAttention", None, None, compiles_from="5.18"),
+        Family("persimmon", "PersimmonAttention", None, None),  # partial rotary, q / k LayerNorms
         Family("gpt_neox", "GPTNeoXAttention", None, None),
     )
 }

@@ -6,9 +6,12 @@ import copy
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from gptfast_kernels import Int8Linear, StaticKVCache, generate
+from gptfast_kernels.models.families import family_of
 from gptfast_kernels.generation.sampling import logits_to_probs
 from python_tests import tiny_models
 from python_tests.tiny_models import (EOS, FAMILIES, MOE, PAD, RecordingStreamer, patched_copy,
@@ -210,6 +213,11 @@ def test_compiled_decode_step_gives_the_same_tokens(family):
     patched = patched_copy(tiny_model(family), int8=True)
     ids, mask = ragged_prompts(2, 6, "left")
     eager = generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[]).sequences
+    first = family_of(patched.config).compiles_from
+    if first and Version(transformers.__version__) < Version(first):  # OPT before transformers 5.18
+        with pytest.raises(ValueError, match=f"compile=True.*from transformers {first}"):
+            generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[], compile=True)
+        return
     compiled = generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[], compile=True).sequences
     assert torch.equal(compiled, eager)
     step, cache = patched._gptfast_compiled_forward, patched._gptfast_cache

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, BertConfig, DynamicCache, Gemma3C
 import gptfast_kernels.models.attention as attention
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels import Int8Linear, StaticKVCache, patch_model
-from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, MOE, WINDOW, WINDOWED,
-                                     dequantized_copy, patched_copy, ragged_prompts, tiny_model)
+from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, MOE, SOFTCAPPED, WINDOW, WINDOWED, WITH_SINKS,
+                                     dequantized_copy, experts_per_token, patched_copy, ragged_prompts, tiny_model)
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -92,7 +92,13 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
 
 # Dense families only: a MoE router's top-k is discontinuous, so int8 noise upstream may send a token
 # to other experts (it does in the tiny GLM-4-MoE); the MoE families' int8 is held to the exact
-# standard below (the model running the rounded weights) instead.
+# standard below (the model running the rounded weights) instead. The bound is 5% of the largest
+# logit; BitNet normalises inside attention and MLP (before o_proj and down_proj), which rescales
+# the int8 noise of the small products it normalises, so 10% there (its trained ternary weights
+# would round to int8 exactly).
+INT8_TOLERANCE = {"bitnet": 0.1}
+
+
 @pytest.mark.parametrize("family", [family for family in FAMILIES if family not in MOE])
 def test_int8_logits_within_quantization_error(family):
     model = tiny_model(family)
@@ -108,7 +114,7 @@ def test_int8_logits_within_quantization_error(family):
         got = patched(ids, attention_mask=mask, past_key_values=StaticKVCache(patched.config, 2, 8)).logits
     real = mask.bool()
     error = (got[real] - want[real]).abs().max()
-    assert error < 0.05 * want[real].abs().max(), f"int8 error {error:.3g}"
+    assert error < INT8_TOLERANCE.get(family, 0.05) * want[real].abs().max(), f"int8 error {error:.3g}"
 
 
 @pytest.mark.parametrize("family", WINDOWED)
@@ -133,9 +139,9 @@ def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, mon
         steps += [patched(ids[:, t:t + 1], past_key_values=cache).logits for t in range(6, 18)]
     torch.testing.assert_close(torch.cat(steps, dim=1), want, **TOL)
     layer_types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * 2
-    softcap = ATTENTION_SOFTCAP if family == "gemma2" else None
-    sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())  # GPT-OSS, Granite-SWA
-    assert sinks == (family in ("gpt_oss", "granitemoe_swa"))
+    softcap = ATTENTION_SOFTCAP if family in SOFTCAPPED else None
+    sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
+    assert sinks == (family in WITH_SINKS)
     want_calls = [(WINDOW if kind == "sliding_attention" else None, softcap, sinks) for kind in layer_types]
     assert seen[:2] == want_calls and len(seen) == 13 * 2
 
@@ -166,8 +172,9 @@ def test_moe_experts_become_int8_and_decode_steps_match(family):
     model = tiny_model(family)
     patched = patched_copy(model, int8=True)
     names = family_of(model.config).experts_classes
-    if not any(type(m).__name__ in names for m in model.modules()):  # GraniteMoE in transformers 5.8
-        pytest.skip(f"this transformers version names {family}'s experts otherwise (a layout Int8Experts does "
+    # GraniteMoE's experts in transformers 5.8 have another class, Aria's another layout
+    if not any(type(m).__name__ in names and Int8Experts.supports(m) for m in model.modules()):
+        pytest.skip(f"this transformers version builds {family}'s experts otherwise (a layout Int8Experts does "
                     "not reproduce; patch_model warns and keeps them float)")
     experts = [m for m in patched.modules() if isinstance(m, Int8Experts)]
     assert len(experts) == sum(1 for m in model.modules() if type(m).__name__ in names)
@@ -181,7 +188,7 @@ def test_moe_experts_become_int8_and_decode_steps_match(family):
         assert not any(isinstance(m, Int8Linear) for m in router.modules()), name
         assert original and all(torch.equal(p, original[n]) for n, p in router.named_parameters()), name
     rounded = dequantized_copy(model)
-    length = GROUPED_MIN_ROWS // model.config.num_experts_per_tok + 3  # prompt rows > GROUPED_MIN_ROWS
+    length = GROUPED_MIN_ROWS // experts_per_token(model.config) + 3  # prompt rows > GROUPED_MIN_ROWS
     ids = torch.randint(2, 90, (1, length + 4), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         want = rounded(ids).logits

@@ -22,6 +22,20 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CUDA_ARCHS = "8.0;9.0a"
 
 
+def _check_cuda_archs(arch_list: str) -> None:
+    """The kernels use sm_80 instructions (cp.async, bf16 mma.sync): an older target would build
+    code that traps when a newer GPU JIT-compiles its PTX, so it is refused here."""
+    for arch in arch_list.replace(",", ";").replace(" ", ";").split(";"):
+        name = arch.split("+")[0]
+        try:
+            too_old = float(name.rstrip("af")) < 8.0
+        except ValueError:  # a named architecture, as torch names them
+            too_old = name in ("Kepler", "Maxwell", "Pascal", "Volta", "Turing")
+        if too_old:
+            raise RuntimeError(f"TORCH_CUDA_ARCH_LIST={arch_list!r}: gptfast_kernels' CUDA kernels need compute "
+                               f"capability 8.0 or newer (A100, H100, ...), got {arch!r}")
+
+
 def _flag(name: str) -> bool:
     return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
 
@@ -52,6 +66,7 @@ def _extension():
             py_limited_api=True,
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    _check_cuda_archs(os.environ["TORCH_CUDA_ARCH_LIST"])
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     print(f"gptfast_kernels: building CPU + CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']}")
     return CUDAExtension(

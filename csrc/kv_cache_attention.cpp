@@ -170,8 +170,9 @@ void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
                                      const std::optional<at::Tensor>& sinks) {
   constexpr const char* op = "kv_cache_attention";
   TORCH_CHECK(window >= 0 && window <= INT32_MAX, op, ": window must be in 0..2^31 - 1 (0: no window), got ", window);
-  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), op, ": softcap must be finite and >= 0 (0: none), got ",
-              softcap);
+  // a cap below float32's smallest normal would reach the CUDA kernels as 0, i.e. as "no cap"
+  TORCH_CHECK(std::isfinite(softcap) && (softcap == 0 || softcap >= std::numeric_limits<float>::min()), op,
+              ": softcap must be 0 (none) or finite and >= ", std::numeric_limits<float>::min(), ", got ", softcap);
   GPTFAST_CHECK_DIM(op, q, 4);
   GPTFAST_CHECK_FLOATING(op, q);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
@@ -186,7 +187,7 @@ void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
   TORCH_CHECK(k.sizes() == c10::IntArrayRef({B, Hkv, T, D}), op, ": k must be [B, Hkv, T, D] matching q ",
               q.sizes(), ", got ", k.sizes());
   TORCH_CHECK(v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, op, ": Hq (", Hq, ") must be a positive multiple of Hkv (", Hkv, ")");
+  TORCH_CHECK(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, op, ": Hq (", Hq, ") must be a positive multiple of Hkv (", Hkv, ")");
   TORCH_CHECK(D > 0 && D <= MAX_HEAD_DIM, op, ": head dim D must be in 1..", MAX_HEAD_DIM, ", got ", D);
   TORCH_CHECK(k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D, op,
               ": k_cache must be [B, Hkv, S, D] = [", B, ", ", Hkv, ", S, ", D, "], got ", k_cache.sizes());

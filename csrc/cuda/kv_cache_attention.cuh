@@ -449,23 +449,27 @@ inline int kv_tile(int row_bytes) {
   return bn;
 }
 
-// Query rows per pass / tile of the SIMT engine that fit SIMT_SMEM_BUDGET.
-// Passes are balanced: 64 rows that fit 62 at a time run as 2 x 32, not 62 + 2.
-template <typename T>
-int simt_rows(int wanted, int bn, int dp) {
-  wanted = std::max(1, wanted);
-  int rows = std::min(wanted, MAX_ROWS_PER_PASS);
-  while (rows > 1 && SimtSmem<T>(0, rows, bn, dp).bytes > SIMT_SMEM_BUDGET) --rows;
-  const int passes = ceil_div(std::min(wanted, MAX_ROWS_PER_PASS), rows);
-  return ceil_div(std::min(wanted, MAX_ROWS_PER_PASS), passes);
-}
-
 // Static shared memory of a kernel (its __shared__ arrays), which counts against the same limits.
 template <typename Kernel>
 int static_smem(Kernel kernel) {
   cudaFuncAttributes attributes{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel)));
   return static_cast<int>(attributes.sharedSizeBytes);
+}
+
+// Query rows per pass / tile of `kernel`'s SIMT engine whose dynamic shared memory fits
+// SIMT_SMEM_BUDGET and, with the kernel's static shared memory, the device's per-block limit
+// (99 KiB on sm_86 / sm_89, which run the sm_80 build). Passes are balanced: 64 rows that fit 62
+// at a time run as 2 x 32, not 62 + 2.
+template <typename T, typename Kernel>
+int simt_rows(Kernel kernel, int wanted, int bn, int dp) {
+  const int budget = std::min(SIMT_SMEM_BUDGET,
+                              device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin) - static_smem(kernel));
+  wanted = std::max(1, wanted);
+  int rows = std::min(wanted, MAX_ROWS_PER_PASS);
+  while (rows > 1 && SimtSmem<T>(0, rows, bn, dp).bytes > budget) --rows;
+  const int passes = ceil_div(std::min(wanted, MAX_ROWS_PER_PASS), rows);
+  return ceil_div(std::min(wanted, MAX_ROWS_PER_PASS), passes);
 }
 
 // Opts a kernel in to `bytes` of dynamic shared memory on the current device (once per size):

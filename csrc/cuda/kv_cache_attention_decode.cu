@@ -167,7 +167,8 @@ void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, cudaS
   p.dp = align_up(p.D, VEC<T>);
   p.bn = kv_tile(p.dp * static_cast<int>(sizeof(T)));
   const int64_t GT = static_cast<int64_t>(p.G) * p.T, bh = B * p.Hkv;
-  p.rows = simt_rows<T>(static_cast<int>(std::min<int64_t>(GT, MAX_ROWS_PER_PASS)), p.bn, p.dp);
+  auto kernel = gvec ? decode_kernel<T, true> : decode_kernel<T, false>;
+  p.rows = simt_rows<T>(kernel, static_cast<int>(std::min<int64_t>(GT, MAX_ROWS_PER_PASS)), p.bn, p.dp);
   // Splits from host-known sizes only (a CUDA graph replays them for any positions).
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
   int64_t splits = ceil_div64(static_cast<int64_t>(DECODE_BLOCKS_PER_SM) * sms, bh);
@@ -187,7 +188,6 @@ void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, cudaS
     p.counters = counters.data_ptr<int>();
   }
   const int bytes = SimtSmem<T>(0, p.rows, p.bn, p.dp).bytes;
-  auto kernel = gvec ? decode_kernel<T, true> : decode_kernel<T, false>;
   set_dynamic_smem(kernel, bytes);
   kernel<<<static_cast<unsigned>(bh * splits), THREADS, bytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

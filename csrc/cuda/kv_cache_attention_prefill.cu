@@ -218,9 +218,9 @@ void launch_prefill(Params<T> p, int64_t B, bool gvec, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, float>) {
     p.dp = align_up(p.D, VEC<T>);
     p.bn = kv_tile(p.dp * static_cast<int>(sizeof(T)));
-    p.rows = simt_rows<T>(std::min(p.T, MAX_ROWS_PER_PASS), p.bn, p.dp);
-    bytes = SimtSmem<T>(0, p.rows, p.bn, p.dp).bytes;
     kernel = gvec ? prefill_simt_kernel<T, true> : prefill_simt_kernel<T, false>;
+    p.rows = simt_rows<T>(kernel, std::min(p.T, MAX_ROWS_PER_PASS), p.bn, p.dp);
+    bytes = SimtSmem<T>(0, p.rows, p.bn, p.dp).bytes;
   } else {
     p.dp = align_up(p.D, 16);
     // 32 x 32 tiles for large heads, and on GPUs with less shared memory per block (sm_86 / sm_89:

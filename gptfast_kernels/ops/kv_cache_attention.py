@@ -16,6 +16,10 @@ MAX_HEAD_DIM = 256
 MAX_WINDOW = 2**31 - 1  # the kernels hold positions and windows as int32
 
 
+# the smallest normal float32: the kernels take the cap as a float32, where 0 means "no cap"
+SOFTCAP_MIN = 1.1754943508222875e-38
+
+
 def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks) -> None:
     check_tensor(OP, "q", q, dtypes=FLOAT_DTYPES, ndim=4)
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -30,7 +34,7 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, 
                          f"q {list(q.shape)}, got {list(k.shape)}")
     if v.shape != k.shape:
         raise ValueError(f"{OP}: v must have k's shape {list(k.shape)}, got {list(v.shape)}")
-    if Hkv == 0 or Hq % Hkv != 0:
+    if Hkv == 0 or Hq == 0 or Hq % Hkv != 0:
         raise ValueError(f"{OP}: q's heads (Hq = {Hq}) must be a positive multiple of k's heads "
                          f"(Hkv = {Hkv})")
     if D == 0 or D > MAX_HEAD_DIM:
@@ -55,8 +59,9 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, 
         raise ValueError(f"{OP}: window must be None or an int in 1..{MAX_WINDOW} (the number of latest "
                          f"slots a query sees, itself included), got {window!r}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not math.isfinite(softcap) or softcap <= 0):
-        raise ValueError(f"{OP}: softcap must be None or a finite number > 0, got {softcap!r}")
+                                or not math.isfinite(softcap) or softcap < SOFTCAP_MIN):
+        # (a smaller cap would flush to zero in float32, which the kernels read as "no cap")
+        raise ValueError(f"{OP}: softcap must be None or a finite number >= {SOFTCAP_MIN}, got {softcap!r}")
     if sinks is not None:
         check_tensor(OP, "sinks", sinks, dtypes=FLOAT_DTYPES, ndim=1)
         if sinks.shape[0] != q.shape[1]:

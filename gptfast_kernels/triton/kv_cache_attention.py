@@ -114,6 +114,21 @@ def _tanh(x):
 
 
 @triton.jit
+def _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_DOT: tl.constexpr):
+    """One key tile of the online softmax: scores s [M, N] (log2 domain), allowed [M, N], v [N, D]
+    -> the running max m_i [M], sum l_i [M] and output acc [M, D] updated."""
+    s = tl.where(allowed, s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows with nothing allowed yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    # the row sum takes the probabilities as rounded for the dot: the output is then a weighted
+    # mean of v whose weights' rounding largely cancels in the ratio (a third less 16-bit error)
+    p = p.to(v.dtype)
+    return m_new, l_i * alpha + tl.sum(p.to(tl.float32), axis=1), acc * alpha[:, None] + _dot(p, v, FP32_DOT)
+
+
+@triton.jit
 def _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """q [M, D] . k [N, D]^T -> scores [M, N] in the log2 domain, soft-capped when SOFTCAP."""
     dot = _dot(q, tl.trans(k), FP32_DOT)
@@ -203,17 +218,7 @@ def _kv_cache_attention_decode_kernel(
         s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
         allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])
                    & in_range[None, :])
-        s = tl.where(allowed, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows with nothing allowed yet
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        # the row sum takes the probabilities as rounded for the dot: the output is then a weighted
-        # mean of v whose weights' rounding largely cancels in the ratio (a third less 16-bit error)
-        p = p.to(v.dtype)
-        l_i = l_i * alpha + tl.sum(p.to(tl.float32), axis=1)
-        acc = acc * alpha[:, None] + _dot(p, v, FP32_DOT)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_DOT)
 
     rows = (b * Hq + hq_m) * T + t_m  # row of the [B, Hq, T] output
     has_any = l_i > 0
@@ -330,17 +335,7 @@ def _kv_cache_attention_prefill_kernel(
         s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
         allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])
                    & in_range[None, :])
-        s = tl.where(allowed, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        # the row sum takes the probabilities as rounded for the dot: the output is then a weighted
-        # mean of v whose weights' rounding largely cancels in the ratio (a third less 16-bit error)
-        p = p.to(v.dtype)
-        l_i = l_i * alpha + tl.sum(p.to(tl.float32), axis=1)
-        acc = acc * alpha[:, None] + _dot(p, v, FP32_DOT)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_DOT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows: zeros
     rows = (b * Hq + hq) * T + offs_m
     tl.store(Out_ptr + rows[:, None] * D + offs_d[None, :], out.to(Out_ptr.dtype.element_ty),

@@ -125,8 +125,8 @@ def test_bad_window_names_the_argument(window):
     assert torch.equal(k_cache, before)
 
 
-@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), float("nan"), "50"],
-                         ids=["zero", "negative", "inf", "nan", "str"])
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), float("nan"), "50", 1e-40],
+                         ids=["zero", "negative", "inf", "nan", "str", "zero-in-float32"])
 def test_bad_softcap_names_the_argument(softcap):
     q, k, v, k_cache, v_cache, positions = make_case(1, 2, 1, 1, 16, 8, [[3]])
     with pytest.raises(ValueError, match="softcap"):
@@ -134,8 +134,8 @@ def test_bad_softcap_names_the_argument(softcap):
 
 
 @pytest.mark.skipif(not _extension.has_kernel("kv_cache_attention", "CPU"), reason="extension not built")
-@pytest.mark.parametrize("window, softcap", [(-1, 0.0), (0, -2.0), (0, float("inf"))],
-                         ids=["window", "softcap", "softcap-inf"])
+@pytest.mark.parametrize("window, softcap", [(-1, 0.0), (0, -2.0), (0, float("inf")), (0, 1e-40)],
+                         ids=["window", "softcap", "softcap-inf", "softcap-zero-in-float32"])
 def test_cpu_kernel_refuses_bad_window_or_softcap_when_called_directly(window, softcap):
     q, k, v, k_cache, v_cache, positions = make_case(1, 2, 1, 1, 16, 8, [[3]])
     with pytest.raises(RuntimeError, match="window" if window < 0 else "softcap"):

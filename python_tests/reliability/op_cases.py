@@ -102,6 +102,8 @@ CASES: dict[str, Case] = {
     "attn_k_dtype": Case(_attention(k=lambda a: a["k"].half()), "k"),
     "attn_cache_dtype": Case(_attention(v_cache=lambda a: a["v_cache"].half()), "v_cache"),
     "attn_gqa_ratio": Case(_attention(q=lambda a: torch.randn(2, 3, 3, 16)), "Hq"),
+    # no query heads: the kernels would return at once, leaving the new k / v unwritten
+    "attn_no_query_heads": Case(_attention(q=lambda a: torch.randn(2, 0, 3, 16)), "Hq"),
     "attn_cache_heads": Case(_attention(k_cache=lambda a: torch.randn(2, 1, 8, 16)), "k_cache"),
     "attn_cache_batch": Case(_attention(v_cache=lambda a: torch.randn(3, 2, 8, 16)), "v_cache"),
     "attn_cache_head_dim": Case(_attention(k_cache=lambda a: torch.randn(2, 2, 8, 8)), "k_cache"),

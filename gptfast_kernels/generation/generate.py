@@ -25,7 +25,7 @@ EOS_CHECK_STEPS = 8
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
+             min_p: float | None = None, eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
              past_key_values: StaticKVCache | None = None, compile: bool = False, streamer=None) -> GenerateOutput:
     """Decodes up to ``max_new_tokens`` per row from a model patched with ``patch_model``.
 
@@ -46,7 +46,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     device, dtype = common.model_device_dtype(model)
     prompt = common.check_prompt(op, input_ids, attention_mask, device, common.input_vocab_size(model))
     max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
-    check_sampling_args(op, temperature, top_k, top_p)
+    check_sampling_args(op, temperature, top_k, top_p, min_p)
     eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
     common.check_streamer(op, streamer)
     B = prompt.input_ids.shape[0]
@@ -77,7 +77,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     lengths = torch.zeros(B, dtype=torch.int64, device=device)  # new tokens up to each row's eos
     new_tokens = []
     for step in range(max_new_tokens):
-        tokens = pick_tokens(logits, temperature, top_k, top_p, generator)
+        tokens = pick_tokens(logits, temperature, top_k, top_p, min_p, generator)
         tokens = torch.where(finished, pad, tokens)
         new_tokens.append(tokens)
         lengths += ~finished

@@ -22,6 +22,7 @@ from gptfast_kernels.ops._dispatch import check_int
 def prompt_lookup_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                            max_new_tokens: int, speculate_k: int = 4, max_ngram_size: int = 3,
                            temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                           min_p: float | None = None,
                            eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
                            compile: bool = False, streamer=None) -> SpeculativeOutput:
     """input_ids [B, P] (attention_mask [B, P], 0 = padding, left or right) -> SpeculativeOutput,
@@ -31,7 +32,7 @@ def prompt_lookup_generate(model, input_ids: torch.Tensor, attention_mask: torch
     op = "prompt_lookup_generate"
     check_int(op, "max_ngram_size", max_ngram_size, 1)
     rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
-                                       temperature, top_k, top_p, eos_token_id, generator, compile,
+                                       temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
                                        common.input_vocab_size(model), streamer)
     return rounds.run(lambda capacity: PromptLookupProposer(max_ngram_size, common.output_vocab_size(model)))
 

@@ -1,4 +1,4 @@
-"""Logits -> token distributions (temperature, top-k, top-p) and the checks every generator shares."""
+"""Logits -> token distributions (temperature, top-k, top-p, min-p) and the checks every generator shares."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import torch
 
 
-def check_sampling_args(op: str, temperature, top_k, top_p) -> None:
+def check_sampling_args(op: str, temperature, top_k, top_p, min_p=None) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
         raise ValueError(f"{op}: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
@@ -16,12 +16,16 @@ def check_sampling_args(op: str, temperature, top_k, top_p) -> None:
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                               or not 0 < top_p <= 1):
         raise ValueError(f"{op}: top_p must be None or a number in (0, 1], got {top_p!r}")
+    if min_p is not None and (isinstance(min_p, bool) or not isinstance(min_p, (int, float))
+                              or not 0 <= min_p <= 1):
+        raise ValueError(f"{op}: min_p must be None or a number in [0, 1], got {min_p!r}")
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
-                    top_p: float | None = None) -> torch.Tensor:
-    """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k and top-p
-    (nucleus: the smallest set of most likely tokens whose mass reaches top_p, at least one).
+                    top_p: float | None = None, min_p: float | None = None) -> torch.Tensor:
+    """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k, top-p (nucleus:
+    the smallest set of most likely tokens whose mass reaches top_p, at least one) and min-p (the
+    tokens at least min_p times as likely as the most likely one), in transformers' order.
     temperature 0 gives a one-hot distribution on the argmax."""
     logits = logits.float()
     if temperature == 0:
@@ -38,6 +42,9 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int | None 
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
+    if min_p:  # relative to the most likely token, which every filter keeps: renormalising cannot move it
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 
@@ -47,8 +54,8 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
 
 
 def pick_tokens(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                generator: torch.Generator | None) -> torch.Tensor:
+                min_p: float | None, generator: torch.Generator | None) -> torch.Tensor:
     """[B, V] logits -> [B] int64 tokens: argmax when temperature is 0, else a sample."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    return sample_from(logits_to_probs(logits, temperature, top_k, top_p), generator)
+    return sample_from(logits_to_probs(logits, temperature, top_k, top_p, min_p), generator)

@@ -34,7 +34,7 @@ class SpeculativeOutput:
 @torch.no_grad()
 def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                          *, max_new_tokens: int, speculate_k: int = 4, temperature: float = 0.0,
-                         top_k: int | None = None, top_p: float | None = None,
+                         top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                          eos_token_id: int | list[int] | None = None,
                          generator: torch.Generator | None = None, compile: bool = False,
                          streamer=None) -> SpeculativeOutput:
@@ -55,7 +55,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     if draft_device != device:
         raise ValueError(f"{op}: draft_model is on {draft_device} but model is on {device}")
     rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
-                                       temperature, top_k, top_p, eos_token_id, generator, compile,
+                                       temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
                                        min(common.input_vocab_size(model), common.input_vocab_size(draft_model)),
                                        streamer)
     return rounds.run(lambda capacity: DraftModelProposer(draft_model, rounds.batch_size, capacity, compile))
@@ -138,6 +138,7 @@ class SpeculativeRounds:
     temperature: float
     top_k: int | None
     top_p: float | None
+    min_p: float | None
     eos: list[int]
     pad: int
     generator: torch.Generator | None
@@ -146,21 +147,21 @@ class SpeculativeRounds:
 
     @classmethod
     def checked(cls, op, model, input_ids, attention_mask, max_new_tokens, speculate_k, temperature, top_k, top_p,
-                eos_token_id, generator, compile, vocab_size, streamer) -> "SpeculativeRounds":
+                min_p, eos_token_id, generator, compile, vocab_size, streamer) -> "SpeculativeRounds":
         """Validates the arguments every speculative generator shares (``op`` names the caller)."""
         common.check_model(op, "model", model)
         check_int(op, "speculate_k", speculate_k, 1)
         device, _ = common.model_device_dtype(model)
         prompt = common.check_prompt(op, input_ids, attention_mask, device, vocab_size)
         max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
-        check_sampling_args(op, temperature, top_k, top_p)
+        check_sampling_args(op, temperature, top_k, top_p, min_p)
         eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
         common.check_streamer(op, streamer)
         if streamer is not None and prompt.input_ids.shape[0] != 1:
             raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
                              f"per round), got a batch of {prompt.input_ids.shape[0]}")
-        return cls(model, prompt, max_new_tokens, speculate_k, temperature, top_k, top_p, eos, pad, generator, compile,
-                   streamer)
+        return cls(model, prompt, max_new_tokens, speculate_k, temperature, top_k, top_p, min_p, eos, pad, generator,
+                   compile, streamer)
 
     @property
     def batch_size(self) -> int:
@@ -175,7 +176,7 @@ class SpeculativeRounds:
         verification needs only the target's argmax, so no distribution is built)."""
         if self.greedy:
             return logits.argmax(dim=-1), None
-        probs = logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+        probs = logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
         return sample_from(probs, self.generator), probs
 
     def run(self, make_proposer: Callable[[int], Proposer]) -> SpeculativeOutput:
@@ -227,7 +228,7 @@ class SpeculativeRounds:
             if self.greedy:
                 target_scores, draft_probs = target_logits.float(), None
             else:
-                target_scores = logits_to_probs(target_logits, self.temperature, self.top_k, self.top_p)
+                target_scores = logits_to_probs(target_logits, self.temperature, self.top_k, self.top_p, self.min_p)
             tokens, num_emitted = verify_draft(target_scores, draft_probs, draft_tokens, generator=self.generator,
                                                check_values=False)
             num_emitted = torch.where(active, num_emitted, 0)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
 
 from gptfast_kernels import Int8Linear, StaticKVCache, generate
 from gptfast_kernels.models.families import family_of
@@ -140,17 +141,24 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy():
     assert torch.equal(sample(5, top_k=1), greedy)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, None, None), (1.3, 5, None), (1.0, None, 0.8),
-                                                       (0.9, 20, 0.5), (1.0, None, 1.0)])
-def test_probabilities_match_transformers_warpers(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (0.7, None, None, None), (1.3, 5, None, None), (1.0, None, 0.8, None), (0.9, 20, 0.5, None), (1.0, None, 1.0, None),
+    (1.0, None, None, 0.1), (1.5, None, None, 0.05), (0.8, 30, 0.9, 0.2), (1.0, None, None, 1.0), (1.0, None, None, 0.0)])
+def test_probabilities_match_transformers_warpers(temperature, top_k, top_p, min_p):
+    """As transformers' generate applies its warpers: temperature, top-k, top-p, then min-p."""
     logits = torch.randn(6, 97) * 3
     scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
     if top_k is not None:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p is not None and top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p:
+        scores = MinPLogitsWarper(min_p)(None, scores)
     want = torch.softmax(scores, dim=-1)
-    torch.testing.assert_close(logits_to_probs(logits, temperature, top_k, top_p), want, atol=1e-6, rtol=1e-5)
+    got = logits_to_probs(logits, temperature, top_k, top_p, min_p)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    if min_p and min_p > 0.05:  # it did filter: some token each row had left is gone
+        assert ((got == 0) & (logits_to_probs(logits, temperature, top_k, top_p) > 0)).any()
 
 
 def test_sampled_tokens_follow_the_distribution():
@@ -185,6 +193,10 @@ def test_sampled_tokens_follow_the_distribution():
     (dict(temperature=float("nan")), "temperature", ValueError),
     (dict(top_k=0), "top_k", ValueError),
     (dict(top_p=0.0), "top_p", ValueError),
+    (dict(min_p=-0.1), "min_p", ValueError),
+    (dict(min_p=1.5), "min_p", ValueError),
+    (dict(min_p=float("nan")), "min_p", ValueError),
+    (dict(min_p=True), "min_p", ValueError),
     (dict(eos_token_id="eos"), "eos_token_id", ValueError),
     (dict(past_key_values="cache"), "past_key_values", ValueError),
 ])

@@ -60,12 +60,12 @@ def test_identical_draft_accepts_everything():
     assert out.sequences.shape == (3, 5 + 13)
 
 
-def _exact_target_distribution(model, prompt, steps, vocab, temperature):
+def _exact_target_distribution(model, prompt, steps, vocab, temperature, min_p=None):
     """P(t1..t_steps | prompt) for every sequence, by enumeration: [vocab] * steps array."""
     seqs = torch.tensor(list(itertools.product(range(vocab), repeat=steps - 1)), dtype=torch.int64)
     full = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
     with torch.no_grad():
-        probs = logits_to_probs(model(full).logits[:, prompt.shape[1] - 1:], temperature)  # [N, steps, V]
+        probs = logits_to_probs(model(full).logits[:, prompt.shape[1] - 1:], temperature, min_p=min_p)  # [N, steps, V]
     joint = torch.ones(len(seqs), vocab, dtype=torch.float64)
     for i in range(steps - 1):
         joint *= probs[:, i].double().gather(1, seqs[:, i:i + 1])
@@ -73,11 +73,12 @@ def _exact_target_distribution(model, prompt, steps, vocab, temperature):
     return joint.reshape([vocab] * steps)
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
-def test_sampling_follows_the_target_distribution(int8):
+@pytest.mark.parametrize("int8, min_p", [(False, None), (True, None), (False, 0.3)], ids=["float", "int8", "min-p"])
+def test_sampling_follows_the_target_distribution(int8, min_p):
     """20000 rows sample 3 tokens with a draft that disagrees with the target; the joint
     distribution of (t1, t2, t3) — t2 and t3 come from verification — fits the target's exact
-    distribution (chi-square over the cells with enough mass)."""
+    distribution (chi-square over the cells with enough mass; with min_p, the cells it removes
+    get no sample)."""
     from scipy.stats import chisquare
 
     vocab, rows, steps, temperature = 6, 20000, 3, 1.0
@@ -86,17 +87,20 @@ def test_sampling_follows_the_target_distribution(int8):
     prompt = torch.tensor([[2, 3]])
     g = torch.Generator().manual_seed(0)
     out = speculative_generate(target, draft, prompt.expand(rows, -1).contiguous(), max_new_tokens=steps,
-                               speculate_k=2, temperature=temperature, generator=g, eos_token_id=[])
+                               speculate_k=2, temperature=temperature, min_p=min_p, generator=g, eos_token_id=[])
     assert 0.05 < out.acceptance_rate < 0.95
     tokens = out.sequences[:, 2:]
     cells = (tokens * torch.tensor([vocab * vocab, vocab, 1])).sum(1)
     counts = torch.bincount(cells, minlength=vocab ** steps).double()
-    expected = _exact_target_distribution(target, prompt, steps, vocab, temperature).flatten() * rows
-    enough = expected >= 5
+    expected = _exact_target_distribution(target, prompt, steps, vocab, temperature, min_p).flatten() * rows
+    assert counts[expected == 0].sum() == 0
+    if min_p:
+        assert (expected == 0).any()  # min_p removed some continuations
+    enough, rare = expected >= 5, (expected > 0) & (expected < 5)
     observed, wanted = counts[enough], expected[enough]
-    if not bool(enough.all()):  # pool the rare cells into one
-        observed = torch.cat([observed, counts[~enough].sum()[None]])
-        wanted = torch.cat([wanted, expected[~enough].sum()[None]])
+    if bool(rare.any()):  # pool the rare cells into one
+        observed = torch.cat([observed, counts[rare].sum()[None]])
+        wanted = torch.cat([wanted, expected[rare].sum()[None]])
     wanted = wanted / wanted.sum() * observed.sum()
     assert chisquare(observed.numpy(), wanted.numpy()).pvalue > 1e-3
 

@@ -93,6 +93,8 @@ CASES: dict[str, Case] = {
     "generate_negative_new_tokens": Case(_generate(max_new_tokens=-1), "max_new_tokens"),
     "generate_nan_temperature": Case(_generate(temperature=float("nan")), "temperature"),
     "generate_top_p_zero": Case(_generate(temperature=1.0, top_p=0.0), "top_p"),
+    "generate_min_p_above_one": Case(_generate(temperature=1.0, min_p=1.5), "min_p"),
+    "spec_min_p_negative": Case(_speculative(temperature=1.0, min_p=-0.5), "min_p"),
     "spec_k_zero": Case(_speculative(speculate_k=0), "speculate_k"),
     "spec_vocab_mismatch": Case(_speculative(draft_model=lambda: __import__("gptfast_kernels").patch_model(
         __import__("python_tests.tiny_models", fromlist=["x"]).tiny_model("llama", vocab=40))), "vocabulary"),

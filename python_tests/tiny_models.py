@@ -7,6 +7,8 @@ import copy
 import pytest
 import torch
 import transformers
+from packaging.version import Version
+from gptfast_kernels.models.families import FAMILIES as FAMILY_TABLE
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers import (AutoConfig, AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig,
                           GlmConfig, GPT2Config, GPTNeoXConfig, GraniteConfig, HeliumConfig, LlamaConfig, MistralConfig,
@@ -27,6 +29,11 @@ ATTENTION_SOFTCAP = 1.0
 def alternating_layers(layers: int) -> list[str]:
     """Gemma-style layer types: local (sliding-window) and global layers in turn, local first."""
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+def alternating_linear(layers: int) -> list[str]:
+    """Hybrid layer types: linear-attention (recurrent) and full-attention layers in turn, linear first."""
+    return ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
 
 
 def dense_then_sparse(layers: int) -> list[str]:
@@ -67,6 +74,31 @@ AUTO_CONFIGS = {
     "ministral3": lambda layers: dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=1e6, factor=2.0, original_max_position_embeddings=8, beta_fast=32.0,
         beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5)),
+    # hybrid: gated-delta-net (linear-attention, recurrent) layers and gated full-attention layers in turn
+    "qwen3_5_text": lambda layers: dict(layer_types=alternating_linear(layers), linear_key_head_dim=16,
+                                        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4),
+    "qwen3_5_moe_text": lambda layers: dict(layer_types=alternating_linear(layers), linear_key_head_dim=16,
+                                            linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                            shared_expert_intermediate_size=48),
+    "qwen3_next": lambda layers: dict(layer_types=alternating_linear(layers), linear_key_head_dim=16,
+                                      linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                      shared_expert_intermediate_size=48),
+    "olmo_hybrid": lambda layers: dict(layer_types=alternating_linear(layers)),
+    # Mamba layers (Jamba's: attention every other layer from 1, experts likewise)
+    "jamba": lambda layers: dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                                 num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_expand=2,
+                                 mamba_dt_rank=8, use_mamba_kernels=False),
+    "bamba": lambda layers: dict(attn_layer_indices=list(range(1, layers, 2)), mamba_n_heads=4, mamba_d_head=32,
+                                 mamba_d_state=8, mamba_n_groups=1),
+    "granitemoehybrid": lambda layers: dict(layer_types=["mamba" if i % 2 == 0 else "attention" for i in range(layers)],
+                                            num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4,
+                                            mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1),
+    # short convolutions
+    "lfm2": lambda layers: dict(layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                                full_attn_idxs=list(range(1, layers, 2)), block_ff_dim=128,
+                                block_auto_adjust_ff_dim=False, conv_L_cache=3),
     # mixture of experts, 4 experts top 2 (GLM-4-MoE and ERNIE-MoE: layer 0 dense, a shared expert)
     "granitemoe": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2),
     "glm4_moe": lambda layers: dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -214,6 +246,9 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
     elif family in AUTO_CONFIGS or family in OWN_DIMS_CONFIGS:
         if family not in CONFIG_MAPPING_NAMES:  # newer than the installed transformers
             pytest.skip(f"transformers {transformers.__version__} has no {family!r} models")
+        first = FAMILY_TABLE[family].supported_from
+        if first and Version(transformers.__version__) < Version(first):
+            pytest.skip(f"gptfast_kernels supports {family!r} from transformers {first} on")
         if family in AUTO_CONFIGS:
             sizes = dict(num_hidden_layers=layers, **AUTO_DIMS, **AUTO_CONFIGS[family](layers))
         else:
@@ -233,11 +268,15 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
 # gate / up interleaved and a clamped gate)
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
-       "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint")
+       "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
+       "jamba", "granitemoehybrid")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
             "vaultgemma", "granite_swa", "kolibri1", "flint")
+# hybrid families (recurrent layers: no speculative decoding, no right padding)
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
+          "lfm2")
 # families whose tiny configs soft-cap attention scores (ATTENTION_SOFTCAP) or have attention sinks
 SOFTCAPPED = ("gemma2", "vaultgemma")
 WITH_SINKS = ("gpt_oss", "granitemoe_swa", "granite_swa", "flint")

@@ -31,6 +31,16 @@ def check_model(op: str, name: str, model) -> None:
         raise ValueError(f"{op}: {name} is not patched; call gptfast_kernels.patch_model({name}) first")
 
 
+def check_rollback(op: str, name: str, model) -> None:
+    """ValueError unless every layer of ``model`` can roll back rejected tokens (speculative decoding)."""
+    from gptfast_kernels.models.families import family_of
+
+    if family_of(model.config).recurrent_layer_types:
+        raise ValueError(f"{op}: {name} ({model.config.model_type}) is a hybrid model: its linear-attention "
+                         "layers keep a recurrent state, which cannot roll back the tokens a speculative round "
+                         "rejects; decode it with generate")
+
+
 def check_prompt(op: str, input_ids, attention_mask, device: torch.device, vocab_size: int) -> Prompt:
     check_tensor(op, "input_ids", input_ids, dtypes=(torch.int64, torch.int32), ndim=2)
     B, P = input_ids.shape

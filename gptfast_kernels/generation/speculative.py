@@ -46,6 +46,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     op = "speculative_generate"
     common.check_model(op, "model", model)
     common.check_model(op, "draft_model", draft_model)
+    common.check_rollback(op, "draft_model", draft_model)
     target_vocab, draft_vocab = common.output_vocab_size(model), common.output_vocab_size(draft_model)
     if target_vocab != draft_vocab:
         raise ValueError(f"{op}: draft_model's vocabulary ({draft_vocab} tokens) differs from model's "
@@ -150,6 +151,7 @@ class SpeculativeRounds:
                 min_p, eos_token_id, generator, compile, vocab_size, streamer) -> "SpeculativeRounds":
         """Validates the arguments every speculative generator shares (``op`` names the caller)."""
         common.check_model(op, "model", model)
+        common.check_rollback(op, "model", model)
         check_int(op, "speculate_k", speculate_k, 1)
         device, _ = common.model_device_dtype(model)
         prompt = common.check_prompt(op, input_ids, attention_mask, device, vocab_size)

@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
+from gptfast_kernels.ops._dispatch import is_tracing
 from gptfast_kernels.ops.kv_cache_attention import kv_cache_attention
 
 FUSED = "gptfast_kernels"
@@ -100,12 +101,23 @@ def _tokens_of(args, kwargs) -> torch.Tensor:
     raise ValueError("a patched model needs input_ids or inputs_embeds")
 
 
+def _check_left_padded(mask: torch.Tensor) -> None:
+    """A hybrid model's rows may be padded on the left only: padding after a row's real tokens would
+    still advance its recurrent state (the decay of a linear-attention layer applies to any input)."""
+    mask = mask != 0
+    if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+        raise ValueError("attention_mask: a hybrid model's recurrent (linear-attention) layers take padding on the "
+                         "left only; padding after a row's real tokens would change its state (pad prompts on "
+                         "the left, as transformers' generate does)")
+
+
 def before_forward(model, args, kwargs):
     """Forward pre-hook (with_kwargs=True) of a patched model."""
     cache = kwargs.get("past_key_values")
     if not isinstance(cache, StaticKVCache):
         return None
-    geometry = (len(cache.layers), cache.layers[0].num_heads, cache.layers[0].head_dim)
+    attention_layer = cache.attention_layers[0]
+    geometry = (len(cache.layers), attention_layer.num_heads, attention_layer.head_dim)
     if geometry != model._gptfast_cache_geometry:
         raise ValueError("past_key_values: this StaticKVCache holds {} layers x {} kv heads x head dim {}, this model "
                          "needs {} x {} x {}; build the cache from the model's own config"
@@ -114,8 +126,14 @@ def before_forward(model, args, kwargs):
     if tokens.dim() < 2 or tokens.shape[0] != cache.batch_size:
         raise ValueError(f"input_ids must be [B, T] with B = the StaticKVCache's batch_size "
                          f"({cache.batch_size}), got {list(tokens.shape)}")
-    positions = cache.plan_step(tokens.shape[1], kwargs.get("attention_mask"), kwargs.get("position_ids"))
-    kwargs = {**kwargs, "position_ids": positions.clamp(min=0), "attention_mask": None, "gptfast_cache": cache}
+    mask = kwargs.get("attention_mask")
+    if cache.has_recurrent_layers and mask is not None and tokens.shape[1] > 1 and not is_tracing():
+        _check_left_padded(mask[:, -tokens.shape[1]:])
+    positions = cache.plan_step(tokens.shape[1], mask, kwargs.get("position_ids"))
+    # The fused attention needs no mask (positions carry padding). A hybrid model's recurrent layers
+    # do: they zero the padding's inputs, which would otherwise enter their states.
+    hybrid_mask = mask[:, -tokens.shape[1]:] if mask is not None and cache.has_recurrent_layers else None
+    kwargs = {**kwargs, "position_ids": positions.clamp(min=0), "attention_mask": hybrid_mask, "gptfast_cache": cache}
     return args, kwargs
 
 
@@ -125,7 +143,7 @@ def after_forward(model, args, kwargs, output):
     attention keywords would otherwise have attended to the new tokens alone, silently."""
     cache = kwargs.get("past_key_values")
     if isinstance(cache, StaticKVCache):
-        layers = len(cache.layers)
+        layers = len(cache.attention_layers)
         if not torch.compiler.is_compiling() and cache.attention_calls != layers:
             calls = cache.attention_calls
             cache.discard_step()  # the lengths stay: what this forward wrote is never read

@@ -33,6 +33,17 @@ class Family:
     # the first transformers release whose model code torch.compile traces with a StaticKVCache (None: all
     # that gptfast_kernels supports)
     compiles_from: str | None = None
+    # hybrid models: the config's layer_types of layers that keep a recurrent (linear-attention /
+    # convolution) state instead of keys and values; the cache holds transformers' own state layer there
+    recurrent_layer_types: tuple[str, ...] = ()
+    # the first transformers release this family works with (None: all that gptfast_kernels supports)
+    supported_from: str | None = None
+
+    def recurrent_layers(self, config) -> list[bool]:
+        """Per decoder layer: whether it keeps a recurrent state (no keys / values)."""
+        layers = config.num_hidden_layers  # layer_types may run longer (a config cut to fewer layers)
+        kinds = list(getattr(config, "layer_types", None) or ())[:layers]
+        return [kind in self.recurrent_layer_types for kind in kinds] + [False] * (layers - len(kinds))
 
     @property
     def experts_classes(self) -> tuple[str, ...]:
@@ -62,6 +73,12 @@ class Family:
                 raise ValueError(f"{self.model_type} models with {flag}=True are not supported (the fused "
                                  "attention is causal self-attention over the cache)")
 
+
+# the layer_types of layers with a recurrent state, as transformers' configs name them
+RECURRENT = ("linear_attention", "mamba", "conv")
+# the first transformers release whose hybrid models work on a StaticKVCache (tested: 5.17 and 5.23;
+# in 5.8 to 5.14 some read other state attributes, or restart a state on multi-token inputs)
+HYBRID_FROM = "5.17"
 
 FAMILIES: dict[str, Family] = {
     family.model_type: family
@@ -159,6 +176,24 @@ FAMILIES: dict[str, Family] = {
         # plain (ungated) MLPs
         Family("phi", "PhiAttention", "num_key_value_heads", None),
         Family("starcoder2", "Starcoder2Attention", "num_key_value_heads", None),
+        # hybrid: layers with a recurrent state (linear attention: gated delta nets, Mamba; short
+        # convolutions) between full-attention layers; the cache holds transformers' state layers there
+        Family("qwen3_5_text", "Qwen3_5Attention", "num_key_value_heads", "head_dim", "Qwen3_5MLP",
+               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+        Family("qwen3_5_moe_text", "Qwen3_5MoeAttention", "num_key_value_heads", "head_dim", "Qwen3_5MoeMLP",
+               experts_class="Qwen3_5MoeExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+        Family("qwen3_next", "Qwen3NextAttention", "num_key_value_heads", "head_dim", "Qwen3NextMLP",
+               experts_class="Qwen3NextExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+        Family("olmo_hybrid", "OlmoHybridAttention", "num_key_value_heads", "head_dim", "OlmoHybridMLP",
+               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+        # Mamba layers; Jamba's reads its dt_proj's weight, which stays float, as does its router (an
+        # nn.Linear before transformers 5.18)
+        Family("jamba", "JambaAttention", "num_key_value_heads", None, "JambaMLP", experts_class="JambaExperts",
+               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM, float_linears=("*.mamba.dt_proj", "*.feed_forward.router")),
+        Family("bamba", "BambaAttention", "num_key_value_heads", None, "BambaMLP", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+        Family("granitemoehybrid", "GraniteMoeHybridAttention", "num_key_value_heads", None,
+               experts_class="GraniteMoeHybridExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+        Family("lfm2", "Lfm2Attention", "num_key_value_heads", None, recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
         # learned positions; before 5.18 its model sizes a mask by the cache length (untraceable)
@@ -182,5 +217,8 @@ def family_of(config) -> Family:
     if family is None:
         raise ValueError(f"gptfast_kernels does not support model_type {model_type!r}; supported model "
                          f"families: {', '.join(sorted(FAMILIES))}")
+    if family.supported_from and Version(transformers.__version__) < Version(family.supported_from):
+        raise ValueError(f"gptfast_kernels supports {model_type} models from transformers {family.supported_from} on "
+                         f"(installed: {transformers.__version__}); upgrade transformers")
     family.check_config(config)
     return family

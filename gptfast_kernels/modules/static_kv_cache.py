@@ -14,7 +14,7 @@ in transformers' own ``StaticCache``.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 from gptfast_kernels.ops._dispatch import check_int, is_tracing
 
@@ -24,6 +24,13 @@ def cache_geometry(config) -> tuple[int, int, int]:
     from gptfast_kernels.models.families import family_of
 
     return family_of(config).cache_geometry(config.get_text_config(decoder=True))
+
+
+def recurrent_layers(config) -> list[bool]:
+    """Per decoder layer of a supported family's config: whether it keeps a recurrent state."""
+    from gptfast_kernels.models.families import family_of
+
+    return family_of(config).recurrent_layers(config.get_text_config(decoder=True))
 
 
 class StaticKVLayer(CacheLayerMixin):
@@ -78,7 +85,10 @@ class StaticKVCache(Cache):
     float32) on ``device`` (default: CPU). ``seq_lengths`` [B] int64 holds each row's length.
     Sliding-window layers (Mistral, Gemma 2 / 3 ...) keep every slot as well, so max_cache_len may
     exceed the window: the fused kernel reads only each query's window, and a rollback (crop) never
-    needs a slot a ring buffer would have overwritten.
+    needs a slot a ring buffer would have overwritten. The linear-attention (recurrent) layers of a
+    hybrid model (Qwen3.5 ...) hold transformers' own state layer (``LinearAttentionLayer``: conv and
+    recurrent states, updated in place); a recurrent state cannot be rolled back, so such a cache
+    can only be emptied.
     """
 
     def __init__(self, config, batch_size: int, max_cache_len: int, *, device=None, dtype=None):
@@ -92,9 +102,12 @@ class StaticKVCache(Cache):
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"StaticKVCache: dtype must be float16, bfloat16 or float32, got {dtype}")
         device = torch.device("cpu") if device is None else torch.device(device)
-        layers = [StaticKVLayer(batch_size, num_heads, max_cache_len, head_dim, device, dtype)
-                  for _ in range(num_layers)]
+        self.recurrent = recurrent_layers(config)
+        layers = [LinearAttentionLayer() if recurrent else
+                  StaticKVLayer(batch_size, num_heads, max_cache_len, head_dim, device, dtype)
+                  for recurrent in self.recurrent]
         super().__init__(layers=layers)
+        self.attention_layers = [layer for layer in layers if isinstance(layer, StaticKVLayer)]
         self._max_cache_len = max_cache_len
         self.device, self.dtype = device, dtype
         self.seq_lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
@@ -216,6 +229,11 @@ class StaticKVCache(Cache):
         return self._max_cache_len
 
     @property
+    def has_recurrent_layers(self) -> bool:
+        """Whether some layers keep a recurrent state (a hybrid model) instead of keys and values."""
+        return len(self.attention_layers) < len(self.layers)
+
+    @property
     def batch_size(self) -> int:
         return self.seq_lengths.shape[0]
 
@@ -225,7 +243,11 @@ class StaticKVCache(Cache):
         does nothing (as in transformers); a [B] integer tensor gives each row's new length (rows
         already shorter keep theirs). Slots past a row's length are stale and never read (a query at position p
         attends only 0..p, and new tokens overwrite from the length on). ``check=False`` skips the
-        test that tensor lengths are >= 0 (a GPU sync), for callers that computed them so."""
+        test that tensor lengths are >= 0 (a GPU sync), for callers that computed them so. A hybrid
+        model's cache can only be emptied (recurrent states have no positions to roll back to)."""
+        if self.has_recurrent_layers:
+            self._crop_recurrent(num_tokens)
+            return
         if isinstance(num_tokens, torch.Tensor):
             if num_tokens.shape != self.seq_lengths.shape or num_tokens.is_floating_point():
                 raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or an integer tensor of shape "
@@ -243,6 +265,25 @@ class StaticKVCache(Cache):
         else:
             raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or a [B] tensor, got {num_tokens!r}")
 
+    def _crop_recurrent(self, num_tokens) -> None:
+        """crop for a cache with recurrent layers: emptying it (every row to 0) or shortening no row;
+        anything else is a ValueError."""
+        longest = int(self.seq_lengths.max())
+        if isinstance(num_tokens, torch.Tensor) and num_tokens.shape == self.seq_lengths.shape \
+                and not num_tokens.is_floating_point():
+            new = num_tokens.to(self.seq_lengths.device, torch.int64)
+            empty, keep = not bool(new.any()), bool((new >= self.seq_lengths).all())
+        elif isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
+            empty, keep = num_tokens < 0 and -num_tokens >= longest, num_tokens == 0 or num_tokens >= longest
+        else:
+            raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or a [B] integer tensor, got "
+                             f"{num_tokens!r}")
+        if empty:
+            self.reset()
+        elif not keep:
+            raise ValueError("StaticKVCache.crop: this model's linear-attention layers keep a recurrent state, which "
+                             "cannot be rolled back; the cache can only be emptied (every row to 0)")
+
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
@@ -253,6 +294,9 @@ class StaticKVCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         beam_idx = beam_idx.to(self.device)
         for layer in self.layers:
+            if not isinstance(layer, StaticKVLayer):
+                layer.reorder_cache(beam_idx)
+                continue
             layer.keys.copy_(layer.keys.index_select(0, beam_idx))
             layer.values.copy_(layer.values.index_select(0, beam_idx))
         self.seq_lengths.copy_(self.seq_lengths.index_select(0, beam_idx))

@@ -21,7 +21,7 @@ def _on_cuda(*tensors):
     return [t.cuda() for t in tensors]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gpt2", "qwen3_5_text"])
 def test_greedy_equals_transformers(family):
     model = tiny_model(family).cuda()
     patched = patched_copy(model, int8=False)
@@ -31,10 +31,12 @@ def test_greedy_equals_transformers(family):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text", "lfm2"])
 def test_compiled_cuda_graph_decode_equals_eager(family):
     """compile=True: torch.compile(fullgraph=True, mode="reduce-overhead") per step, so the decode
-    step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse)."""
+    step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse).
+    The hybrids' recurrent states (transformers' state layers, updated in place) must survive the
+    graph's replays too."""
     from torch._dynamo.utils import counters
 
     patched = patch_model(tiny_model(family).cuda(), int8=True)

@@ -4,10 +4,10 @@ reset, a full cache refusing cleanly, use by an unpatched model, bad arguments."
 import pytest
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from gptfast_kernels import StaticKVCache
-from python_tests.tiny_models import AUTO_CONFIGS, FAMILIES, tiny_config, tiny_model
+from python_tests.tiny_models import AUTO_CONFIGS, FAMILIES, HYBRID, tiny_config, tiny_model
 
 GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwen3": (2, 2, 16),
             "gemma": (2, 1, 32), "gemma2": (2, 2, 16), "gemma3_text": (2, 2, 16), "olmo2": (2, 2, 16),
@@ -24,7 +24,11 @@ def test_buffers_follow_the_config(family):
     layers, kv_heads, head_dim = GEOMETRY[family]
     cache = StaticKVCache(tiny_config(family), 3, 20, dtype=torch.bfloat16)
     assert isinstance(cache, Cache) and len(cache.layers) == layers
-    for layer in cache.layers:
+    # a hybrid model's recurrent layers (layer 0 of the tiny Qwen3.5) hold transformers' state layer
+    recurrent = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionLayer)]
+    assert recurrent == ([0] if family in HYBRID else []) and cache.has_recurrent_layers == bool(recurrent)
+    assert len(cache.attention_layers) == layers - len(recurrent)
+    for layer in cache.attention_layers:
         assert layer.keys.shape == (3, kv_heads, 20, head_dim) == layer.values.shape
         assert layer.keys.dtype == torch.bfloat16
     assert cache.get_seq_length() == 0 and cache.get_max_length() == 20 and cache.batch_size == 3

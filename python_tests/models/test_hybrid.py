@@ -1,0 +1,97 @@
+"""Hybrid models (Qwen3.5: linear-attention layers with a recurrent state between full-attention
+layers): what the cache and the generators allow, and what they refuse. The family tests
+(test_patch.py, test_generate.py, ...) run the tiny Qwen3.5 against transformers as well."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import LinearAttentionLayer
+
+from gptfast_kernels import StaticKVCache, generate, speculative_generate
+from gptfast_kernels.generation.prompt_lookup import prompt_lookup_generate
+from python_tests.tiny_models import HYBRID, hf_greedy, patched_copy, ragged_prompts, tiny_model
+
+FAMILY = HYBRID[0]
+
+
+@pytest.fixture(scope="module")
+def models():
+    model = tiny_model(FAMILY)
+    return model, patched_copy(model, int8=False)
+
+
+def _states(cache):
+    return [(layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
+            for layer in cache.layers if isinstance(layer, LinearAttentionLayer)]
+
+
+def test_a_reused_cache_starts_from_empty_states(models):
+    """generate empties the recurrent states along with the lengths: a second call on the same
+    cache gives transformers' tokens again (a stale state would change them)."""
+    model, patched = models
+    ids, mask = ragged_prompts(3, 6, "left")
+    cache = StaticKVCache(patched.config, 3, 16)
+    want = hf_greedy(model, ids, mask, 5, eos_token_id=None)
+    for _ in range(2):
+        assert torch.equal(generate(patched, ids, mask, max_new_tokens=5, eos_token_id=[],
+                                    past_key_values=cache).sequences, want)
+
+
+def test_crop_empties_or_refuses(models):
+    _, patched = models
+    cache = StaticKVCache(patched.config, 2, 8)
+    with torch.no_grad():
+        patched(torch.tensor([[3, 4, 5], [6, 7, 8]]), past_key_values=cache)
+    before = _states(cache)
+    assert before and all(conv.any() and state.any() for conv, state in before)
+    for shortening in (-1, 2, torch.tensor([1, 3])):
+        with pytest.raises(ValueError, match="recurrent state"):
+            cache.crop(shortening)
+    for keeping in (0, 3, torch.tensor([3, 5])):  # no row shorter: nothing to roll back
+        cache.crop(keeping)
+    assert cache.seq_lengths.tolist() == [3, 3]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(before, _states(cache)))
+    cache.crop(torch.zeros(2, dtype=torch.int64))
+    assert cache.seq_lengths.tolist() == [0, 0]
+    assert not any(conv.any() or state.any() for conv, state in _states(cache))
+    assert not any(layer.has_previous_state[0] for layer in cache.layers if isinstance(layer, LinearAttentionLayer))
+
+
+def test_right_padding_is_refused(models):
+    """Padding after a row's real tokens would still decay its recurrent state: refused, naming
+    attention_mask (left padding is what transformers' generate uses)."""
+    _, patched = models
+    ids, mask = ragged_prompts(3, 6, "right")
+    with pytest.raises(ValueError, match="attention_mask.*left"):
+        generate(patched, ids, mask, max_new_tokens=3)
+    cache = StaticKVCache(patched.config, 3, 8)
+    with pytest.raises(ValueError, match="attention_mask"), torch.no_grad():
+        patched(ids, attention_mask=mask, past_key_values=cache)
+    assert cache.seq_lengths.tolist() == [0, 0, 0]
+
+
+def test_older_transformers_are_refused_by_name(monkeypatch):
+    """Before transformers 5.17 some hybrid models read other state attributes of their cache, or
+    restart a state on multi-token inputs: patching one there says which version it needs."""
+    from gptfast_kernels import patch_model
+    from gptfast_kernels.models import families
+
+    model = tiny_model(FAMILY)
+    # (the transformers module object families.py holds: transformers may replace its entry in sys.modules)
+    monkeypatch.setattr(families.transformers, "__version__", "5.14.1")
+    with pytest.raises(ValueError, match=f"{FAMILY} models from transformers {families.HYBRID_FROM} on"):
+        patch_model(model)
+
+
+def test_speculative_decoding_is_refused(models):
+    """A speculative round rolls back the tokens it rejects, which a recurrent state cannot."""
+    _, patched = models
+    dense = patched_copy(tiny_model("llama"), int8=False)
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(ValueError, match="speculative_generate: model .*hybrid"):
+        speculative_generate(patched, dense, ids, max_new_tokens=3)
+    with pytest.raises(ValueError, match="speculative_generate: draft_model .*hybrid"):
+        speculative_generate(dense, patched, ids, max_new_tokens=3)
+    with pytest.raises(ValueError, match="prompt_lookup_generate: model .*hybrid"):
+        prompt_lookup_generate(patched, ids, max_new_tokens=3)

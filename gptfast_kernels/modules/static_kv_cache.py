@@ -108,6 +108,13 @@ class StaticKVCache(Cache):
                   for recurrent in self.recurrent]
         super().__init__(layers=layers)
         self.attention_layers = [layer for layer in layers if isinstance(layer, StaticKVLayer)]
+        # the unfused path (HF calling update) plans a forward at its first attention layer and
+        # commits it at its last (a hybrid model's first and last layers may be recurrent)
+        attention_indices = [i for i, layer in enumerate(layers) if isinstance(layer, StaticKVLayer)]
+        if not attention_indices:
+            raise ValueError("StaticKVCache: config has no attention layer (every layer is recurrent); the cache "
+                             "holds keys and values for attention layers")
+        self._first_attention, self._last_attention = attention_indices[0], attention_indices[-1]
         self._max_cache_len = max_cache_len
         self.device, self.dtype = device, dtype
         self.seq_lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
@@ -190,14 +197,14 @@ class StaticKVCache(Cache):
         path: copies them at the planned positions and returns the whole buffers, as HF expects."""
         if self._fused_step:
             return key_states, value_states
-        if layer_idx == 0 or self._step_positions is None:  # a new forward (a failed one is dropped)
+        if layer_idx == self._first_attention or self._step_positions is None:  # a new forward (a failed one dropped)
             self.plan_step(key_states.shape[-2], fused=False)
         layer = self.layers[layer_idx]
         positions = self._step_positions
         rows, cols = (positions >= 0).nonzero(as_tuple=True)
         layer.keys[rows, :, positions[rows, cols]] = key_states[rows, :, cols].to(layer.dtype)
         layer.values[rows, :, positions[rows, cols]] = value_states[rows, :, cols].to(layer.dtype)
-        if layer_idx == len(self.layers) - 1:
+        if layer_idx == self._last_attention:
             self.commit_step()
         return layer.keys, layer.values
 

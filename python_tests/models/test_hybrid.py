@@ -38,6 +38,24 @@ def test_a_reused_cache_starts_from_empty_states(models):
                                     past_key_values=cache).sequences, want)
 
 
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_recurrent_first_and_last_layers(patched):
+    """Layers linear, full, linear: a forward is planned and committed around its one attention
+    layer. An unpatched model (transformers' attention calling StaticKVCache.update) plans at the
+    first attention layer and commits at the last, whatever the layers around them are."""
+    model = tiny_model(FAMILY, layers=3)
+    runner = patched_copy(model, int8=False) if patched else model
+    ids = torch.randint(2, 90, (2, 7), generator=torch.Generator().manual_seed(3))
+    cache = StaticKVCache(model.config, 2, 12)
+    with torch.no_grad():
+        got = torch.cat([runner(ids[:, :5], past_key_values=cache).logits,
+                         runner(ids[:, 5:6], past_key_values=cache).logits,
+                         runner(ids[:, 6:], past_key_values=cache).logits], dim=1)
+        want = model(ids).logits
+    assert cache.seq_lengths.tolist() == [7, 7]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_crop_empties_or_refuses(models):
     _, patched = models
     cache = StaticKVCache(patched.config, 2, 8)

@@ -25,7 +25,8 @@ EOS_CHECK_STEPS = 8
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             min_p: float | None = None, eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
+             min_p: float | None = None, eos_token_id: int | list[int] | None = None,
+             generator: torch.Generator | None = None,
              past_key_values: StaticKVCache | None = None, compile: bool = False, streamer=None) -> GenerateOutput:
     """Decodes up to ``max_new_tokens`` per row from a model patched with ``patch_model``.
 

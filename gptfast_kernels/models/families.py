@@ -189,11 +189,15 @@ FAMILIES: dict[str, Family] = {
         # Mamba layers; Jamba's reads its dt_proj's weight, which stays float, as does its router (an
         # nn.Linear before transformers 5.18)
         Family("jamba", "JambaAttention", "num_key_value_heads", None, "JambaMLP", experts_class="JambaExperts",
-               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM, float_linears=("*.mamba.dt_proj", "*.feed_forward.router")),
-        Family("bamba", "BambaAttention", "num_key_value_heads", None, "BambaMLP", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
+               float_linears=("*.mamba.dt_proj", "*.feed_forward.router")),
+        Family("bamba", "BambaAttention", "num_key_value_heads", None, "BambaMLP", recurrent_layer_types=RECURRENT,
+               supported_from=HYBRID_FROM),
         Family("granitemoehybrid", "GraniteMoeHybridAttention", "num_key_value_heads", None,
                experts_class="GraniteMoeHybridExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
-        Family("lfm2", "Lfm2Attention", "num_key_value_heads", None, recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+        # short convolutions
+        Family("lfm2", "Lfm2Attention", "num_key_value_heads", None, recurrent_layer_types=RECURRENT,
+               supported_from=HYBRID_FROM),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
         # learned positions; before 5.18 its model sizes a mask by the cache length (untraceable)

@@ -142,8 +142,9 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy():
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
-    (0.7, None, None, None), (1.3, 5, None, None), (1.0, None, 0.8, None), (0.9, 20, 0.5, None), (1.0, None, 1.0, None),
-    (1.0, None, None, 0.1), (1.5, None, None, 0.05), (0.8, 30, 0.9, 0.2), (1.0, None, None, 1.0), (1.0, None, None, 0.0)])
+    (0.7, None, None, None), (1.3, 5, None, None), (1.0, None, 0.8, None), (0.9, 20, 0.5, None),
+    (1.0, None, 1.0, None), (1.0, None, None, 0.1), (1.5, None, None, 0.05), (0.8, 30, 0.9, 0.2),
+    (1.0, None, None, 1.0), (1.0, None, None, 0.0)])
 def test_probabilities_match_transformers_warpers(temperature, top_k, top_p, min_p):
     """As transformers' generate applies its warpers: temperature, top-k, top-p, then min-p."""
     logits = torch.randn(6, 97) * 3

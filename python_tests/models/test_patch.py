@@ -9,8 +9,9 @@ from transformers import AutoModelForCausalLM, BertConfig, DynamicCache, Gemma3C
 import gptfast_kernels.models.attention as attention
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels import Int8Linear, StaticKVCache, patch_model
-from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, MOE, SOFTCAPPED, WINDOW, WINDOWED, WITH_SINKS,
-                                     dequantized_copy, experts_per_token, patched_copy, ragged_prompts, tiny_model)
+from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, MOE, SOFTCAPPED, WINDOW, WINDOWED,
+                                     WITH_SINKS, dequantized_copy, experts_per_token, patched_copy, ragged_prompts,
+                                     tiny_model)
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 

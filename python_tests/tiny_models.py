@@ -95,6 +95,14 @@ AUTO_CONFIGS = {
     "granitemoehybrid": lambda layers: dict(layer_types=["mamba" if i % 2 == 0 else "attention" for i in range(layers)],
                                             num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4,
                                             mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1),
+    # Mamba-2, MoE and MLP blocks as layers of their own: at least one layer of each kind (4 layers)
+    "nemotron_h": lambda layers: dict(num_hidden_layers=max(layers, 4),
+                                      layer_types=(["linear_attention", "moe", "full_attention", "mlp"] * layers)[
+                                          :max(layers, 4)],
+                                      mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1,
+                                      n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                      moe_shared_expert_intermediate_size=48, n_group=1, topk_group=1,
+                                      use_mamba_kernels=False),
     # short convolutions
     "lfm2": lambda layers: dict(layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)],
                                 full_attn_idxs=list(range(1, layers, 2)), block_ff_dim=128,
@@ -249,8 +257,8 @@ def tiny_config(family: str, *, layers: int = 2, vocab: int = VOCAB, **overrides
         first = FAMILY_TABLE[family].supported_from
         if first and Version(transformers.__version__) < Version(first):
             pytest.skip(f"gptfast_kernels supports {family!r} from transformers {first} on")
-        if family in AUTO_CONFIGS:
-            sizes = dict(num_hidden_layers=layers, **AUTO_DIMS, **AUTO_CONFIGS[family](layers))
+        if family in AUTO_CONFIGS:  # (an override may change the layer count)
+            sizes = {**dict(num_hidden_layers=layers, **AUTO_DIMS), **AUTO_CONFIGS[family](layers)}
         else:
             sizes = OWN_DIMS_CONFIGS[family](layers)
         config = AutoConfig.for_model(family, **sizes, **common)
@@ -269,14 +277,14 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
        "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
-       "jamba", "granitemoehybrid")
+       "jamba", "granitemoehybrid", "nemotron_h")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
             "vaultgemma", "granite_swa", "kolibri1", "flint")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
-          "lfm2")
+          "nemotron_h", "lfm2")
 # families whose tiny configs soft-cap attention scores (ATTENTION_SOFTCAP) or have attention sinks
 SOFTCAPPED = ("gemma2", "vaultgemma")
 WITH_SINKS = ("gpt_oss", "granitemoe_swa", "granite_swa", "flint")

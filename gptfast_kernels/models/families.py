@@ -39,11 +39,13 @@ class Family:
     # the first transformers release this family works with (None: all that gptfast_kernels supports)
     supported_from: str | None = None
 
-    def recurrent_layers(self, config) -> list[bool]:
-        """Per decoder layer: whether it keeps a recurrent state (no keys / values)."""
+    def layer_kinds(self, config) -> list[str]:
+        """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /
+        values) or "none" (an MLP or MoE block that is a layer of its own: no cache)."""
         layers = config.num_hidden_layers  # layer_types may run longer (a config cut to fewer layers)
         kinds = list(getattr(config, "layer_types", None) or ())[:layers]
-        return [kind in self.recurrent_layer_types for kind in kinds] + [False] * (layers - len(kinds))
+        return [("recurrent" if kind in self.recurrent_layer_types else "none" if kind in CACHELESS else "attention")
+                for kind in kinds] + ["attention"] * (layers - len(kinds))
 
     @property
     def experts_classes(self) -> tuple[str, ...]:
@@ -74,8 +76,10 @@ class Family:
                                  "attention is causal self-attention over the cache)")
 
 
-# the layer_types of layers with a recurrent state, as transformers' configs name them
+# the layer_types of layers with a recurrent state, and of layers without any cache (a hybrid's MLP or
+# MoE blocks that are layers of their own), as transformers' configs name them
 RECURRENT = ("linear_attention", "mamba", "conv")
+CACHELESS = ("mlp", "moe")
 # the first transformers release whose hybrid models work on a StaticKVCache (tested: 5.17 and 5.23;
 # in 5.8 to 5.14 some read other state attributes, or restart a state on multi-token inputs)
 HYBRID_FROM = "5.17"
@@ -195,6 +199,9 @@ FAMILIES: dict[str, Family] = {
                supported_from=HYBRID_FROM),
         Family("granitemoehybrid", "GraniteMoeHybridAttention", "num_key_value_heads", None,
                experts_class="GraniteMoeHybridExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+        # Mamba-2 layers, and MLP / MoE blocks as layers of their own
+        Family("nemotron_h", "NemotronHAttention", "num_key_value_heads", "head_dim",
+               experts_class="NemotronHExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         # short convolutions
         Family("lfm2", "Lfm2Attention", "num_key_value_heads", None, recurrent_layer_types=RECURRENT,
                supported_from=HYBRID_FROM),

@@ -26,11 +26,30 @@ def cache_geometry(config) -> tuple[int, int, int]:
     return family_of(config).cache_geometry(config.get_text_config(decoder=True))
 
 
-def recurrent_layers(config) -> list[bool]:
-    """Per decoder layer of a supported family's config: whether it keeps a recurrent state."""
+def layer_kinds(config) -> list[str]:
+    """Per decoder layer of a supported family's config: "attention", "recurrent" or "none"."""
     from gptfast_kernels.models.families import family_of
 
-    return family_of(config).recurrent_layers(config.get_text_config(decoder=True))
+    return family_of(config).layer_kinds(config.get_text_config(decoder=True))
+
+
+class NoCacheLayer:
+    """The cache entry of a layer that keeps nothing (a hybrid's MLP / MoE block as a layer of its own)."""
+
+    is_compileable = True
+    is_sliding = False
+    is_initialized = True
+    supports_early_init = False
+    keys = values = None
+
+    def reset(self) -> None: ...
+    def crop(self, tokens_to_remove: int) -> None: ...
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None: ...
+    def offload(self) -> None: ...
+    def prefetch(self) -> None: ...
+
+    def get_max_length(self) -> int:
+        return -1
 
 
 class StaticKVLayer(CacheLayerMixin):
@@ -102,10 +121,9 @@ class StaticKVCache(Cache):
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"StaticKVCache: dtype must be float16, bfloat16 or float32, got {dtype}")
         device = torch.device("cpu") if device is None else torch.device(device)
-        self.recurrent = recurrent_layers(config)
-        layers = [LinearAttentionLayer() if recurrent else
+        layers = [LinearAttentionLayer() if kind == "recurrent" else NoCacheLayer() if kind == "none" else
                   StaticKVLayer(batch_size, num_heads, max_cache_len, head_dim, device, dtype)
-                  for recurrent in self.recurrent]
+                  for kind in layer_kinds(config)]
         super().__init__(layers=layers)
         self.attention_layers = [layer for layer in layers if isinstance(layer, StaticKVLayer)]
         # the unfused path (HF calling update) plans a forward at its first attention layer and
@@ -238,7 +256,7 @@ class StaticKVCache(Cache):
     @property
     def has_recurrent_layers(self) -> bool:
         """Whether some layers keep a recurrent state (a hybrid model) instead of keys and values."""
-        return len(self.attention_layers) < len(self.layers)
+        return any(isinstance(layer, LinearAttentionLayer) for layer in self.layers)
 
     @property
     def batch_size(self) -> int:

@@ -184,10 +184,11 @@ def test_moe_experts_become_int8_and_decode_steps_match(family):
     model = tiny_model(family)
     patched = patched_copy(model, int8=True)
     names = family_of(model.config).experts_classes
-    # GraniteMoE's experts in transformers 5.8 have another class, Aria's another layout
+    # GraniteMoE's experts in transformers 5.8 have another class, Aria's there another layout;
+    # Nemotron-H's are ungated (up_proj only)
     if not any(type(m).__name__ in names and Int8Experts.supports(m) for m in model.modules()):
-        pytest.skip(f"this transformers version builds {family}'s experts otherwise (a layout Int8Experts does "
-                    "not reproduce; patch_model warns and keeps them float)")
+        pytest.skip(f"{family}'s experts have a layout Int8Experts does not reproduce in this transformers version "
+                    "(patch_model warns and keeps them float)")
     experts = [m for m in patched.modules() if isinstance(m, Int8Experts)]
     assert len(experts) == sum(1 for m in model.modules() if type(m).__name__ in names)
     assert not any(type(m).__name__ in names for m in patched.modules())

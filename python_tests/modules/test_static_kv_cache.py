@@ -7,6 +7,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from gptfast_kernels import StaticKVCache
+from gptfast_kernels.modules.static_kv_cache import NoCacheLayer
 from python_tests.tiny_models import AUTO_CONFIGS, FAMILIES, HYBRID, tiny_config, tiny_model
 
 GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwen3": (2, 2, 16),
@@ -16,7 +17,7 @@ GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwe
             "glm": (2, 2, 32), "phi": (2, 4, 16), "starcoder2": (2, 2, 16),
             "gpt2": (2, 4, 16), "gpt_neox": (2, 4, 16), "mixtral": (2, 2, 16), "qwen2_moe": (2, 2, 8),
             "qwen3_moe": (2, 2, 16), "olmoe": (2, 2, 16), **{family: (2, 2, 16) for family in AUTO_CONFIGS},
-            "opt": (2, 4, 16), "gpt_bigcode": (2, 1, 16), "persimmon": (2, 4, 16)}
+            "opt": (2, 4, 16), "gpt_bigcode": (2, 1, 16), "persimmon": (2, 4, 16), "nemotron_h": (4, 2, 16)}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -27,7 +28,10 @@ def test_buffers_follow_the_config(family):
     # a hybrid model's recurrent layers (layer 0 of the tiny Qwen3.5) hold transformers' state layer
     recurrent = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionLayer)]
     assert recurrent == ([0] if family in HYBRID else []) and cache.has_recurrent_layers == bool(recurrent)
-    assert len(cache.attention_layers) == layers - len(recurrent)
+    # Nemotron-H's MoE and MLP blocks are layers of their own (1 and 3 of its tiny config), with no cache
+    cacheless = [i for i, layer in enumerate(cache.layers) if isinstance(layer, NoCacheLayer)]
+    assert cacheless == ([1, 3] if family == "nemotron_h" else [])
+    assert len(cache.attention_layers) == layers - len(recurrent) - len(cacheless)
     for layer in cache.attention_layers:
         assert layer.keys.shape == (3, kv_heads, 20, head_dim) == layer.values.shape
         assert layer.keys.dtype == torch.bfloat16

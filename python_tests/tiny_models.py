@@ -358,7 +358,8 @@ def dequantized_copy(model):
             module.weight = torch.nn.Parameter(rounded(module.weight.data.t()).t().contiguous())
         elif type(module).__name__ in experts and Int8Experts.supports(module):  # what patch_model makes int8
             transposed = getattr(module, "is_transposed", False)  # biases stay float, as in Int8Experts
-            module.gate_up_proj.data = rounded_experts(module.gate_up_proj.data, transposed)
+            first = module.gate_up_proj if getattr(module, "has_gate", True) else module.up_proj  # ungated: up
+            first.data = rounded_experts(first.data, transposed)
             module.down_proj.data = rounded_experts(module.down_proj.data, transposed)
     return copy_
 

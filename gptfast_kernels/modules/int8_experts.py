@@ -45,25 +45,29 @@ class ExpertsGating(nn.Module):
     projections -> [..., I]. Runs the module class's own ``_apply_gate`` (transformers' experts
     interface gives every experts class one: by default act_fn(gate) * up on the two halves;
     GPT-OSS's reads interleaved gate / up, clamps, a sigmoid gate) on a copy of the module's plain
-    attributes (alpha, limit, config, ...) and its ``act_fn``."""
+    attributes (alpha, limit, config, ...) and its ``act_fn``; ungated experts (``has_gate`` False:
+    up_proj alone, Nemotron-H) get act_fn(up), as transformers' experts interface does."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        self.apply_gate = type(module)._apply_gate
+        self.apply_gate = getattr(type(module), "_apply_gate", None)
         for name, value in vars(module).items():
             if not name.startswith("_"):  # parameters, buffers and submodules live under _-names
                 setattr(self, name, value)
         self.act_fn = getattr(module, "act_fn", None)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "has_gate", True):  # ungated experts (Nemotron-H): the activation of up alone
+            return self.act_fn(gate_up)
         return self.apply_gate(self, gate_up)
 
 
 class Int8Experts(nn.Module):
-    """Buffers gate_up_qweight [E, 2I, H] int8, gate_up_scales [E, 2I], down_qweight [E, H, I] int8,
-    down_scales [E, H] (float32) and, for experts with biases, gate_up_bias [E, 2I] and down_bias
-    [E, H] (float, as the source's); ``gating`` is the experts' gating (an ExpertsGating). Same function
-    as the module it replaces, with its weights rounded to int8."""
+    """Buffers gate_up_qweight [E, 2I, H] int8 (ungated experts: their up projection, [E, I, H]),
+    gate_up_scales [E, 2I], down_qweight [E, H, I] int8, down_scales [E, H] (float32) and, for
+    experts with biases, gate_up_bias [E, 2I] and down_bias [E, H] (float, as the source's);
+    ``gating`` is the experts' gating (an ExpertsGating). Same function as the module it replaces,
+    with its weights rounded to int8."""
 
     def __init__(self, gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
                  gating: nn.Module, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
@@ -80,14 +84,17 @@ class Int8Experts(nn.Module):
     @staticmethod
     def supports(module: nn.Module) -> bool:
         """Whether ``module`` is one Int8Experts reproduces: gate_up_proj / down_proj (either
-        orientation, biases or not, any gate / up order its ``_apply_gate`` reads) and no norm after
-        the experts (transformers' experts-interface flags)."""
-        return (isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+        orientation, biases or not, any gate / up order its ``_apply_gate`` reads), or for ungated
+        experts up_proj / down_proj and an ``act_fn``, and no norm after the experts (transformers'
+        experts-interface flags)."""
+        gated = getattr(module, "has_gate", True)
+        first = "gate_up_proj" if gated else "up_proj"
+        return (isinstance(getattr(module, first, None), torch.Tensor)
                 and isinstance(getattr(module, "down_proj", None), torch.Tensor)
-                and module.gate_up_proj.dim() == 3 and module.down_proj.dim() == 3 and getattr(module, "has_gate", True)
-                and hasattr(type(module), "_apply_gate")
+                and getattr(module, first).dim() == 3 and module.down_proj.dim() == 3
+                and (hasattr(type(module), "_apply_gate") if gated else callable(getattr(module, "act_fn", None)))
                 and (not getattr(module, "has_bias", False) or (
-                    isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
+                    isinstance(getattr(module, f"{first}_bias", None), torch.Tensor)
                     and isinstance(getattr(module, "down_proj_bias", None), torch.Tensor)))
                 and not getattr(module, "has_post_expert_norm", False))
 
@@ -97,9 +104,10 @@ class Int8Experts(nn.Module):
             raise TypeError(f"Int8Experts.from_float: {type(module).__name__} does not have 3-D gate_up_proj / "
                             "down_proj weights (with both biases if any) and a gating Int8Experts can run")
         transposed = getattr(module, "is_transposed", False)
-        biases = ((module.gate_up_proj_bias.detach(), module.down_proj_bias.detach())
+        first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"  # ungated: up only
+        biases = ((getattr(module, f"{first}_bias").detach(), module.down_proj_bias.detach())
                   if getattr(module, "has_bias", False) else (None, None))
-        return cls(_quantize_experts(module.gate_up_proj, transposed), _quantize_experts(module.down_proj, transposed),
+        return cls(_quantize_experts(getattr(module, first), transposed), _quantize_experts(module.down_proj, transposed),
                    ExpertsGating(module), *biases)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

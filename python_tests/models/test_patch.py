@@ -184,8 +184,7 @@ def test_moe_experts_become_int8_and_decode_steps_match(family):
     model = tiny_model(family)
     patched = patched_copy(model, int8=True)
     names = family_of(model.config).experts_classes
-    # GraniteMoE's experts in transformers 5.8 have another class, Aria's there another layout;
-    # Nemotron-H's are ungated (up_proj only)
+    # GraniteMoE's experts in transformers 5.8 have another class, Aria's there another layout
     if not any(type(m).__name__ in names and Int8Experts.supports(m) for m in model.modules()):
         pytest.skip(f"{family}'s experts have a layout Int8Experts does not reproduce in this transformers version "
                     "(patch_model warns and keeps them float)")

@@ -127,12 +127,12 @@ def before_forward(model, args, kwargs):
         raise ValueError(f"input_ids must be [B, T] with B = the StaticKVCache's batch_size "
                          f"({cache.batch_size}), got {list(tokens.shape)}")
     mask = kwargs.get("attention_mask")
-    if cache.has_recurrent_layers and mask is not None and tokens.shape[1] > 1 and not is_tracing():
-        _check_left_padded(mask[:, -tokens.shape[1]:])
-    positions = cache.plan_step(tokens.shape[1], mask, kwargs.get("position_ids"))
     # The fused attention needs no mask (positions carry padding). A hybrid model's recurrent layers
     # do: they zero the padding's inputs, which would otherwise enter their states.
     hybrid_mask = mask[:, -tokens.shape[1]:] if mask is not None and cache.has_recurrent_layers else None
+    if hybrid_mask is not None and tokens.shape[1] > 1 and not is_tracing():
+        _check_left_padded(hybrid_mask)
+    positions = cache.plan_step(tokens.shape[1], mask, kwargs.get("position_ids"))
     kwargs = {**kwargs, "position_ids": positions.clamp(min=0), "attention_mask": hybrid_mask, "gptfast_cache": cache}
     return args, kwargs
 

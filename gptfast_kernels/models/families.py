@@ -17,6 +17,11 @@ import transformers
 from packaging.version import Version
 
 
+def transformers_before(release: str) -> bool:
+    """Whether the installed transformers is older than ``release``."""
+    return Version(transformers.__version__) < Version(release)
+
+
 @dataclass(frozen=True)
 class Family:
     model_type: str
@@ -64,7 +69,7 @@ class Family:
     def check_compile(self) -> None:
         """ValueError, naming ``compile``, if the installed transformers' model code for this family
         cannot be traced by torch.compile."""
-        if self.compiles_from and Version(transformers.__version__) < Version(self.compiles_from):
+        if self.compiles_from and transformers_before(self.compiles_from):
             raise ValueError(f"compile=True: transformers {transformers.__version__}'s {self.model_type} models size "
                              "a tensor by the cache's length, which torch.compile cannot trace; it works from "
                              f"transformers {self.compiles_from} on (upgrade, or pass compile=False)")
@@ -228,7 +233,7 @@ def family_of(config) -> Family:
     if family is None:
         raise ValueError(f"gptfast_kernels does not support model_type {model_type!r}; supported model "
                          f"families: {', '.join(sorted(FAMILIES))}")
-    if family.supported_from and Version(transformers.__version__) < Version(family.supported_from):
+    if family.supported_from and transformers_before(family.supported_from):
         raise ValueError(f"gptfast_kernels supports {model_type} models from transformers {family.supported_from} on "
                          f"(installed: {transformers.__version__}); upgrade transformers")
     family.check_config(config)

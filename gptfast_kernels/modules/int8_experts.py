@@ -40,6 +40,11 @@ def _quantize_experts(weight: torch.Tensor, transposed: bool) -> tuple[torch.Ten
     return qweight.view(E, N, K), scales.view(E, N)
 
 
+def _first_projection(module: nn.Module) -> str:
+    """The name of an experts module's first weight: gate_up_proj, or up_proj for ungated experts."""
+    return "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+
+
 class ExpertsGating(nn.Module):
     """The gating of a transformers experts module without its weights: [..., 2I] gate / up
     projections -> [..., I]. Runs the module class's own ``_apply_gate`` (transformers' experts
@@ -87,8 +92,7 @@ class Int8Experts(nn.Module):
         orientation, biases or not, any gate / up order its ``_apply_gate`` reads), or for ungated
         experts up_proj / down_proj and an ``act_fn``, and no norm after the experts (transformers'
         experts-interface flags)."""
-        gated = getattr(module, "has_gate", True)
-        first = "gate_up_proj" if gated else "up_proj"
+        gated, first = getattr(module, "has_gate", True), _first_projection(module)
         return (isinstance(getattr(module, first, None), torch.Tensor)
                 and isinstance(getattr(module, "down_proj", None), torch.Tensor)
                 and getattr(module, first).dim() == 3 and module.down_proj.dim() == 3
@@ -104,7 +108,7 @@ class Int8Experts(nn.Module):
             raise TypeError(f"Int8Experts.from_float: {type(module).__name__} does not have 3-D gate_up_proj / "
                             "down_proj weights (with both biases if any) and a gating Int8Experts can run")
         transposed = getattr(module, "is_transposed", False)
-        first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"  # ungated: up only
+        first = _first_projection(module)
         biases = ((getattr(module, f"{first}_bias").detach(), module.down_proj_bias.detach())
                   if getattr(module, "has_bias", False) else (None, None))
         return cls(_quantize_experts(getattr(module, first), transposed), _quantize_experts(module.down_proj, transposed),

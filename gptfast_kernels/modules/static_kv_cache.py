@@ -125,14 +125,16 @@ class StaticKVCache(Cache):
                   StaticKVLayer(batch_size, num_heads, max_cache_len, head_dim, device, dtype)
                   for kind in layer_kinds(config)]
         super().__init__(layers=layers)
-        self.attention_layers = [layer for layer in layers if isinstance(layer, StaticKVLayer)]
-        # the unfused path (HF calling update) plans a forward at its first attention layer and
-        # commits it at its last (a hybrid model's first and last layers may be recurrent)
         attention_indices = [i for i, layer in enumerate(layers) if isinstance(layer, StaticKVLayer)]
         if not attention_indices:
             raise ValueError("StaticKVCache: config has no attention layer (every layer is recurrent); the cache "
                              "holds keys and values for attention layers")
+        self.attention_layers = [layers[i] for i in attention_indices]
+        # the unfused path (HF calling update) plans a forward at its first attention layer and
+        # commits it at its last (a hybrid model's first and last layers may be recurrent)
         self._first_attention, self._last_attention = attention_indices[0], attention_indices[-1]
+        # whether some layers keep a recurrent state (a hybrid model) instead of keys and values
+        self.has_recurrent_layers = any(isinstance(layer, LinearAttentionLayer) for layer in layers)
         self._max_cache_len = max_cache_len
         self.device, self.dtype = device, dtype
         self.seq_lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
@@ -254,11 +256,6 @@ class StaticKVCache(Cache):
         return self._max_cache_len
 
     @property
-    def has_recurrent_layers(self) -> bool:
-        """Whether some layers keep a recurrent state (a hybrid model) instead of keys and values."""
-        return any(isinstance(layer, LinearAttentionLayer) for layer in self.layers)
-
-    @property
     def batch_size(self) -> int:
         return self.seq_lengths.shape[0]
 
@@ -293,12 +290,12 @@ class StaticKVCache(Cache):
     def _crop_recurrent(self, num_tokens) -> None:
         """crop for a cache with recurrent layers: emptying it (every row to 0) or shortening no row;
         anything else is a ValueError."""
-        longest = int(self.seq_lengths.max())
         if isinstance(num_tokens, torch.Tensor) and num_tokens.shape == self.seq_lengths.shape \
                 and not num_tokens.is_floating_point():
             new = num_tokens.to(self.seq_lengths.device, torch.int64)
             empty, keep = not bool(new.any()), bool((new >= self.seq_lengths).all())
         elif isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
+            longest = int(self.seq_lengths.max())
             empty, keep = num_tokens < 0 and -num_tokens >= longest, num_tokens == 0 or num_tokens >= longest
         else:
             raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or a [B] integer tensor, got "

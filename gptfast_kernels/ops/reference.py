@@ -91,7 +91,10 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows are all -inf
     if sinks is not None:
         probs = probs[..., :S]
-    out = torch.einsum("bhgts,bhsd->bhgtd", probs, v_cache.to(acc)).reshape(B, Hq, T, D)
+    # slots no query of the row sees (past the fill of a torch.empty cache, before every window)
+    # may hold garbage, NaN included: their zero probabilities must not meet it
+    values = v_cache.to(acc).masked_fill(~allowed.any(dim=1)[:, None, :, None], 0.0)
+    out = torch.einsum("bhgts,bhsd->bhgtd", probs, values).reshape(B, Hq, T, D)
     out = out * valid[:, None, :, None]
     return out.to(q.dtype)
 

@@ -163,6 +163,30 @@ def test_stale_slots_after_crop_do_not_leak(backend, device):
     assert stale.abs().max() < 100
 
 
+@pytest.mark.parametrize("backend, device", BACKENDS + [pytest.param("reference", "cpu", id="reference")])
+@pytest.mark.parametrize("T, starts", [(1, [0, 30]), (5, [0, 26]), (20, [0, 11])], ids=["decode", "verify", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_never_written_slots_of_an_empty_cache_do_not_leak(backend, device, T, starts, dtype):
+    """Caches from torch.empty hold garbage past what was written; here NaN, past every query of
+    the row (and in row 0 everything but this call's slots). No query sees those slots, so the output
+    equals the one with zeros there; an implementation multiplying them by a zero probability
+    would return NaN."""
+    if _is_interpreter(backend, device) and (T == 20 or dtype == torch.float16):
+        pytest.skip("Triton interpreter: decode and verify in float32 cover it")
+    B, Hq, Hkv, D, S = 2, 4, 2, 32, 48
+    positions = _contiguous_positions(B, T, starts).to(device)
+    q, k, v, k_cache, v_cache, _ = make_case(B, Hq, Hkv, T, D, S, positions, dtype, device, seed=4)
+    clean_k, clean_v = k_cache.clone(), v_cache.clone()
+    for b, start in enumerate(starts):
+        for cache, clean in ((k_cache, clean_k), (v_cache, clean_v)):
+            cache[b, :, start + T:] = float("nan")
+            clean[b, :, start + T:] = 0
+    got = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend=backend)
+    want = ops.kv_cache_attention(q, k, v, clean_k, clean_v, positions, backend=backend)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("backend, device", BACKENDS)
 def test_non_contiguous_inputs_and_custom_scale(backend, device):
     # HF layout: projections are [B, T, H, D], transposed to [B, H, T, D] without a copy

@@ -61,7 +61,7 @@ def test_ragged_rows_and_padding_with_a_window(backend, device):
     assert torch.all(out[2] == 0) and torch.all(out[0, :, :2] == 0) and torch.all(out[1, :, 3:] == 0)
 
 
-@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("backend, device", BACKENDS + [pytest.param("reference", "cpu", id="reference")])
 @pytest.mark.parametrize("T, starts", [(1, [250, 90]), (5, [250, 90]), (20, [200, 90])],
                          ids=["decode", "verify", "prefill"])
 def test_slots_before_the_window_are_never_read(backend, device, T, starts):

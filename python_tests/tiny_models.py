@@ -106,6 +106,14 @@ AUTO_CONFIGS = {
     "lfm2": lambda layers: dict(layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)],
                                 full_attn_idxs=list(range(1, layers, 2)), block_ff_dim=128,
                                 block_auto_adjust_ff_dim=False, conv_L_cache=3),
+    "lfm2_moe": lambda layers: dict(layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                                    num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    conv_L_cache=3),
+    # short convolutions (width 7), sliding-window and full-attention layers (one of each at least), gated
+    # attention output
+    "lfm3": lambda layers: dict(num_hidden_layers=max(layers, 3),
+                                layer_types=(["conv", "sliding_attention", "full_attention"] * layers)[:max(layers, 3)],
+                                sliding_window=WINDOW),
     # mixture of experts, 4 experts top 2 (GLM-4-MoE and ERNIE-MoE: layer 0 dense, a shared expert)
     "granitemoe": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2),
     "glm4_moe": lambda layers: dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -276,14 +284,14 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
        "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
-       "jamba", "granitemoehybrid", "nemotron_h")
+       "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
-            "vaultgemma", "granite_swa", "kolibri1", "flint")
+            "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
-          "nemotron_h", "lfm2")
+          "nemotron_h", "lfm2", "lfm2_moe", "lfm3")
 # families whose tiny configs soft-cap attention scores (ATTENTION_SOFTCAP) or have attention sinks
 SOFTCAPPED = ("gemma2", "vaultgemma")
 WITH_SINKS = ("gpt_oss", "granitemoe_swa", "granite_swa", "flint")

@@ -210,6 +210,11 @@ FAMILIES: dict[str, Family] = {
         # short convolutions
         Family("lfm2", "Lfm2Attention", "num_key_value_heads", None, recurrent_layer_types=RECURRENT,
                supported_from=HYBRID_FROM),
+        Family("lfm2_moe", "Lfm2MoeAttention", "num_key_value_heads", None, experts_class="Lfm2MoeExperts",
+               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+        # and sliding-window layers, a sigmoid gate per head on the attention output
+        Family("lfm3", "Lfm3Attention", "num_key_value_heads", "head_dim", recurrent_layer_types=RECURRENT,
+               supported_from=HYBRID_FROM),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
         # learned positions; before 5.18 its model sizes a mask by the cache length (untraceable)

@@ -67,6 +67,9 @@ AUTO_CONFIGS = {
     "bitnet": lambda layers: {},        # norms inside attention (before o_proj) and MLP (before down)
     "internlm3": lambda layers: {},     # transformers' Llama model under a config of its own
     "iquestcoder": lambda layers: {},
+    # per-head q / k LayerNorms, q / k / v biases and the parallel residual, all on
+    "stablelm": lambda layers: dict(qk_layernorm=True, use_qkv_bias=True, use_parallel_residual=True),
+    "nemotron": lambda layers: {},      # LayerNorm1P, ungated ReLU^2 MLP, partial rotary
     # residual and attention multipliers, norms after attention and MLP
     "hyperclovax": lambda layers: dict(attention_multiplier=0.3, residual_multiplier=0.5, embedding_multiplier=2.0),
     # queries scaled by 1 + beta * log(1 + position // 8): the scale changes within the tests' prompts

@@ -10,7 +10,9 @@
   step's positions once (per-row lengths, padding from ``attention_mask``), passes them to RoPE /
   position embeddings as ``position_ids``, drops the 2-D mask (positions carry padding and
   causality) and hands the cache to every attention layer as the keyword ``gptfast_cache``, which
-  transformers forwards to the attention function. A forward hook then advances the row lengths.
+  transformers forwards to the attention function (for families whose decoder layers drop those
+  keywords, a pre-hook on each attention module adds it). A forward hook then advances the row
+  lengths.
 """
 
 from __future__ import annotations
@@ -135,6 +137,16 @@ def before_forward(model, args, kwargs):
     positions = cache.plan_step(tokens.shape[1], mask, kwargs.get("position_ids"))
     kwargs = {**kwargs, "position_ids": positions.clamp(min=0), "attention_mask": hybrid_mask, "gptfast_cache": cache}
     return args, kwargs
+
+
+def before_attention(module, args, kwargs):
+    """Forward pre-hook (with_kwargs=True) of the attention modules of a family whose decoder layers
+    pass them the cache as ``past_key_values`` but drop the model's other keywords: the attention
+    function gets the cache as ``gptfast_cache`` all the same."""
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, StaticKVCache) or "gptfast_cache" in kwargs:
+        return None
+    return args, {**kwargs, "gptfast_cache": cache}
 
 
 def after_forward(model, args, kwargs, output):

@@ -43,6 +43,9 @@ class Family:
     recurrent_layer_types: tuple[str, ...] = ()
     # the first transformers release this family works with (None: all that gptfast_kernels supports)
     supported_from: str | None = None
+    # decoder layers that call their attention without transformers' attention keywords (StableLM,
+    # Nemotron): a pre-hook on each attention module hands it the cache instead
+    layers_drop_keywords: bool = False
 
     def layer_kinds(self, config) -> list[str]:
         """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /
@@ -220,6 +223,12 @@ FAMILIES: dict[str, Family] = {
         # learned positions; before 5.18 its model sizes a mask by the cache length (untraceable)
         Family("opt", "OPTAttention", None, None, compiles_from="5.18"),
         Family("persimmon", "PersimmonAttention", None, None),  # partial rotary, q / k LayerNorms
+        # partial rotary; optional per-head q / k LayerNorms and parallel residual; layers drop the keywords
+        Family("stablelm", "StableLmAttention", "num_key_value_heads", None, layers_drop_keywords=True),
+        # partial rotary, LayerNorm1P, ungated ReLU^2 MLP; layers drop the keywords; before 5.13 its
+        # attention classes bypass the attention interface
+        Family("nemotron", "NemotronAttention", "num_key_value_heads", "head_dim", layers_drop_keywords=True,
+               supported_from="5.13"),
         Family("gpt_neox", "GPTNeoXAttention", None, None),
     )
 }

@@ -49,8 +49,12 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     attention.register_attention_functions()
     model.set_attn_implementation(attention.FUSED if fused_attention else attention.UNFUSED)
     if getattr(model, "_gptfast_hooks", None) is None:
-        model._gptfast_hooks = (model.register_forward_pre_hook(attention.before_forward, with_kwargs=True),
-                                model.register_forward_hook(attention.after_forward, with_kwargs=True))
+        hooks = [model.register_forward_pre_hook(attention.before_forward, with_kwargs=True),
+                 model.register_forward_hook(attention.after_forward, with_kwargs=True)]
+        if family.layers_drop_keywords:
+            hooks += [m.register_forward_pre_hook(attention.before_attention, with_kwargs=True)
+                      for m in model.modules() if type(m).__name__ == family.attention_class]
+        model._gptfast_hooks = tuple(hooks)
     return model
 
 

@@ -172,6 +172,10 @@ OWN_DIMS_CONFIGS = {
     "persimmon": lambda layers: dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                      num_hidden_layers=layers, max_position_embeddings=256,
                                      partial_rotary_factor=0.5),  # q / k LayerNorms, partial rotary
+    # mixture of experts (w1 / v1 / w2 weights), clipped q / k / v, an nn.Linear router
+    "dbrx": lambda layers: dict(d_model=64, n_heads=4, n_layers=layers, max_seq_len=256,
+                                attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                                ffn_config=dict(hidden_size=64, ffn_hidden_size=48, moe_num_experts=4, moe_top_k=2)),
 }
 
 
@@ -287,7 +291,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
        "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
-       "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe")
+       "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
@@ -314,7 +318,9 @@ BIAS_STD = 0.1
 
 
 def experts_per_token(config) -> int:
-    """The top-k of a mixture-of-experts config (Aria's is moe_topk)."""
+    """The top-k of a mixture-of-experts config (Aria's is moe_topk, DBRX's in its ffn_config)."""
+    if hasattr(config, "ffn_config"):
+        return config.ffn_config.moe_top_k
     return config.num_experts_per_tok if hasattr(config, "num_experts_per_tok") else config.moe_topk
 
 
@@ -366,6 +372,10 @@ def dequantized_copy(model):
             module.weight = torch.nn.Parameter(rounded(module.weight.data))
         elif isinstance(module, Conv1D):  # weight [in, out]
             module.weight = torch.nn.Parameter(rounded(module.weight.data.t()).t().contiguous())
+        elif type(module).__name__ in experts and hasattr(module, "mlp"):  # DBRX: w1 / v1 / w2 [E * I, H]
+            mlp, E = module.mlp, module.num_experts
+            mlp.w1.data, mlp.v1.data = rounded(mlp.w1.data), rounded(mlp.v1.data)  # rows: output channels
+            mlp.w2.data = rounded_experts(mlp.w2.data.view(E, -1, mlp.w2.shape[1]), True).reshape(mlp.w2.shape)
         elif type(module).__name__ in experts and Int8Experts.supports(module):  # what patch_model makes int8
             transposed = getattr(module, "is_transposed", False)  # biases stay float, as in Int8Experts
             first = module.gate_up_proj if getattr(module, "has_gate", True) else module.up_proj  # ungated: up

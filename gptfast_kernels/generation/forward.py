@@ -45,7 +45,7 @@ def step_function(model, compile: bool):
         return functools.partial(_forward, model=model)
     compiled = getattr(model, "_gptfast_compiled_forward", None)
     if compiled is None:
-        family_of(model.config).check_compile()
+        family_of(model.config).check_compile(model)
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         on_cuda = next(model.parameters()).device.type == "cuda"

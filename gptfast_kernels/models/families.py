@@ -46,6 +46,9 @@ class Family:
     # decoder layers that call their attention without transformers' attention keywords (StableLM,
     # Nemotron): a pre-hook on each attention module hands it the cache instead
     layers_drop_keywords: bool = False
+    # False where the float experts module is not transformers' experts interface and loops over the
+    # routed experts in Python (DBRX): it cannot compile to one graph (its Int8Experts can)
+    float_experts_compile: bool = True
 
     def layer_kinds(self, config) -> list[str]:
         """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /
@@ -69,9 +72,13 @@ class Family:
         head_dim = getattr(config, self.head_dim_attr, None) if self.head_dim_attr else None
         return config.num_hidden_layers, kv_heads or heads, head_dim or config.hidden_size // heads
 
-    def check_compile(self) -> None:
+    def check_compile(self, model) -> None:
         """ValueError, naming ``compile``, if the installed transformers' model code for this family
-        cannot be traced by torch.compile."""
+        cannot be traced by torch.compile, or ``model`` kept float experts that cannot be."""
+        if not self.float_experts_compile and any(type(m).__name__ in self.experts_classes for m in model.modules()):
+            raise ValueError(f"compile=True: {self.model_type}'s float experts loop over the routed experts in Python "
+                             "(a data-dependent trip count), which torch.compile cannot trace in one graph; "
+                             "patch_model(int8=True) makes them Int8Experts, which compile (or pass compile=False)")
         if self.compiles_from and transformers_before(self.compiles_from):
             raise ValueError(f"compile=True: transformers {transformers.__version__}'s {self.model_type} models size "
                              "a tensor by the cache's length, which torch.compile cannot trace; it works from "
@@ -230,6 +237,11 @@ FAMILIES: dict[str, Family] = {
         Family("nemotron", "NemotronAttention", "num_key_value_heads", "head_dim", layers_drop_keywords=True,
                supported_from="5.13"),
         Family("gpt_neox", "GPTNeoXAttention", None, None),
+        # mixture of experts as three 2-D weights (Int8Experts reads them), clipped q / k / v; the router's
+        # nn.Linear stays float. Before 5.17 (tested: 5.8 to 5.14) transformers sized that router by the
+        # experts' hidden size, not the model's: DBRX models did not run there
+        Family("dbrx", "DbrxAttention", "num_key_value_heads", None, experts_class="DbrxExperts",
+               float_linears=("*.ffn.router.layer",), float_experts_compile=False, supported_from="5.17"),
     )
 }
 

@@ -3,7 +3,7 @@ OLMoE, GPT-OSS, ...) with int8 weights, a drop-in for transformers' experts modu
 
 transformers 5.x keeps a MoE layer's experts as two 3-D parameters, gate_up_proj [E, 2I, H] and
 down_proj [E, H, I] (GPT-OSS: transposed, [E, H, 2I] and [E, I, H], with biases and gate / up
-interleaved), behind ``forward(hidden [tokens, H], top_k_index [tokens, k], top_k_weights
+interleaved; DBRX: three 2-D ones, see ``_glu_weights``), behind ``forward(hidden [tokens, H], top_k_index [tokens, k], top_k_weights
 [tokens, k])``; the router stays in float (int8 noise there would change which experts run). The
 weights are stored [E, out, in] whatever the source layout, with the gate / up columns in the
 source's order, and the source's own gating (``_apply_gate``: how gate and up are split, the
@@ -38,6 +38,33 @@ def _quantize_experts(weight: torch.Tensor, transposed: bool) -> tuple[torch.Ten
     E, N, K = weight.shape
     qweight, scales = quantize_int8(weight.detach().contiguous().reshape(E * N, K))
     return qweight.view(E, N, K), scales.view(E, N)
+
+
+def _glu_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, nn.Module] | None:
+    """DBRX's experts keep gate, up and down as 2-D parameters of an ``mlp`` submodule, w1 / v1 / w2,
+    each [E * I, H] (w2 being down transposed), and its ``activation_fn``: as (gate_up [E, 2I, H],
+    down [E, H, I], the activation); None for other layouts."""
+    mlp = getattr(module, "mlp", None)
+    weights = [getattr(mlp, name, None) for name in ("w1", "v1", "w2")]
+    if not (all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights)
+            and len({w.shape for w in weights}) == 1 and callable(getattr(mlp, "activation_fn", None))
+            and isinstance(getattr(module, "num_experts", None), int) and weights[0].shape[0] % module.num_experts == 0):
+        return None
+    gate, up, down = (w.detach().view(module.num_experts, -1, w.shape[1]) for w in weights)
+    return torch.cat([gate, up], dim=1), down.transpose(1, 2), mlp.activation_fn
+
+
+class HalvesGating(nn.Module):
+    """act_fn(gate) * up on the two halves of [..., 2I] gate / up projections (transformers' default
+    gating, for experts modules without an ``_apply_gate``: DBRX's)."""
+
+    def __init__(self, act_fn):
+        super().__init__()
+        self.act_fn = act_fn
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
 
 
 def _first_projection(module: nn.Module) -> str:
@@ -91,7 +118,9 @@ class Int8Experts(nn.Module):
         """Whether ``module`` is one Int8Experts reproduces: gate_up_proj / down_proj (either
         orientation, biases or not, any gate / up order its ``_apply_gate`` reads), or for ungated
         experts up_proj / down_proj and an ``act_fn``, and no norm after the experts (transformers'
-        experts-interface flags)."""
+        experts-interface flags); or DBRX's layout (see ``_glu_weights``)."""
+        if _glu_weights(module) is not None:
+            return True
         gated, first = getattr(module, "has_gate", True), _first_projection(module)
         return (isinstance(getattr(module, first, None), torch.Tensor)
                 and isinstance(getattr(module, "down_proj", None), torch.Tensor)
@@ -107,6 +136,10 @@ class Int8Experts(nn.Module):
         if not cls.supports(module):
             raise TypeError(f"Int8Experts.from_float: {type(module).__name__} does not have 3-D gate_up_proj / "
                             "down_proj weights (with both biases if any) and a gating Int8Experts can run")
+        glu = _glu_weights(module)
+        if glu is not None:
+            gate_up, down, act_fn = glu
+            return cls(_quantize_experts(gate_up, False), _quantize_experts(down, False), HalvesGating(act_fn))
         transposed = getattr(module, "is_transposed", False)
         first = _first_projection(module)
         biases = ((getattr(module, f"{first}_bias").detach(), module.down_proj_bias.detach())
@@ -116,9 +149,12 @@ class Int8Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden_states [tokens, H] (or [..., H]: DBRX's are [B, T, H]), top_k_index / top_k_weights
+        [tokens, k] -> [tokens, H] (hidden_states' shape)."""
         tokens, top_k = top_k_index.shape
         experts = top_k_index.reshape(-1)
-        rows = hidden_states.repeat_interleave(top_k, dim=0)  # row t * k + j: token t, its j-th expert
+        # row t * k + j: token t, its j-th expert
+        rows = hidden_states.reshape(tokens, -1).repeat_interleave(top_k, dim=0)
         if rows.shape[0] >= GROUPED_MIN_ROWS and not is_tracing():
             out = self._grouped(rows, experts)
         else:
@@ -127,7 +163,7 @@ class Int8Experts(nn.Module):
             out = int8_expert_linear(self.gating(gate_up), self.down_qweight, self.down_scales, experts, self.down_bias,
                                      check_experts=False)
         weighted = out.float() * top_k_weights.reshape(-1, 1).float()
-        return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+        return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype).view(hidden_states.shape)
 
     def _grouped(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Eager prompt path: each chosen expert's rows through the tiled int8_linear kernels."""

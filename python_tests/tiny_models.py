@@ -109,6 +109,12 @@ AUTO_CONFIGS = {
     "lfm2": lambda layers: dict(layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)],
                                 full_attn_idxs=list(range(1, layers, 2)), block_ff_dim=128,
                                 block_auto_adjust_ff_dim=False, conv_L_cache=3),
+    # attention and Mamba-2 side by side in every layer; muP multipliers (1 by default: here not)
+    "falcon_h1": lambda layers: dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                                     mamba_n_groups=1, mamba_chunk_size=8, mlp_multipliers=[0.5, 2.0],
+                                     key_multiplier=0.7, attention_in_multiplier=1.3, attention_out_multiplier=0.8,
+                                     ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.5], ssm_in_multiplier=1.2,
+                                     ssm_out_multiplier=0.9, embedding_multiplier=2.0, lm_head_multiplier=0.5),
     "lfm2_moe": lambda layers: dict(layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)],
                                     num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                     conv_L_cache=3),
@@ -298,7 +304,9 @@ WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "
             "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
-          "nemotron_h", "lfm2", "lfm2_moe", "lfm3")
+          "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1")
+# hybrids whose layers run attention and a recurrent block side by side (every layer has both caches)
+PARALLEL_HYBRID = ("falcon_h1",)
 # families whose tiny configs soft-cap attention scores (ATTENTION_SOFTCAP) or have attention sinks
 SOFTCAPPED = ("gemma2", "vaultgemma")
 WITH_SINKS = ("gpt_oss", "granitemoe_swa", "granite_swa", "flint")

@@ -71,7 +71,7 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
     if not torch.compiler.is_compiling():
         gptfast_cache.attention_calls += 1  # checked by after_forward
     layer = gptfast_cache.layers[module.layer_idx]
-    dtype = layer.dtype
+    dtype = layer.keys.dtype
     out = kv_cache_attention(query.to(dtype), key.to(dtype), value.to(dtype), layer.keys, layer.values,
                              gptfast_cache.step_positions(), scaling, window=sliding_window, softcap=softcap,
                              sinks=s_aux, backend=backend,

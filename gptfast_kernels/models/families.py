@@ -52,11 +52,12 @@ class Family:
 
     def layer_kinds(self, config) -> list[str]:
         """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /
-        values) or "none" (an MLP or MoE block that is a layer of its own: no cache)."""
+        values), "both" (attention and a recurrent block side by side: Falcon-H1) or "none" (an MLP
+        or MoE block that is a layer of its own: no cache)."""
         layers = config.num_hidden_layers  # layer_types may run longer (a config cut to fewer layers)
         kinds = list(getattr(config, "layer_types", None) or ())[:layers]
-        return [("recurrent" if kind in self.recurrent_layer_types else "none" if kind in CACHELESS else "attention")
-                for kind in kinds] + ["attention"] * (layers - len(kinds))
+        return [("recurrent" if kind in self.recurrent_layer_types else "none" if kind in CACHELESS else
+                 "both" if kind in PARALLEL else "attention") for kind in kinds] + ["attention"] * (layers - len(kinds))
 
     @property
     def experts_classes(self) -> tuple[str, ...]:
@@ -95,6 +96,8 @@ class Family:
 # MoE blocks that are layers of their own), as transformers' configs name them
 RECURRENT = ("linear_attention", "mamba", "conv")
 CACHELESS = ("mlp", "moe")
+# and of layers running attention and a recurrent block side by side (Falcon-H1's)
+PARALLEL = ("hybrid",)
 # the first transformers release whose hybrid models work on a StaticKVCache (tested: 5.17 and 5.23;
 # in 5.8 to 5.14 some read other state attributes, or restart a state on multi-token inputs)
 HYBRID_FROM = "5.17"
@@ -225,6 +228,10 @@ FAMILIES: dict[str, Family] = {
         # and sliding-window layers, a sigmoid gate per head on the attention output
         Family("lfm3", "Lfm3Attention", "num_key_value_heads", "head_dim", recurrent_layer_types=RECURRENT,
                supported_from=HYBRID_FROM),
+        # attention and Mamba-2 side by side in every layer; muP multipliers (its MLP's gate is scaled
+        # before the activation, so gate and up are not fused)
+        Family("falcon_h1", "FalconH1Attention", "num_key_value_heads", "head_dim",
+               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
         # learned positions; before 5.18 its model sizes a mask by the cache length (untraceable)

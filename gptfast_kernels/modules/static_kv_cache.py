@@ -96,6 +96,24 @@ class StaticKVLayer(CacheLayerMixin):
         self.values.zero_()
 
 
+class StaticKVStateLayer(LinearAttentionLayer, StaticKVLayer):
+    """A layer that has both (Falcon-H1's: attention and Mamba side by side): static keys / values,
+    and transformers' recurrent states (as its ``LinearAttentionAndStaticFullAttentionLayer``)."""
+
+    def __init__(self, batch_size: int, num_heads: int, max_cache_len: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype):
+        StaticKVLayer.__init__(self, batch_size, num_heads, max_cache_len, head_dim, device, dtype)
+        LinearAttentionLayer.__init__(self)  # device / dtype become the states' (set when they first arrive)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if not args:  # the states' (keywords); the key / value buffers exist from the start
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        StaticKVLayer.reset(self)
+
+
 class StaticKVCache(Cache):
     """Preallocated KV cache with per-row lengths.
 
@@ -121,8 +139,9 @@ class StaticKVCache(Cache):
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"StaticKVCache: dtype must be float16, bfloat16 or float32, got {dtype}")
         device = torch.device("cpu") if device is None else torch.device(device)
+        attention = {"attention": StaticKVLayer, "both": StaticKVStateLayer}
         layers = [LinearAttentionLayer() if kind == "recurrent" else NoCacheLayer() if kind == "none" else
-                  StaticKVLayer(batch_size, num_heads, max_cache_len, head_dim, device, dtype)
+                  attention[kind](batch_size, num_heads, max_cache_len, head_dim, device, dtype)
                   for kind in layer_kinds(config)]
         super().__init__(layers=layers)
         attention_indices = [i for i, layer in enumerate(layers) if isinstance(layer, StaticKVLayer)]
@@ -316,11 +335,11 @@ class StaticKVCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         beam_idx = beam_idx.to(self.device)
         for layer in self.layers:
-            if not isinstance(layer, StaticKVLayer):
-                layer.reorder_cache(beam_idx)
-                continue
-            layer.keys.copy_(layer.keys.index_select(0, beam_idx))
-            layer.values.copy_(layer.values.index_select(0, beam_idx))
+            if isinstance(layer, LinearAttentionLayer):  # recurrent states (Falcon-H1's layers: and keys / values)
+                LinearAttentionLayer.reorder_cache(layer, beam_idx)
+            if isinstance(layer, StaticKVLayer):
+                layer.keys.copy_(layer.keys.index_select(0, beam_idx))
+                layer.values.copy_(layer.values.index_select(0, beam_idx))
         self.seq_lengths.copy_(self.seq_lengths.index_select(0, beam_idx))
 
     def __repr__(self) -> str:

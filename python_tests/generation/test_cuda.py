@@ -31,7 +31,7 @@ def test_greedy_equals_transformers(family):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text", "lfm2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text", "lfm2", "falcon_h1"])
 def test_compiled_cuda_graph_decode_equals_eager(family):
     """compile=True: torch.compile(fullgraph=True, mode="reduce-overhead") per step, so the decode
     step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse).

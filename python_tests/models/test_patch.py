@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, BertConfig, DynamicCache, Gemma3C
 import gptfast_kernels.models.attention as attention
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels import Int8Linear, StaticKVCache, patch_model
-from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, MOE, SOFTCAPPED, WINDOW, WINDOWED,
+from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, MOE, PARALLEL_HYBRID, SOFTCAPPED, WINDOW, WINDOWED,
                                      WITH_SINKS, dequantized_copy, experts_per_token, patched_copy, ragged_prompts,
                                      tiny_model)
 
@@ -94,8 +94,8 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
     with torch.no_grad():
         cache = StaticKVCache(patched.config, 1, 8)
         layers = len(cache.attention_layers)  # all 3, but for a hybrid model's recurrent layers
-        # the tiny hybrids: recurrent, full, recurrent (LFM3: conv, sliding, full)
-        assert layers == (3 if family not in HYBRID else 2 if family == "lfm3" else 1)
+        # the tiny hybrids: recurrent, full, recurrent (LFM3: conv, sliding, full; Falcon-H1: both in each)
+        assert layers == (3 if family not in HYBRID or family in PARALLEL_HYBRID else 2 if family == "lfm3" else 1)
         patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
         assert len(calls) == layers
         patched(torch.tensor([[6]]), past_key_values=cache)

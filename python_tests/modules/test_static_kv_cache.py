@@ -8,7 +8,7 @@ from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from gptfast_kernels import StaticKVCache
 from gptfast_kernels.modules.static_kv_cache import NoCacheLayer
-from python_tests.tiny_models import AUTO_CONFIGS, FAMILIES, HYBRID, tiny_config, tiny_model
+from python_tests.tiny_models import AUTO_CONFIGS, FAMILIES, HYBRID, PARALLEL_HYBRID, tiny_config, tiny_model
 
 GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwen3": (2, 2, 16),
             "gemma": (2, 1, 32), "gemma2": (2, 2, 16), "gemma3_text": (2, 2, 16), "olmo2": (2, 2, 16),
@@ -26,13 +26,16 @@ def test_buffers_follow_the_config(family):
     layers, kv_heads, head_dim = GEOMETRY[family]
     cache = StaticKVCache(tiny_config(family), 3, 20, dtype=torch.bfloat16)
     assert isinstance(cache, Cache) and len(cache.layers) == layers
-    # a hybrid model's recurrent layers (layer 0 of the tiny Qwen3.5) hold transformers' state layer
+    # a hybrid model's recurrent layers (layer 0 of the tiny Qwen3.5; every layer of Falcon-H1, which
+    # also attends in each) hold transformers' state layer
     recurrent = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionLayer)]
-    assert recurrent == ([0] if family in HYBRID else []) and cache.has_recurrent_layers == bool(recurrent)
+    want = list(range(layers)) if family in PARALLEL_HYBRID else [0] if family in HYBRID else []
+    assert recurrent == want and cache.has_recurrent_layers == bool(recurrent)
     # Nemotron-H's MoE and MLP blocks are layers of their own (1 and 3 of its tiny config), with no cache
     cacheless = [i for i, layer in enumerate(cache.layers) if isinstance(layer, NoCacheLayer)]
     assert cacheless == ([1, 3] if family == "nemotron_h" else [])
-    assert len(cache.attention_layers) == layers - len(recurrent) - len(cacheless)
+    both = len(recurrent) if family in PARALLEL_HYBRID else 0
+    assert len(cache.attention_layers) == layers - len(recurrent) - len(cacheless) + both
     for layer in cache.attention_layers:
         assert layer.keys.shape == (3, kv_heads, 20, head_dim) == layer.values.shape
         assert layer.keys.dtype == torch.bfloat16
@@ -159,3 +162,32 @@ def test_transformers_generate_with_it_names_the_way_that_works():
     with pytest.raises(ValueError, match="4-D attention_mask.*gptfast_kernels.generate"):
         patched.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                          past_key_values=StaticKVCache(patched.config, 2, 16))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "falcon_h1"])
+def test_hybrid_reorder_and_reset_move_states_and_keys_together(family):
+    """reorder_cache permutes the rows of every key / value buffer, recurrent state and length (a
+    Falcon-H1 layer holds both kinds); reset empties them all."""
+    from python_tests.tiny_models import patched_copy
+
+    model = patched_copy(tiny_model(family), int8=False)
+    cache = StaticKVCache(model.config, 2, 8)
+    ids = torch.randint(2, 90, (2, 4), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]), past_key_values=cache)
+    recurrent = [layer for layer in cache.layers if isinstance(layer, LinearAttentionLayer)]
+    assert recurrent and (family != "falcon_h1" or all(layer in cache.attention_layers for layer in recurrent))
+
+    def snapshot():
+        states = [state for layer in recurrent for state in (*layer.conv_states.values(),
+                                                             *layer.recurrent_states.values()) if state is not None]
+        kv = [t for layer in cache.attention_layers for t in (layer.keys, layer.values)]
+        return [t.clone() for t in (*states, *kv, cache.seq_lengths)]
+
+    before = snapshot()
+    assert cache.seq_lengths.tolist() == [4, 3] and all(bool(t[0].ne(t[1]).any()) for t in before)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    for old, new in zip(before, snapshot(), strict=True):
+        assert torch.equal(new, old.flip(0))
+    cache.reset()
+    assert all(not t.any() for t in snapshot())

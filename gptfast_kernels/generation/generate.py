@@ -8,7 +8,8 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import check_sampling_args, pick_tokens
+from gptfast_kernels.generation.sampling import (apply_repetition_penalty, check_repetition_penalty, check_sampling_args,
+                                                 pick_tokens, seen_tokens)
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 
@@ -25,8 +26,8 @@ EOS_CHECK_STEPS = 8
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             min_p: float | None = None, eos_token_id: int | list[int] | None = None,
-             generator: torch.Generator | None = None,
+             min_p: float | None = None, repetition_penalty: float | None = None,
+             eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
              past_key_values: StaticKVCache | None = None, compile: bool = False, streamer=None) -> GenerateOutput:
     """Decodes up to ``max_new_tokens`` per row from a model patched with ``patch_model``.
 
@@ -38,6 +39,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     reuse (its rows are emptied first); by default one of the needed size is allocated.
     ``compile``: run each decode step through torch.compile (a CUDA graph on GPUs); the model then
     keeps its compiled step and its cache for later calls (see generation/forward.py).
+    ``repetition_penalty``: as transformers' (CTRL's): before sampling, the logit of every token
+    already in the row (its prompt, padding aside, and what it generated) is divided by it where
+    positive and multiplied by it where negative; > 1 discourages repeats.
     ``streamer``: as in transformers, ``put`` gets the prompt [B, P], then each step's tokens [B]
     (the pad id for finished rows), on the CPU; then ``end()``. Each put waits for the device.
     Returns GenerateOutput(sequences [B, P + n]) with n <= max_new_tokens.
@@ -48,6 +52,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     prompt = common.check_prompt(op, input_ids, attention_mask, device, common.input_vocab_size(model))
     max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
     check_sampling_args(op, temperature, top_k, top_p, min_p)
+    check_repetition_penalty(op, repetition_penalty)
     eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
     common.check_streamer(op, streamer)
     B = prompt.input_ids.shape[0]
@@ -76,9 +81,15 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.zeros(B, dtype=torch.int64, device=device)  # new tokens up to each row's eos
+    penalize = repetition_penalty is not None and repetition_penalty != 1
+    seen = seen_tokens(prompt.input_ids, prompt.attention_mask, logits.shape[-1]) if penalize else None
     new_tokens = []
     for step in range(max_new_tokens):
+        if penalize:
+            logits = apply_repetition_penalty(logits, seen, repetition_penalty)
         tokens = pick_tokens(logits, temperature, top_k, top_p, min_p, generator)
+        if penalize:
+            seen.scatter_(1, tokens[:, None], True)
         tokens = torch.where(finished, pad, tokens)
         new_tokens.append(tokens)
         lengths += ~finished

@@ -1,4 +1,5 @@
-"""Logits -> token distributions (temperature, top-k, top-p, min-p) and the checks every generator shares."""
+"""Logits -> token distributions (temperature, top-k, top-p, min-p; generate's repetition penalty) and
+the checks every generator shares."""
 
 from __future__ import annotations
 
@@ -19,6 +20,28 @@ def check_sampling_args(op: str, temperature, top_k, top_p, min_p=None) -> None:
     if min_p is not None and (isinstance(min_p, bool) or not isinstance(min_p, (int, float))
                               or not 0 <= min_p <= 1):
         raise ValueError(f"{op}: min_p must be None or a number in [0, 1], got {min_p!r}")
+
+
+def check_repetition_penalty(op: str, penalty) -> None:
+    if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float))
+                                or not math.isfinite(penalty) or penalty <= 0):
+        raise ValueError(f"{op}: repetition_penalty must be None or a finite number > 0 (1 = none), got {penalty!r}")
+
+
+def seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """input_ids [B, P] and their mask -> [B, vocab_size] bool: which tokens each row's real (not
+    padding) tokens hold (ids past the output vocabulary, which no logit scores, are left out)."""
+    seen = torch.zeros(input_ids.shape[0], vocab_size + 1, dtype=torch.bool, device=input_ids.device)
+    real = (attention_mask != 0) & (input_ids < vocab_size)
+    seen.scatter_(1, torch.where(real, input_ids, vocab_size), True)  # the rest into a dump column
+    return seen[:, :vocab_size]
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """[B, V] logits -> the same with each ``seen`` token's logit divided by ``penalty`` where it is
+    positive and multiplied by it where negative (CTRL's repetition penalty, as transformers'
+    ``repetition_penalty``: > 1 makes repeats less likely)."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,

@@ -6,12 +6,12 @@ import copy
 
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from gptfast_kernels import Int8Linear, StaticKVCache, generate
 from gptfast_kernels.models.families import family_of, transformers_before
-from gptfast_kernels.generation.sampling import logits_to_probs
+from gptfast_kernels.generation.sampling import apply_repetition_penalty, logits_to_probs, seen_tokens
 from python_tests import tiny_models
 from python_tests.tiny_models import (EOS, FAMILIES, MOE, PAD, RecordingStreamer, patched_copy,
                                       ragged_prompts, tiny_model)
@@ -160,6 +160,51 @@ def test_probabilities_match_transformers_warpers(temperature, top_k, top_p, min
         assert ((got == 0) & (logits_to_probs(logits, temperature, top_k, top_p) > 0)).any()
 
 
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_equals_transformers_processor(penalty):
+    """On the logits: transformers' RepetitionPenaltyLogitsProcessor over the same tokens (here no
+    padding, where the two agree; transformers also penalises the pad id of padded rows)."""
+    logits = torch.randn(4, 97) * 3
+    ids = torch.randint(0, 97, (4, 9), generator=torch.Generator().manual_seed(2))
+    want = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
+    got = apply_repetition_penalty(logits, seen_tokens(ids, torch.ones_like(ids), 97), penalty)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert not torch.equal(got, logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text"])
+@pytest.mark.parametrize("penalty", [1.5, 0.6])
+def test_greedy_with_repetition_penalty_equals_transformers(family, penalty):
+    """Greedy decoding with a repetition penalty equals transformers' generate with the same
+    penalty, and differs from decoding without it (the penalty acted)."""
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=False)
+    ids = torch.randint(2, 90, (3, 6), generator=torch.Generator().manual_seed(6))
+    got = generate(patched, ids, max_new_tokens=NEW, repetition_penalty=penalty, eos_token_id=[]).sequences
+    want = hf_greedy(model, ids, torch.ones_like(ids), repetition_penalty=penalty, eos_token_id=None,
+                     pad_token_id=PAD)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, generate(patched, ids, max_new_tokens=NEW, eos_token_id=[]).sequences)
+
+
+def test_repetition_penalty_ignores_padding_and_rows_stay_independent():
+    """A left-padded row with the penalty decodes as it does alone: its padding tokens are not
+    "seen", and no row's tokens count for another."""
+    patched = patched_copy(tiny_model("llama"), int8=False)
+    ids, mask = ragged_prompts(3, 7, "left")
+    alone = []
+    for b in range(3):
+        real = ids[b][mask[b] == 1][None]
+        alone.append(generate(patched, real, max_new_tokens=NEW, repetition_penalty=3.0,
+                              eos_token_id=[]).sequences[0, real.shape[1]:])
+        # padding that holds the row's own first new token: penalised, it would no longer come first
+        ids[b] = ids[b].masked_fill(mask[b] == 0, int(alone[b][0]))
+    batch = generate(patched, ids, mask, max_new_tokens=NEW, repetition_penalty=3.0, eos_token_id=[]).sequences
+    assert (mask == 0).any(dim=1).sum() >= 2
+    for b in range(3):
+        assert torch.equal(batch[b, 7:], alone[b])
+
+
 def test_sampled_tokens_follow_the_distribution():
     """One step sampled for 20000 identical rows: the token counts fit the model's top-k
     distribution (chi-square), so sampling is exact, not "returns some token"."""
@@ -196,6 +241,10 @@ def test_sampled_tokens_follow_the_distribution():
     (dict(min_p=1.5), "min_p", ValueError),
     (dict(min_p=float("nan")), "min_p", ValueError),
     (dict(min_p=True), "min_p", ValueError),
+    (dict(repetition_penalty=0.0), "repetition_penalty", ValueError),
+    (dict(repetition_penalty=-1.2), "repetition_penalty", ValueError),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty", ValueError),
+    (dict(repetition_penalty=True), "repetition_penalty", ValueError),
     (dict(eos_token_id="eos"), "eos_token_id", ValueError),
     (dict(past_key_values="cache"), "past_key_values", ValueError),
 ])

@@ -2,7 +2,7 @@
 all k + 1 positions in one forward (kv_cache_attention with T = k + 1) and ``verify_draft``
 accepts a prefix per row; rows advance by different amounts and finish independently. Greedy
 output equals the target's own greedy decoding; sampled output follows the target's distribution
-(after temperature / top-k / top-p), whatever the proposals.
+(after the repetition penalty and temperature / top-k / top-p / min-p), whatever the proposals.
 
 ``speculative_generate`` proposes with a draft model (DraftModelProposer); the round loop
 (SpeculativeRounds) also serves prompt-lookup decoding (generation/prompt_lookup.py).
@@ -18,7 +18,8 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import check_sampling_args, logits_to_probs, sample_from
+from gptfast_kernels.generation.sampling import (apply_repetition_penalty, check_repetition_penalty, check_sampling_args,
+                                                 logits_to_probs, sample_from, seen_tokens)
 from gptfast_kernels.ops._dispatch import check_int
 from gptfast_kernels.ops.verify_draft import verify_draft
 
@@ -35,14 +36,17 @@ class SpeculativeOutput:
 def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                          *, max_new_tokens: int, speculate_k: int = 4, temperature: float = 0.0,
                          top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-                         eos_token_id: int | list[int] | None = None,
+                         repetition_penalty: float | None = None, eos_token_id: int | list[int] | None = None,
                          generator: torch.Generator | None = None, compile: bool = False,
                          streamer=None) -> SpeculativeOutput:
     """input_ids [B, P] (attention_mask [B, P], 0 = padding, left or right) -> SpeculativeOutput.
     Both models must be patched (patch_model) and share a vocabulary. ``compile``: run the draft's
     and the target's per-round forwards through torch.compile (CUDA graphs on GPUs), as in
     ``generate``. ``streamer`` (one prompt only, as in transformers' assisted generation): ``put``
-    gets the prompt [1, P], then each round's new tokens [1, n] on the CPU; then ``end()``."""
+    gets the prompt [1, P], then each round's new tokens [1, n] on the CPU; then ``end()``.
+    ``repetition_penalty`` as in ``generate``: the target's distribution at each position penalises
+    the tokens before it (the drafts before it included), so the output is still exactly the
+    penalised target's; the draft's distributions are penalised the same way."""
     op = "speculative_generate"
     common.check_model(op, "model", model)
     common.check_model(op, "draft_model", draft_model)
@@ -58,7 +62,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
                                        temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
                                        min(common.input_vocab_size(model), common.input_vocab_size(draft_model)),
-                                       streamer)
+                                       streamer, repetition_penalty)
     return rounds.run(lambda capacity: DraftModelProposer(draft_model, rounds.batch_size, capacity, compile))
 
 
@@ -103,9 +107,12 @@ class DraftModelProposer:
         first_input = torch.stack([self.pending.clamp(min=0), last], dim=1)
         first_mask = torch.stack([(self.pending >= 0) & active, active], dim=1)
         logits = self.step(first_input, first_mask, self.cache)[:, -1]
+        seen = None if history.seen is None else history.seen.clone()  # and the drafts, as they come
         tokens, probs = [], []
         for i in range(k):
-            token, distribution = pick(logits)
+            token, distribution = pick(logits, seen)
+            if seen is not None:
+                seen.scatter_(1, token[:, None], True)
             tokens.append(token)
             probs.append(distribution)
             if i < k - 1:
@@ -122,9 +129,11 @@ class DraftModelProposer:
 @dataclass
 class History:
     """What every row has generated so far (after its prompt): ``generated`` [B, W], valid up to
-    ``num_generated`` [B] per row."""
+    ``num_generated`` [B] per row; with a repetition penalty, ``seen`` [B, V + 1] bool: the tokens
+    of each row's text so far (column V: a dump for masked writes), else None."""
     generated: torch.Tensor
     num_generated: torch.Tensor
+    seen: torch.Tensor | None = None
 
 
 @dataclass
@@ -145,10 +154,12 @@ class SpeculativeRounds:
     generator: torch.Generator | None
     compile: bool
     streamer: object = None
+    repetition_penalty: float | None = None
 
     @classmethod
     def checked(cls, op, model, input_ids, attention_mask, max_new_tokens, speculate_k, temperature, top_k, top_p,
-                min_p, eos_token_id, generator, compile, vocab_size, streamer) -> "SpeculativeRounds":
+                min_p, eos_token_id, generator, compile, vocab_size, streamer,
+                repetition_penalty=None) -> "SpeculativeRounds":
         """Validates the arguments every speculative generator shares (``op`` names the caller)."""
         common.check_model(op, "model", model)
         common.check_rollback(op, "model", model)
@@ -157,13 +168,14 @@ class SpeculativeRounds:
         prompt = common.check_prompt(op, input_ids, attention_mask, device, vocab_size)
         max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
         check_sampling_args(op, temperature, top_k, top_p, min_p)
+        check_repetition_penalty(op, repetition_penalty)
         eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
         common.check_streamer(op, streamer)
         if streamer is not None and prompt.input_ids.shape[0] != 1:
             raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
                              f"per round), got a batch of {prompt.input_ids.shape[0]}")
         return cls(model, prompt, max_new_tokens, speculate_k, temperature, top_k, top_p, min_p, eos, pad, generator,
-                   compile, streamer)
+                   compile, streamer, None if repetition_penalty == 1 else repetition_penalty)
 
     @property
     def batch_size(self) -> int:
@@ -173,9 +185,17 @@ class SpeculativeRounds:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def pick(self, logits):
+    def penalized(self, logits, seen):
+        """logits [..., V] with the repetition penalty over ``seen`` [..., V + 1] (None: as they are)."""
+        if seen is None:
+            return logits
+        return apply_repetition_penalty(logits, seen[..., :logits.shape[-1]], self.repetition_penalty)
+
+    def pick(self, logits, seen=None):
         """[B, V] logits -> ([B] tokens, [B, V] float32 probabilities, or None when greedy: greedy
-        verification needs only the target's argmax, so no distribution is built)."""
+        verification needs only the target's argmax, so no distribution is built). ``seen``: the
+        tokens the repetition penalty applies to, [B, V + 1] (None: no penalty)."""
+        logits = self.penalized(logits, seen)
         if self.greedy:
             return logits.argmax(dim=-1), None
         probs = logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
@@ -202,7 +222,14 @@ class SpeculativeRounds:
         logits = model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=target_cache,
                        **prefill_kwargs).logits
         proposer.prefill(prompt)
-        last, _ = self.pick(common.last_real_logits(logits, prompt))
+        logits = common.last_real_logits(logits, prompt)
+        V = logits.shape[-1]
+        seen = None
+        if self.repetition_penalty is not None:  # [B, V + 1]: column V absorbs masked writes
+            seen = torch.nn.functional.pad(seen_tokens(prompt.input_ids, prompt.attention_mask, V), (0, 1))
+        last, _ = self.pick(logits, seen)
+        if seen is not None:
+            seen.scatter_(1, last[:, None], True)
 
         eos_ids = torch.tensor(self.eos, dtype=torch.int64, device=device)
         # generated tokens; a round writes up to k + 1 more, and column `dump` absorbs masked writes
@@ -219,11 +246,15 @@ class SpeculativeRounds:
         while not bool(finished.all()):
             active = ~finished
             # 1. k proposals per row (finished rows are padding: nothing written)
-            draft_tokens, draft_probs = proposer.propose(self, last, active, History(out, num_generated))
+            draft_tokens, draft_probs = proposer.propose(self, last, active, History(out, num_generated, seen))
 
             # 2. the target scores last + k drafts in one forward, 3. verify every row at once
             target_input = torch.cat([last[:, None], draft_tokens], dim=1)
             target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
+            if seen is not None:  # position i penalises the text so far and the drafts before it
+                drafted = torch.zeros(B, k + 1, V + 1, dtype=torch.bool, device=device)
+                drafted[:, 1:].scatter_(2, draft_tokens[:, :, None], True)
+                target_logits = self.penalized(target_logits, seen[:, None] | (drafted.cumsum(dim=1) > 0))
             # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync).
             # Greedy verification compares the drafts with the target's argmax, which the logits give
             # as they are (the target's own greedy decoding takes the argmax of its logits, too).
@@ -252,6 +283,8 @@ class SpeculativeRounds:
             emitted &= ~after_eos
             slots = torch.where(emitted, num_generated[:, None] + columns[None, :], dump)
             out.scatter_(1, slots, torch.where(emitted, tokens, pad))
+            if seen is not None:
+                seen.scatter_(1, torch.where(emitted, tokens, V), True)
             if streamer is not None:  # one row: its new tokens, up to max_new_tokens
                 room = self.max_new_tokens - int(num_generated[0])
                 streamer.put(tokens[:, :min(int(emitted.sum()), room)].cpu())

@@ -84,6 +84,18 @@ def test_greedy_equals_target_greedy(family, int8, side):
     assert out.acceptance_rate > 0
 
 
+def test_greedy_with_repetition_penalty_equals_generate():
+    """With a repetition penalty the lookup's proposals meet a penalised target: the output is
+    still generate's with the same penalty."""
+    patched = patched_copy(tiny_model("llama", layers=3), int8=False)
+    ids, mask = ragged_prompts(4, 8, "left", seed=3)
+    out = prompt_lookup_generate(patched, ids, mask, max_new_tokens=NEW, speculate_k=3, repetition_penalty=1.4,
+                                 eos_token_id=[])
+    want = generate(patched, ids, mask, max_new_tokens=NEW, repetition_penalty=1.4, eos_token_id=[]).sequences
+    assert torch.equal(out.sequences, want)
+    assert out.acceptance_rate > 0
+
+
 def _bigram_model():
     """A target whose next token depends on the current token only (every attention output zeroed):
     its greedy text soon cycles, and then every lookup of the last token finds the exact
@@ -162,6 +174,8 @@ def test_bad_arguments_name_the_argument():
         prompt_lookup_generate(patched, torch.tensor([[2, 300]]), max_new_tokens=4)
     with pytest.raises(ValueError, match="temperature"):
         prompt_lookup_generate(patched, ids, max_new_tokens=4, temperature=-1.0)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        prompt_lookup_generate(patched, ids, max_new_tokens=4, repetition_penalty=float("nan"))
     out = prompt_lookup_generate(patched, ids, max_new_tokens=0)
     assert torch.equal(out.sequences, ids) and out.acceptance_rate == 0.0
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gptfast_kernels import generate, patch_model, speculative_generate
-from gptfast_kernels.generation.sampling import logits_to_probs
+from gptfast_kernels.generation.sampling import apply_repetition_penalty, logits_to_probs, seen_tokens
 from python_tests.tiny_models import draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 
 NEW = 20
@@ -60,12 +60,19 @@ def test_identical_draft_accepts_everything():
     assert out.sequences.shape == (3, 5 + 13)
 
 
-def _exact_target_distribution(model, prompt, steps, vocab, temperature, min_p=None):
-    """P(t1..t_steps | prompt) for every sequence, by enumeration: [vocab] * steps array."""
+def _exact_target_distribution(model, prompt, steps, vocab, temperature, min_p=None, repetition_penalty=None):
+    """P(t1..t_steps | prompt) for every sequence, by enumeration: [vocab] * steps array (with a
+    repetition penalty, each step's logits penalise the prompt and the tokens before it)."""
     seqs = torch.tensor(list(itertools.product(range(vocab), repeat=steps - 1)), dtype=torch.int64)
     full = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
+    P = prompt.shape[1]
     with torch.no_grad():
-        probs = logits_to_probs(model(full).logits[:, prompt.shape[1] - 1:], temperature, min_p=min_p)  # [N, steps, V]
+        logits = model(full).logits[:, P - 1:]  # [N, steps, V]
+        if repetition_penalty is not None:
+            logits = torch.stack([apply_repetition_penalty(logits[:, i], seen_tokens(
+                full[:, :P + i], torch.ones_like(full[:, :P + i]), vocab), repetition_penalty)
+                for i in range(steps)], dim=1)
+        probs = logits_to_probs(logits, temperature, min_p=min_p)
     joint = torch.ones(len(seqs), vocab, dtype=torch.float64)
     for i in range(steps - 1):
         joint *= probs[:, i].double().gather(1, seqs[:, i:i + 1])
@@ -73,8 +80,9 @@ def _exact_target_distribution(model, prompt, steps, vocab, temperature, min_p=N
     return joint.reshape([vocab] * steps)
 
 
-@pytest.mark.parametrize("int8, min_p", [(False, None), (True, None), (False, 0.3)], ids=["float", "int8", "min-p"])
-def test_sampling_follows_the_target_distribution(int8, min_p):
+@pytest.mark.parametrize("int8, min_p, penalty", [(False, None, None), (True, None, None), (False, 0.3, None),
+                                                  (False, None, 1.8)], ids=["float", "int8", "min-p", "repetition"])
+def test_sampling_follows_the_target_distribution(int8, min_p, penalty):
     """20000 rows sample 3 tokens with a draft that disagrees with the target; the joint
     distribution of (t1, t2, t3) — t2 and t3 come from verification — fits the target's exact
     distribution (chi-square over the cells with enough mass; with min_p, the cells it removes
@@ -87,12 +95,13 @@ def test_sampling_follows_the_target_distribution(int8, min_p):
     prompt = torch.tensor([[2, 3]])
     g = torch.Generator().manual_seed(0)
     out = speculative_generate(target, draft, prompt.expand(rows, -1).contiguous(), max_new_tokens=steps,
-                               speculate_k=2, temperature=temperature, min_p=min_p, generator=g, eos_token_id=[])
+                               speculate_k=2, temperature=temperature, min_p=min_p, repetition_penalty=penalty,
+                               generator=g, eos_token_id=[])
     assert 0.05 < out.acceptance_rate < 0.95
     tokens = out.sequences[:, 2:]
     cells = (tokens * torch.tensor([vocab * vocab, vocab, 1])).sum(1)
     counts = torch.bincount(cells, minlength=vocab ** steps).double()
-    expected = _exact_target_distribution(target, prompt, steps, vocab, temperature, min_p).flatten() * rows
+    expected = _exact_target_distribution(target, prompt, steps, vocab, temperature, min_p, penalty).flatten() * rows
     assert counts[expected == 0].sum() == 0
     if min_p:
         assert (expected == 0).any()  # min_p removed some continuations
@@ -103,6 +112,21 @@ def test_sampling_follows_the_target_distribution(int8, min_p):
         wanted = torch.cat([wanted, expected[rare].sum()[None]])
     wanted = wanted / wanted.sum() * observed.sum()
     assert chisquare(observed.numpy(), wanted.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("penalty", [1.6, 0.7])
+def test_greedy_with_repetition_penalty_equals_generate(k, penalty):
+    """The target's distribution at each position penalises the tokens before it, drafts included:
+    greedy output equals generate's with the same penalty (itself equal to transformers')."""
+    _, patched, draft = _pair("llama", False)
+    ids, mask = ragged_prompts(4, 6, "left", seed=2)
+    want = generate(patched, ids, mask, max_new_tokens=NEW, repetition_penalty=penalty, eos_token_id=[]).sequences
+    out = speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=k,
+                               repetition_penalty=penalty, eos_token_id=[])
+    assert torch.equal(out.sequences, want)
+    assert not torch.equal(want, generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences)
+    assert 0 < out.acceptance_rate < 1
 
 
 def test_bad_inputs_raise_before_any_work():
@@ -119,6 +143,8 @@ def test_bad_inputs_raise_before_any_work():
         speculative_generate(patched, draft, ids, max_new_tokens=-2)
     with pytest.raises(ValueError, match="top_p"):
         speculative_generate(patched, draft, ids, max_new_tokens=2, temperature=1.0, top_p=1.5)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        speculative_generate(patched, draft, ids, max_new_tokens=2, repetition_penalty=0)
     out = speculative_generate(patched, draft, ids, max_new_tokens=0)
     assert torch.equal(out.sequences, ids) and out.acceptance_rate == 0.0
 

@@ -9,7 +9,7 @@ import torch
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.sampling import (apply_repetition_penalty, check_repetition_penalty, check_sampling_args,
-                                                 pick_tokens, seen_tokens)
+                                                 pick_tokens, seen_tokens, suppress_eos)
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 
@@ -26,7 +26,7 @@ EOS_CHECK_STEPS = 8
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             min_p: float | None = None, repetition_penalty: float | None = None,
+             min_p: float | None = None, repetition_penalty: float | None = None, min_new_tokens: int = 0,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
              past_key_values: StaticKVCache | None = None, compile: bool = False, streamer=None) -> GenerateOutput:
     """Decodes up to ``max_new_tokens`` per row from a model patched with ``patch_model``.
@@ -42,6 +42,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     ``repetition_penalty``: as transformers' (CTRL's): before sampling, the logit of every token
     already in the row (its prompt, padding aside, and what it generated) is divided by it where
     positive and multiplied by it where negative; > 1 discourages repeats.
+    ``min_new_tokens``: no eos before that many new tokens per row (their logits are -inf until
+    then), as transformers' ``min_new_tokens``.
     ``streamer``: as in transformers, ``put`` gets the prompt [B, P], then each step's tokens [B]
     (the pad id for finished rows), on the CPU; then ``end()``. Each put waits for the device.
     Returns GenerateOutput(sequences [B, P + n]) with n <= max_new_tokens.
@@ -53,6 +55,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
     check_sampling_args(op, temperature, top_k, top_p, min_p)
     check_repetition_penalty(op, repetition_penalty)
+    min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
     eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
     common.check_streamer(op, streamer)
     B = prompt.input_ids.shape[0]
@@ -87,6 +90,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     for step in range(max_new_tokens):
         if penalize:
             logits = apply_repetition_penalty(logits, seen, repetition_penalty)
+        if step < min_new_tokens and eos:  # every row has made `step` new tokens
+            logits = suppress_eos(logits, eos_ids, torch.ones(B, dtype=torch.bool, device=device))
         tokens = pick_tokens(logits, temperature, top_k, top_p, min_p, generator)
         if penalize:
             seen.scatter_(1, tokens[:, None], True)

@@ -44,6 +44,14 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
+def suppress_eos(logits: torch.Tensor, eos_ids: torch.Tensor, early: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits -> the same with the eos ids' logits at -inf where ``early`` [...] (bool) holds:
+    transformers' ``min_new_tokens`` (no eos before that many new tokens)."""
+    is_eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    is_eos[eos_ids[eos_ids < logits.shape[-1]]] = True
+    return logits.masked_fill(early[..., None] & is_eos, float("-inf"))
+
+
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
                     top_p: float | None = None, min_p: float | None = None) -> torch.Tensor:
     """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k, top-p (nucleus:

@@ -19,7 +19,7 @@ import torch
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.sampling import (apply_repetition_penalty, check_repetition_penalty, check_sampling_args,
-                                                 logits_to_probs, sample_from, seen_tokens)
+                                                 logits_to_probs, sample_from, seen_tokens, suppress_eos)
 from gptfast_kernels.ops._dispatch import check_int
 from gptfast_kernels.ops.verify_draft import verify_draft
 
@@ -36,9 +36,9 @@ class SpeculativeOutput:
 def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                          *, max_new_tokens: int, speculate_k: int = 4, temperature: float = 0.0,
                          top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-                         repetition_penalty: float | None = None, eos_token_id: int | list[int] | None = None,
-                         generator: torch.Generator | None = None, compile: bool = False,
-                         streamer=None) -> SpeculativeOutput:
+                         repetition_penalty: float | None = None, min_new_tokens: int = 0,
+                         eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
+                         compile: bool = False, streamer=None) -> SpeculativeOutput:
     """input_ids [B, P] (attention_mask [B, P], 0 = padding, left or right) -> SpeculativeOutput.
     Both models must be patched (patch_model) and share a vocabulary. ``compile``: run the draft's
     and the target's per-round forwards through torch.compile (CUDA graphs on GPUs), as in
@@ -46,7 +46,8 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     gets the prompt [1, P], then each round's new tokens [1, n] on the CPU; then ``end()``.
     ``repetition_penalty`` as in ``generate``: the target's distribution at each position penalises
     the tokens before it (the drafts before it included), so the output is still exactly the
-    penalised target's; the draft's distributions are penalised the same way."""
+    penalised target's; the draft's distributions are penalised the same way. ``min_new_tokens``
+    as in ``generate``, per position of a round likewise."""
     op = "speculative_generate"
     common.check_model(op, "model", model)
     common.check_model(op, "draft_model", draft_model)
@@ -62,7 +63,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
                                        temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
                                        min(common.input_vocab_size(model), common.input_vocab_size(draft_model)),
-                                       streamer, repetition_penalty)
+                                       streamer, repetition_penalty, min_new_tokens)
     return rounds.run(lambda capacity: DraftModelProposer(draft_model, rounds.batch_size, capacity, compile))
 
 
@@ -110,7 +111,7 @@ class DraftModelProposer:
         seen = None if history.seen is None else history.seen.clone()  # and the drafts, as they come
         tokens, probs = [], []
         for i in range(k):
-            token, distribution = pick(logits, seen)
+            token, distribution = pick(logits, seen, rounds.too_early(history.num_generated + i))
             if seen is not None:
                 seen.scatter_(1, token[:, None], True)
             tokens.append(token)
@@ -155,11 +156,13 @@ class SpeculativeRounds:
     compile: bool
     streamer: object = None
     repetition_penalty: float | None = None
+    min_new_tokens: int = 0
+    eos_ids: torch.Tensor | None = None  # the eos ids on the model's device (set by run)
 
     @classmethod
     def checked(cls, op, model, input_ids, attention_mask, max_new_tokens, speculate_k, temperature, top_k, top_p,
                 min_p, eos_token_id, generator, compile, vocab_size, streamer,
-                repetition_penalty=None) -> "SpeculativeRounds":
+                repetition_penalty=None, min_new_tokens=0) -> "SpeculativeRounds":
         """Validates the arguments every speculative generator shares (``op`` names the caller)."""
         common.check_model(op, "model", model)
         common.check_rollback(op, "model", model)
@@ -169,13 +172,14 @@ class SpeculativeRounds:
         max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
         check_sampling_args(op, temperature, top_k, top_p, min_p)
         check_repetition_penalty(op, repetition_penalty)
+        min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
         eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
         common.check_streamer(op, streamer)
         if streamer is not None and prompt.input_ids.shape[0] != 1:
             raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
                              f"per round), got a batch of {prompt.input_ids.shape[0]}")
         return cls(model, prompt, max_new_tokens, speculate_k, temperature, top_k, top_p, min_p, eos, pad, generator,
-                   compile, streamer, None if repetition_penalty == 1 else repetition_penalty)
+                   compile, streamer, None if repetition_penalty == 1 else repetition_penalty, min_new_tokens)
 
     @property
     def batch_size(self) -> int:
@@ -185,17 +189,26 @@ class SpeculativeRounds:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def penalized(self, logits, seen):
-        """logits [..., V] with the repetition penalty over ``seen`` [..., V + 1] (None: as they are)."""
-        if seen is None:
-            return logits
-        return apply_repetition_penalty(logits, seen[..., :logits.shape[-1]], self.repetition_penalty)
+    def too_early(self, made: torch.Tensor) -> torch.Tensor | None:
+        """Where a token would be new token number ``made`` (from 0) of its row, and so may not be an
+        eos (``min_new_tokens``); None when nothing is suppressed."""
+        return made < self.min_new_tokens if self.min_new_tokens and self.eos else None
 
-    def pick(self, logits, seen=None):
+    def processed(self, logits, seen, early):
+        """logits [..., V] with the repetition penalty over ``seen`` [..., V + 1] and the eos ids
+        suppressed where ``early`` [...] (each None: not applied)."""
+        if seen is not None:
+            logits = apply_repetition_penalty(logits, seen[..., :logits.shape[-1]], self.repetition_penalty)
+        if early is not None:
+            logits = suppress_eos(logits, self.eos_ids, early)
+        return logits
+
+    def pick(self, logits, seen=None, early=None):
         """[B, V] logits -> ([B] tokens, [B, V] float32 probabilities, or None when greedy: greedy
         verification needs only the target's argmax, so no distribution is built). ``seen``: the
-        tokens the repetition penalty applies to, [B, V + 1] (None: no penalty)."""
-        logits = self.penalized(logits, seen)
+        tokens the repetition penalty applies to, [B, V + 1]; ``early`` [B]: rows whose eos ids are
+        suppressed (see ``processed``)."""
+        logits = self.processed(logits, seen, early)
         if self.greedy:
             return logits.argmax(dim=-1), None
         probs = logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
@@ -206,6 +219,7 @@ class SpeculativeRounds:
         model, prompt, k, pad, B = self.model, self.prompt, self.k, self.pad, self.batch_size
         device, dtype = common.model_device_dtype(model)
         zeros = torch.zeros(B, dtype=torch.int64, device=device)
+        self.eos_ids = eos_ids = torch.tensor(self.eos, dtype=torch.int64, device=device)
         streamer = self.streamer
         if streamer is not None:
             streamer.put(prompt.input_ids.cpu())
@@ -227,11 +241,10 @@ class SpeculativeRounds:
         seen = None
         if self.repetition_penalty is not None:  # [B, V + 1]: column V absorbs masked writes
             seen = torch.nn.functional.pad(seen_tokens(prompt.input_ids, prompt.attention_mask, V), (0, 1))
-        last, _ = self.pick(logits, seen)
+        last, _ = self.pick(logits, seen, self.too_early(zeros))
         if seen is not None:
             seen.scatter_(1, last[:, None], True)
 
-        eos_ids = torch.tensor(self.eos, dtype=torch.int64, device=device)
         # generated tokens; a round writes up to k + 1 more, and column `dump` absorbs masked writes
         out = torch.full((B, self.max_new_tokens + 2 * (k + 1)), pad, dtype=torch.int64, device=device)
         dump = out.shape[1] - 1
@@ -251,10 +264,14 @@ class SpeculativeRounds:
             # 2. the target scores last + k drafts in one forward, 3. verify every row at once
             target_input = torch.cat([last[:, None], draft_tokens], dim=1)
             target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
+            round_seen = None
             if seen is not None:  # position i penalises the text so far and the drafts before it
                 drafted = torch.zeros(B, k + 1, V + 1, dtype=torch.bool, device=device)
                 drafted[:, 1:].scatter_(2, draft_tokens[:, :, None], True)
-                target_logits = self.penalized(target_logits, seen[:, None] | (drafted.cumsum(dim=1) > 0))
+                round_seen = seen[:, None] | (drafted.cumsum(dim=1) > 0)
+            # position i scores new token number num_generated + i of its row
+            target_logits = self.processed(target_logits, round_seen,
+                                           self.too_early(num_generated[:, None] + columns[None, :]))
             # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync).
             # Greedy verification compares the drafts with the target's argmax, which the logits give
             # as they are (the target's own greedy decoding takes the argmax of its logits, too).

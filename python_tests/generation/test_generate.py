@@ -115,6 +115,27 @@ def test_output_ends_where_the_last_row_stops(stop_steps):
     assert model.generation_config.eos_token_id == EOS
 
 
+def all_but(allowed):
+    """eos ids: every token of the tiny vocabulary but ``allowed``; a row then ends at the first step
+    whose argmax is not allowed, which min_new_tokens moves to exactly its boundary."""
+    return [t for t in range(tiny_models.VOCAB) if t not in allowed]
+
+
+def test_min_new_tokens_equals_transformers():
+    """No eos before min_new_tokens new tokens, as in transformers' generate: with nearly every
+    token an eos, each row makes exactly min_new_tokens tokens and then ends on an eos."""
+    model = tiny_model("llama")
+    patched = patched_copy(model, int8=False)
+    ids, mask = ragged_prompts(3, 5, "left")
+    stops = all_but(range(2, 22))
+    for minimum in (1, 6):
+        got = generate(patched, ids, mask, max_new_tokens=NEW, min_new_tokens=minimum, eos_token_id=stops).sequences
+        want = hf_greedy(model, ids, mask, min_new_tokens=minimum, eos_token_id=stops, pad_token_id=PAD)
+        assert torch.equal(got, want)
+        assert got.shape[1] == 5 + minimum + 1 and torch.isin(got[:, -1], torch.tensor(stops)).all()
+        assert not torch.isin(got[:, 5:5 + minimum], torch.tensor(stops)).any()
+
+
 def test_reusing_a_cache_and_zero_new_tokens():
     patched = patched_copy(tiny_model("gpt_neox"), int8=False)
     ids, mask = ragged_prompts(2, 5, "left")
@@ -245,6 +266,8 @@ def test_sampled_tokens_follow_the_distribution():
     (dict(repetition_penalty=-1.2), "repetition_penalty", ValueError),
     (dict(repetition_penalty=float("inf")), "repetition_penalty", ValueError),
     (dict(repetition_penalty=True), "repetition_penalty", ValueError),
+    (dict(min_new_tokens=-1), "min_new_tokens", ValueError),
+    (dict(min_new_tokens=1.5), "min_new_tokens", ValueError),
     (dict(eos_token_id="eos"), "eos_token_id", ValueError),
     (dict(past_key_values="cache"), "past_key_values", ValueError),
 ])

@@ -84,9 +84,9 @@ def test_greedy_equals_target_greedy(family, int8, side):
     assert out.acceptance_rate > 0
 
 
-def test_greedy_with_repetition_penalty_equals_generate():
-    """With a repetition penalty the lookup's proposals meet a penalised target: the output is
-    still generate's with the same penalty."""
+def test_greedy_with_repetition_penalty_or_min_new_tokens_equals_generate():
+    """With a repetition penalty (or min_new_tokens) the lookup's proposals meet a penalised target
+    (one that suppresses early eos ids): the output is still generate's with the same argument."""
     patched = patched_copy(tiny_model("llama", layers=3), int8=False)
     ids, mask = ragged_prompts(4, 8, "left", seed=3)
     out = prompt_lookup_generate(patched, ids, mask, max_new_tokens=NEW, speculate_k=3, repetition_penalty=1.4,
@@ -94,6 +94,12 @@ def test_greedy_with_repetition_penalty_equals_generate():
     want = generate(patched, ids, mask, max_new_tokens=NEW, repetition_penalty=1.4, eos_token_id=[]).sequences
     assert torch.equal(out.sequences, want)
     assert out.acceptance_rate > 0
+    # and min_new_tokens: an eos the free run emits early waits
+    stop = int(want[1, 8 + 2])
+    out = prompt_lookup_generate(patched, ids, mask, max_new_tokens=NEW, speculate_k=3, min_new_tokens=12,
+                                 eos_token_id=stop)
+    want = generate(patched, ids, mask, max_new_tokens=NEW, min_new_tokens=12, eos_token_id=stop).sequences
+    assert torch.equal(out.sequences, want) and not (want[:, 8:20] == stop).any()
 
 
 def _bigram_model():

@@ -58,6 +58,12 @@ def test_identical_draft_accepts_everything():
     # 1 token from the prefill, then rounds of k + 1 = 5: 3 rounds reach 13 (the last one cut)
     assert out.num_proposed.tolist() == [12, 12, 12]
     assert out.sequences.shape == (3, 5 + 13)
+    # the draft's distributions go through the same repetition penalty and eos suppression as the
+    # target's, drafts before each position included: an identical draft still matches every time
+    stops = [t for t in range(97) if t not in range(2, 40)]
+    out = speculative_generate(patched, patched, ids, mask, max_new_tokens=13, speculate_k=4, eos_token_id=stops,
+                               repetition_penalty=1.7, min_new_tokens=8)
+    assert out.acceptance_rate == 1.0
 
 
 def _exact_target_distribution(model, prompt, steps, vocab, temperature, min_p=None, repetition_penalty=None):
@@ -129,6 +135,23 @@ def test_greedy_with_repetition_penalty_equals_generate(k, penalty):
     assert 0 < out.acceptance_rate < 1
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_min_new_tokens_equals_generate(k):
+    """Each position of a round suppresses the eos ids while its row has made fewer than
+    min_new_tokens new tokens: with nearly every token an eos (rows end as soon as they may, at
+    different rounds' positions), the output equals generate's with the same min_new_tokens."""
+    _, patched, draft = _pair("llama", False)
+    ids, mask = ragged_prompts(4, 6, "left", seed=2)
+    stops = [t for t in range(97) if t not in range(2, 22)]
+    for minimum in (3, 9):
+        want = generate(patched, ids, mask, max_new_tokens=NEW, min_new_tokens=minimum, eos_token_id=stops).sequences
+        out = speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=k,
+                                   min_new_tokens=minimum, eos_token_id=stops)
+        assert torch.equal(out.sequences, want)
+        is_stop = torch.isin(want[:, 6:], torch.tensor(stops))
+        assert not is_stop[:, :minimum].any() and is_stop[:, minimum].sum() >= 2  # rows ending at the boundary
+
+
 def test_bad_inputs_raise_before_any_work():
     _, patched, draft = _pair("llama", False)
     ids = torch.tensor([[2, 3, 4]])
@@ -145,6 +168,8 @@ def test_bad_inputs_raise_before_any_work():
         speculative_generate(patched, draft, ids, max_new_tokens=2, temperature=1.0, top_p=1.5)
     with pytest.raises(ValueError, match="repetition_penalty"):
         speculative_generate(patched, draft, ids, max_new_tokens=2, repetition_penalty=0)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        speculative_generate(patched, draft, ids, max_new_tokens=2, min_new_tokens=-3)
     out = speculative_generate(patched, draft, ids, max_new_tokens=0)
     assert torch.equal(out.sequences, ids) and out.acceptance_rate == 0.0
 

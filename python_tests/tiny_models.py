@@ -130,6 +130,8 @@ AUTO_CONFIGS = {
     "ernie4_5_moe": lambda layers: dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=48, moe_layer_start_index=1,
                                         moe_num_shared_experts=1),
     "flex_olmo": lambda layers: dict(num_experts=4, num_experts_per_tok=2),
+    # sparsemixer routing (top 2 only), its router an nn.Linear subclass with its own forward
+    "phimoe": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2),
     "granitemoeshared": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48),
     "minimax_m2": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2),  # q / k norms over all heads
     "solar_open": lambda layers: dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -297,7 +299,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
        "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
-       "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx")
+       "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
@@ -367,7 +369,7 @@ def dequantized_copy(model):
 
     from gptfast_kernels.models.families import family_of
 
-    from gptfast_kernels.modules.int8_linear import _skipped
+    from gptfast_kernels.modules.int8_linear import _plain_linear, _skipped
 
     family = family_of(model.config)
     experts = family.experts_classes
@@ -376,7 +378,7 @@ def dequantized_copy(model):
         if _skipped(name, family.float_linears):  # what patch_model keeps float (routers)
             continue
         # new Parameters, not in-place writes: a head tied to the input embeddings must not round them
-        if isinstance(module, torch.nn.Linear):
+        if _plain_linear(module):  # not nn.Linear subclasses with a forward of their own (PhiMoE's router)
             module.weight = torch.nn.Parameter(rounded(module.weight.data))
         elif isinstance(module, Conv1D):  # weight [in, out]
             module.weight = torch.nn.Parameter(rounded(module.weight.data.t()).t().contiguous())

@@ -244,6 +244,9 @@ FAMILIES: dict[str, Family] = {
         Family("nemotron", "NemotronAttention", "num_key_value_heads", "head_dim", layers_drop_keywords=True,
                supported_from="5.13"),
         Family("gpt_neox", "GPTNeoXAttention", None, None),
+        # sparsemixer top-2 routing; its router subclasses nn.Linear with a forward of its own, which
+        # int8 leaves float like every router
+        Family("phimoe", "PhimoeAttention", "num_key_value_heads", None, experts_class="PhimoeExperts"),
         # mixture of experts as three 2-D weights (Int8Experts reads them), clipped q / k / v; the router's
         # nn.Linear stays float. Before 5.17 (tested: 5.8 to 5.14) transformers sized that router by the
         # experts' hidden size, not the model's: DBRX models did not run there

@@ -47,6 +47,28 @@ def test_quantize_skip_patterns():
     assert isinstance(model2[0], Int8Linear) and isinstance(model2[1], nn.Linear)
 
 
+class _Router(nn.Linear):
+    """An nn.Linear subclass with a forward of its own (as PhiMoE's router): more than a matmul."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits, logits.topk(2, dim=-1).indices
+
+
+class _RenamedLinear(nn.Linear):
+    """A subclass that keeps nn.Linear's forward: a plain matmul under another name."""
+
+
+def test_linear_subclasses_with_a_forward_of_their_own_stay_float():
+    model = nn.Sequential()
+    model.add_module("router", _Router(8, 4))
+    model.add_module("proj", _RenamedLinear(8, 8))
+    quantize_int8_(model)
+    assert type(model.router) is _Router and isinstance(model.proj, Int8Linear)
+    with pytest.raises(TypeError, match="_Router .* forward of its own"):
+        Int8Linear.from_float(_Router(8, 4))
+
+
 class _HeadNamedOtherwise(nn.Module):
     """A model whose output head is not called lm_head (GPT-NeoX's embed_out before transformers 5.14)."""
 

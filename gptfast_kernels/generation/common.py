@@ -124,6 +124,11 @@ def last_real_logits(logits: torch.Tensor, prompt: Prompt) -> torch.Tensor:
     return logits[torch.arange(logits.shape[0], device=logits.device), last]
 
 
+def check_flag(op: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{op}: {name} must be True or False, got {value!r}")
+
+
 def check_streamer(op: str, streamer) -> None:
     """A transformers-style streamer (``put(tokens)``, ``end()``), or None."""
     if streamer is not None and not (callable(getattr(streamer, "put", None))

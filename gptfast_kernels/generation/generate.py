@@ -8,8 +8,8 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import (apply_repetition_penalty, check_repetition_penalty, check_sampling_args,
-                                                 pick_tokens, seen_tokens, suppress_eos)
+from gptfast_kernels.generation.sampling import (apply_repetition_penalty, check_repetition_penalty,
+                                                 check_sampling_args, pick_tokens, seen_tokens, suppress_eos)
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 
@@ -17,6 +17,9 @@ from gptfast_kernels.ops._dispatch import check_int
 @dataclass
 class GenerateOutput:
     sequences: torch.Tensor  # [B, P + new] int64: the prompts (layout kept) then the new tokens
+    # [B, new] float32 with output_logprobs=True: each new token's log-probability under the model's
+    # raw distribution (log-softmax of its logits, before any sampling argument); 0 after a row's eos
+    logprobs: torch.Tensor | None = None
 
 
 # Decode steps between checks that every row has emitted an eos (each check waits for the GPU).
@@ -28,7 +31,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              min_p: float | None = None, repetition_penalty: float | None = None, min_new_tokens: int = 0,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
-             past_key_values: StaticKVCache | None = None, compile: bool = False, streamer=None) -> GenerateOutput:
+             past_key_values: StaticKVCache | None = None, compile: bool = False, streamer=None,
+             output_logprobs: bool = False) -> GenerateOutput:
     """Decodes up to ``max_new_tokens`` per row from a model patched with ``patch_model``.
 
     input_ids [B, P]; attention_mask [B, P] (0 = padding, left or right) or None. Rows are
@@ -46,7 +50,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     then), as transformers' ``min_new_tokens``.
     ``streamer``: as in transformers, ``put`` gets the prompt [B, P], then each step's tokens [B]
     (the pad id for finished rows), on the CPU; then ``end()``. Each put waits for the device.
-    Returns GenerateOutput(sequences [B, P + n]) with n <= max_new_tokens.
+    Returns GenerateOutput(sequences [B, P + n]) with n <= max_new_tokens; with ``output_logprobs``
+    also ``logprobs`` [B, n] (see GenerateOutput).
     """
     op = "generate"
     common.check_model(op, "model", model)
@@ -56,6 +61,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     check_sampling_args(op, temperature, top_k, top_p, min_p)
     check_repetition_penalty(op, repetition_penalty)
     min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
+    common.check_flag(op, "output_logprobs", output_logprobs)
+    common.check_flag(op, "compile", compile)
     eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
     common.check_streamer(op, streamer)
     B = prompt.input_ids.shape[0]
@@ -63,7 +70,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         if streamer is not None:
             streamer.put(prompt.input_ids.cpu())
             streamer.end()
-        return GenerateOutput(prompt.input_ids.clone())
+        return GenerateOutput(prompt.input_ids.clone(), prompt.input_ids.new_zeros(B, 0, dtype=torch.float32)
+                              if output_logprobs else None)
     needed = max(prompt.lengths) + max_new_tokens - 1  # the last token is emitted, never cached
     if past_key_values is None:
         cache = cache_for(model, B, needed, device, dtype, reuse=compile)
@@ -86,8 +94,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     lengths = torch.zeros(B, dtype=torch.int64, device=device)  # new tokens up to each row's eos
     penalize = repetition_penalty is not None and repetition_penalty != 1
     seen = seen_tokens(prompt.input_ids, prompt.attention_mask, logits.shape[-1]) if penalize else None
-    new_tokens = []
+    new_tokens, logprobs = [], []
     for step in range(max_new_tokens):
+        raw = logits
         if penalize:
             logits = apply_repetition_penalty(logits, seen, repetition_penalty)
         if step < min_new_tokens and eos:  # every row has made `step` new tokens
@@ -95,6 +104,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         tokens = pick_tokens(logits, temperature, top_k, top_p, min_p, generator)
         if penalize:
             seen.scatter_(1, tokens[:, None], True)
+        if output_logprobs:
+            chosen = torch.log_softmax(raw.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+            logprobs.append(torch.where(finished, 0.0, chosen))
         tokens = torch.where(finished, pad, tokens)
         new_tokens.append(tokens)
         lengths += ~finished
@@ -113,6 +125,6 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if streamer is not None:
         streamer.end()
     generated = torch.stack(new_tokens, dim=1)
-    if eos:  # as transformers: stop at the step where the last row emitted its eos
-        generated = generated[:, :int(lengths.max())]
-    return GenerateOutput(torch.cat([prompt.input_ids, generated], dim=1))
+    new = int(lengths.max()) if eos else generated.shape[1]  # as transformers: up to the last row's eos
+    return GenerateOutput(torch.cat([prompt.input_ids, generated[:, :new]], dim=1),
+                          torch.stack(logprobs, dim=1)[:, :new] if output_logprobs else None)

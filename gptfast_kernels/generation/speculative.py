@@ -18,8 +18,9 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import (apply_repetition_penalty, check_repetition_penalty, check_sampling_args,
-                                                 logits_to_probs, sample_from, seen_tokens, suppress_eos)
+from gptfast_kernels.generation.sampling import (apply_repetition_penalty, check_repetition_penalty,
+                                                 check_sampling_args, logits_to_probs, sample_from, seen_tokens,
+                                                 suppress_eos)
 from gptfast_kernels.ops._dispatch import check_int
 from gptfast_kernels.ops.verify_draft import verify_draft
 
@@ -30,6 +31,9 @@ class SpeculativeOutput:
     num_proposed: torch.Tensor  # [B] int64: draft tokens proposed to each row
     num_accepted: torch.Tensor  # [B] int64: draft tokens the target accepted, per row
     acceptance_rate: float      # accepted / proposed over the batch (0 when nothing was proposed)
+    # [B, new] float32 with output_logprobs=True: each new token's log-probability under the target's
+    # raw distribution (as GenerateOutput.logprobs); 0 after a row's end
+    logprobs: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -38,7 +42,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
                          top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                          repetition_penalty: float | None = None, min_new_tokens: int = 0,
                          eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
-                         compile: bool = False, streamer=None) -> SpeculativeOutput:
+                         compile: bool = False, streamer=None, output_logprobs: bool = False) -> SpeculativeOutput:
     """input_ids [B, P] (attention_mask [B, P], 0 = padding, left or right) -> SpeculativeOutput.
     Both models must be patched (patch_model) and share a vocabulary. ``compile``: run the draft's
     and the target's per-round forwards through torch.compile (CUDA graphs on GPUs), as in
@@ -47,7 +51,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     ``repetition_penalty`` as in ``generate``: the target's distribution at each position penalises
     the tokens before it (the drafts before it included), so the output is still exactly the
     penalised target's; the draft's distributions are penalised the same way. ``min_new_tokens``
-    as in ``generate``, per position of a round likewise."""
+    as in ``generate``, per position of a round likewise; ``output_logprobs`` as there."""
     op = "speculative_generate"
     common.check_model(op, "model", model)
     common.check_model(op, "draft_model", draft_model)
@@ -63,7 +67,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
                                        temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
                                        min(common.input_vocab_size(model), common.input_vocab_size(draft_model)),
-                                       streamer, repetition_penalty, min_new_tokens)
+                                       streamer, repetition_penalty, min_new_tokens, output_logprobs)
     return rounds.run(lambda capacity: DraftModelProposer(draft_model, rounds.batch_size, capacity, compile))
 
 
@@ -157,12 +161,13 @@ class SpeculativeRounds:
     streamer: object = None
     repetition_penalty: float | None = None
     min_new_tokens: int = 0
+    output_logprobs: bool = False
     eos_ids: torch.Tensor | None = None  # the eos ids on the model's device (set by run)
 
     @classmethod
     def checked(cls, op, model, input_ids, attention_mask, max_new_tokens, speculate_k, temperature, top_k, top_p,
                 min_p, eos_token_id, generator, compile, vocab_size, streamer,
-                repetition_penalty=None, min_new_tokens=0) -> "SpeculativeRounds":
+                repetition_penalty=None, min_new_tokens=0, output_logprobs=False) -> "SpeculativeRounds":
         """Validates the arguments every speculative generator shares (``op`` names the caller)."""
         common.check_model(op, "model", model)
         common.check_rollback(op, "model", model)
@@ -173,13 +178,16 @@ class SpeculativeRounds:
         check_sampling_args(op, temperature, top_k, top_p, min_p)
         check_repetition_penalty(op, repetition_penalty)
         min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
+        common.check_flag(op, "output_logprobs", output_logprobs)
+        common.check_flag(op, "compile", compile)
         eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
         common.check_streamer(op, streamer)
         if streamer is not None and prompt.input_ids.shape[0] != 1:
             raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
                              f"per round), got a batch of {prompt.input_ids.shape[0]}")
         return cls(model, prompt, max_new_tokens, speculate_k, temperature, top_k, top_p, min_p, eos, pad, generator,
-                   compile, streamer, None if repetition_penalty == 1 else repetition_penalty, min_new_tokens)
+                   compile, streamer, None if repetition_penalty == 1 else repetition_penalty, min_new_tokens,
+                   output_logprobs)
 
     @property
     def batch_size(self) -> int:
@@ -226,7 +234,8 @@ class SpeculativeRounds:
         if self.max_new_tokens == 0:
             if streamer is not None:
                 streamer.end()
-            return SpeculativeOutput(prompt.input_ids.clone(), zeros, zeros.clone(), 0.0)
+            return SpeculativeOutput(prompt.input_ids.clone(), zeros, zeros.clone(), 0.0,
+                                     zeros.new_zeros(B, 0, dtype=torch.float32) if self.output_logprobs else None)
         capacity = max(prompt.lengths) + self.max_new_tokens + k
         target_cache = cache_for(model, B, capacity, device, dtype, reuse=self.compile)
         proposer = make_proposer(capacity)
@@ -241,6 +250,7 @@ class SpeculativeRounds:
         seen = None
         if self.repetition_penalty is not None:  # [B, V + 1]: column V absorbs masked writes
             seen = torch.nn.functional.pad(seen_tokens(prompt.input_ids, prompt.attention_mask, V), (0, 1))
+        raw = logits
         last, _ = self.pick(logits, seen, self.too_early(zeros))
         if seen is not None:
             seen.scatter_(1, last[:, None], True)
@@ -249,6 +259,10 @@ class SpeculativeRounds:
         out = torch.full((B, self.max_new_tokens + 2 * (k + 1)), pad, dtype=torch.int64, device=device)
         dump = out.shape[1] - 1
         out[:, 0] = last
+        out_logprobs = None
+        if self.output_logprobs:  # as out; the target's raw log-probabilities of the tokens there
+            out_logprobs = torch.zeros(out.shape, dtype=torch.float32, device=device)
+            out_logprobs[:, 0] = torch.log_softmax(raw.float(), dim=-1).gather(1, last[:, None])[:, 0]
         if streamer is not None:
             streamer.put(last[:, None].cpu())
         num_generated = torch.ones(B, dtype=torch.int64, device=device)
@@ -264,7 +278,7 @@ class SpeculativeRounds:
             # 2. the target scores last + k drafts in one forward, 3. verify every row at once
             target_input = torch.cat([last[:, None], draft_tokens], dim=1)
             target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
-            round_seen = None
+            raw_logits, round_seen = target_logits, None
             if seen is not None:  # position i penalises the text so far and the drafts before it
                 drafted = torch.zeros(B, k + 1, V + 1, dtype=torch.bool, device=device)
                 drafted[:, 1:].scatter_(2, draft_tokens[:, :, None], True)
@@ -300,6 +314,9 @@ class SpeculativeRounds:
             emitted &= ~after_eos
             slots = torch.where(emitted, num_generated[:, None] + columns[None, :], dump)
             out.scatter_(1, slots, torch.where(emitted, tokens, pad))
+            if out_logprobs is not None:
+                chosen = torch.log_softmax(raw_logits.float(), dim=-1).gather(2, tokens.clamp(min=0)[..., None])[..., 0]
+                out_logprobs.scatter_(1, slots, torch.where(emitted, chosen, 0.0))
             if seen is not None:
                 seen.scatter_(1, torch.where(emitted, tokens, V), True)
             if streamer is not None:  # one row: its new tokens, up to max_new_tokens
@@ -311,11 +328,11 @@ class SpeculativeRounds:
         if streamer is not None:
             streamer.end()
         new = min(int(num_generated.max()), self.max_new_tokens)
-        generated = out[:, :new]
         # positions past a row's own length hold pad already; rows cut by max_new_tokens lose the rest
-        generated = torch.where(torch.arange(new, device=device)[None, :] < num_generated[:, None].clamp(
-            max=self.max_new_tokens), generated, pad)
+        kept = torch.arange(new, device=device)[None, :] < num_generated[:, None].clamp(max=self.max_new_tokens)
+        generated = torch.where(kept, out[:, :new], pad)
+        logprobs = None if out_logprobs is None else torch.where(kept, out_logprobs[:, :new], 0.0)
         total_proposed = int(proposed.sum())
         rate = int(accepted.sum()) / total_proposed if total_proposed else 0.0
-        return SpeculativeOutput(torch.cat([prompt.input_ids, generated], dim=1), proposed, accepted, rate)
+        return SpeculativeOutput(torch.cat([prompt.input_ids, generated], dim=1), proposed, accepted, rate, logprobs)
 

@@ -3,16 +3,16 @@ OLMoE, GPT-OSS, ...) with int8 weights, a drop-in for transformers' experts modu
 
 transformers 5.x keeps a MoE layer's experts as two 3-D parameters, gate_up_proj [E, 2I, H] and
 down_proj [E, H, I] (GPT-OSS: transposed, [E, H, 2I] and [E, I, H], with biases and gate / up
-interleaved; DBRX: three 2-D ones, see ``_glu_weights``), behind ``forward(hidden [tokens, H], top_k_index [tokens, k], top_k_weights
-[tokens, k])``; the router stays in float (int8 noise there would change which experts run). The
-weights are stored [E, out, in] whatever the source layout, with the gate / up columns in the
-source's order, and the source's own gating (``_apply_gate``: how gate and up are split, the
-activation, GPT-OSS's clamps) runs on the result, so the layouts transformers' experts interface
-describes need no per-model code here. Decode and verification steps (few tokens: the compiled,
-CUDA-graphed path) run each (token, chosen expert) pair as one row of ``int8_expert_linear``, which
-streams only the chosen experts' int8 weights, with no host synchronisation. A prompt (many
-tokens, eager) runs expert by expert through ``int8_linear``'s tiled kernels instead, as
-transformers' own loop does.
+interleaved; DBRX: three 2-D ones, see ``_glu_weights``), behind ``forward(hidden [tokens, H],
+top_k_index [tokens, k], top_k_weights [tokens, k])``; the router stays in float (int8 noise there
+would change which experts run). The weights are stored [E, out, in] whatever the source layout,
+with the gate / up columns in the source's order, and the source's own gating (``_apply_gate``: how
+gate and up are split, the activation, GPT-OSS's clamps) runs on the result, so the layouts
+transformers' experts interface describes need no per-model code here. Decode and verification steps
+(few tokens: the compiled, CUDA-graphed path) run each (token, chosen expert) pair as one row of
+``int8_expert_linear``, which streams only the chosen experts' int8 weights, with no host
+synchronisation. A prompt (many tokens, eager) runs expert by expert through ``int8_linear``'s tiled
+kernels instead, as transformers' own loop does.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def _glu_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, nn.Modu
     weights = [getattr(mlp, name, None) for name in ("w1", "v1", "w2")]
     if not (all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights)
             and len({w.shape for w in weights}) == 1 and callable(getattr(mlp, "activation_fn", None))
-            and isinstance(getattr(module, "num_experts", None), int) and weights[0].shape[0] % module.num_experts == 0):
+            and isinstance(getattr(module, "num_experts", None), int)
+            and weights[0].shape[0] % module.num_experts == 0):
         return None
     gate, up, down = (w.detach().view(module.num_experts, -1, w.shape[1]) for w in weights)
     return torch.cat([gate, up], dim=1), down.transpose(1, 2), mlp.activation_fn
@@ -144,8 +145,8 @@ class Int8Experts(nn.Module):
         first = _first_projection(module)
         biases = ((getattr(module, f"{first}_bias").detach(), module.down_proj_bias.detach())
                   if getattr(module, "has_bias", False) else (None, None))
-        return cls(_quantize_experts(getattr(module, first), transposed), _quantize_experts(module.down_proj, transposed),
-                   ExpertsGating(module), *biases)
+        return cls(_quantize_experts(getattr(module, first), transposed),
+                   _quantize_experts(module.down_proj, transposed), ExpertsGating(module), *biases)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -136,6 +136,36 @@ def test_min_new_tokens_equals_transformers():
         assert not torch.isin(got[:, 5:5 + minimum], torch.tensor(stops)).any()
 
 
+def test_logprobs_are_the_raw_log_softmax_of_transformers_logits():
+    """output_logprobs: each new token's log-probability under the model's raw logits (before the
+    penalty and sampling arguments), equal to transformers' output_logits; 0 after a row's eos."""
+    model = tiny_model("llama")
+    patched = patched_copy(model, int8=False)
+    ids, mask = ragged_prompts(3, 6, "left")
+    out = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], output_logprobs=True)
+    with torch.no_grad():
+        hf = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                            pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
+    raw = torch.stack(hf.logits, dim=1).float().log_softmax(dim=-1)  # [B, NEW, V]
+    want = raw.gather(2, hf.sequences[:, 6:, None])[..., 0]
+    assert torch.equal(out.sequences, hf.sequences) and out.logprobs.shape == (3, NEW)
+    torch.testing.assert_close(out.logprobs, want, atol=1e-4, rtol=1e-4)
+    # the raw distribution, not the sampled one: a penalty changes the tokens, not how they are scored
+    penalised = generate(patched, ids, mask, max_new_tokens=4, repetition_penalty=3.0, eos_token_id=[],
+                         output_logprobs=True)
+    with torch.no_grad():
+        again = patched_copy(model, int8=False)(penalised.sequences, attention_mask=torch.cat(
+            [mask, torch.ones(3, 4, dtype=mask.dtype)], dim=1)).logits
+    rescored = again[:, 5:-1].float().log_softmax(dim=-1).gather(2, penalised.sequences[:, 6:, None])[..., 0]
+    torch.testing.assert_close(penalised.logprobs, rescored, atol=1e-4, rtol=1e-4)
+    # rows that ended: 0 after their eos
+    stop = int(out.sequences[0, 6 + 2])
+    ended = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=stop, output_logprobs=True)
+    row_end = int((ended.sequences[0, 6:] == stop).nonzero()[0]) + 1
+    assert torch.all(ended.logprobs[0, row_end:] == 0) and torch.all(ended.logprobs[0, :row_end] < 0)
+    assert generate(patched, ids, mask, max_new_tokens=3).logprobs is None
+
+
 def test_reusing_a_cache_and_zero_new_tokens():
     patched = patched_copy(tiny_model("gpt_neox"), int8=False)
     ids, mask = ragged_prompts(2, 5, "left")
@@ -268,6 +298,8 @@ def test_sampled_tokens_follow_the_distribution():
     (dict(repetition_penalty=True), "repetition_penalty", ValueError),
     (dict(min_new_tokens=-1), "min_new_tokens", ValueError),
     (dict(min_new_tokens=1.5), "min_new_tokens", ValueError),
+    (dict(output_logprobs=1), "output_logprobs", ValueError),
+    (dict(compile="yes"), "compile", ValueError),
     (dict(eos_token_id="eos"), "eos_token_id", ValueError),
     (dict(past_key_values="cache"), "past_key_values", ValueError),
 ])

@@ -86,7 +86,8 @@ def test_greedy_equals_target_greedy(family, int8, side):
 
 def test_greedy_with_repetition_penalty_or_min_new_tokens_equals_generate():
     """With a repetition penalty (or min_new_tokens) the lookup's proposals meet a penalised target
-    (one that suppresses early eos ids): the output is still generate's with the same argument."""
+    (one that suppresses early eos ids): the output is still generate's with the same argument, as
+    are the log-probabilities output_logprobs gives."""
     patched = patched_copy(tiny_model("llama", layers=3), int8=False)
     ids, mask = ragged_prompts(4, 8, "left", seed=3)
     out = prompt_lookup_generate(patched, ids, mask, max_new_tokens=NEW, speculate_k=3, repetition_penalty=1.4,
@@ -100,6 +101,12 @@ def test_greedy_with_repetition_penalty_or_min_new_tokens_equals_generate():
                                  eos_token_id=stop)
     want = generate(patched, ids, mask, max_new_tokens=NEW, min_new_tokens=12, eos_token_id=stop).sequences
     assert torch.equal(out.sequences, want) and not (want[:, 8:20] == stop).any()
+    # and output_logprobs: the target's raw log-probabilities, as generate's
+    out = prompt_lookup_generate(patched, ids, mask, max_new_tokens=NEW, speculate_k=3, eos_token_id=[],
+                                 output_logprobs=True)
+    want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], output_logprobs=True)
+    assert torch.equal(out.sequences, want.sequences)
+    torch.testing.assert_close(out.logprobs, want.logprobs, atol=1e-4, rtol=1e-4)
 
 
 def _bigram_model():

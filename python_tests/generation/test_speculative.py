@@ -152,6 +152,25 @@ def test_min_new_tokens_equals_generate(k):
         assert not is_stop[:, :minimum].any() and is_stop[:, minimum].sum() >= 2  # rows ending at the boundary
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_logprobs_equal_generate(k):
+    """output_logprobs: the target's raw log-probability of every emitted token (accepted drafts and
+    the round's own token alike), as generate's for the same tokens; 0 past a row's end."""
+    _, patched, draft = _pair("llama", False)
+    ids, mask = ragged_prompts(4, 6, "left", seed=2)
+    want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], output_logprobs=True)
+    out = speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=k, eos_token_id=[],
+                               output_logprobs=True)
+    assert torch.equal(out.sequences, want.sequences)
+    torch.testing.assert_close(out.logprobs, want.logprobs, atol=1e-4, rtol=1e-4)
+    stop = int(want.sequences[1, 6 + 3])
+    want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=stop, output_logprobs=True)
+    out = speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=k, eos_token_id=stop,
+                               output_logprobs=True)
+    assert torch.equal(out.sequences, want.sequences) and (out.logprobs == 0).any()
+    torch.testing.assert_close(out.logprobs, want.logprobs, atol=1e-4, rtol=1e-4)
+
+
 def test_bad_inputs_raise_before_any_work():
     _, patched, draft = _pair("llama", False)
     ids = torch.tensor([[2, 3, 4]])

@@ -280,9 +280,9 @@ class SpeculativeRounds:
             target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
             raw_logits, round_seen = target_logits, None
             if seen is not None:  # position i penalises the text so far and the drafts before it
-                drafted = torch.zeros(B, k + 1, V + 1, dtype=torch.bool, device=device)
-                drafted[:, 1:].scatter_(2, draft_tokens[:, :, None], True)
-                round_seen = seen[:, None] | (drafted.cumsum(dim=1) > 0)
+                round_seen = seen[:, None].repeat(1, k + 1, 1)  # [B, k + 1, V + 1]
+                for i in range(k):  # draft i is before positions i + 1 ..
+                    round_seen[:, i + 1:].scatter_(2, draft_tokens[:, i, None, None].expand(B, k - i, 1), True)
             # position i scores new token number num_generated + i of its row
             target_logits = self.processed(target_logits, round_seen,
                                            self.too_early(num_generated[:, None] + columns[None, :]))

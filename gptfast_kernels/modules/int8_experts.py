@@ -3,7 +3,7 @@ OLMoE, GPT-OSS, ...) with int8 weights, a drop-in for transformers' experts modu
 
 transformers 5.x keeps a MoE layer's experts as two 3-D parameters, gate_up_proj [E, 2I, H] and
 down_proj [E, H, I] (GPT-OSS: transposed, [E, H, 2I] and [E, I, H], with biases and gate / up
-interleaved; DBRX: three 2-D ones, see ``_glu_weights``), behind ``forward(hidden [tokens, H],
+interleaved; DBRX: three 2-D ones, see ``_has_glu_weights``), behind ``forward(hidden [tokens, H],
 top_k_index [tokens, k], top_k_weights [tokens, k])``; the router stays in float (int8 noise there
 would change which experts run). The weights are stored [E, out, in] whatever the source layout,
 with the gate / up columns in the source's order, and the source's own gating (``_apply_gate``: how
@@ -40,18 +40,22 @@ def _quantize_experts(weight: torch.Tensor, transposed: bool) -> tuple[torch.Ten
     return qweight.view(E, N, K), scales.view(E, N)
 
 
-def _glu_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, nn.Module] | None:
-    """DBRX's experts keep gate, up and down as 2-D parameters of an ``mlp`` submodule, w1 / v1 / w2,
-    each [E * I, H] (w2 being down transposed), and its ``activation_fn``: as (gate_up [E, 2I, H],
-    down [E, H, I], the activation); None for other layouts."""
+def _has_glu_weights(module: nn.Module) -> bool:
+    """DBRX's layout: gate, up and down as 2-D parameters of an ``mlp`` submodule, w1 / v1 / w2, each
+    [E * I, H] (w2 being down transposed), and its ``activation_fn``."""
     mlp = getattr(module, "mlp", None)
     weights = [getattr(mlp, name, None) for name in ("w1", "v1", "w2")]
-    if not (all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights)
+    return (all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights)
             and len({w.shape for w in weights}) == 1 and callable(getattr(mlp, "activation_fn", None))
             and isinstance(getattr(module, "num_experts", None), int)
-            and weights[0].shape[0] % module.num_experts == 0):
-        return None
-    gate, up, down = (w.detach().view(module.num_experts, -1, w.shape[1]) for w in weights)
+            and weights[0].shape[0] % module.num_experts == 0)
+
+
+def _glu_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
+    """A DBRX layout's weights (see ``_has_glu_weights``) as (gate_up [E, 2I, H], down [E, H, I],
+    the activation)."""
+    mlp = module.mlp
+    gate, up, down = (w.detach().view(module.num_experts, -1, w.shape[1]) for w in (mlp.w1, mlp.v1, mlp.w2))
     return torch.cat([gate, up], dim=1), down.transpose(1, 2), mlp.activation_fn
 
 
@@ -119,8 +123,8 @@ class Int8Experts(nn.Module):
         """Whether ``module`` is one Int8Experts reproduces: gate_up_proj / down_proj (either
         orientation, biases or not, any gate / up order its ``_apply_gate`` reads), or for ungated
         experts up_proj / down_proj and an ``act_fn``, and no norm after the experts (transformers'
-        experts-interface flags); or DBRX's layout (see ``_glu_weights``)."""
-        if _glu_weights(module) is not None:
+        experts-interface flags); or DBRX's layout (see ``_has_glu_weights``)."""
+        if _has_glu_weights(module):
             return True
         gated, first = getattr(module, "has_gate", True), _first_projection(module)
         return (isinstance(getattr(module, first, None), torch.Tensor)
@@ -137,9 +141,8 @@ class Int8Experts(nn.Module):
         if not cls.supports(module):
             raise TypeError(f"Int8Experts.from_float: {type(module).__name__} does not have 3-D gate_up_proj / "
                             "down_proj weights (with both biases if any) and a gating Int8Experts can run")
-        glu = _glu_weights(module)
-        if glu is not None:
-            gate_up, down, act_fn = glu
+        if _has_glu_weights(module):
+            gate_up, down, act_fn = _glu_weights(module)
             return cls(_quantize_experts(gate_up, False), _quantize_experts(down, False), HalvesGating(act_fn))
         transposed = getattr(module, "is_transposed", False)
         first = _first_projection(module)

@@ -115,13 +115,21 @@ def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
     raise ValueError("the model has no floating-point weights")
 
 
-def last_real_logits(logits: torch.Tensor, prompt: Prompt) -> torch.Tensor:
-    """[B, P or 1, V] prefill logits -> [B, V] at each row's last real token."""
-    if logits.shape[1] == 1:
-        return logits[:, 0]
+def prefill(model, prompt: Prompt, cache) -> torch.Tensor:
+    """Runs the prompt through ``model`` into ``cache`` -> [B, V] logits at each row's last real token.
+    Only those positions reach the output head: the last column when every row ends there (left
+    padding), else the few distinct columns where rows end (one host sync), never [B, P, V] (a
+    32k-token prompt's full logits would take 16 GB at a 128k vocabulary)."""
+    if prompt.ends_aligned:
+        return model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=cache,
+                     logits_to_keep=1).logits[:, 0]
     P = prompt.attention_mask.shape[1]
-    last = P - 1 - prompt.attention_mask.flip(1).to(torch.int64).argmax(dim=1)
-    return logits[torch.arange(logits.shape[0], device=logits.device), last]
+    last = (P - 1 - prompt.attention_mask.flip(1).to(torch.int64).argmax(dim=1)).tolist()
+    columns = sorted(set(last))
+    logits = model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=cache,
+                   logits_to_keep=torch.tensor(columns, device=prompt.input_ids.device)).logits
+    rows = torch.arange(len(last), device=logits.device)
+    return logits[rows, torch.tensor([columns.index(c) for c in last], device=logits.device)]
 
 
 def check_flag(op: str, name: str, value) -> None:

@@ -85,10 +85,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if streamer is not None:
         streamer.put(prompt.input_ids.cpu())
 
-    prefill_kwargs = {"logits_to_keep": 1} if prompt.ends_aligned else {}
-    logits = model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=cache,
-                   **prefill_kwargs).logits
-    logits = common.last_real_logits(logits, prompt)
+    logits = common.prefill(model, prompt, cache)
     eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.zeros(B, dtype=torch.int64, device=device)  # new tokens up to each row's eos

@@ -241,11 +241,8 @@ class SpeculativeRounds:
         proposer = make_proposer(capacity)
         target_step = step_function(model, self.compile)
 
-        prefill_kwargs = {"logits_to_keep": 1} if prompt.ends_aligned else {}
-        logits = model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=target_cache,
-                       **prefill_kwargs).logits
+        logits = common.prefill(model, prompt, target_cache)
         proposer.prefill(prompt)
-        logits = common.last_real_logits(logits, prompt)
         V = logits.shape[-1]
         seen = None
         if self.repetition_penalty is not None:  # [B, V + 1]: column V absorbs masked writes

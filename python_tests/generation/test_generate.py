@@ -13,7 +13,7 @@ from gptfast_kernels import Int8Linear, StaticKVCache, generate
 from gptfast_kernels.models.families import family_of, transformers_before
 from gptfast_kernels.generation.sampling import apply_repetition_penalty, logits_to_probs, seen_tokens
 from python_tests import tiny_models
-from python_tests.tiny_models import (EOS, FAMILIES, MOE, PAD, RecordingStreamer, patched_copy,
+from python_tests.tiny_models import (EOS, FAMILIES, HYBRID, MOE, PAD, RecordingStreamer, patched_copy,
                                       ragged_prompts, tiny_model)
 
 NEW = 12
@@ -43,14 +43,20 @@ def test_greedy_equals_transformers_left_padded(family):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in HYBRID])  # hybrids refuse right padding
 def test_greedy_right_padded_continues_each_row(family):
     """A right-padded row continues after its last real token (transformers would read the pad
-    position's logits, so the reference is transformers on the same prompts left-padded)."""
+    position's logits, so the reference is transformers on the same prompts left-padded). The
+    prefill projects only the columns where rows end onto the vocabulary (logits_to_keep), not all."""
     model = tiny_model(family)
     patched = patched_copy(model, int8=False)
     ids, mask = ragged_prompts(3, 7, "right")
+    projected = []
+    hook = patched.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: projected.append(args[0].shape[1]))
     got = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    hook.remove()
+    assert projected[0] == len(set(mask.sum(dim=1).tolist())) < 7 and set(projected[1:]) == {1}
     assert torch.equal(got[:, :7], ids)  # the prompt layout is kept
     want = hf_greedy(model, *left_pad(ids, mask), eos_token_id=None)
     assert torch.equal(got[:, 7:], want[:, 7:])

@@ -31,12 +31,13 @@ def test_greedy_equals_transformers(family):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text", "lfm2", "falcon_h1"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text", "lfm2", "falcon_h1", "stablelm", "dbrx"])
 def test_compiled_cuda_graph_decode_equals_eager(family):
     """compile=True: torch.compile(fullgraph=True, mode="reduce-overhead") per step, so the decode
     step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse).
     The hybrids' recurrent states (transformers' state layers, updated in place) must survive the
-    graph's replays too."""
+    graph's replays too, as must StableLM's per-attention-module cache hook and DBRX's Int8Experts
+    on [B, T, H] hidden states."""
     from torch._dynamo.utils import counters
 
     patched = patch_model(tiny_model(family).cuda(), int8=True)

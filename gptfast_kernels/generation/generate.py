@@ -8,8 +8,8 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import (apply_repetition_penalty, check_repetition_penalty,
-                                                 check_sampling_args, pick_tokens, seen_tokens, suppress_eos)
+from gptfast_kernels.generation.sampling import (check_repetition_penalty, check_sampling_args, eos_columns,
+                                                 pick_tokens, process_logits, seen_tokens, token_logprobs)
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 
@@ -91,19 +91,16 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     lengths = torch.zeros(B, dtype=torch.int64, device=device)  # new tokens up to each row's eos
     penalize = repetition_penalty is not None and repetition_penalty != 1
     seen = seen_tokens(prompt.input_ids, prompt.attention_mask, logits.shape[-1]) if penalize else None
+    is_eos, all_rows = eos_columns(eos_ids, logits.shape[-1]), torch.ones(B, dtype=torch.bool, device=device)
     new_tokens, logprobs = [], []
     for step in range(max_new_tokens):
-        raw = logits
-        if penalize:
-            logits = apply_repetition_penalty(logits, seen, repetition_penalty)
-        if step < min_new_tokens and eos:  # every row has made `step` new tokens
-            logits = suppress_eos(logits, eos_ids, torch.ones(B, dtype=torch.bool, device=device))
-        tokens = pick_tokens(logits, temperature, top_k, top_p, min_p, generator)
+        early = all_rows if step < min_new_tokens and eos else None  # every row has made `step` tokens
+        processed = process_logits(logits, seen, repetition_penalty, is_eos, early)
+        tokens = pick_tokens(processed, temperature, top_k, top_p, min_p, generator)
         if penalize:
             seen.scatter_(1, tokens[:, None], True)
-        if output_logprobs:
-            chosen = torch.log_softmax(raw.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
-            logprobs.append(torch.where(finished, 0.0, chosen))
+        if output_logprobs:  # under the raw logits
+            logprobs.append(torch.where(finished, 0.0, token_logprobs(logits, tokens)))
         tokens = torch.where(finished, pad, tokens)
         new_tokens.append(tokens)
         lengths += ~finished

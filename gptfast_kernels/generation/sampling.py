@@ -1,5 +1,5 @@
-"""Logits -> token distributions (temperature, top-k, top-p, min-p; generate's repetition penalty) and
-the checks every generator shares."""
+"""Logits -> token distributions (the repetition penalty, min-new-tokens, temperature, top-k, top-p,
+min-p) and the checks every generator shares."""
 
 from __future__ import annotations
 
@@ -44,12 +44,28 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
-def suppress_eos(logits: torch.Tensor, eos_ids: torch.Tensor, early: torch.Tensor) -> torch.Tensor:
-    """[..., V] logits -> the same with the eos ids' logits at -inf where ``early`` [...] (bool) holds:
-    transformers' ``min_new_tokens`` (no eos before that many new tokens)."""
-    is_eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-    is_eos[eos_ids[eos_ids < logits.shape[-1]]] = True
-    return logits.masked_fill(early[..., None] & is_eos, float("-inf"))
+def eos_columns(eos_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """eos ids [n] -> [vocab_size] bool, True at each eos id (ids past the vocabulary left out;
+    built by a scatter, without the host sync a boolean index would cost)."""
+    is_eos = torch.zeros(vocab_size + 1, dtype=torch.bool, device=eos_ids.device)
+    return is_eos.scatter_(0, eos_ids.clamp(max=vocab_size), True)[:vocab_size]
+
+
+def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float | None,
+                   is_eos: torch.Tensor | None, early: torch.Tensor | None) -> torch.Tensor:
+    """[..., V] logits before sampling: the repetition penalty over ``seen`` [..., V] (None: none),
+    then the eos columns ``is_eos`` [V] at -inf where ``early`` [...] holds (transformers'
+    ``min_new_tokens``: no eos before that many new tokens; None: nowhere)."""
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, penalty)
+    if early is not None:
+        logits = logits.masked_fill(early[..., None] & is_eos, float("-inf"))
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits, [...] tokens -> [...] float32: each token's log-probability under the logits."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None])[..., 0]
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,

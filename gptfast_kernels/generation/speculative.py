@@ -18,9 +18,9 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import (apply_repetition_penalty, check_repetition_penalty,
-                                                 check_sampling_args, logits_to_probs, sample_from, seen_tokens,
-                                                 suppress_eos)
+from gptfast_kernels.generation.sampling import (check_repetition_penalty, check_sampling_args, eos_columns,
+                                                 logits_to_probs, process_logits, sample_from, seen_tokens,
+                                                 token_logprobs)
 from gptfast_kernels.ops._dispatch import check_int
 from gptfast_kernels.ops.verify_draft import verify_draft
 
@@ -162,7 +162,7 @@ class SpeculativeRounds:
     repetition_penalty: float | None = None
     min_new_tokens: int = 0
     output_logprobs: bool = False
-    eos_ids: torch.Tensor | None = None  # the eos ids on the model's device (set by run)
+    is_eos: torch.Tensor | None = None  # [V] bool: the eos columns on the model's device (set by run)
 
     @classmethod
     def checked(cls, op, model, input_ids, attention_mask, max_new_tokens, speculate_k, temperature, top_k, top_p,
@@ -204,12 +204,9 @@ class SpeculativeRounds:
 
     def processed(self, logits, seen, early):
         """logits [..., V] with the repetition penalty over ``seen`` [..., V + 1] and the eos ids
-        suppressed where ``early`` [...] (each None: not applied)."""
-        if seen is not None:
-            logits = apply_repetition_penalty(logits, seen[..., :logits.shape[-1]], self.repetition_penalty)
-        if early is not None:
-            logits = suppress_eos(logits, self.eos_ids, early)
-        return logits
+        suppressed where ``early`` [...] (each None: not applied; see sampling.process_logits)."""
+        return process_logits(logits, None if seen is None else seen[..., :logits.shape[-1]],
+                              self.repetition_penalty, self.is_eos, early)
 
     def pick(self, logits, seen=None, early=None):
         """[B, V] logits -> ([B] tokens, [B, V] float32 probabilities, or None when greedy: greedy
@@ -227,7 +224,7 @@ class SpeculativeRounds:
         model, prompt, k, pad, B = self.model, self.prompt, self.k, self.pad, self.batch_size
         device, dtype = common.model_device_dtype(model)
         zeros = torch.zeros(B, dtype=torch.int64, device=device)
-        self.eos_ids = eos_ids = torch.tensor(self.eos, dtype=torch.int64, device=device)
+        eos_ids = torch.tensor(self.eos, dtype=torch.int64, device=device)
         streamer = self.streamer
         if streamer is not None:
             streamer.put(prompt.input_ids.cpu())
@@ -244,10 +241,10 @@ class SpeculativeRounds:
         logits = common.prefill(model, prompt, target_cache)
         proposer.prefill(prompt)
         V = logits.shape[-1]
+        self.is_eos = eos_columns(eos_ids, V)
         seen = None
         if self.repetition_penalty is not None:  # [B, V + 1]: column V absorbs masked writes
             seen = torch.nn.functional.pad(seen_tokens(prompt.input_ids, prompt.attention_mask, V), (0, 1))
-        raw = logits
         last, _ = self.pick(logits, seen, self.too_early(zeros))
         if seen is not None:
             seen.scatter_(1, last[:, None], True)
@@ -259,7 +256,7 @@ class SpeculativeRounds:
         out_logprobs = None
         if self.output_logprobs:  # as out; the target's raw log-probabilities of the tokens there
             out_logprobs = torch.zeros(out.shape, dtype=torch.float32, device=device)
-            out_logprobs[:, 0] = torch.log_softmax(raw.float(), dim=-1).gather(1, last[:, None])[:, 0]
+            out_logprobs[:, 0] = token_logprobs(logits, last)
         if streamer is not None:
             streamer.put(last[:, None].cpu())
         num_generated = torch.ones(B, dtype=torch.int64, device=device)
@@ -275,21 +272,21 @@ class SpeculativeRounds:
             # 2. the target scores last + k drafts in one forward, 3. verify every row at once
             target_input = torch.cat([last[:, None], draft_tokens], dim=1)
             target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
-            raw_logits, round_seen = target_logits, None
+            round_seen = None
             if seen is not None:  # position i penalises the text so far and the drafts before it
                 round_seen = seen[:, None].repeat(1, k + 1, 1)  # [B, k + 1, V + 1]
                 for i in range(k):  # draft i is before positions i + 1 ..
                     round_seen[:, i + 1:].scatter_(2, draft_tokens[:, i, None, None].expand(B, k - i, 1), True)
             # position i scores new token number num_generated + i of its row
-            target_logits = self.processed(target_logits, round_seen,
-                                           self.too_early(num_generated[:, None] + columns[None, :]))
+            processed = self.processed(target_logits, round_seen,
+                                       self.too_early(num_generated[:, None] + columns[None, :]))
             # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync).
             # Greedy verification compares the drafts with the target's argmax, which the logits give
             # as they are (the target's own greedy decoding takes the argmax of its logits, too).
             if self.greedy:
-                target_scores, draft_probs = target_logits.float(), None
+                target_scores, draft_probs = processed.float(), None
             else:
-                target_scores = logits_to_probs(target_logits, self.temperature, self.top_k, self.top_p, self.min_p)
+                target_scores = logits_to_probs(processed, self.temperature, self.top_k, self.top_p, self.min_p)
             tokens, num_emitted = verify_draft(target_scores, draft_probs, draft_tokens, generator=self.generator,
                                                check_values=False)
             num_emitted = torch.where(active, num_emitted, 0)
@@ -312,7 +309,7 @@ class SpeculativeRounds:
             slots = torch.where(emitted, num_generated[:, None] + columns[None, :], dump)
             out.scatter_(1, slots, torch.where(emitted, tokens, pad))
             if out_logprobs is not None:
-                chosen = torch.log_softmax(raw_logits.float(), dim=-1).gather(2, tokens.clamp(min=0)[..., None])[..., 0]
+                chosen = token_logprobs(target_logits, tokens.clamp(min=0))  # under the raw logits
                 out_logprobs.scatter_(1, slots, torch.where(emitted, chosen, 0.0))
             if seen is not None:
                 seen.scatter_(1, torch.where(emitted, tokens, V), True)

@@ -27,7 +27,8 @@ def cache_geometry(config) -> tuple[int, int, int]:
 
 
 def layer_kinds(config) -> list[str]:
-    """Per decoder layer of a supported family's config: "attention", "recurrent" or "none"."""
+    """Per decoder layer of a supported family's config: "attention", "recurrent", "both" or "none"
+    (see Family.layer_kinds)."""
     from gptfast_kernels.models.families import family_of
 
     return family_of(config).layer_kinds(config.get_text_config(decoder=True))
@@ -241,8 +242,9 @@ class StaticKVCache(Cache):
         layer = self.layers[layer_idx]
         positions = self._step_positions
         rows, cols = (positions >= 0).nonzero(as_tuple=True)
-        layer.keys[rows, :, positions[rows, cols]] = key_states[rows, :, cols].to(layer.dtype)
-        layer.values[rows, :, positions[rows, cols]] = value_states[rows, :, cols].to(layer.dtype)
+        # (the buffers' dtype: a StaticKVStateLayer's ``dtype`` is its recurrent states')
+        layer.keys[rows, :, positions[rows, cols]] = key_states[rows, :, cols].to(layer.keys.dtype)
+        layer.values[rows, :, positions[rows, cols]] = value_states[rows, :, cols].to(layer.values.dtype)
         if layer_idx == self._last_attention:
             self.commit_step()
         return layer.keys, layer.values

@@ -17,7 +17,7 @@ MAX_WINDOW = 2**31 - 1  # the kernels hold positions and windows as int32
 
 
 # the smallest normal float32: the kernels take the cap as a float32, where 0 means "no cap"
-SOFTCAP_MIN = 1.1754943508222875e-38
+SOFTCAP_MIN = torch.finfo(torch.float32).tiny
 
 
 def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks) -> None:

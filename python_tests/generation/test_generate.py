@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 
 from gptfast_kernels import Int8Linear, StaticKVCache, generate
 from gptfast_kernels.models.families import family_of, transformers_before
-from gptfast_kernels.generation.sampling import apply_repetition_penalty, logits_to_probs, seen_tokens
+from gptfast_kernels.generation.sampling import apply_repetition_penalty, eos_columns, logits_to_probs, seen_tokens
 from python_tests import tiny_models
 from python_tests.tiny_models import (EOS, FAMILIES, HYBRID, MOE, PAD, RecordingStreamer, patched_copy,
                                       ragged_prompts, tiny_model)
@@ -170,6 +170,13 @@ def test_logprobs_are_the_raw_log_softmax_of_transformers_logits():
     row_end = int((ended.sequences[0, 6:] == stop).nonzero()[0]) + 1
     assert torch.all(ended.logprobs[0, row_end:] == 0) and torch.all(ended.logprobs[0, :row_end] < 0)
     assert generate(patched, ids, mask, max_new_tokens=3).logprobs is None
+
+
+def test_eos_columns_leave_ids_past_the_vocabulary_out():
+    want = torch.zeros(10, dtype=torch.bool)
+    want[[1, 5]] = True
+    assert torch.equal(eos_columns(torch.tensor([1, 5, 200, 10]), 10), want)
+    assert not eos_columns(torch.tensor([], dtype=torch.int64), 10).any()
 
 
 def test_reusing_a_cache_and_zero_new_tokens():

@@ -116,7 +116,7 @@ def test_crop_and_reset():
     assert cache.seq_lengths.tolist() == [4, 3, 1]
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "qwen3_5_text", "falcon_h1"])
 def test_unpatched_model_uses_it_like_a_static_cache(family):
     model = tiny_model(family)
     ids = torch.randint(2, 90, (2, 6))

@@ -42,7 +42,7 @@ void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, co
 void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& k_cache, const at::Tensor& v_cache,
                                      const at::Tensor& positions, int64_t window, double softcap,
-                                     const std::optional<at::Tensor>& sinks);
+                                     const std::optional<at::Tensor>& sinks, bool ring);
 
 // int8_expert_linear's shape / dtype / device / contiguity checks, shared by the CPU and CUDA entry
 // points (defined in int8_expert_linear.cpp).

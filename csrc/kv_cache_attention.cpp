@@ -7,6 +7,8 @@
 // first = 0, or positions[b, t] - window + 1 (at least 0) with a sliding window (window > 0);
 // cap(s) = s, or softcap * tanh(s / softcap) when softcap > 0 (Gemma 2's logit soft-capping).
 // With sinks [Hq] (GPT-OSS), head h's softmax has one more logit, sinks[h], attending to nothing.
+// With ring = true the caches are ring buffers (a sliding-window layer's, S >= window slots):
+// position p lives in slot p % S, for the scatter and for every read; positions may exceed S.
 //
 // Each query reads only slots first..position, never the whole preallocated cache. The scatter runs
 // first (one parallel pass), then the attention, parallel over (batch, kv head, query token);
@@ -47,9 +49,12 @@ inline float dot_f32(const float* a, const scalar_t* b, int64_t D) {
   return acc;
 }
 
+// The slot holding position pos (>= 0): pos itself, or pos % S in a ring buffer.
+inline int64_t slot_of(int64_t pos, int64_t S, bool ring) { return ring ? pos % S : pos; }
+
 template <typename scalar_t>
 void scatter_new_tokens(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-                        const int64_t* positions) {
+                        const int64_t* positions, bool ring) {
   const int64_t B = k.size(0), Hkv = k.size(1), T = k.size(2), D = k.size(3), S = k_cache.size(2);
   const Strides4 ks(k), vs(v);
   const scalar_t* k_ptr = k.data_ptr<scalar_t>();
@@ -62,7 +67,7 @@ void scatter_new_tokens(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
       for (int64_t t = 0; t < T; ++t) {
         const int64_t pos = positions[b * T + t];
         if (pos < 0) continue;
-        const int64_t dst = ((b * Hkv + h) * S + pos) * D;
+        const int64_t dst = ((b * Hkv + h) * S + slot_of(pos, S, ring)) * D;
         const scalar_t* k_src = k_ptr + ks.at(b, h, t);
         const scalar_t* v_src = v_ptr + vs.at(b, h, t);
         for (int64_t d = 0; d < D; ++d) {
@@ -79,7 +84,7 @@ inline int64_t first_slot(int64_t pos, int64_t window) { return window > 0 ? std
 
 template <typename scalar_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* positions,
-            double scale, int64_t window, double softcap, const float* sinks, at::Tensor& out) {
+            double scale, int64_t window, double softcap, const float* sinks, bool ring, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2), G = Hq / Hkv;
   const Strides4 qs(q);
@@ -113,11 +118,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       const scalar_t* k_head = kc + (b * Hkv + h) * S * D;
       const scalar_t* v_head = vc + (b * Hkv + h) * S * D;
-      const int64_t length = pos + 1;  // slots first..pos inclusive
+      const int64_t length = pos + 1;  // positions first..pos inclusive
       for (int64_t s0 = first_slot(pos, window); s0 < length; s0 += SLOT_BLOCK) {
         const int64_t n = std::min(SLOT_BLOCK, length - s0);
         for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* krow = k_head + (s0 + j) * D;
+          const scalar_t* krow = k_head + slot_of(s0 + j, S, ring) * D;
           for (int64_t g = 0; g < G; ++g) scores[g * SLOT_BLOCK + j] = dot_f32(qf.data() + g * D, krow, D);
         }
         if (cap > 0.f) {
@@ -144,7 +149,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] *= correction;
           for (int64_t j = 0; j < n; ++j) {
-            const scalar_t* vrow = v_head + (s0 + j) * D;
+            const scalar_t* vrow = v_head + slot_of(s0 + j, S, ring) * D;
             const float p = sc[j];
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vrow[d]);
@@ -160,6 +165,24 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
+// A ring-buffer call's positions [B, T]: each in [-1, 2^31 - 1), and per row the valid ones within
+// S - window of each other, so that no token this call writes lands on a slot one of its queries
+// reads (its window's positions, in a ring of S slots).
+void check_ring_positions(const int64_t* pos, int64_t B, int64_t T, int64_t S, int64_t window) {
+  constexpr const char* op = "kv_cache_attention";
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t low = INT64_MAX, high = -1;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = pos[b * T + t];
+      TORCH_CHECK(p >= -1 && p < INT32_MAX, op, ": positions must lie in [-1, 2^31 - 1) with ring=True, got ", p);
+      if (p >= 0) low = std::min(low, p), high = std::max(high, p);
+    }
+    TORCH_CHECK(high < 0 || high - low + window <= S, op, ": with ring=True a row's positions may span at most S - "
+                "window = ", S - window, " (its new tokens would overwrite slots its queries read); row ", b,
+                " spans ", low, "..", high);
+  }
+}
+
 }  // namespace
 
 // Checks shared by the CPU and CUDA entry points (declared in common.h): shapes, dtypes,
@@ -167,9 +190,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& k_cache, const at::Tensor& v_cache,
                                      const at::Tensor& positions, int64_t window, double softcap,
-                                     const std::optional<at::Tensor>& sinks) {
+                                     const std::optional<at::Tensor>& sinks, bool ring) {
   constexpr const char* op = "kv_cache_attention";
   TORCH_CHECK(window >= 0 && window <= INT32_MAX, op, ": window must be in 0..2^31 - 1 (0: no window), got ", window);
+  TORCH_CHECK(!ring || (window > 0 && k_cache.dim() == 4 && window <= k_cache.size(2)), op,
+              ": ring=True (a ring-buffer cache) needs a window in 1..S, the cache's slots; got window ", window,
+              " for k_cache ", k_cache.sizes());
   // a cap below float32's smallest normal would reach the CUDA kernels as 0, i.e. as "no cap"
   TORCH_CHECK(std::isfinite(softcap) && (softcap == 0 || softcap >= std::numeric_limits<float>::min()), op,
               ": softcap must be 0 (none) or finite and >= ", std::numeric_limits<float>::min(), ", got ", softcap);
@@ -216,27 +242,33 @@ void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
 at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
                                   double scale, int64_t window, double softcap,
-                                  const std::optional<at::Tensor>& sinks) {
+                                  const std::optional<at::Tensor>& sinks, bool ring) {
   constexpr const char* op = "kv_cache_attention";
-  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks);
+  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks, ring);
   const int64_t S = k_cache.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t i = 0; i < positions.numel(); ++i) {  // before anything is written
-    TORCH_CHECK(pos[i] >= -1 && pos[i] < S, op, ": positions must lie in [-1, S) = [-1, ", S, "), got ", pos[i]);
+  // before anything is written
+  if (!ring) {
+    for (int64_t i = 0; i < positions.numel(); ++i) {
+      TORCH_CHECK(pos[i] >= -1 && pos[i] < S, op, ": positions must lie in [-1, S) = [-1, ", S, "), got ", pos[i]);
+    }
+  } else {
+    check_ring_positions(pos, positions.size(0), positions.size(1), S, window);
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return out;
   GPTFAST_DISPATCH_FLOAT_HALF_BF16(q.scalar_type(), "kv_cache_attention_cpu", [&] {
-    scatter_new_tokens<scalar_t>(k, v, k_cache, v_cache, pos);
+    scatter_new_tokens<scalar_t>(k, v, k_cache, v_cache, pos, ring);
     attend<scalar_t>(q, k_cache, v_cache, pos, scale, window, softcap,
-                     sinks.has_value() ? sinks->data_ptr<float>() : nullptr, out);
+                     sinks.has_value() ? sinks->data_ptr<float>() : nullptr, ring, out);
   });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
   m.def("kv_cache_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor positions, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
+        "Tensor positions, float scale, int window=0, float softcap=0.0, Tensor? sinks=None, bool ring=False) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gptfast_kernels, CPU, m) {

@@ -9,13 +9,15 @@ using namespace kv_attention;
 // q [B, Hq, T, D], k / v [B, Hkv, T, D] (head dim contiguous); k_cache / v_cache [B, Hkv, S, D]
 // contiguous, written in place; positions [B, T] int64 -> out [B, Hq, T, D] contiguous.
 // No host synchronisation: position values are never read on the host, so the op is capturable;
-// out-of-range positions are treated as padding by the kernels.
+// out-of-range positions are treated as padding by the kernels. ring: the caches are ring buffers
+// (position p in slot p % S); the caller's span contract on positions is not checked here (that
+// would read them), and when violated the kernels still stay inside the caches.
 at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
                                    double scale, int64_t window, double softcap,
-                                   const std::optional<at::Tensor>& sinks) {
+                                   const std::optional<at::Tensor>& sinks, bool ring) {
   constexpr const char* op = "kv_cache_attention";
-  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks);
+  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks, ring);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return out;
@@ -53,9 +55,9 @@ at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, con
     }
     gvec = gvec && aligned16(k_cache.data_ptr()) && aligned16(v_cache.data_ptr());
     if (T <= DECODE_MAX_T) {
-      launch_decode<scalar_t>(p, B, q, gvec, stream);
+      launch_decode<scalar_t>(p, B, q, gvec, ring, stream);
     } else {
-      launch_prefill<scalar_t>(p, B, gvec, stream);
+      launch_prefill<scalar_t>(p, B, gvec, ring, stream);
     }
   });
   return out;

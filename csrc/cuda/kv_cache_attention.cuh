@@ -5,6 +5,11 @@
 //   out[b, h, t] = 0 where the position is outside [0, S) (padding, or a bad value under capture)
 // first = 0, or the start of a sliding window; cap = soft-capping when asked for (see Scoring);
 // with sinks [Hq] (GPT-OSS) each head's softmax has one more logit that attends to nothing.
+// Ring mode (ring = true, a sliding-window layer's ring buffer, window <= S): position p lives in
+// slot p % S for the scatter and every read; positions 0 .. 2^31 - 2 are valid. A block works in
+// position space on the positions it reads, rebased to its span (rebase_span): at most S of them,
+// so they map to distinct slots and no position arithmetic overflows; tiles of consecutive
+// positions may wrap around the end of the ring, so each row's slot is computed on its own.
 //
 // Decode / verification (T <= DECODE_MAX_T): flash-decoding in ONE launch. Blocks = splits x kv
 // heads x batch (flattened into blockIdx.x). A block owns one (b, kv head) and one range of cache
@@ -185,12 +190,12 @@ struct Scoring {
   float scale_log2;      // scale * log2(e): the softmax runs on exp2
   float cap_log2;        // softcap * log2(e); 0: no soft-capping
   float scale_over_cap;  // scale / softcap
-  int window;            // a query at pos sees slots pos - window + 1 .. pos; 0: all of 0 .. pos
+  int window;            // a query at pos sees positions pos - window + 1 .. pos; 0: all of 0 .. pos
   // log2-domain score: scale * dot, or softcap * tanh(scale * dot / softcap) (Gemma 2).
   __device__ __forceinline__ float operator()(float dot) const {
     return cap_log2 > 0.f ? cap_log2 * accurate_tanh(dot * scale_over_cap) : dot * scale_log2;
   }
-  // First slot a query at pos (>= -1) sees; no overflow for any int pos >= -1 and window >= 0.
+  // First position a query at pos (>= -1) sees; no overflow for any int pos >= -1 and window >= 0.
   __device__ __forceinline__ int first_slot(int pos) const { return window > 0 ? max(0, pos - window + 1) : 0; }
 };
 
@@ -213,7 +218,32 @@ struct Params {
   Scoring score;
 };
 
-__device__ __forceinline__ int sanitize(int64_t pos, int S) { return pos >= 0 && pos < S ? static_cast<int>(pos) : -1; }
+// A position as the kernels hold it: an int, -1 for padding or any value out of range (without ring
+// one with no slot; with ring one past int range, INT_MAX excluded so that pos + 1 fits).
+template <bool RING>
+__device__ __forceinline__ int sanitize(int64_t pos, int S) {
+  if constexpr (RING) {
+    return pos >= 0 && pos < INT_MAX ? static_cast<int>(pos) : -1;
+  } else {
+    return pos >= 0 && pos < S ? static_cast<int>(pos) : -1;
+  }
+}
+
+// Cache slot of a block's position x (0 <= x < S): x itself without ring; with ring x is relative to
+// the block's span (rebase_span) and base = (the span's first position) % S, so the slot is
+// (base + x) % S, wrapped by one subtraction (base + x < 2 S <= 2^31 fits).
+template <bool RING>
+struct SlotOf {
+  int base = 0, S = 0;
+  __device__ __forceinline__ int operator()(int x) const {
+    const int slot = base + x;
+    return slot >= S ? slot - S : slot;
+  }
+};
+template <>
+struct SlotOf<false> {  // empty: the non-ring kernels' K/V sources keep their layout
+  __device__ __forceinline__ int operator()(int x) const { return x; }
+};
 
 // ---------------------------------------------------------------- SIMT engine (decode, fp32 prefill)
 
@@ -234,7 +264,7 @@ template <typename T>
 struct SimtSmem {
   T *q, *k, *v;  // q [rows][dp], k / v [bn][dp], zero-padded past D
   float *acc, *p, *m, *l, *alpha;  // acc [rows][dp]; p [rows][bn] scores, then probabilities
-  int *pos, *src;  // pos [rows]: a row sees slots 0..pos (-1: none); src [bn]: see DecodeKv
+  int *pos, *src;  // pos [rows]: a row sees positions 0..pos (-1: none); src [bn]: see DecodeKv
   int bytes;
   __host__ __device__ SimtSmem(uintptr_t base, int rows, int bn, int dp) {
     SmemCarver c{base};
@@ -254,9 +284,9 @@ __device__ __forceinline__ int pv_slot_lanes(int items) {
   return lanes;
 }
 
-// Online softmax of `rows` query rows over cache slots [lo, hi), one K/V tile at a time. On entry
-// q, pos, acc (0), m (-inf), l (0) are set and the block synchronised; on exit acc / m / l hold
-// the unnormalised result (log2 domain), synchronised. A (row, slot) pair that the row must not
+// Online softmax of `rows` query rows over positions [lo, hi) (kv maps them to cache rows), one K/V
+// tile at a time. On entry q, pos, acc (0), m (-inf), l (0) are set and the block synchronised; on
+// exit acc / m / l hold the unnormalised result (log2 domain), synchronised. A (row, slot) pair that the row must not
 // see (past its position, or before its window) is never computed, so stale or non-finite values
 // there cannot leak in.
 template <typename T, bool GVEC, typename KvSource>
@@ -383,7 +413,8 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
   __syncthreads();  // (also when there was no tile)
 }
 
-// The slots [first, last + 1) that any of `rows` sanitised positions sees; (0, 0) when all are padding.
+// The positions [first, last + 1) that any of `rows` sanitised positions sees; (0, 0) when all are
+// padding. No overflow: a sanitised position is below INT_MAX.
 template <typename PosOf>
 __device__ __forceinline__ int2 slot_span(int rows, const PosOf& pos_of, const Scoring& score) {
   int first = INT_MAX, end = 0;
@@ -394,6 +425,29 @@ __device__ __forceinline__ int2 slot_span(int rows, const PosOf& pos_of, const S
     end = max(end, pos + 1);
   }
   return end == 0 ? make_int2(0, 0) : make_int2(first, end);
+}
+
+// Ring mode: rebases a block's span (slot_span of pos[0 .. rows), shared memory) and the positions
+// in pos to the span's first position, and returns the slot map of the rebased positions. Only the
+// numbering changes: the span starts at the smallest first visible position of the rows, so a
+// row's first visible position, rebased, is still max(0, pos - window + 1) of its rebased pos. A
+// span longer than S (the caller's span contract violated) is cut to its last S positions: those
+// before the cut become padding and windows reaching below it start at it (garbage, as allowed
+// then, but every access stays inside the cache, on distinct slots). Without ring: a no-op.
+// Every thread of the block calls it, after reading pos for its span.
+template <bool RING>
+__device__ __forceinline__ SlotOf<RING> rebase_span(int* pos, int rows, int2& span, int S) {
+  SlotOf<RING> slot_of;
+  if constexpr (RING) {
+    const int first = max(span.x, span.y - S);
+    __syncthreads();  // every thread has its span from pos
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) pos[r] = pos[r] >= first ? pos[r] - first : -1;
+    __syncthreads();
+    slot_of.base = first % S;
+    slot_of.S = S;
+    span = make_int2(0, span.y - first);
+  }
+  return slot_of;
 }
 
 constexpr float LOG2E = 1.4426950408889634f;
@@ -495,9 +549,9 @@ void set_dynamic_smem(Kernel kernel, int bytes) {
 
 // One launch each, defined (and instantiated for float, Half, BFloat16) in the decode / prefill files.
 template <typename T>
-void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, cudaStream_t stream);
+void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, bool ring, cudaStream_t stream);
 template <typename T>
-void launch_prefill(Params<T> p, int64_t B, bool gvec, cudaStream_t stream);
+void launch_prefill(Params<T> p, int64_t B, bool gvec, bool ring, cudaStream_t stream);
 
 }  // namespace kv_attention
 }  // namespace gptfast_kernels

@@ -15,16 +15,17 @@ __device__ __forceinline__ bool last_writer(const int* row_pos, int T, int t) {
   return true;
 }
 
-// K/V rows of a decode block: a slot written by this launch is read from k / v (src[j] = the
-// token writing it), any other slot from the cache.
-template <typename T>
+// K/V rows of a decode block: a position written by this launch is read from k / v (src[j] = the
+// token writing it), any other from the cache (its slot: slot_of).
+template <typename T, bool RING>
 struct DecodeKv {
   const T *k_new, *v_new;  // k / v of this (b, kv head); + t * stride
   int64_t k_st, v_st;
   const T *k_cache, *v_cache;  // caches of this (b, kv head)
-  const int* new_pos;          // [T] sanitised positions (shared memory)
+  const int* new_pos;          // [T] sanitised positions (shared memory; rebased with ring)
   int* src;                    // [bn] shared memory
   int T_, D;
+  [[no_unique_address]] SlotOf<RING> slot_of;  // empty without ring
   __device__ void prepare(int tile, int n) const {
     if (static_cast<int>(threadIdx.x) < n) {
       const int slot = tile + static_cast<int>(threadIdx.x);
@@ -34,15 +35,15 @@ struct DecodeKv {
       src[threadIdx.x] = found;
     }
   }
-  __device__ const T* k_row(int slot, int j) const {
-    return src[j] >= 0 ? k_new + src[j] * k_st : k_cache + static_cast<int64_t>(slot) * D;
+  __device__ const T* k_row(int x, int j) const {
+    return src[j] >= 0 ? k_new + src[j] * k_st : k_cache + static_cast<int64_t>(slot_of(x)) * D;
   }
-  __device__ const T* v_row(int slot, int j) const {
-    return src[j] >= 0 ? v_new + src[j] * v_st : v_cache + static_cast<int64_t>(slot) * D;
+  __device__ const T* v_row(int x, int j) const {
+    return src[j] >= 0 ? v_new + src[j] * v_st : v_cache + static_cast<int64_t>(slot_of(x)) * D;
   }
 };
 
-template <typename T, bool GVEC>
+template <typename T, bool GVEC, bool RING>
 __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const Params<T> p) {
   constexpr int V = VEC<T>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -55,12 +56,14 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
   const int h = static_cast<int>(bh % p.Hkv), GT = p.G * p.T, D = p.D;
   // Query row rr = g * T + t of the group is (q head h * G + g, token t).
   auto group_out = [&](int rr) { return out_row(p, b, h * p.G + rr / p.T, rr % p.T); };
-  if (tid < p.T) new_pos[tid] = sanitize(p.positions[b * p.T + tid], p.S);
+  if (tid < p.T) new_pos[tid] = sanitize<RING>(p.positions[b * p.T + tid], p.S);
   __syncthreads();
-  // The slots [first, len) any query of the row reads (with a sliding window, not from 0). Every
-  // block of the row derives the same partition of them, so exactly one owns each slot; the new
-  // tokens' own slots lie inside.
-  const int2 span = slot_span(p.T, [&](int t) { return new_pos[t]; }, p.score);
+  // The positions [first, len) any query of the row reads (with a sliding window, not from 0;
+  // with ring rebased to start at 0, at most S of them, on distinct slots). Every block of the row
+  // derives the same partition of them, so exactly one owns each slot; the new tokens' own
+  // positions lie inside.
+  int2 span = slot_span(p.T, [&](int t) { return new_pos[t]; }, p.score);
+  const SlotOf<RING> slot_of = rebase_span<RING>(new_pos, p.T, span, p.S);
   const int first = span.x, len = span.y;
   const int chunk = max(MIN_SPLIT_SLOTS, align_up(ceil_div(len - first, p.splits), p.bn));
   const int active = ceil_div(len - first, chunk);
@@ -76,18 +79,19 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
   T* k_cache = p.k_cache + bh * p.S * static_cast<int64_t>(D);
   T* v_cache = p.v_cache + bh * p.S * static_cast<int64_t>(D);
 
-  // Fused scatter of the new rows whose slots this block owns (its reads of them use k / v).
+  // Fused scatter of the new rows whose positions this block owns (its reads of them use k / v).
   const int dvec = ceil_div(D, V);
   for (int i = tid; i < p.T * dvec; i += THREADS) {
-    const int t = i / dvec, c = i % dvec, slot = new_pos[t];
-    if (slot >= lo && slot < hi && last_writer(new_pos, p.T, t)) {
-      copy_vec<T, GVEC>(k_cache + static_cast<int64_t>(slot) * D, k_new + t * p.k_st, c, D);
-      copy_vec<T, GVEC>(v_cache + static_cast<int64_t>(slot) * D, v_new + t * p.v_st, c, D);
+    const int t = i / dvec, c = i % dvec, x = new_pos[t];
+    if (x >= lo && x < hi && last_writer(new_pos, p.T, t)) {
+      const int64_t slot = slot_of(x);
+      copy_vec<T, GVEC>(k_cache + slot * D, k_new + t * p.k_st, c, D);
+      copy_vec<T, GVEC>(v_cache + slot * D, v_new + t * p.v_st, c, D);
     }
   }
 
   const SimtSmem<T> sm(reinterpret_cast<uintptr_t>(smem), p.rows, p.bn, p.dp);
-  const DecodeKv<T> kv{k_new, v_new, p.k_st, p.v_st, k_cache, v_cache, new_pos, sm.src, p.T, D};
+  const DecodeKv<T, RING> kv{k_new, v_new, p.k_st, p.v_st, k_cache, v_cache, new_pos, sm.src, p.T, D, slot_of};
   const int64_t ws_row0 = (bh * p.splits + split) * GT;  // this split's partials (active > 1 only)
   for (int r0 = 0; r0 < GT; r0 += p.rows) {  // passes of at most p.rows query rows
     const int rows = min(p.rows, GT - r0);
@@ -163,13 +167,15 @@ at::Tensor split_counters(const at::Tensor& like, int64_t n) {
 }  // namespace
 
 template <typename T>
-void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, cudaStream_t stream) {
+void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, bool ring, cudaStream_t stream) {
   p.dp = align_up(p.D, VEC<T>);
   p.bn = kv_tile(p.dp * static_cast<int>(sizeof(T)));
   const int64_t GT = static_cast<int64_t>(p.G) * p.T, bh = B * p.Hkv;
-  auto kernel = gvec ? decode_kernel<T, true> : decode_kernel<T, false>;
+  auto kernel = ring ? (gvec ? decode_kernel<T, true, true> : decode_kernel<T, false, true>)
+                     : (gvec ? decode_kernel<T, true, false> : decode_kernel<T, false, false>);
   p.rows = simt_rows<T>(kernel, static_cast<int>(std::min<int64_t>(GT, MAX_ROWS_PER_PASS)), p.bn, p.dp);
-  // Splits from host-known sizes only (a CUDA graph replays them for any positions).
+  // Splits from host-known sizes only (a CUDA graph replays them for any positions). With ring a
+  // row's span is at most S positions too (window + T - 1 <= S; cut to S on the device).
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
   int64_t splits = ceil_div64(static_cast<int64_t>(DECODE_BLOCKS_PER_SM) * sms, bh);
   splits = std::min({splits, ceil_div64(p.S, MIN_SPLIT_SLOTS), static_cast<int64_t>(MAX_SPLITS),
@@ -193,9 +199,9 @@ void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, cudaS
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template void launch_decode<float>(Params<float>, int64_t, const at::Tensor&, bool, cudaStream_t);
-template void launch_decode<c10::Half>(Params<c10::Half>, int64_t, const at::Tensor&, bool, cudaStream_t);
-template void launch_decode<c10::BFloat16>(Params<c10::BFloat16>, int64_t, const at::Tensor&, bool, cudaStream_t);
+template void launch_decode<float>(Params<float>, int64_t, const at::Tensor&, bool, bool, cudaStream_t);
+template void launch_decode<c10::Half>(Params<c10::Half>, int64_t, const at::Tensor&, bool, bool, cudaStream_t);
+template void launch_decode<c10::BFloat16>(Params<c10::BFloat16>, int64_t, const at::Tensor&, bool, bool, cudaStream_t);
 
 }  // namespace kv_attention
 }  // namespace gptfast_kernels

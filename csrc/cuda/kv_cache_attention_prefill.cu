@@ -7,24 +7,45 @@ namespace kv_attention {
 namespace {
 
 // K/V rows of a prefill block: the cache, already scattered by scatter_kernel.
-template <typename T>
+template <typename T, bool RING>
 struct CacheKv {
   const T *k_cache, *v_cache;
   int D;
+  [[no_unique_address]] SlotOf<RING> slot_of;  // empty without ring
   __device__ void prepare(int, int) const {}
-  __device__ const T* k_row(int slot, int) const { return k_cache + static_cast<int64_t>(slot) * D; }
-  __device__ const T* v_row(int slot, int) const { return v_cache + static_cast<int64_t>(slot) * D; }
+  __device__ const T* k_row(int x, int) const {
+    if constexpr (RING) x = slot_of(x);
+    return k_cache + static_cast<int64_t>(x) * D;
+  }
+  __device__ const T* v_row(int x, int) const {
+    if constexpr (RING) x = slot_of(x);
+    return v_cache + static_cast<int64_t>(x) * D;
+  }
 };
 
-// k / v [b, :, t] -> caches [b, :, positions[b, t]]; one block per (b, t).
-template <typename T, bool GVEC>
+// Cache slot of token i of positions (flattened [B, T]), -1 for padding: its position, or with
+// ring its position % S.
+template <typename T, bool RING>
+__device__ __forceinline__ int scatter_slot(const Params<T>& p, int64_t i) {
+  const int pos = sanitize<RING>(p.positions[i], p.S);
+  if constexpr (RING) {
+    return pos >= 0 ? pos % p.S : -1;
+  } else {
+    return pos;
+  }
+}
+
+// k / v [b, :, t] -> caches [b, :, slot of positions[b, t]]; one block per (b, t).
+template <typename T, bool GVEC, bool RING>
 __global__ void __launch_bounds__(SCATTER_THREADS) scatter_kernel(const Params<T> p) {
   const int64_t bt = blockIdx.x, b = bt / p.T, t = bt % p.T;
-  const int slot = sanitize(p.positions[bt], p.S);
+  const int slot = scatter_slot<T, RING>(p, bt);
   // A later token of the row with the same slot wins (see last_writer); the block scans them together.
+  // With ring, distinct positions share a slot only when the caller's span contract is violated:
+  // comparing slots still leaves every slot one writer.
   bool overwritten = false;
   for (int64_t later = t + 1 + threadIdx.x; later < p.T && slot >= 0; later += SCATTER_THREADS)
-    overwritten = overwritten || sanitize(p.positions[b * p.T + later], p.S) == slot;
+    overwritten = overwritten || scatter_slot<T, RING>(p, b * p.T + later) == slot;
   if (__syncthreads_or(overwritten) || slot < 0) return;
   const int dvec = ceil_div(p.D, VEC<T>);
   for (int i = threadIdx.x; i < p.Hkv * dvec; i += SCATTER_THREADS) {
@@ -50,18 +71,19 @@ __device__ __forceinline__ PrefillTile prefill_tile(const Params<T>& p) {
   return {x / p.Hq, static_cast<int>(x % p.Hq), t0, min(p.rows, p.T - t0)};
 }
 
-template <typename T, bool GVEC>
+template <typename T, bool GVEC, bool RING>
 __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) prefill_simt_kernel(const Params<T> p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const PrefillTile tl = prefill_tile(p);
   const SimtSmem<T> sm(reinterpret_cast<uintptr_t>(smem), p.rows, p.bn, p.dp);
   simt_init_rows<T, GVEC>(
       sm, tl.rows, p.dp, p.D, [&](int r) { return p.q + tl.b * p.q_sb + tl.qh * p.q_sh + (tl.t0 + r) * p.q_st; },
-      [&](int r) { return sanitize(p.positions[tl.b * p.T + tl.t0 + r], p.S); });
+      [&](int r) { return sanitize<RING>(p.positions[tl.b * p.T + tl.t0 + r], p.S); });
   if (p.sinks != nullptr) simt_seed_sinks(sm, tl.rows, [&](int) { return p.sinks[tl.qh] * LOG2E; });
-  const int2 span = slot_span(tl.rows, [&](int r) { return sm.pos[r]; }, p.score);  // the keys the tile sees
+  int2 span = slot_span(tl.rows, [&](int r) { return sm.pos[r]; }, p.score);  // the keys the tile sees
+  const SlotOf<RING> slot_of = rebase_span<RING>(sm.pos, tl.rows, span, p.S);
   const int64_t kv_off = (tl.b * p.Hkv + tl.qh / p.G) * p.S * static_cast<int64_t>(p.D);
-  const CacheKv<T> kv{p.k_cache + kv_off, p.v_cache + kv_off, p.D};
+  const CacheKv<T, RING> kv{p.k_cache + kv_off, p.v_cache + kv_off, p.D, slot_of};
   simt_attend<T, GVEC>(sm, tl.rows, p.bn, p.dp, p.D, span.x, span.y, p.score, kv);
   for (int i = threadIdx.x; i < tl.rows * p.D; i += THREADS) {
     const int r = i / p.D, d = i % p.D;
@@ -91,7 +113,7 @@ struct TcSmem {
 
 // fp16 / bf16 prefill on tensor cores: S = Q K^T and O += P V with 16x16x16 WMMA, fp32 accumulators;
 // the online softmax runs on the fp32 score tile in shared memory, P is rounded to q's dtype.
-template <typename T, bool GVEC>
+template <typename T, bool GVEC, bool RING>
 __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> p) {
   using namespace nvcuda;
   using mma_t = typename MmaType<T>::type;
@@ -114,14 +136,16 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
   }
   for (int i = tid; i < bm * dp; i += TC_THREADS) sm.o[(i / dp) * sm.ldo + i % dp] = 0.f;
   for (int r = tid; r < bm; r += TC_THREADS) {
-    sm.pos[r] = r < tl.rows ? sanitize(p.positions[tl.b * p.T + tl.t0 + r], p.S) : -1;
+    sm.pos[r] = r < tl.rows ? sanitize<RING>(p.positions[tl.b * p.T + tl.t0 + r], p.S) : -1;
     const bool sink = p.sinks != nullptr && r < tl.rows;  // a first slot of score sink and value 0
     sm.m[r] = sink ? p.sinks[tl.qh] * LOG2E : -INFINITY;
     sm.l[r] = sink ? 1.f : 0.f;
   }
   async_wait();
   __syncthreads();
-  const int2 span = slot_span(tl.rows, [&](int r) { return sm.pos[r]; }, p.score);  // the keys the tile sees
+  int2 span = slot_span(tl.rows, [&](int r) { return sm.pos[r]; }, p.score);  // the keys the tile sees
+  // With ring the tile's positions may wrap around the end of the ring: each row's slot on its own.
+  const SlotOf<RING> slot_of = rebase_span<RING>(sm.pos, tl.rows, span, p.S);
   const int64_t kv_off = (tl.b * p.Hkv + tl.qh / p.G) * p.S * static_cast<int64_t>(D);
   const T* k_cache = p.k_cache + kv_off;
   const T* v_cache = p.v_cache + kv_off;
@@ -131,8 +155,8 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
     for (int i = tid; i < bn * nvec; i += TC_THREADS) {
       const int j = i / nvec, c = i % nvec;
       if (j < n) {  // rows past n are zeros: P is 0 there, and 0 * garbage could be NaN
-        load_vec<T, GVEC>(sm.k + j * sm.ldq, k_cache + static_cast<int64_t>(tile + j) * D, c, D);
-        load_vec<T, GVEC>(sm.v + j * sm.ldq, v_cache + static_cast<int64_t>(tile + j) * D, c, D);
+        load_vec<T, GVEC>(sm.k + j * sm.ldq, k_cache + static_cast<int64_t>(slot_of(tile + j)) * D, c, D);
+        load_vec<T, GVEC>(sm.v + j * sm.ldq, v_cache + static_cast<int64_t>(slot_of(tile + j)) * D, c, D);
       } else {
         *reinterpret_cast<uint4*>(sm.k + j * sm.ldq + c * V) = zero;
         *reinterpret_cast<uint4*>(sm.v + j * sm.ldq + c * V) = zero;
@@ -207,9 +231,10 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
 }  // namespace
 
 template <typename T>
-void launch_prefill(Params<T> p, int64_t B, bool gvec, cudaStream_t stream) {
+void launch_prefill(Params<T> p, int64_t B, bool gvec, bool ring, cudaStream_t stream) {
   TORCH_CHECK(B * p.T <= INT_MAX, "kv_cache_attention: B * T = ", B * p.T, " exceeds the CUDA grid");
-  auto scatter = gvec ? scatter_kernel<T, true> : scatter_kernel<T, false>;
+  auto scatter = ring ? (gvec ? scatter_kernel<T, true, true> : scatter_kernel<T, false, true>)
+                      : (gvec ? scatter_kernel<T, true, false> : scatter_kernel<T, false, false>);
   scatter<<<static_cast<unsigned>(B * p.T), SCATTER_THREADS, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
@@ -218,7 +243,8 @@ void launch_prefill(Params<T> p, int64_t B, bool gvec, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, float>) {
     p.dp = align_up(p.D, VEC<T>);
     p.bn = kv_tile(p.dp * static_cast<int>(sizeof(T)));
-    kernel = gvec ? prefill_simt_kernel<T, true> : prefill_simt_kernel<T, false>;
+    kernel = ring ? (gvec ? prefill_simt_kernel<T, true, true> : prefill_simt_kernel<T, false, true>)
+                  : (gvec ? prefill_simt_kernel<T, true, false> : prefill_simt_kernel<T, false, false>);
     p.rows = simt_rows<T>(kernel, std::min(p.T, MAX_ROWS_PER_PASS), p.bn, p.dp);
     bytes = SimtSmem<T>(0, p.rows, p.bn, p.dp).bytes;
   } else {
@@ -226,13 +252,14 @@ void launch_prefill(Params<T> p, int64_t B, bool gvec, cudaStream_t stream) {
     // 32 x 32 tiles for large heads, and on GPUs with less shared memory per block (sm_86 / sm_89:
     // 99 KiB, under the 111 KiB of 64 x 64 tiles at D = 128).
     const bool large = p.dp > TC_LARGE_HEAD_DIM ||
-                       TcSmem<T>(0, 64, 64, p.dp).bytes + static_smem(prefill_tc_kernel<T, true>) >
+                       TcSmem<T>(0, 64, 64, p.dp).bytes + static_smem(prefill_tc_kernel<T, true, false>) >
                            device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
     p.rows = large ? 32 : 64;
     p.bn = large ? 32 : 64;
     threads = TC_THREADS;
     bytes = TcSmem<T>(0, p.rows, p.bn, p.dp).bytes;
-    kernel = gvec ? prefill_tc_kernel<T, true> : prefill_tc_kernel<T, false>;
+    kernel = ring ? (gvec ? prefill_tc_kernel<T, true, true> : prefill_tc_kernel<T, false, true>)
+                  : (gvec ? prefill_tc_kernel<T, true, false> : prefill_tc_kernel<T, false, false>);
   }
   const int64_t blocks = ceil_div64(p.T, p.rows) * p.Hq * B;
   TORCH_CHECK(blocks <= INT_MAX, "kv_cache_attention: ", blocks, " query tiles exceed the CUDA grid");
@@ -241,9 +268,9 @@ void launch_prefill(Params<T> p, int64_t B, bool gvec, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template void launch_prefill<float>(Params<float>, int64_t, bool, cudaStream_t);
-template void launch_prefill<c10::Half>(Params<c10::Half>, int64_t, bool, cudaStream_t);
-template void launch_prefill<c10::BFloat16>(Params<c10::BFloat16>, int64_t, bool, cudaStream_t);
+template void launch_prefill<float>(Params<float>, int64_t, bool, bool, cudaStream_t);
+template void launch_prefill<c10::Half>(Params<c10::Half>, int64_t, bool, bool, cudaStream_t);
+template void launch_prefill<c10::BFloat16>(Params<c10::BFloat16>, int64_t, bool, bool, cudaStream_t);
 
 }  // namespace kv_attention
 }  // namespace gptfast_kernels

@@ -119,17 +119,45 @@ def prefill(model, prompt: Prompt, cache) -> torch.Tensor:
     """Runs the prompt through ``model`` into ``cache`` -> [B, V] logits at each row's last real token.
     Only those positions reach the output head: the last column when every row ends there (left
     padding), else the few distinct columns where rows end (one host sync), never [B, P, V] (a
-    32k-token prompt's full logits would take 16 GB at a 128k vocabulary)."""
+    32k-token prompt's full logits would take 16 GB at a 128k vocabulary). A cache with ring-buffer
+    layers takes the prompt in chunks of its max_step_tokens."""
+    P = prompt.input_ids.shape[1]
+    chunk = cache.max_step_tokens if cache.has_ring_layers else P
     if prompt.ends_aligned:
-        return model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=cache,
-                     logits_to_keep=1).logits[:, 0]
-    P = prompt.attention_mask.shape[1]
+        for start in range(0, P, chunk):
+            logits = _prefill_chunk(model, prompt, cache, start, min(start + chunk, P), 1)
+        return logits[:, 0]
     last = (P - 1 - prompt.attention_mask.flip(1).to(torch.int64).argmax(dim=1)).tolist()
-    columns = sorted(set(last))
-    logits = model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=cache,
-                   logits_to_keep=torch.tensor(columns, device=prompt.input_ids.device)).logits
-    rows = torch.arange(len(last), device=logits.device)
-    return logits[rows, torch.tensor([columns.index(c) for c in last], device=logits.device)]
+    out = None
+    for start in range(0, P, chunk):
+        stop = min(start + chunk, P)
+        columns = sorted({c for c in last if start <= c < stop})
+        keep = torch.tensor([c - start for c in columns], device=prompt.input_ids.device) if columns else 1
+        logits = _prefill_chunk(model, prompt, cache, start, stop, keep)
+        rows = [b for b, c in enumerate(last) if start <= c < stop]
+        if not rows:
+            continue
+        if out is None:
+            out = logits.new_empty(len(last), logits.shape[-1])
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = logits[index, torch.tensor([columns.index(last[b]) for b in rows], device=logits.device)]
+    return out
+
+
+def fill_cache(model, prompt: Prompt, cache) -> None:
+    """Runs the prompt through ``model`` into ``cache`` for its keys and values alone (a draft
+    model's prefill), in chunks as ``prefill``."""
+    P = prompt.input_ids.shape[1]
+    chunk = cache.max_step_tokens if cache.has_ring_layers else P
+    for start in range(0, P, chunk):
+        _prefill_chunk(model, prompt, cache, start, min(start + chunk, P), 1)
+
+
+def _prefill_chunk(model, prompt: Prompt, cache, start: int, stop: int, keep) -> torch.Tensor:
+    """The prompt's columns start..stop - 1 through the model (its mask up to there, as transformers
+    takes a mask of past + new tokens) -> logits at the ``keep`` columns."""
+    return model(prompt.input_ids[:, start:stop], attention_mask=prompt.attention_mask[:, :stop],
+                 past_key_values=cache, logits_to_keep=keep).logits
 
 
 def check_flag(op: str, name: str, value) -> None:

@@ -25,6 +25,10 @@ CACHE_LEN_QUANTUM = 256
 # sizes and three token counts already exceeds; under fullgraph=True that is a hard error.
 # step_function raises the limit to at least this.
 RECOMPILE_LIMIT = 64
+# Prompt tokens per prefill forward when the model has sliding-window layers: the caches generation
+# allocates keep those layers as ring buffers of window + PREFILL_CHUNK - 1 slots (StaticKVCache's
+# max_step_tokens), so longer prompts go through in chunks of this many tokens.
+PREFILL_CHUNK = 2048
 
 
 def _forward(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: StaticKVCache, model=None) -> torch.Tensor:
@@ -55,19 +59,24 @@ def step_function(model, compile: bool):
     return compiled
 
 
-def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool) -> StaticKVCache:
-    """A StaticKVCache with room for ``needed`` tokens per row, its rows emptied. With ``reuse`` the
+def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool,
+              step_tokens: int = 1) -> StaticKVCache:
+    """A StaticKVCache with room for ``needed`` tokens per row, its rows emptied, whose sliding-window
+    layers are ring buffers taking up to max(PREFILL_CHUNK, ``step_tokens``) tokens a forward
+    (``step_tokens``: the most a decoding round writes and rolls back). With ``reuse`` the
     model keeps one cache (rounded-up length) and hands it out again while it fits, so compiled
     graphs, which are specialised on the cache's buffers, are not rebuilt on every call. Its
     per-forward position check is off: the caller writes at most ``needed`` tokens per row, and the
     check would make every eager decode step wait for the GPU."""
+    chunk = max(PREFILL_CHUNK, step_tokens)
     if not reuse:
-        cache = StaticKVCache(model.config, batch_size, needed, device=device, dtype=dtype)
+        cache = StaticKVCache(model.config, batch_size, needed, device=device, dtype=dtype, max_step_tokens=chunk)
     else:
         cache = getattr(model, "_gptfast_cache", None)
-        if cache is None or cache.batch_size != batch_size or cache.max_cache_len < needed or cache.dtype != dtype:
+        if (cache is None or cache.batch_size != batch_size or cache.max_cache_len < needed or cache.dtype != dtype
+                or cache.max_step_tokens != chunk):
             length = -(-needed // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
-            cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype)
+            cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype, max_step_tokens=chunk)
             model._gptfast_cache = cache
         cache.crop(torch.zeros_like(cache.seq_lengths), check=False)
     cache.check_positions = False

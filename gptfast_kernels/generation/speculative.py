@@ -68,7 +68,8 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
                                        temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
                                        min(common.input_vocab_size(model), common.input_vocab_size(draft_model)),
                                        streamer, repetition_penalty, min_new_tokens, output_logprobs)
-    return rounds.run(lambda capacity: DraftModelProposer(draft_model, rounds.batch_size, capacity, compile))
+    return rounds.run(lambda capacity: DraftModelProposer(draft_model, rounds.batch_size, capacity, compile,
+                                                           rounds.k))
 
 
 class Proposer(Protocol):
@@ -95,16 +96,16 @@ class DraftModelProposer:
     is not in it yet (``pending``): the round's first draft forward therefore takes two tokens,
     [pending, last], the first one padding (-1 position) in rows with nothing pending."""
 
-    def __init__(self, draft_model, batch_size: int, capacity: int, compile: bool):
+    def __init__(self, draft_model, batch_size: int, capacity: int, compile: bool, k: int):
         device, dtype = common.model_device_dtype(draft_model)
         self.model = draft_model
-        self.cache = cache_for(draft_model, batch_size, capacity, device, dtype, reuse=compile)
+        # a round writes up to k + 1 tokens (two in its first forward) and rolls back up to k
+        self.cache = cache_for(draft_model, batch_size, capacity, device, dtype, reuse=compile, step_tokens=k + 1)
         self.step = step_function(draft_model, compile)
         self.pending = torch.full((batch_size,), -1, dtype=torch.int64, device=device)
 
     def prefill(self, prompt: common.Prompt) -> None:
-        self.model(prompt.input_ids, attention_mask=prompt.attention_mask, past_key_values=self.cache,
-                   logits_to_keep=1)
+        common.fill_cache(self.model, prompt, self.cache)
 
     def propose(self, rounds: "SpeculativeRounds", last, active, history) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> draft tokens [B, k], and their distributions [B, k, V] (None when greedy)."""
@@ -234,7 +235,7 @@ class SpeculativeRounds:
             return SpeculativeOutput(prompt.input_ids.clone(), zeros, zeros.clone(), 0.0,
                                      zeros.new_zeros(B, 0, dtype=torch.float32) if self.output_logprobs else None)
         capacity = max(prompt.lengths) + self.max_new_tokens + k
-        target_cache = cache_for(model, B, capacity, device, dtype, reuse=self.compile)
+        target_cache = cache_for(model, B, capacity, device, dtype, reuse=self.compile, step_tokens=k + 1)
         proposer = make_proposer(capacity)
         target_step = step_function(model, self.compile)
 

@@ -71,10 +71,14 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
     if not torch.compiler.is_compiling():
         gptfast_cache.attention_calls += 1  # checked by after_forward
     layer = gptfast_cache.layers[module.layer_idx]
+    ring = layer.ring_window is not None
+    if ring and sliding_window != layer.ring_window:  # the cache read the window off the config
+        raise ValueError(f"StaticKVCache: layer {module.layer_idx}'s ring buffer was sized for a sliding window of "
+                         f"{layer.ring_window} (the config's), but the layer attends with window {sliding_window}")
     dtype = layer.keys.dtype
     out = kv_cache_attention(query.to(dtype), key.to(dtype), value.to(dtype), layer.keys, layer.values,
                              gptfast_cache.step_positions(), scaling, window=sliding_window, softcap=softcap,
-                             sinks=s_aux, backend=backend,
+                             sinks=s_aux, ring=ring, backend=backend,
                              check_positions=False)  # checked once per forward by plan_step
     # [B, T, Hq, D] contiguous, as transformers' attention functions return it (AFMoE .view()s it); for
     # T = 1 the transpose is contiguous already and this copies nothing

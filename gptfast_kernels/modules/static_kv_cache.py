@@ -9,6 +9,12 @@ advance when the forward returns (``commit_step``), so a forward that raises lea
 
 An unpatched model may use the cache as well (HF calls ``update``); rows then share one length, as
 in transformers' own ``StaticCache``.
+
+Sliding-window layers can keep a ring buffer instead of max_cache_len slots (``max_step_tokens``):
+a layer of window W then holds W + C - 1 slots, position p in slot p % (W + C - 1), where C is the
+most tokens one forward writes per row. Every query still finds its whole window (the C - 1 extra
+slots hold what this forward's own tokens would otherwise overwrite), and a rollback of up to C
+tokens (a rejected speculative round) never needs a slot that was overwritten.
 """
 
 from __future__ import annotations
@@ -24,6 +30,22 @@ def cache_geometry(config) -> tuple[int, int, int]:
     from gptfast_kernels.models.families import family_of
 
     return family_of(config).cache_geometry(config.get_text_config(decoder=True))
+
+
+def sliding_windows(config) -> list[int | None]:
+    """Per decoder layer: its sliding window, or None for a layer attending to every position. As
+    transformers reads a config: the ``layer_types`` named "sliding_attention" have the config's
+    ``sliding_window``; without layer types every layer has it (Mistral, Phi-3, StarCoder2)."""
+    config = config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return [None] * layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * layers
+    return [window if kind == "sliding_attention" else None for kind in list(types)[:layers]] + \
+        [None] * (layers - len(types))
 
 
 def layer_kinds(config) -> list[str]:
@@ -54,15 +76,18 @@ class NoCacheLayer:
 
 
 class StaticKVLayer(CacheLayerMixin):
-    """One layer's buffers: keys / values [B, Hkv, S, D], allocated up front at static addresses."""
+    """One layer's buffers: keys / values [B, Hkv, S, D], allocated up front at static addresses.
+    ``ring_window``: a sliding-window layer's window when its buffers are a ring (position p in slot
+    p % S, S = max_cache_len here), else None."""
 
     is_compileable = True
     is_sliding = False
     supports_early_init = True
 
     def __init__(self, batch_size: int, num_heads: int, max_cache_len: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, ring_window: int | None = None):
         super().__init__()
+        self.ring_window = ring_window
         self.batch_size, self.num_heads = batch_size, num_heads
         self.max_cache_len, self.head_dim = max_cache_len, head_dim
         self.device, self.dtype = device, dtype
@@ -102,8 +127,8 @@ class StaticKVStateLayer(LinearAttentionLayer, StaticKVLayer):
     and transformers' recurrent states (as its ``LinearAttentionAndStaticFullAttentionLayer``)."""
 
     def __init__(self, batch_size: int, num_heads: int, max_cache_len: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype):
-        StaticKVLayer.__init__(self, batch_size, num_heads, max_cache_len, head_dim, device, dtype)
+                 device: torch.device, dtype: torch.dtype, ring_window: int | None = None):
+        StaticKVLayer.__init__(self, batch_size, num_heads, max_cache_len, head_dim, device, dtype, ring_window)
         LinearAttentionLayer.__init__(self)  # device / dtype become the states' (set when they first arrive)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
@@ -118,20 +143,26 @@ class StaticKVStateLayer(LinearAttentionLayer, StaticKVLayer):
 class StaticKVCache(Cache):
     """Preallocated KV cache with per-row lengths.
 
-    StaticKVCache(config, batch_size, max_cache_len, *, device=None, dtype=None): buffers
-    [batch_size, Hkv, max_cache_len, D] per layer, in ``dtype`` (default: the config's dtype, else
-    float32) on ``device`` (default: CPU). ``seq_lengths`` [B] int64 holds each row's length.
-    Sliding-window layers (Mistral, Gemma 2 / 3 ...) keep every slot as well, so max_cache_len may
-    exceed the window: the fused kernel reads only each query's window, and a rollback (crop) never
-    needs a slot a ring buffer would have overwritten. The linear-attention (recurrent) layers of a
+    StaticKVCache(config, batch_size, max_cache_len, *, device=None, dtype=None, max_step_tokens=None):
+    buffers [batch_size, Hkv, max_cache_len, D] per layer, in ``dtype`` (default: the config's dtype,
+    else float32) on ``device`` (default: CPU). ``seq_lengths`` [B] int64 holds each row's length.
+    Sliding-window layers (Mistral, Gemma 2 / 3, GPT-OSS ...) keep every slot as well by default.
+    With ``max_step_tokens`` C, those of window W keep a ring buffer of W + C - 1 slots instead,
+    where that is shorter than max_cache_len (memory: Gemma 3's 5 sliding layers of 6 hold 1024 +
+    C - 1 slots, not 128k); every forward may then write at most C tokens per row (generate feeds
+    longer prompts in chunks), a crop may roll a row back by at most C tokens from the furthest
+    position it wrote, and only a patched model can use the cache. The linear-attention (recurrent) layers of a
     hybrid model (Qwen3.5 ...) hold transformers' own state layer (``LinearAttentionLayer``: conv and
     recurrent states, updated in place); a recurrent state cannot be rolled back, so such a cache
     can only be emptied.
     """
 
-    def __init__(self, config, batch_size: int, max_cache_len: int, *, device=None, dtype=None):
+    def __init__(self, config, batch_size: int, max_cache_len: int, *, device=None, dtype=None,
+                 max_step_tokens: int | None = None):
         batch_size = check_int("StaticKVCache", "batch_size", batch_size, 1)
         max_cache_len = check_int("StaticKVCache", "max_cache_len", max_cache_len, 1)
+        if max_step_tokens is not None:
+            max_step_tokens = check_int("StaticKVCache", "max_step_tokens", max_step_tokens, 1)
         num_layers, num_heads, head_dim = cache_geometry(config)
         text_config = config.get_text_config(decoder=True)
         if dtype is None:
@@ -141,9 +172,15 @@ class StaticKVCache(Cache):
             raise ValueError(f"StaticKVCache: dtype must be float16, bfloat16 or float32, got {dtype}")
         device = torch.device("cpu") if device is None else torch.device(device)
         attention = {"attention": StaticKVLayer, "both": StaticKVStateLayer}
+
+        def attention_layer(kind: str, window: int | None):
+            ring = None if window is None or max_step_tokens is None else window + max_step_tokens - 1
+            if ring is not None and ring < max_cache_len:
+                return attention[kind](batch_size, num_heads, ring, head_dim, device, dtype, ring_window=window)
+            return attention[kind](batch_size, num_heads, max_cache_len, head_dim, device, dtype)
+
         layers = [LinearAttentionLayer() if kind == "recurrent" else NoCacheLayer() if kind == "none" else
-                  attention[kind](batch_size, num_heads, max_cache_len, head_dim, device, dtype)
-                  for kind in layer_kinds(config)]
+                  attention_layer(kind, window) for kind, window in zip(layer_kinds(config), sliding_windows(config))]
         super().__init__(layers=layers)
         attention_indices = [i for i, layer in enumerate(layers) if isinstance(layer, StaticKVLayer)]
         if not attention_indices:
@@ -156,10 +193,17 @@ class StaticKVCache(Cache):
         # whether some layers keep a recurrent state (a hybrid model) instead of keys and values
         self.has_recurrent_layers = any(isinstance(layer, LinearAttentionLayer) for layer in layers)
         self._max_cache_len = max_cache_len
+        self.max_step_tokens = max_step_tokens
+        # whether some sliding-window layers keep a ring buffer (max_step_tokens made them shorter)
+        self.has_ring_layers = any(layer.ring_window is not None for layer in self.attention_layers)
         self.device, self.dtype = device, dtype
         self.seq_lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        # per row, one past the furthest position written since the last reset (a forward that
+        # failed included): how far back a ring buffer still holds every position (crop's limit)
+        self.written_lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
         if not torch.compiler.is_compiling():
             torch._dynamo.mark_static_address(self.seq_lengths)
+            torch._dynamo.mark_static_address(self.written_lengths)
         self._step_positions: torch.Tensor | None = None  # [B, T] positions of the current forward
         self._fused_step = False
         self.attention_calls = 0  # fused attention calls of the current forward (eager forwards only)
@@ -177,6 +221,15 @@ class StaticKVCache(Cache):
         are padding (-1: neither written nor attended). ``attention_mask`` is [B, T] or HF's
         [B, past + T] (its last T columns are used)."""
         B = self.batch_size
+        if self.has_ring_layers:
+            if not fused:
+                raise ValueError("StaticKVCache: this cache's sliding-window layers are ring buffers "
+                                 f"(max_step_tokens={self.max_step_tokens}), which only a patched model can use; "
+                                 "call gptfast_kernels.patch_model, or build the cache without max_step_tokens")
+            if num_tokens > self.max_step_tokens:
+                raise ValueError(f"StaticKVCache: a forward of {num_tokens} tokens, but this cache's ring-buffer "
+                                 f"layers take at most max_step_tokens = {self.max_step_tokens} per forward (feed "
+                                 "longer inputs in chunks, as generate does)")
         if attention_mask is not None:
             if attention_mask.dim() == 4:
                 raise ValueError("StaticKVCache: got a 4-D attention_mask, which transformers' generate builds for "
@@ -206,6 +259,15 @@ class StaticKVCache(Cache):
                                  f"{self.max_cache_len}; allocate a larger cache (or crop it)")
             if low < -1:
                 raise ValueError(f"StaticKVCache: position_ids must be >= 0, got {low}")
+            if self.has_ring_layers and position_ids is not None:
+                smallest = torch.where(positions >= 0, positions, high).min(dim=1).values
+                span = int((positions.max(dim=1).values - smallest).max())
+                if span >= self.max_step_tokens:
+                    raise ValueError(f"StaticKVCache: position_ids of a row span {span + 1} positions, but this "
+                                     f"cache's ring-buffer layers take at most max_step_tokens = "
+                                     f"{self.max_step_tokens} consecutive positions per forward")
+        if self.has_ring_layers:
+            self.written_lengths.copy_(torch.maximum(self.written_lengths, positions.max(dim=1).values + 1))
         self._step_positions = positions
         self._fused_step = fused
         self.attention_calls = 0
@@ -238,7 +300,7 @@ class StaticKVCache(Cache):
         if self._fused_step:
             return key_states, value_states
         if layer_idx == self._first_attention or self._step_positions is None:  # a new forward (a failed one dropped)
-            self.plan_step(key_states.shape[-2], fused=False)
+            self.plan_step(key_states.shape[-2], fused=False)  # (refuses a cache with ring buffers)
         layer = self.layers[layer_idx]
         positions = self._step_positions
         rows, cols = (positions >= 0).nonzero(as_tuple=True)
@@ -287,10 +349,15 @@ class StaticKVCache(Cache):
         already shorter keep theirs). Slots past a row's length are stale and never read (a query at position p
         attends only 0..p, and new tokens overwrite from the length on). ``check=False`` skips the
         test that tensor lengths are >= 0 (a GPU sync), for callers that computed them so. A hybrid
-        model's cache can only be emptied (recurrent states have no positions to roll back to)."""
+        model's cache can only be emptied (recurrent states have no positions to roll back to). With
+        ring-buffer layers a row can go back at most max_step_tokens positions from the furthest it
+        wrote since the last reset (``written_lengths``), or to 0: further back, its window's oldest
+        slots were overwritten (ValueError; checked on tensor lengths too unless ``check=False``)."""
         if self.has_recurrent_layers:
             self._crop_recurrent(num_tokens)
             return
+        if self.has_ring_layers:
+            self._check_ring_crop(num_tokens, check)
         if isinstance(num_tokens, torch.Tensor):
             if num_tokens.shape != self.seq_lengths.shape or num_tokens.is_floating_point():
                 raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or an integer tensor of shape "
@@ -307,6 +374,27 @@ class StaticKVCache(Cache):
                 self.seq_lengths.add_(num_tokens).clamp_(min=0)
         else:
             raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or a [B] tensor, got {num_tokens!r}")
+        if self.has_ring_layers:  # an emptied row starts over: every position it reads is rewritten first
+            self.written_lengths.masked_fill_(self.seq_lengths == 0, 0)
+
+    def _check_ring_crop(self, num_tokens, check: bool) -> None:
+        if isinstance(num_tokens, torch.Tensor):
+            if not check or is_tracing() or num_tokens.shape != self.seq_lengths.shape or num_tokens.is_floating_point():
+                return  # (a bad shape is crop's own error)
+            new = torch.minimum(self.seq_lengths, num_tokens.to(self.seq_lengths.device, torch.int64))
+        elif isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
+            new = (self.seq_lengths.clamp(max=num_tokens) if num_tokens > 0 else
+                   (self.seq_lengths + num_tokens).clamp(min=0) if num_tokens < 0 else self.seq_lengths)
+        else:
+            return
+        too_far = (new > 0) & (new < self.written_lengths - self.max_step_tokens)
+        if bool(too_far.any()):
+            row = int(too_far.nonzero()[0, 0])
+            raise ValueError(f"StaticKVCache.crop: row {row} would go back to length {int(new[row])}, but its "
+                             f"ring-buffer layers (max_step_tokens = {self.max_step_tokens}) keep its window only "
+                             f"from length {int(self.written_lengths[row]) - self.max_step_tokens} on (positions up "
+                             f"to {int(self.written_lengths[row]) - 1} were written); crop to 0 or build the cache "
+                             "with a larger max_step_tokens")
 
     def _crop_recurrent(self, num_tokens) -> None:
         """crop for a cache with recurrent layers: emptying it (every row to 0) or shortening no row;
@@ -331,6 +419,7 @@ class StaticKVCache(Cache):
         for layer in self.layers:
             layer.reset()
         self.seq_lengths.zero_()
+        self.written_lengths.zero_()
         self._step_positions = None
         self._fused_step = False
 
@@ -343,6 +432,7 @@ class StaticKVCache(Cache):
                 layer.keys.copy_(layer.keys.index_select(0, beam_idx))
                 layer.values.copy_(layer.values.index_select(0, beam_idx))
         self.seq_lengths.copy_(self.seq_lengths.index_select(0, beam_idx))
+        self.written_lengths.copy_(self.written_lengths.index_select(0, beam_idx))
 
     def __repr__(self) -> str:
         return (f"StaticKVCache(layers={len(self.layers)}, batch_size={self.batch_size}, "

@@ -20,7 +20,7 @@ MAX_WINDOW = 2**31 - 1  # the kernels hold positions and windows as int32
 SOFTCAP_MIN = torch.finfo(torch.float32).tiny
 
 
-def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks) -> None:
+def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring) -> None:
     check_tensor(OP, "q", q, dtypes=FLOAT_DTYPES, ndim=4)
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(OP, name, t, ndim=4)
@@ -62,6 +62,11 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, 
                                 or not math.isfinite(softcap) or softcap < SOFTCAP_MIN):
         # (a smaller cap would flush to zero in float32, which the kernels read as "no cap")
         raise ValueError(f"{OP}: softcap must be None or a finite number >= {SOFTCAP_MIN}, got {softcap!r}")
+    if not isinstance(ring, bool):
+        raise ValueError(f"{OP}: ring must be True or False, got {ring!r}")
+    if ring and (window is None or window > k_cache.shape[2]):
+        raise ValueError(f"{OP}: ring=True (a ring-buffer cache) needs a window in 1..S = 1..{k_cache.shape[2]}, "
+                         f"the cache's slots; got window {window!r}")
     if sinks is not None:
         check_tensor(OP, "sinks", sinks, dtypes=FLOAT_DTYPES, ndim=1)
         if sinks.shape[0] != q.shape[1]:
@@ -70,19 +75,26 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, 
     check_same_device(OP, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions, sinks=sinks)
 
 
-def _check_position_values(positions: torch.Tensor, S: int) -> None:
+def _check_position_values(positions: torch.Tensor, S: int, window: int | None, ring: bool) -> None:
     """Value checks that need the data (one host synchronisation); skipped while tracing."""
     if positions.numel() == 0:
         return
     rows = positions if positions.dim() == 2 else positions.unsqueeze(0)
     sorted_rows = rows.sort(dim=-1).values.to(torch.int64)
     repeated = ((sorted_rows[:, 1:] == sorted_rows[:, :-1]) & (sorted_rows[:, 1:] >= 0)).any()
-    # one host synchronisation for the three facts
-    low, high, any_repeated = torch.stack([sorted_rows[:, 0].min(), sorted_rows[:, -1].max(),
-                                           repeated.to(torch.int64)]).tolist()
-    if low < -1 or high >= S:
-        raise ValueError(f"{OP}: positions must lie in [-1, S) = [-1, {S}) (-1 marks padding); "
-                         f"got values from {low} to {high}")
+    # a row's span: its largest valid position minus its smallest (0 for rows of padding only)
+    smallest = torch.where(sorted_rows >= 0, sorted_rows, sorted_rows[:, -1:]).min(dim=-1).values
+    span = (sorted_rows[:, -1] - smallest).clamp(min=0).max()
+    # one host synchronisation for the four facts
+    low, high, any_repeated, span = torch.stack([sorted_rows[:, 0].min(), sorted_rows[:, -1].max(),
+                                                 repeated.to(torch.int64), span]).tolist()
+    limit = MAX_WINDOW if ring else S
+    if low < -1 or high >= limit:
+        raise ValueError(f"{OP}: positions must lie in [-1, {'2^31 - 1' if ring else 'S'}) = [-1, {limit}) "
+                         f"(-1 marks padding); got values from {low} to {high}")
+    if ring and span + window > S:
+        raise ValueError(f"{OP}: with ring=True a row's positions may span at most S - window = {S - window} "
+                         f"(its new tokens would overwrite slots its queries read), got a span of {span}")
     if any_repeated:
         raise ValueError(f"{OP}: positions must not repeat a slot within a row (two tokens "
                          "cannot be written to one cache slot)")
@@ -113,7 +125,7 @@ def auto_backend(usable: list[str], head_rows: int, T: int, S: int) -> str:
 def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
                        *, window: int | None = None, softcap: float | None = None,
-                       sinks: torch.Tensor | None = None, backend: str = "auto",
+                       sinks: torch.Tensor | None = None, ring: bool = False, backend: str = "auto",
                        check_positions: bool = True) -> torch.Tensor:
     """Writes k, v into the caches at ``positions`` and attends, in one kernel launch.
 
@@ -125,19 +137,23 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     ``softcap`` caps the scaled scores at +-softcap by softcap * tanh(score / softcap) (Gemma 2).
     ``sinks`` [Hq] adds one logit per query head to the softmax's denominator, attending to nothing
     (GPT-OSS's attention sinks): out = sum_s e^(score_s) v_s / (e^sink + sum_s e^(score_s)).
+    ``ring=True``: the caches are ring buffers (a sliding-window layer's, window <= S): position p
+    lives in slot p % S, positions may exceed S, and a row's new positions may span at most
+    S - window, so that no token written by this call overwrites a slot one of its queries reads.
     In eager mode the position values are checked (one host synchronisation) unless
     ``check_positions=False``, for callers that validated them already (StaticKVCache checks them
     once per forward, not once per layer); the kernels never access memory out of bounds either way.
     """
-    _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks)
+    _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring)
     if check_positions and not is_tracing():
-        _check_position_values(positions, k_cache.shape[2])
+        _check_position_values(positions, k_cache.shape[2], window, ring)
     chosen = resolve_backend(OP, backend, q.device,
                              auto=lambda usable: auto_backend(usable, q.shape[0] * k.shape[1], q.shape[2],
                                                               k_cache.shape[2]))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if chosen == "reference":
-        return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks)
+        return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks,
+                                            ring)
     # the kernels' encoding of "none": window 0, softcap 0
     window = 0 if window is None else window
     softcap = 0.0 if softcap is None else float(softcap)
@@ -149,13 +165,14 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     if chosen == "triton":
         from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
-        return kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks)
+        return kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring)
     return torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window,
-                                                        softcap, sinks)
+                                                        softcap, sinks, ring)
 
 
 if _extension.has_kernel(OP, "CPU"):
 
     @torch.library.register_fake(f"gptfast_kernels::{OP}")
-    def _kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None):
+    def _kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None,
+                                 ring=False):
         return q.new_empty(q.shape)  # the kernels return a contiguous tensor, whatever q's strides

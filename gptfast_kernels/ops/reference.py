@@ -56,10 +56,12 @@ def broadcast_positions(positions: torch.Tensor, batch: int) -> torch.Tensor:
 def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
                        window: int | None = None, softcap: float | None = None,
-                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+                       sinks: torch.Tensor | None = None, ring: bool = False) -> torch.Tensor:
     """Writes k/v [B, Hkv, T, D] into the caches [B, Hkv, S, D] at positions [B, T] (or [T]),
     in place, then returns the causal attention of q [B, Hq, T, D] over cache slots 0..position
     (with a ``window``: only the last ``window`` of them, position - window < slot <= position).
+    ``ring``: the caches are ring buffers, position p lives in slot p % S (a query then sees, in
+    each slot, the latest position <= its own that maps there).
     ``softcap``: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
     ``sinks`` [Hq]: one more logit per head in the softmax's denominator, with no value (GPT-OSS).
     Negative positions are padding: nothing is written and their output rows are zero."""
@@ -71,7 +73,7 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     valid = pos >= 0
 
     rows, cols = valid.nonzero(as_tuple=True)
-    slots = pos[rows, cols]
+    slots = pos[rows, cols] % S if ring else pos[rows, cols]
     k_cache[rows, :, slots] = k[rows, :, cols]
     v_cache[rows, :, slots] = v[rows, :, cols]
 
@@ -81,9 +83,12 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     cache_slots = torch.arange(S, device=q.device)[None, None, :]
-    allowed = cache_slots <= pos[:, :, None]  # [B, T, S]
+    query_pos = pos[:, :, None]
+    # [B, T, S]: the position each slot holds for each query
+    slot_pos = query_pos - (query_pos - cache_slots) % S if ring else cache_slots
+    allowed = (slot_pos <= query_pos) & (slot_pos >= 0)
     if window:
-        allowed &= cache_slots > pos[:, :, None] - window
+        allowed &= slot_pos > query_pos - window
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     if sinks is not None:
         sink = sinks.to(acc).reshape(1, Hkv, group, 1, 1).expand(B, Hkv, group, T, 1)

@@ -25,10 +25,18 @@ cache costs a window's reads, not a position's. ``softcap`` (> 0) caps the scale
 (GPT-OSS) gives each head's softmax one more logit that attends to nothing: it seeds the online
 softmax (m = sink, l = 1) with one split, and is added once by the combine with several.
 
-Positions outside [-1, S) are treated as padding (zero output, nothing written): the wrapper
-raises for them in eager mode but cannot under torch.compile or CUDA-graph capture. All sums are
-float32; no host synchronisation. Registered as ``gptfast_kernels::kv_cache_attention_triton``
-(mutating k_cache and v_cache); ``ops.kv_cache_attention(..., backend="triton")`` calls it.
+``ring=True`` (a constexpr) makes the caches ring buffers of a sliding-window layer: position p lives
+in slot p % S. Splits, key tiles and the fused scatter's match then run in position space, from
+the window's start, and only cache addresses take the remainder; the caller's contract (a row's
+positions span at most S - window) makes a row's span at most S positions, so its slots are
+distinct and the splits own disjoint slots. The span is also cut to S positions when the contract
+is broken (results unspecified, but every access stays in the caches and no loop runs long).
+
+Positions outside [-1, S) (ring: [-1, 2^31 - 1)) are treated as padding (zero output, nothing
+written): the wrapper raises for them in eager mode but cannot under torch.compile or CUDA-graph
+capture. All sums are float32; no host synchronisation. Registered as
+``gptfast_kernels::kv_cache_attention_triton`` (mutating k_cache and v_cache);
+``ops.kv_cache_attention(..., backend="triton")`` calls it.
 """
 
 from __future__ import annotations
@@ -56,6 +64,10 @@ LOG2E_: tl.constexpr = tl.constexpr(LOG2_E)  # the same, inside the kernels (att
 # Positions a scatter program compares its tokens with per step, looking for a later writer of the
 # same slot ([BLOCK_T, 128] int compares: noise next to the K/V copy).
 SCATTER_BLOCK_LATER = 128
+# Largest valid position of a ring cache (ring=True): positions are int32 in the kernels and the
+# span ends (position + 1) must fit too. Larger values are padding.
+MAX_RING_POSITION = 2**31 - 2
+MAX_RING_POSITION_: tl.constexpr = tl.constexpr(MAX_RING_POSITION)
 
 
 class Tuning(NamedTuple):
@@ -88,21 +100,41 @@ _INTERPRETER_NUM_SMS = 16
 
 
 @triton.jit
-def _clean_positions(pos, S):
-    """Positions outside [0, S) become -1 (padding): no slot outside the cache is ever touched."""
+def _clean_positions(pos, S, RING: tl.constexpr):
+    """Positions outside [0, S) (ring: [0, MAX_RING_POSITION]) become -1 (padding): no slot outside
+    the cache is ever touched, and position + 1 fits in int32."""
+    if RING:
+        return tl.where((pos >= 0) & (pos <= MAX_RING_POSITION_), pos, -1).to(tl.int32)
     return tl.where((pos >= 0) & (pos < S), pos, -1).to(tl.int32)
 
 
 @triton.jit
 def _first_slots(pos, window):
-    """The first slot a query at each (clean) position sees: its window's start, or 0 (window 0)."""
+    """The first slot (ring: position) a query at each (clean) position sees: its window's start,
+    or 0 (window 0)."""
     return tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
 
 
 @triton.jit
-def _span_start(pos, first, span_end, S):
-    """The earliest of the first slots of the non-padding positions; span_end when all are padding."""
-    return tl.minimum(tl.min(tl.where(pos >= 0, first, S), axis=0), span_end)
+def _span_start(pos, first, span_end, S, RING: tl.constexpr):
+    """The earliest of the first slots (ring: positions) of the non-padding positions; span_end
+    when all are padding. Ring: int64 (the spans' tiles may pass 2^31 - 1), and never more than S
+    positions before span_end, which only a caller breaking the span contract reaches: its results
+    are unspecified, but no loop then runs over up to 2^31 positions."""
+    # (one return: Triton types every return of a function alike, a constexpr branch's included)
+    if RING:
+        first = tl.minimum(tl.min(tl.where(pos >= 0, first, span_end), axis=0), span_end)
+        start = tl.maximum(first, span_end - S).to(tl.int64)
+    else:
+        start = tl.minimum(tl.min(tl.where(pos >= 0, first, S), axis=0), span_end)
+    return start
+
+
+@triton.jit
+def _ring_slots(n0, S, BLOCK_N: tl.constexpr):
+    """The ring-cache slots of positions n0 .. n0 + BLOCK_N - 1 (n0 >= 0, int64): one 64-bit
+    remainder, then int32 (slot + BLOCK_N fits)."""
+    return ((n0 % S).to(tl.int32) + tl.arange(0, BLOCK_N)) % S
 
 
 @triton.jit
@@ -139,14 +171,14 @@ def _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT: tl.constexpr, SO
 
 @triton.jit
 def _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Row b's T positions [BLOCK_T], the slots [row_first, row_len) its queries see (row_len =
-    largest position + 1; row_first > 0 only with a window) and the slots per split: the same in
-    the attention and the combine kernel, a multiple of BLOCK_N."""
+               BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr):
+    """Row b's T positions [BLOCK_T], the slots (ring: positions) [row_first, row_len) its queries
+    see (row_len = largest position + 1; row_first > 0 only with a window) and the slots per split:
+    the same in the attention and the combine kernel, a multiple of BLOCK_N."""
     offs_t = tl.arange(0, BLOCK_T)
-    pos = _clean_positions(tl.load(Pos_ptr + b * T + offs_t, mask=offs_t < T, other=-1), S)
+    pos = _clean_positions(tl.load(Pos_ptr + b * T + offs_t, mask=offs_t < T, other=-1), S, RING)
     row_len = tl.max(pos, axis=0) + 1
-    row_first = _span_start(pos, _first_slots(pos, window), row_len, S)
+    row_first = _span_start(pos, _first_slots(pos, window), row_len, S, RING)
     split_len = tl.cdiv(tl.cdiv(row_len - row_first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     return pos, row_first, row_len, tl.maximum(split_len, MIN_SPLIT_LEN)
 
@@ -158,14 +190,16 @@ def _kv_cache_attention_decode_kernel(
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_cb, stride_ch, stride_cs,
         NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
-        FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Ring: splits, tiles and the fused scatter's match work on positions, the cache on their slots.
+    # A row's span is at most S positions (row_first), so its splits own distinct slots.
     split = tl.program_id(0)
     h = (tl.program_id(1) // NUM_M_BLOCKS).to(tl.int64)  # h * stride_ch may pass 2^31
     m_block = tl.program_id(1) % NUM_M_BLOCKS
     b = tl.program_id(2).to(tl.int64)
     pos_row, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN,
-                                                        BLOCK_N, BLOCK_T)
+                                                        BLOCK_N, BLOCK_T, RING)
     start = row_first + split * split_len
     if NUM_SPLITS > 1:
         if start >= row_len:  # nothing of this row here: the combine kernel skips this split
@@ -177,7 +211,7 @@ def _kv_cache_attention_decode_kernel(
     row_ok = offs_m < G * T
     t_m = offs_m % T
     hq_m = (h * G + offs_m // T).to(tl.int64)
-    pos_m = _clean_positions(tl.load(Pos_ptr + b * T + t_m, mask=row_ok, other=-1), S)
+    pos_m = _clean_positions(tl.load(Pos_ptr + b * T + t_m, mask=row_ok, other=-1), S, RING)
     first_m = _first_slots(pos_m, window)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
@@ -204,7 +238,10 @@ def _kv_cache_attention_decode_kernel(
         is_new = t_src >= 0
         new_mask = is_new[:, None] & mask_d[None, :]
         old_mask = (in_range & (t_src < 0))[:, None] & mask_d[None, :]
-        cache_offs = offs_n[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        if RING:
+            cache_offs = _ring_slots(n0, S, BLOCK_N)[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        else:
+            cache_offs = offs_n[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
         k_new = tl.load(k_new_ptr + t_src[:, None] * stride_kt + offs_d[None, :], mask=new_mask,
                         other=0.0)
         v_new = tl.load(v_new_ptr + t_src[:, None] * stride_vt + offs_d[None, :], mask=new_mask,
@@ -239,11 +276,11 @@ def _kv_cache_attention_combine_kernel(
         Pos_ptr, Sinks_ptr, OPart_ptr, LsePart_ptr, Out_ptr, window, T, S, D, Hq,
         HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-        BLOCK_D: tl.constexpr):
+        BLOCK_D: tl.constexpr, RING: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (b * Hq + hq) * T + t
     b = row // (Hq * T)
     _, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN, BLOCK_N,
-                                                  BLOCK_T)
+                                                  BLOCK_T, RING)
     num_active = tl.cdiv(row_len - row_first, split_len)  # the splits the attention kernel wrote
     offs_all = tl.arange(0, BLOCK_SPLITS)
     lse_all = tl.load(LsePart_ptr + row * NUM_SPLITS + offs_all, mask=offs_all < num_active,
@@ -276,17 +313,22 @@ def _kv_cache_attention_scatter_kernel(
         K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, T, S, D,
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_cb, stride_ch, stride_cs, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_LATER: tl.constexpr):
+        BLOCK_LATER: tl.constexpr, RING: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    pos = _clean_positions(tl.load(Pos_ptr + b * T + offs_t, mask=offs_t < T, other=-1), S)
-    # With repeated positions (unchecked under capture / compile) the row's last token writing a
-    # slot wins, as in a sequential scatter and the decode kernel: earlier ones skip their store.
+    pos = _clean_positions(tl.load(Pos_ptr + b * T + offs_t, mask=offs_t < T, other=-1), S, RING)
+    if RING:  # slots from here on (padding stays -1)
+        pos = tl.where(pos >= 0, pos % S, -1)
+    # With repeated slots (unchecked under capture / compile; ring: also positions S apart) the
+    # row's last token writing a slot wins, as in a sequential scatter and the decode kernel:
+    # earlier ones skip their store.
     overwritten = tl.zeros((BLOCK_T,), dtype=tl.int32)
     for l0 in range(tl.program_id(0) * BLOCK_T, T, BLOCK_LATER):
         offs_l = l0 + tl.arange(0, BLOCK_LATER)
-        later = _clean_positions(tl.load(Pos_ptr + b * T + offs_l, mask=offs_l < T, other=-1), S)
+        later = _clean_positions(tl.load(Pos_ptr + b * T + offs_l, mask=offs_l < T, other=-1), S, RING)
+        if RING:
+            later = tl.where(later >= 0, later % S, -1)
         same = (later[None, :] == pos[:, None]) & (offs_l[None, :] > offs_t[:, None])
         overwritten = tl.maximum(overwritten, tl.max(same.to(tl.int32), axis=1))
     offs_d = tl.arange(0, BLOCK_D)
@@ -303,17 +345,17 @@ def _kv_cache_attention_scatter_kernel(
 def _kv_cache_attention_prefill_kernel(
         Q_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Out_ptr, qk_scale, cap_log2, scale_over_cap, window, T, S, D, G,
         Hq, stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
-        FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # The last (longest) query tiles first, so the short ones fill the tail of the grid.
     offs_m = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     row_ok = offs_m < T
-    pos_m = _clean_positions(tl.load(Pos_ptr + b * T + offs_m, mask=row_ok, other=-1), S)
+    pos_m = _clean_positions(tl.load(Pos_ptr + b * T + offs_m, mask=row_ok, other=-1), S, RING)
     tile_len = tl.max(pos_m, axis=0) + 1  # positions need not be sorted: the tile's largest
     first_m = _first_slots(pos_m, window)
-    tile_first = _span_start(pos_m, first_m, tile_len, S)
+    tile_first = _span_start(pos_m, first_m, tile_len, S, RING)  # ring: key tiles walk positions
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     q = tl.load(Q_ptr + b * stride_qb + hq * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
@@ -328,7 +370,10 @@ def _kv_cache_attention_prefill_kernel(
     for n0 in range(tile_first, tile_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < tile_len
-        offs = kv_head + offs_n[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        if RING:
+            offs = kv_head + _ring_slots(n0, S, BLOCK_N)[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        else:
+            offs = kv_head + offs_n[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
         kv_mask = in_range[:, None] & mask_d[None, :]
         k = tl.load(KC_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(VC_ptr + offs, mask=kv_mask, other=0.0)
@@ -367,7 +412,7 @@ def _num_splits(tune: Tuning, num_sms: int, programs: int, S: int) -> int:
     return max(1, min(wanted, triton.cdiv(S, tune.min_split_len), tune.max_splits))
 
 
-def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, fp32_dot, tune, num_sms):
+def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp32_dot, tune, num_sms):
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -388,8 +433,8 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, fp32_dot,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT_LEN=tune.min_split_len, NUM_M_BLOCKS=num_m_blocks,
-        FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_T=block_t, BLOCK_D=block_d,
+        FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, HAS_SINKS=sinks is not None, RING=ring, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
         **_launch_options(q.dtype, tune))
     if num_splits > 1:
         _kv_cache_attention_combine_kernel[(B * Hq * T,)](
@@ -398,10 +443,10 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, fp32_dot,
             MIN_SPLIT_LEN=tune.min_split_len, BLOCK_N=block_n, BLOCK_T=block_t,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits),
             BLOCK_S=min(tune.combine_block_s, triton.next_power_of_2(num_splits)),
-            BLOCK_D=triton.next_power_of_2(D), num_warps=tune.num_warps)
+            BLOCK_D=triton.next_power_of_2(D), RING=ring, num_warps=tune.num_warps)
 
 
-def _prefill(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, fp32_dot, tune):
+def _prefill(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp32_dot, tune):
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     block_d = max(triton.next_power_of_2(D), MIN_DOT_DIM)
@@ -409,12 +454,12 @@ def _prefill(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, fp32_dot
     _kv_cache_attention_scatter_kernel[(triton.cdiv(T, tune.scatter_block_t), Hkv, B)](
         k, v, k_cache, v_cache, positions, T, S, D, k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *cache_strides, BLOCK_T=tune.scatter_block_t,
-        BLOCK_D=triton.next_power_of_2(D), BLOCK_LATER=SCATTER_BLOCK_LATER, num_warps=tune.num_warps)
+        BLOCK_D=triton.next_power_of_2(D), BLOCK_LATER=SCATTER_BLOCK_LATER, RING=ring, num_warps=tune.num_warps)
     block_n = tune.prefill_block_n if block_d <= 128 else tune.prefill_block_n // 2
     _kv_cache_attention_prefill_kernel[(triton.cdiv(T, tune.prefill_block_m), Hq, B)](
         q, k_cache, v_cache, positions, q if sinks is None else sinks, out, *scoring.args, T, S, D, Hq // Hkv, Hq,
         q.stride(0), q.stride(1), q.stride(2), *cache_strides, FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap,
-        HAS_SINKS=sinks is not None,
+        HAS_SINKS=sinks is not None, RING=ring,
         BLOCK_M=tune.prefill_block_m, BLOCK_N=block_n, BLOCK_D=block_d, **_launch_options(q.dtype, tune))
 
 
@@ -434,12 +479,12 @@ class _Scoring(NamedTuple):
 
 def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float, tune: Tuning,
                              num_sms: int, window: int = 0, softcap: float = 0.0,
-                             sinks: torch.Tensor | None = None) -> torch.Tensor:
+                             sinks: torch.Tensor | None = None, ring: bool = False) -> torch.Tensor:
     """The Triton op's computation with the launch constants ``tune`` and an assumed SM count (for
     tuning: bench/bench_kv_tiles.py); inputs as ``kv_cache_attention_triton``'s."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     scoring = _Scoring.of(float(scale), int(window), float(softcap))
-    args = (q, k, v, k_cache, v_cache, positions, sinks, out, scoring, dot_in_fp32(q.dtype), tune)
+    args = (q, k, v, k_cache, v_cache, positions, sinks, out, scoring, bool(ring), dot_in_fp32(q.dtype), tune)
     with on_device(q):
         if q.shape[2] <= DECODE_MAX_T:
             _decode(*args, num_sms)
@@ -451,17 +496,19 @@ def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float,
 @torch.library.custom_op("gptfast_kernels::kv_cache_attention_triton", mutates_args=("k_cache", "v_cache"))
 def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0,
-                              softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                              softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                              ring: bool = False) -> torch.Tensor:
     """q [B, Hq, T, D], k, v [B, Hkv, T, D] (any strides, stride(-1) == 1); k_cache, v_cache
     [B, Hkv, S, D] contiguous, written in place; positions [B, T] int64 contiguous, -1 = padding
     -> out [B, Hq, T, D] contiguous in q's dtype. window 0 / softcap 0: none (checked by the wrapper);
-    sinks [Hq] float32 contiguous or None."""
+    sinks [Hq] float32 contiguous or None. ring: ring-buffer caches, position p in slot p % S
+    (window in 1..S and the span contract checked by the wrapper)."""
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device), window,
-                                    softcap, sinks)
+                                    softcap, sinks, ring)
 
 
 @kv_cache_attention_triton.register_fake
-def _(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None):
+def _(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None, ring=False):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -51,6 +51,21 @@ def test_compiled_cuda_graph_decode_equals_eager(family):
     assert counters["inductor"]["cudagraph_skips"] == skips_before
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatch):
+    """Sliding-window layers as ring buffers of window + 2 slots (prompt chunks of 3), on the CUDA
+    kernels, in CUDA graphs when compiled: the tokens equal those of full-length caches, float32."""
+    from gptfast_kernels.generation import forward
+
+    patched = patch_model(tiny_model(family).cuda(), int8=False)
+    ids, mask = _on_cuda(*ragged_prompts(3, 7, "left"))
+    want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    monkeypatch.setattr(forward, "PREFILL_CHUNK", 3)
+    got = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=compile).sequences
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_speculative_equals_target_greedy(compile):
     target = tiny_model("llama", layers=3).cuda()

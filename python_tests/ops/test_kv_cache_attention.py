@@ -41,15 +41,17 @@ def make_case(B, Hq, Hkv, T, D, S, positions, dtype=torch.float32, device="cpu",
     return q, k, v, k_cache, v_cache, positions
 
 
-def _attention_in_dtype(q, k, v, k_cache, v_cache, positions, scale=None, window=None, softcap=None, sinks=None):
+def _attention_in_dtype(q, k, v, k_cache, v_cache, positions, scale=None, window=None, softcap=None, sinks=None,
+                        ring=False):
     """The same attention computed by PyTorch in q's dtype throughout (the low-precision baseline)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     pos = reference.broadcast_positions(positions, B)
     rows, cols = (pos >= 0).nonzero(as_tuple=True)
-    k_cache[rows, :, pos[rows, cols]] = k[rows, :, cols]
-    v_cache[rows, :, pos[rows, cols]] = v[rows, :, cols]
+    written = pos[rows, cols] % S if ring else pos[rows, cols]
+    k_cache[rows, :, written] = k[rows, :, cols]
+    v_cache[rows, :, written] = v[rows, :, cols]
     group = Hq // Hkv
     keys = k_cache.repeat_interleave(group, dim=1)
     values = v_cache.repeat_interleave(group, dim=1)
@@ -57,7 +59,9 @@ def _attention_in_dtype(q, k, v, k_cache, v_cache, positions, scale=None, window
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     slots = torch.arange(S, device=q.device)[None, None, :]
-    allowed = slots <= pos[:, :, None]
+    if ring:  # the position each slot holds for each query: the latest <= the query's
+        slots = pos[:, :, None] - (pos[:, :, None] - slots) % S
+    allowed = (slots <= pos[:, :, None]) & (slots >= 0)
     if window:
         allowed &= slots > pos[:, :, None] - window
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
@@ -69,14 +73,14 @@ def _attention_in_dtype(q, k, v, k_cache, v_cache, positions, scale=None, window
 
 
 def check_against_reference(backend, device, q, k, v, k_cache, v_cache, positions, scale=None, window=None,
-                            softcap=None, sinks=None):
+                            softcap=None, sinks=None, ring=False):
     """Runs the backend and checks its output and both caches against the float64 reference."""
     inputs64 = [t.cpu().double() for t in (q, k, v, k_cache, v_cache)]
     want_k_cache, want_v_cache = inputs64[3].clone(), inputs64[4].clone()
     want = reference.kv_cache_attention(*inputs64[:3], want_k_cache, want_v_cache, positions.cpu(), scale, window,
-                                        softcap, None if sinks is None else sinks.cpu().double())
+                                        softcap, None if sinks is None else sinks.cpu().double(), ring)
     got = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window=window, softcap=softcap,
-                                 sinks=sinks, backend=backend)
+                                 sinks=sinks, ring=ring, backend=backend)
     assert got.shape == q.shape and got.dtype == q.dtype and got.device == q.device
     # the scatter is a copy: the caches must hold exactly the new k / v at the written slots
     assert torch.equal(k_cache.cpu().double(), want_k_cache), "k_cache differs from the reference"
@@ -87,7 +91,7 @@ def check_against_reference(backend, device, q, k, v, k_cache, v_cache, position
     else:
         cpu = [t.cpu() for t in (q, k, v, k_cache, v_cache)]
         baseline = _attention_in_dtype(*cpu[:3], *cpu[3:], positions.cpu(), scale, window, softcap,
-                                       None if sinks is None else sinks.cpu()).double()
+                                       None if sinks is None else sinks.cpu(), ring).double()
         allowed = max(2 * (baseline - want).abs().max().item(), ERROR_FLOOR[q.dtype])
     assert error <= allowed, f"max error {error:.3g} > allowed {allowed:.3g}"
     return got

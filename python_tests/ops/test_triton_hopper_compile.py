@@ -35,13 +35,15 @@ def _int8_linear(dtype, M):
                        torch.zeros(N, dtype=dtype))
 
 
-def _kv_cache_attention(dtype, T, D, S):
+def _kv_cache_attention(dtype, T, D, S, window=0):
+    """window > 0: a ring buffer of S slots (ring=True) at positions past S, as a sliding layer's."""
     from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
     B, Hq, Hkv = 1, 32, 8
     zeros = lambda *shape: torch.zeros(*shape, dtype=dtype)  # noqa: E731
+    positions = torch.arange(T).expand(B, T).contiguous() + (3 * S if window else 0)
     kv_cache_attention_triton(zeros(B, Hq, T, D), zeros(B, Hkv, T, D), zeros(B, Hkv, T, D), zeros(B, Hkv, S, D),
-                              zeros(B, Hkv, S, D), torch.arange(T).expand(B, T).contiguous(), D ** -0.5)
+                              zeros(B, Hkv, S, D), positions, D ** -0.5, window, 0.0, None, window > 0)
 
 
 def _verify_draft(greedy, V):
@@ -66,6 +68,8 @@ CASES = {
     "kv-decode-fp16-d256": ((_kv_cache_attention, torch.float16, 1, 256, 2048), DECODE),
     "kv-prefill-bf16": ((_kv_cache_attention, torch.bfloat16, 64, 128, 4096), PREFILL),
     "kv-prefill-fp32-d80": ((_kv_cache_attention, torch.float32, 37, 80, 512), PREFILL),
+    "kv-ring-decode-bf16": ((_kv_cache_attention, torch.bfloat16, 1, 128, 4096 + 2047, 4096), DECODE),
+    "kv-ring-prefill-bf16": ((_kv_cache_attention, torch.bfloat16, 64, 128, 1024 + 2047, 1024), PREFILL),
     **{f"verify_draft-{mode}-V{V}": ((_verify_draft, mode == "greedy", V), ["_verify_draft_kernel"])
        for mode in ("greedy", "sampling") for V in (128256, 50257)},
 }

@@ -19,7 +19,10 @@ hold against the bandwidth target.
 Sliding-window rows (Mistral-7B-v0.1: the same heads, window 4096) decode far past the window.
 Their baseline, "hf_sliding_window", is transformers' sliding static-cache layer at its best: SDPA
 over only the slots the window covers (its ring buffer holds no more), after the same
-``index_copy_``; ours gets ``window=`` and must read no more than that either.
+``index_copy_``; ours gets ``window=`` and must read no more than that either. The "ring" rows run
+our kernels on a ring buffer of window + 2047 slots (``ring=True``, as generation allocates it:
+generation/forward.py's PREFILL_CHUNK) at the same positions: they must cost what the full-length
+cache costs.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ GPU_WINDOW_CASES = [(B, 1, ctx, 2 * ctx, WINDOW) for ctx in (16384, 32768) for B
     [(B, 5, 16384, 32768, WINDOW) for B in (1, 32)]
 GPU_QUICK_WINDOW_CASES = [(1, 1, 32768, 65536, WINDOW), (32, 1, 16384, 32768, WINDOW)]
 CPU_WINDOW_CASES = [(1, 1, 8192, 16384, 1024), (1, 5, 8192, 16384, 1024)]
+RING_EXTRA = 2047  # a ring buffer's slots past the window (generation's prefill chunk - 1)
 
 
 def hf_static_cache_step(module, q, k, v, k_cache, v_cache, cache_position, mask, scale):
@@ -146,17 +150,22 @@ def run_window(h, dtype, usable, module, scale) -> None:
             "hf_sliding_window": hf_sliding_window,
             "ours_auto": lambda: ops.kv_cache_attention(q, k, v, k_cache, v_cache, cache_position, window=window),
         }
+        ring_k, ring_v = rand(B, HKV, window + RING_EXTRA, D), rand(B, HKV, window + RING_EXTRA, D)
         if _extension.has_kernel("kv_cache_attention", "CUDA" if device.type == "cuda" else "CPU"):
             candidates["ours_kernel"] = lambda: torch.ops.gptfast_kernels.kv_cache_attention(
                 q, k, v, k_cache, v_cache, positions, scale, window)
+            candidates["ours_ring_kernel"] = lambda: torch.ops.gptfast_kernels.kv_cache_attention(
+                q, k, v, ring_k, ring_v, positions, scale, window, 0.0, None, True)
         if device.type == "cuda" and "triton" in usable:
             from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
             candidates["ours_triton_kernel"] = lambda: kv_cache_attention_triton(
                 q, k, v, k_cache, v_cache, positions, scale, window)
+            candidates["ours_ring_triton_kernel"] = lambda: kv_cache_attention_triton(
+                q, k, v, ring_k, ring_v, positions, scale, window, 0.0, None, True)
         elem = q.element_size()
         nbytes = 2 * B * HKV * (window + T - 1) * D * elem + 2 * B * HQ * T * D * elem
         case = {"B": B, "T": T, "context": context, "S": S, "window": window, "dtype": str(dtype)[6:]}
         h.compare("kv_cache_attention", case, candidates, baseline="hf_sliding_window", nbytes=nbytes,
-                  graphed=("ours_kernel", "ours_triton_kernel"))
-        del q, k, v, k_cache, v_cache, mask
+                  graphed=("ours_kernel", "ours_triton_kernel", "ours_ring_kernel", "ours_ring_triton_kernel"))
+        del q, k, v, k_cache, v_cache, ring_k, ring_v, mask

@@ -97,6 +97,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   at::parallel_for(0, B * Hkv * T, ATTENTION_GRAIN, [&](int64_t begin, int64_t end) {
     // Per-task scratch: the group's scaled queries, accumulators, running max / sum, block scores.
     std::vector<float> qf(G * D), acc(G * D), row_max(G), row_sum(G), scores(G * SLOT_BLOCK);
+    std::vector<int64_t> row_offset(SLOT_BLOCK);  // a block's K / V rows in the head's buffers
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item % T, h = (item / T) % Hkv, b = item / (T * Hkv);
       const int64_t pos = positions[b * T + t];
@@ -121,8 +122,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t length = pos + 1;  // positions first..pos inclusive
       for (int64_t s0 = first_slot(pos, window); s0 < length; s0 += SLOT_BLOCK) {
         const int64_t n = std::min(SLOT_BLOCK, length - s0);
+        // slots of positions s0 .. s0 + n - 1: one remainder per block in a ring, wrapping after
+        for (int64_t j = 0, slot = slot_of(s0, S, ring); j < n; ++j, slot = slot + 1 == S ? 0 : slot + 1) {
+          row_offset[j] = slot * D;
+        }
         for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* krow = k_head + slot_of(s0 + j, S, ring) * D;
+          const scalar_t* krow = k_head + row_offset[j];
           for (int64_t g = 0; g < G; ++g) scores[g * SLOT_BLOCK + j] = dot_f32(qf.data() + g * D, krow, D);
         }
         if (cap > 0.f) {
@@ -149,7 +154,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] *= correction;
           for (int64_t j = 0; j < n; ++j) {
-            const scalar_t* vrow = v_head + slot_of(s0 + j, S, ring) * D;
+            const scalar_t* vrow = v_head + row_offset[j];
             const float p = sc[j];
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vrow[d]);

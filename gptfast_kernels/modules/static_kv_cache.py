@@ -151,10 +151,10 @@ class StaticKVCache(Cache):
     where that is shorter than max_cache_len (memory: Gemma 3's 5 sliding layers of 6 hold 1024 +
     C - 1 slots, not 128k); every forward may then write at most C tokens per row (generate feeds
     longer prompts in chunks), a crop may roll a row back by at most C tokens from the furthest
-    position it wrote, and only a patched model can use the cache. The linear-attention (recurrent) layers of a
-    hybrid model (Qwen3.5 ...) hold transformers' own state layer (``LinearAttentionLayer``: conv and
-    recurrent states, updated in place); a recurrent state cannot be rolled back, so such a cache
-    can only be emptied.
+    position it wrote, and only a patched model can use the cache. The linear-attention (recurrent)
+    layers of a hybrid model (Qwen3.5 ...) hold transformers' own state layer
+    (``LinearAttentionLayer``: conv and recurrent states, updated in place); a recurrent state
+    cannot be rolled back, so such a cache can only be emptied.
     """
 
     def __init__(self, config, batch_size: int, max_cache_len: int, *, device=None, dtype=None,
@@ -379,8 +379,9 @@ class StaticKVCache(Cache):
 
     def _check_ring_crop(self, num_tokens, check: bool) -> None:
         if isinstance(num_tokens, torch.Tensor):
-            if not check or is_tracing() or num_tokens.shape != self.seq_lengths.shape or num_tokens.is_floating_point():
-                return  # (a bad shape is crop's own error)
+            malformed = num_tokens.shape != self.seq_lengths.shape or num_tokens.is_floating_point()
+            if not check or is_tracing() or malformed:  # (a malformed one is crop's own error)
+                return
             new = torch.minimum(self.seq_lengths, num_tokens.to(self.seq_lengths.device, torch.int64))
         elif isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
             new = (self.seq_lengths.clamp(max=num_tokens) if num_tokens > 0 else

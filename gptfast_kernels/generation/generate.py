@@ -40,7 +40,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     greedy decoding matches transformers' ``generate(do_sample=False)``. A row that emits an eos
     token is finished: it gets the pad id from then on (and writes nothing more to the cache);
     decoding stops when every row has finished. ``past_key_values``: an optional StaticKVCache to
-    reuse (its rows are emptied first); by default one of the needed size is allocated.
+    reuse (its rows are emptied first); by default one of the needed size is allocated, its
+    sliding-window layers as ring buffers (max_step_tokens = forward.PREFILL_CHUNK). A cache with
+    ring buffers takes the prompt in chunks of its max_step_tokens.
     ``compile``: run each decode step through torch.compile (a CUDA graph on GPUs); the model then
     keeps its compiled step and its cache for later calls (see generation/forward.py).
     ``repetition_penalty``: as transformers' (CTRL's): before sampling, the logit of every token

@@ -436,5 +436,7 @@ class StaticKVCache(Cache):
         self.written_lengths.copy_(self.written_lengths.index_select(0, beam_idx))
 
     def __repr__(self) -> str:
+        rings = sum(layer.ring_window is not None for layer in self.attention_layers)
+        ring = f", max_step_tokens={self.max_step_tokens} ({rings} ring-buffer layers)" if rings else ""
         return (f"StaticKVCache(layers={len(self.layers)}, batch_size={self.batch_size}, "
-                f"max_cache_len={self.max_cache_len}, dtype={self.dtype}, device={self.device})")
+                f"max_cache_len={self.max_cache_len}{ring}, dtype={self.dtype}, device={self.device})")

@@ -47,6 +47,7 @@ def test_ring_layers_and_their_sizes():
     assert cache.has_ring_layers and _ring_layers(cache) == [0, 2]
     assert [layer.keys.shape[2] for layer in cache.layers] == [WINDOW + 4, 64, WINDOW + 4, 64]
     assert [layer.ring_window for layer in cache.layers] == [WINDOW, None, WINDOW, None]
+    assert "max_step_tokens=5 (2 ring-buffer layers)" in repr(cache)
     # no max_step_tokens, or a ring no shorter than the cache: every layer keeps max_cache_len slots
     for cache in (StaticKVCache(config, 2, 64), StaticKVCache(config, 2, WINDOW + 4, max_step_tokens=5)):
         assert not cache.has_ring_layers and {layer.keys.shape[2] for layer in cache.layers} == {cache.max_cache_len}

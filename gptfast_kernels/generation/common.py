@@ -121,20 +121,18 @@ def prefill(model, prompt: Prompt, cache) -> torch.Tensor:
     padding), else the few distinct columns where rows end (one host sync), never [B, P, V] (a
     32k-token prompt's full logits would take 16 GB at a 128k vocabulary). A cache with ring-buffer
     layers takes the prompt in chunks of its max_step_tokens."""
-    P = prompt.input_ids.shape[1]
-    chunk = cache.max_step_tokens if cache.has_ring_layers else P
     if prompt.ends_aligned:
-        for start in range(0, P, chunk):
-            logits = _prefill_chunk(model, prompt, cache, start, min(start + chunk, P), 1)
+        for start, stop in _chunks(prompt, cache):
+            logits = _prefill_chunk(model, prompt, cache, start, stop, 1)
         return logits[:, 0]
+    P = prompt.input_ids.shape[1]
     last = (P - 1 - prompt.attention_mask.flip(1).to(torch.int64).argmax(dim=1)).tolist()
     out = None
-    for start in range(0, P, chunk):
-        stop = min(start + chunk, P)
-        columns = sorted({c for c in last if start <= c < stop})
+    for start, stop in _chunks(prompt, cache):
+        rows = [b for b, c in enumerate(last) if start <= c < stop]  # the rows ending in this chunk
+        columns = sorted({last[b] for b in rows})
         keep = torch.tensor([c - start for c in columns], device=prompt.input_ids.device) if columns else 1
         logits = _prefill_chunk(model, prompt, cache, start, stop, keep)
-        rows = [b for b, c in enumerate(last) if start <= c < stop]
         if not rows:
             continue
         if out is None:
@@ -147,10 +145,16 @@ def prefill(model, prompt: Prompt, cache) -> torch.Tensor:
 def fill_cache(model, prompt: Prompt, cache) -> None:
     """Runs the prompt through ``model`` into ``cache`` for its keys and values alone (a draft
     model's prefill), in chunks as ``prefill``."""
+    for start, stop in _chunks(prompt, cache):
+        _prefill_chunk(model, prompt, cache, start, stop, 1)
+
+
+def _chunks(prompt: Prompt, cache):
+    """(start, stop) column ranges of the prompt, one forward each: the whole prompt, or chunks of
+    max_step_tokens for a cache with ring-buffer layers."""
     P = prompt.input_ids.shape[1]
     chunk = cache.max_step_tokens if cache.has_ring_layers else P
-    for start in range(0, P, chunk):
-        _prefill_chunk(model, prompt, cache, start, min(start + chunk, P), 1)
+    return [(start, min(start + chunk, P)) for start in range(0, P, chunk)]
 
 
 def _prefill_chunk(model, prompt: Prompt, cache, start: int, stop: int, keep) -> torch.Tensor:

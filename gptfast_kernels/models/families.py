@@ -22,6 +22,14 @@ def transformers_before(release: str) -> bool:
     return Version(transformers.__version__) < Version(release)
 
 
+def layer_types(config) -> list[str | None]:
+    """Per decoder layer: the config's ``layer_types`` entry, None without one (no layer_types, or
+    fewer than layers). layer_types may also run longer: a config cut to fewer layers."""
+    layers = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or ())[:layers]
+    return types + [None] * (layers - len(types))
+
+
 @dataclass(frozen=True)
 class Family:
     model_type: str
@@ -54,10 +62,8 @@ class Family:
         """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /
         values), "both" (attention and a recurrent block side by side: Falcon-H1) or "none" (an MLP
         or MoE block that is a layer of its own: no cache)."""
-        layers = config.num_hidden_layers  # layer_types may run longer (a config cut to fewer layers)
-        kinds = list(getattr(config, "layer_types", None) or ())[:layers]
         return [("recurrent" if kind in self.recurrent_layer_types else "none" if kind in CACHELESS else
-                 "both" if kind in PARALLEL else "attention") for kind in kinds] + ["attention"] * (layers - len(kinds))
+                 "both" if kind in PARALLEL else "attention") for kind in layer_types(config)]
 
     @property
     def experts_classes(self) -> tuple[str, ...]:

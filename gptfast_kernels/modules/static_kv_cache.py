@@ -36,16 +36,15 @@ def sliding_windows(config) -> list[int | None]:
     """Per decoder layer: its sliding window, or None for a layer attending to every position. As
     transformers reads a config: the ``layer_types`` named "sliding_attention" have the config's
     ``sliding_window``; without layer types every layer has it (Mistral, Phi-3, StarCoder2)."""
+    from gptfast_kernels.models.families import layer_types
+
     config = config.get_text_config(decoder=True)
     window = getattr(config, "sliding_window", None)
-    layers = config.num_hidden_layers
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return [None] * layers
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return [window] * layers
-    return [window if kind == "sliding_attention" else None for kind in list(types)[:layers]] + \
-        [None] * (layers - len(types))
+        return [None] * config.num_hidden_layers
+    if getattr(config, "layer_types", None) is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types(config)]
 
 
 def layer_kinds(config) -> list[str]:
@@ -356,38 +355,30 @@ class StaticKVCache(Cache):
         if self.has_recurrent_layers:
             self._crop_recurrent(num_tokens)
             return
-        if self.has_ring_layers:
-            self._check_ring_crop(num_tokens, check)
         if isinstance(num_tokens, torch.Tensor):
             if num_tokens.shape != self.seq_lengths.shape or num_tokens.is_floating_point():
                 raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or an integer tensor of shape "
                                  f"[B] = {list(self.seq_lengths.shape)}, got {num_tokens.dtype} "
                                  f"{list(num_tokens.shape)}")
             new = num_tokens.to(self.seq_lengths.device, torch.int64)
-            if check and not is_tracing() and bool((new < 0).any()):
+            check = check and not is_tracing()
+            if check and bool((new < 0).any()):
                 raise ValueError("StaticKVCache.crop: per-row lengths must be >= 0")
-            self.seq_lengths.copy_(torch.minimum(self.seq_lengths, new))
+            new = torch.minimum(self.seq_lengths, new)
         elif isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
-            if num_tokens > 0:
-                self.seq_lengths.clamp_(max=num_tokens)
-            elif num_tokens < 0:
-                self.seq_lengths.add_(num_tokens).clamp_(min=0)
-        else:
-            raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or a [B] tensor, got {num_tokens!r}")
-        if self.has_ring_layers:  # an emptied row starts over: every position it reads is rewritten first
-            self.written_lengths.masked_fill_(self.seq_lengths == 0, 0)
-
-    def _check_ring_crop(self, num_tokens, check: bool) -> None:
-        if isinstance(num_tokens, torch.Tensor):
-            malformed = num_tokens.shape != self.seq_lengths.shape or num_tokens.is_floating_point()
-            if not check or is_tracing() or malformed:  # (a malformed one is crop's own error)
-                return
-            new = torch.minimum(self.seq_lengths, num_tokens.to(self.seq_lengths.device, torch.int64))
-        elif isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
+            check = True
             new = (self.seq_lengths.clamp(max=num_tokens) if num_tokens > 0 else
                    (self.seq_lengths + num_tokens).clamp(min=0) if num_tokens < 0 else self.seq_lengths)
         else:
-            return
+            raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or a [B] tensor, got {num_tokens!r}")
+        if self.has_ring_layers and check:
+            self._check_ring_crop(new)
+        self.seq_lengths.copy_(new)
+        if self.has_ring_layers:  # an emptied row starts over: every position it reads is rewritten first
+            self.written_lengths.masked_fill_(self.seq_lengths == 0, 0)
+
+    def _check_ring_crop(self, new: torch.Tensor) -> None:
+        """ValueError if a ring-buffer layer no longer holds the window of a row cropped to ``new``."""
         too_far = (new > 0) & (new < self.written_lengths - self.max_step_tokens)
         if bool(too_far.any()):
             row = int(too_far.nonzero()[0, 0])

@@ -82,19 +82,19 @@ def _check_position_values(positions: torch.Tensor, S: int, window: int | None, 
     rows = positions if positions.dim() == 2 else positions.unsqueeze(0)
     sorted_rows = rows.sort(dim=-1).values.to(torch.int64)
     repeated = ((sorted_rows[:, 1:] == sorted_rows[:, :-1]) & (sorted_rows[:, 1:] >= 0)).any()
-    # a row's span: its largest valid position minus its smallest (0 for rows of padding only)
-    smallest = torch.where(sorted_rows >= 0, sorted_rows, sorted_rows[:, -1:]).min(dim=-1).values
-    span = (sorted_rows[:, -1] - smallest).clamp(min=0).max()
-    # one host synchronisation for the four facts
-    low, high, any_repeated, span = torch.stack([sorted_rows[:, 0].min(), sorted_rows[:, -1].max(),
-                                                 repeated.to(torch.int64), span]).tolist()
+    facts = [sorted_rows[:, 0].min(), sorted_rows[:, -1].max(), repeated.to(torch.int64)]
+    if ring:  # the longest span of a row: its largest valid position minus its smallest (0: padding only)
+        smallest = torch.where(sorted_rows >= 0, sorted_rows, sorted_rows[:, -1:]).min(dim=-1).values
+        facts.append((sorted_rows[:, -1] - smallest).clamp(min=0).max())
+    # one host synchronisation for all of them
+    low, high, any_repeated, *span = torch.stack(facts).tolist()
     limit = MAX_WINDOW if ring else S
     if low < -1 or high >= limit:
         raise ValueError(f"{OP}: positions must lie in [-1, {'2^31 - 1' if ring else 'S'}) = [-1, {limit}) "
                          f"(-1 marks padding); got values from {low} to {high}")
-    if ring and span + window > S:
+    if ring and span[0] + window > S:
         raise ValueError(f"{OP}: with ring=True a row's positions may span at most S - window = {S - window} "
-                         f"(its new tokens would overwrite slots its queries read), got a span of {span}")
+                         f"(its new tokens would overwrite slots its queries read), got a span of {span[0]}")
     if any_repeated:
         raise ValueError(f"{OP}: positions must not repeat a slot within a row (two tokens "
                          "cannot be written to one cache slot)")

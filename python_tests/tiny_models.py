@@ -167,6 +167,16 @@ AUTO_CONFIGS = {
                                           layer_types=alternating_layers(layers)),
     "afmoe": lambda layers: dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1,
                                  num_dense_layers=1, sliding_window=WINDOW, layer_types=alternating_layers(layers)),
+    # local / global layers, the global ones with their own head dim and kv heads and keys as values; at least
+    # 4 layers, the last half attending over the keys and values of the last earlier layer of its type (with
+    # double-wide MLPs); per-layer embeddings; experts beside the MLP with a router of its own
+    "gemma4_text": lambda layers: dict(num_hidden_layers=max(layers, 4), sliding_window=WINDOW,
+                                       layer_types=alternating_layers(max(layers, 4)), global_head_dim=32,
+                                       num_global_key_value_heads=1, attention_k_eq_v=True,
+                                       num_kv_shared_layers=max(layers, 4) // 2,
+                                       use_double_wide_mlp=True, vocab_size_per_layer_input=VOCAB,
+                                       hidden_size_per_layer_input=8, enable_moe_block=True, num_experts=4,
+                                       top_k_experts=2, moe_intermediate_size=32),
     # attention sinks, local / global layers, experts that stay float
     "gpt_oss": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                    layer_types=alternating_layers(layers)),
@@ -296,12 +306,12 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
             "qwen3_moe", "olmoe", *AUTO_CONFIGS, *OWN_DIMS_CONFIGS)
 # mixture-of-experts families (their experts become Int8Experts; GPT-OSS's are biased, transposed, with
 # gate / up interleaved and a clamped gate)
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
+MOE = ("mixtral", "qwen2_moe", "gemma4_text", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
        "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
        "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
-WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
+WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "gemma4_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
             "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)
@@ -328,10 +338,14 @@ BIAS_STD = 0.1
 
 
 def experts_per_token(config) -> int:
-    """The top-k of a mixture-of-experts config (Aria's is moe_topk, DBRX's in its ffn_config)."""
+    """The top-k of a mixture-of-experts config (Aria's is moe_topk, Gemma 4's top_k_experts, DBRX's in
+    its ffn_config)."""
     if hasattr(config, "ffn_config"):
         return config.ffn_config.moe_top_k
-    return config.num_experts_per_tok if hasattr(config, "num_experts_per_tok") else config.moe_topk
+    for name in ("num_experts_per_tok", "top_k_experts"):
+        if hasattr(config, name):
+            return getattr(config, name)
+    return config.moe_topk
 
 
 def tiny_model(family: str, *, seed: int = 0, **kwargs):
@@ -419,8 +433,14 @@ def draft_of(target, layers: int = 1):
     with the target often but not always, like a real draft model."""
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = layers
+    if getattr(config, "num_kv_shared_layers", 0):  # Gemma 4: the draft's layers keep their own keys and values
+        config.num_kv_shared_layers = 0
     draft = AutoModelForCausalLM.from_config(config).eval()
-    missing, unexpected = draft.load_state_dict(target.state_dict(), strict=False)
+    own = draft.state_dict()
+    # tables packing every layer's part (Gemma 4's per-layer embeddings, layer after layer): the first layers'
+    state = {name: tensor[tuple(slice(0, n) for n in own[name].shape)] if name in own else tensor
+             for name, tensor in target.state_dict().items()}
+    missing, unexpected = draft.load_state_dict(state, strict=False)
     assert not missing, missing
     return draft
 

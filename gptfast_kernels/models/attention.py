@@ -70,14 +70,22 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
                                       **kwargs)
     if not torch.compiler.is_compiling():
         gptfast_cache.attention_calls += 1  # checked by after_forward
-    layer = gptfast_cache.layers[module.layer_idx]
+    positions = gptfast_cache.step_positions()
+    source = gptfast_cache.kv_sources[module.layer_idx]
+    layer = gptfast_cache.layers[source]
+    if source != module.layer_idx:
+        # a layer reusing an earlier layer's keys and values (Gemma 4) gets that layer's new ones, which
+        # the kernel writes again to the same slots (no change), and attends over its buffers; transformers
+        # may run such layers for the last queries alone (logits_to_keep): those take the last positions
+        T = query.shape[2]
+        key, value, positions = key[:, :, -T:], value[:, :, -T:], positions[:, -T:]
     ring = layer.ring_window is not None
     if ring and sliding_window != layer.ring_window:  # the cache read the window off the config
         raise ValueError(f"StaticKVCache: layer {module.layer_idx}'s ring buffer was sized for a sliding window of "
                          f"{layer.ring_window} (the config's), but the layer attends with window {sliding_window}")
     dtype = layer.keys.dtype
     out = kv_cache_attention(query.to(dtype), key.to(dtype), value.to(dtype), layer.keys, layer.values,
-                             gptfast_cache.step_positions(), scaling, window=sliding_window, softcap=softcap,
+                             positions, scaling, window=sliding_window, softcap=softcap,
                              sinks=s_aux, ring=ring, backend=backend,
                              check_positions=False)  # checked once per forward by plan_step
     # [B, T, Hq, D] contiguous, as transformers' attention functions return it (AFMoE .view()s it); for
@@ -117,17 +125,26 @@ def _check_left_padded(mask: torch.Tensor) -> None:
                          "the left, as transformers' generate does)")
 
 
+def _runs(geometry: tuple) -> str:
+    """A cache geometry (per layer: (kv heads, head dim), or None) as runs: "2 x (8, 128), 1 x None"."""
+    runs: list[list] = []
+    for entry in geometry:
+        if runs and runs[-1][1] == entry:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, entry])
+    return ", ".join(f"{count} x {entry}" for count, entry in runs)
+
+
 def before_forward(model, args, kwargs):
     """Forward pre-hook (with_kwargs=True) of a patched model."""
     cache = kwargs.get("past_key_values")
     if not isinstance(cache, StaticKVCache):
         return None
-    attention_layer = cache.attention_layers[0]
-    geometry = (len(cache.layers), attention_layer.num_heads, attention_layer.head_dim)
-    if geometry != model._gptfast_cache_geometry:
-        raise ValueError("past_key_values: this StaticKVCache holds {} layers x {} kv heads x head dim {}, this model "
-                         "needs {} x {} x {}; build the cache from the model's own config"
-                         .format(*geometry, *model._gptfast_cache_geometry))
+    if cache.geometry != model._gptfast_cache_geometry:
+        raise ValueError(f"past_key_values: this StaticKVCache's layers hold (kv heads, head dim) "
+                         f"{_runs(cache.geometry)}, this model needs {_runs(model._gptfast_cache_geometry)}; build "
+                         "the cache from the model's own config")
     tokens = _tokens_of(args, kwargs)
     if tokens.dim() < 2 or tokens.shape[0] != cache.batch_size:
         raise ValueError(f"input_ids must be [B, T] with B = the StaticKVCache's batch_size "
@@ -159,7 +176,7 @@ def after_forward(model, args, kwargs, output):
     attention keywords would otherwise have attended to the new tokens alone, silently."""
     cache = kwargs.get("past_key_values")
     if isinstance(cache, StaticKVCache):
-        layers = len(cache.attention_layers)
+        layers = cache.attention_modules
         if not torch.compiler.is_compiling() and cache.attention_calls != layers:
             calls = cache.attention_calls
             cache.discard_step()  # the lengths stay: what this forward wrote is never read

@@ -30,6 +30,27 @@ def layer_types(config) -> list[str | None]:
     return types + [None] * (layers - len(types))
 
 
+def kv_sharing_modes(config) -> list[str | None]:
+    """Per decoder layer: transformers' KV-sharing mode (Gemma 4): "reuse" for a layer attending over
+    the keys and values of the last earlier layer of its type marked "store", else "store" or None."""
+    modes = list(getattr(config, "kv_sharing_modes", None) or ())[:config.num_hidden_layers]
+    return modes + [None] * (config.num_hidden_layers - len(modes))
+
+
+def kv_sources(config) -> list[int]:
+    """Per decoder layer: the index of the layer whose keys and values it attends over, its own but
+    for the layers that reuse another's (kv_sharing_modes): the "store" layer of their layer type."""
+    modes, types = kv_sharing_modes(config), layer_types(config)
+    stores = {kind: i for i, (kind, mode) in enumerate(zip(types, modes)) if mode == "store"}
+    sources = []
+    for i, (kind, mode) in enumerate(zip(types, modes)):
+        if mode == "reuse" and kind not in stores:
+            raise ValueError(f"layer {i} of this {config.model_type} config reuses the keys and values of a "
+                             f"{kind!r} layer, but no layer of that type stores them (kv_sharing_modes)")
+        sources.append(stores[kind] if mode == "reuse" else i)
+    return sources
+
+
 @dataclass(frozen=True)
 class Family:
     model_type: str
@@ -60,10 +81,13 @@ class Family:
 
     def layer_kinds(self, config) -> list[str]:
         """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /
-        values), "both" (attention and a recurrent block side by side: Falcon-H1) or "none" (an MLP
-        or MoE block that is a layer of its own: no cache)."""
-        return [("recurrent" if kind in self.recurrent_layer_types else "none" if kind in CACHELESS else
-                 "both" if kind in PARALLEL else "attention") for kind in layer_types(config)]
+        values), "both" (attention and a recurrent block side by side: Falcon-H1), "shared"
+        (attention over another layer's keys and values, see kv_sources: Gemma 4's last layers) or
+        "none" (an MLP or MoE block that is a layer of its own: no cache)."""
+        shared = [mode == "reuse" for mode in kv_sharing_modes(config)]
+        return [("shared" if reuses else "recurrent" if kind in self.recurrent_layer_types else
+                 "none" if kind in CACHELESS else "both" if kind in PARALLEL else "attention")
+                for kind, reuses in zip(layer_types(config), shared)]
 
     @property
     def experts_classes(self) -> tuple[str, ...]:
@@ -72,12 +96,19 @@ class Family:
             return ()
         return (self.experts_class,) if isinstance(self.experts_class, str) else self.experts_class
 
-    def cache_geometry(self, config) -> tuple[int, int, int]:
-        """(layers, kv heads, head dim) for this family's config."""
+    def layer_geometry(self, config) -> list[tuple[int, int]]:
+        """Per decoder layer: (kv heads, head dim) for this family's config. A heterogeneous config
+        (transformers' ``per_layer_config``: Gemma 4's global layers have their own) gives each layer
+        its own; others give every layer the config's."""
+        layer_configs = getattr(config, "per_layer_config", None)
+        layer_configs = list(layer_configs) if layer_configs is not None else [config] * config.num_hidden_layers
+        return [self._geometry(layer_config) for layer_config in layer_configs[:config.num_hidden_layers]]
+
+    def _geometry(self, config) -> tuple[int, int]:
         heads = config.num_attention_heads
         kv_heads = getattr(config, self.kv_heads_attr, None) if self.kv_heads_attr else None
         head_dim = getattr(config, self.head_dim_attr, None) if self.head_dim_attr else None
-        return config.num_hidden_layers, kv_heads or heads, head_dim or config.hidden_size // heads
+        return kv_heads or heads, head_dim or config.hidden_size // heads
 
     def check_compile(self, model) -> None:
         """ValueError, naming ``compile``, if the installed transformers' model code for this family
@@ -175,6 +206,10 @@ FAMILIES: dict[str, Family] = {
         Family("aria_text", "AriaTextAttention", "num_key_value_heads", "head_dim", "AriaSharedExpertsMLP",
                experts_class="AriaExperts"),
         # local (sliding-window) and global layers
+        # per-layer head dims and kv heads (global layers: 512, some with keys as values), the last layers
+        # attending over earlier layers' keys and values, per-layer embeddings, experts beside the MLP
+        Family("gemma4_text", "Gemma4TextAttention", "num_key_value_heads", "head_dim", "Gemma4TextMLP",
+               experts_class="Gemma4TextExperts", float_linears=("*.router.proj",)),
         Family("cohere2", "Cohere2Attention", "num_key_value_heads", "head_dim", "Cohere2MLP"),
         Family("cwm", "CwmAttention", "num_key_value_heads", "head_dim", "CwmMLP"),
         Family("vaultgemma", "VaultGemmaAttention", "num_key_value_heads", "head_dim", "VaultGemmaMLP"),  # soft-caps

@@ -12,6 +12,7 @@ from gptfast_kernels.modules.fused_qkv import fuse_qkv_
 from gptfast_kernels.modules.gated_mlp import fuse_gated_mlps_
 from gptfast_kernels.modules.int8_experts import quantize_experts_
 from gptfast_kernels.modules.int8_linear import quantize_int8_
+from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
 
 def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = True,
@@ -45,7 +46,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
                           "are int8",
                           stacklevel=2)
     # what a StaticKVCache for this model must hold (checked per forward by attention.before_forward)
-    model._gptfast_cache_geometry = family.cache_geometry(model.config.get_text_config(decoder=True))
+    model._gptfast_cache_geometry = StaticKVCache.geometry_of(model.config)
     attention.register_attention_functions()
     model.set_attn_implementation(attention.FUSED if fused_attention else attention.UNFUSED)
     if getattr(model, "_gptfast_hooks", None) is None:

@@ -25,11 +25,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLaye
 from gptfast_kernels.ops._dispatch import check_int, is_tracing
 
 
-def cache_geometry(config) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a decoder config, for the supported families."""
+def layer_geometry(config) -> list[tuple[int, int]]:
+    """Per decoder layer of a supported family's config: (kv heads, head dim)."""
     from gptfast_kernels.models.families import family_of
 
-    return family_of(config).cache_geometry(config.get_text_config(decoder=True))
+    return family_of(config).layer_geometry(config.get_text_config(decoder=True))
 
 
 def sliding_windows(config) -> list[int | None]:
@@ -53,6 +53,13 @@ def layer_kinds(config) -> list[str]:
     from gptfast_kernels.models.families import family_of
 
     return family_of(config).layer_kinds(config.get_text_config(decoder=True))
+
+
+def kv_sources(config) -> list[int]:
+    """Per decoder layer: the layer whose keys and values it attends over (see families.kv_sources)."""
+    from gptfast_kernels.models import families
+
+    return families.kv_sources(config.get_text_config(decoder=True))
 
 
 class NoCacheLayer:
@@ -162,7 +169,6 @@ class StaticKVCache(Cache):
         max_cache_len = check_int("StaticKVCache", "max_cache_len", max_cache_len, 1)
         if max_step_tokens is not None:
             max_step_tokens = check_int("StaticKVCache", "max_step_tokens", max_step_tokens, 1)
-        num_layers, num_heads, head_dim = cache_geometry(config)
         text_config = config.get_text_config(decoder=True)
         if dtype is None:
             dtype = getattr(text_config, "dtype", None)
@@ -172,15 +178,22 @@ class StaticKVCache(Cache):
         device = torch.device("cpu") if device is None else torch.device(device)
         attention = {"attention": StaticKVLayer, "both": StaticKVStateLayer}
 
-        def attention_layer(kind: str, window: int | None):
+        def attention_layer(kind: str, window: int | None, num_heads: int, head_dim: int):
             ring = None if window is None or max_step_tokens is None else window + max_step_tokens - 1
             if ring is not None and ring < max_cache_len:
                 return attention[kind](batch_size, num_heads, ring, head_dim, device, dtype, ring_window=window)
             return attention[kind](batch_size, num_heads, max_cache_len, head_dim, device, dtype)
 
-        layers = [LinearAttentionLayer() if kind == "recurrent" else NoCacheLayer() if kind == "none" else
-                  attention_layer(kind, window) for kind, window in zip(layer_kinds(config), sliding_windows(config))]
+        kinds = layer_kinds(config)
+        # (a "shared" layer attends over the keys and values of the layer kv_sources names, and keeps none)
+        layers = [LinearAttentionLayer() if kind == "recurrent" else NoCacheLayer() if kind in ("none", "shared")
+                  else attention_layer(kind, window, *geometry)
+                  for kind, window, geometry in zip(kinds, sliding_windows(config), layer_geometry(config))]
         super().__init__(layers=layers)
+        # per layer, the layer whose buffers its attention reads and writes (its own but for shared layers),
+        # and how many layers run attention in a forward (the fused path checks each one did)
+        self.kv_sources = kv_sources(config)
+        self.attention_modules = sum(kind in ("attention", "both", "shared") for kind in kinds)
         attention_indices = [i for i, layer in enumerate(layers) if isinstance(layer, StaticKVLayer)]
         if not attention_indices:
             raise ValueError("StaticKVCache: config has no attention layer (every layer is recurrent); the cache "
@@ -210,6 +223,18 @@ class StaticKVCache(Cache):
         # forward. A decoding loop that sized the cache for every token it writes may turn it off
         # (generate / speculative_generate do for the caches they allocate).
         self.check_positions = True
+
+    @property
+    def geometry(self) -> tuple:
+        """Per layer: (kv heads, head dim) of its key / value buffers, None for a layer without."""
+        return tuple((layer.num_heads, layer.head_dim) if isinstance(layer, StaticKVLayer) else None
+                     for layer in self.layers)
+
+    @staticmethod
+    def geometry_of(config) -> tuple:
+        """The ``geometry`` of a StaticKVCache built from ``config`` (a model's: its cache must match)."""
+        return tuple(geometry if kind in ("attention", "both") else None
+                     for kind, geometry in zip(layer_kinds(config), layer_geometry(config)))
 
     # -- the per-forward protocol (driven by the hooks patch_model installs) -------------------------
 

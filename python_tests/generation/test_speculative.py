@@ -20,11 +20,12 @@ def _pair(family, int8, draft_layers=2, seed=0, **config):
     return target, patched_copy(target, int8=int8), draft
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "phi3", "granite", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "phi3", "granite", "gpt2", "gemma4_text"])
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
 @pytest.mark.parametrize("batch, k", [(1, 4), (4, 4), (4, 1)])
 def test_greedy_equals_target_greedy(family, int8, batch, k):
-    target, patched, draft = _pair(family, int8)
+    # (seed 0's tiny Gemma 4 repeats one token after a prompt of row 0, which any draft then predicts)
+    target, patched, draft = _pair(family, int8, seed=3 if family == "gemma4_text" else 0)
     ids, mask = ragged_prompts(batch, 6, "left", seed=batch)
     out = speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=k, eos_token_id=[])
     if int8:  # the int8 target's own greedy decoding

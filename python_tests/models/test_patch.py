@@ -11,7 +11,7 @@ from gptfast_kernels.models.families import family_of
 from gptfast_kernels import Int8Linear, StaticKVCache, patch_model
 from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, MOE, PARALLEL_HYBRID, SOFTCAPPED, WINDOW, WINDOWED,
                                      WITH_SINKS, dequantized_copy, experts_per_token, patched_copy, ragged_prompts,
-                                     tiny_model)
+                                     tiny_config, tiny_model)
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -93,9 +93,12 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
     patched = patched_copy(tiny_model(family, layers=3), int8=False)
     with torch.no_grad():
         cache = StaticKVCache(patched.config, 1, 8)
-        layers = len(cache.attention_layers)  # all 3, but for a hybrid model's recurrent layers
-        # the tiny hybrids: recurrent, full, recurrent (LFM3: conv, sliding, full; Falcon-H1: both in each)
-        assert layers == (3 if family not in HYBRID or family in PARALLEL_HYBRID else 2 if family == "lfm3" else 1)
+        layers = cache.attention_modules  # all 3, but for a hybrid model's recurrent layers
+        # the tiny hybrids: recurrent, full, recurrent (LFM3: conv, sliding, full; Falcon-H1: both in each);
+        # Gemma 4's has 4 layers, of which the last 2 attend over the first 2's keys and values
+        assert layers == (4 if family == "gemma4_text" else 3 if family not in HYBRID or family in PARALLEL_HYBRID
+                          else 2 if family == "lfm3" else 1)
+        assert len(cache.attention_layers) == (2 if family == "gemma4_text" else layers)
         patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
         assert len(calls) == layers
         patched(torch.tensor([[6]]), past_key_values=cache)
@@ -175,6 +178,44 @@ def test_int8_logits_equal_the_model_with_dequantized_weights(family):
         got = patched(ids, attention_mask=mask, past_key_values=cache).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_kv_sharing_layers_attend_over_their_source_layers_buffers(fused, monkeypatch):
+    """Gemma 4's last layers reuse the keys and values of the last earlier layer of their type: the
+    cache keeps no buffers for them, every one of their attention calls reads and writes its source
+    layer's buffers, and logits match transformers, also where transformers runs those layers for the
+    kept queries alone (logits_to_keep=1 on a prompt) and then decodes from the cache."""
+    kernel_caches = []
+    real = attention.kv_cache_attention
+
+    def recording(q, k, v, k_cache, v_cache, *args, **kwargs):
+        kernel_caches.append((q.shape[2], k_cache))
+        return real(q, k, v, k_cache, v_cache, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "kv_cache_attention", recording)
+    model = tiny_model("gemma4_text", layers=4)
+    assert model.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    patched = patched_copy(model, int8=False, fused_attention=fused)
+    ids, mask = ragged_prompts(2, 9, "left")
+    with torch.no_grad():
+        hf_cache = DynamicCache(config=model.config)
+        want = [model(ids[:, :7], attention_mask=mask[:, :7], past_key_values=hf_cache, logits_to_keep=1).logits]
+        want += [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=hf_cache).logits
+                 for t in (7, 8)]
+        cache = StaticKVCache(patched.config, 2, 12)
+        got = [patched(ids[:, :7], attention_mask=mask[:, :7], past_key_values=cache, logits_to_keep=1).logits]
+        got += [patched(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache).logits
+                for t in (7, 8)]
+    assert cache.kv_sources == [0, 1, 0, 1] and cache.attention_modules == 4
+    assert [type(layer).__name__ for layer in cache.layers[2:]] == ["NoCacheLayer"] * 2
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(torch.cat(got[1:], dim=1), torch.cat(want[1:], dim=1), **TOL)
+    # per forward, layers 0 to 3 (the prompt's shared layers ran its last query alone), each on the buffers
+    # of layer 0 (sliding) or 1 (global)
+    assert [T for T, _ in kernel_caches] == [7, 7, 1, 1] + [1] * 8
+    buffers = [layer.keys for layer in cache.layers[:2]]
+    assert all(k_cache is buffers[i % 2] for i, (_, k_cache) in enumerate(kernel_caches))
 
 
 @pytest.mark.parametrize("family", MOE)
@@ -261,6 +302,19 @@ def test_a_family_whose_layers_drop_the_cache_is_caught(monkeypatch):
 def test_a_cache_built_for_another_config_is_refused(other):
     patched = patched_copy(tiny_model("llama"), int8=False)  # 2 layers x 2 kv heads x head dim 16
     cache = StaticKVCache(tiny_model("llama", **other).config, 1, 8)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"past_key_values: .* this model needs 2 x 2 x 16"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"past_key_values: .* this model needs 2 x \(2, 16\);"):
+        patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
+    assert cache.seq_lengths.tolist() == [0]
+
+
+def test_a_cache_with_other_per_layer_geometry_is_refused():
+    """Gemma 4's layers differ (a global layer's head dim and kv heads are its own): a cache whose
+    global layer has another head dim is refused, though its other layers fit."""
+    patched = patched_copy(tiny_model("gemma4_text"), int8=False)
+    config = tiny_config("gemma4_text")
+    config.per_layer_config = {i: dict(head_dim=64, num_key_value_heads=1) for i in (1, 3)}
+    cache = StaticKVCache(config, 1, 8)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"\(2, 16\), 1 x \(1, 64\), 2 x None, this model needs "
+                                                          r"1 x \(2, 16\), 1 x \(1, 32\), 2 x None"):
         patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
     assert cache.seq_lengths.tolist() == [0]

@@ -18,7 +18,10 @@ GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwe
             "gpt2": (2, 4, 16), "gpt_neox": (2, 4, 16), "mixtral": (2, 2, 16), "qwen2_moe": (2, 2, 8),
             "qwen3_moe": (2, 2, 16), "olmoe": (2, 2, 16), **{family: (2, 2, 16) for family in AUTO_CONFIGS},
             "opt": (2, 4, 16), "gpt_bigcode": (2, 1, 16), "persimmon": (2, 4, 16), "nemotron_h": (4, 2, 16),
-            "lfm3": (3, 2, 16), "dbrx": (2, 2, 16)}
+            "lfm3": (3, 2, 16), "dbrx": (2, 2, 16), "gemma4_text": (4, 2, 16)}
+# families whose layers differ: per layer (kv heads, head dim) of its buffers, None for a layer without
+# (Gemma 4's global layer 1 has its own; its layers 2 and 3 attend over layers 0's and 1's buffers)
+LAYER_GEOMETRY = {"gemma4_text": [(2, 16), (1, 32), None, None]}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -33,12 +36,14 @@ def test_buffers_follow_the_config(family):
     assert recurrent == want and cache.has_recurrent_layers == bool(recurrent)
     # Nemotron-H's MoE and MLP blocks are layers of their own (1 and 3 of its tiny config), with no cache
     cacheless = [i for i, layer in enumerate(cache.layers) if isinstance(layer, NoCacheLayer)]
-    assert cacheless == ([1, 3] if family == "nemotron_h" else [])
+    assert cacheless == ([1, 3] if family == "nemotron_h" else [2, 3] if family == "gemma4_text" else [])
     both = len(recurrent) if family in PARALLEL_HYBRID else 0
     assert len(cache.attention_layers) == layers - len(recurrent) - len(cacheless) + both
-    for layer in cache.attention_layers:
+    geometry = LAYER_GEOMETRY.get(family, [(kv_heads, head_dim)] * layers)
+    for layer, (kv_heads, head_dim) in zip(cache.attention_layers, [g for g in geometry if g is not None]):
         assert layer.keys.shape == (3, kv_heads, 20, head_dim) == layer.values.shape
         assert layer.keys.dtype == torch.bfloat16
+    assert cache.geometry == StaticKVCache.geometry_of(tiny_config(family))
     assert cache.get_seq_length() == 0 and cache.get_max_length() == 20 and cache.batch_size == 3
     assert cache.is_compileable
 
@@ -116,7 +121,7 @@ def test_crop_and_reset():
     assert cache.seq_lengths.tolist() == [4, 3, 1]
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox", "qwen3_5_text", "falcon_h1"])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "qwen3_5_text", "falcon_h1", "gemma4_text"])
 def test_unpatched_model_uses_it_like_a_static_cache(family):
     model = tiny_model(family)
     ids = torch.randint(2, 90, (2, 6))

@@ -32,9 +32,20 @@ def layer_types(config) -> list[str | None]:
 
 def kv_sharing_modes(config) -> list[str | None]:
     """Per decoder layer: transformers' KV-sharing mode (Gemma 4): "reuse" for a layer attending over
-    the keys and values of the last earlier layer of its type marked "store", else "store" or None."""
-    modes = list(getattr(config, "kv_sharing_modes", None) or ())[:config.num_hidden_layers]
-    return modes + [None] * (config.num_hidden_layers - len(modes))
+    the keys and values of the last earlier layer of its type marked "store", else "store" or None.
+    Configs before transformers 5.23 have no ``kv_sharing_modes``; their models share the same way:
+    the last ``num_kv_shared_layers`` layers reuse the last earlier layer of their type."""
+    layers = config.num_hidden_layers
+    if hasattr(config, "kv_sharing_modes"):
+        modes = list(config.kv_sharing_modes or ())[:layers]
+        return modes + [None] * (layers - len(modes))
+    first_shared = layers - (getattr(config, "num_kv_shared_layers", 0) or 0)
+    if first_shared >= layers:
+        return [None] * layers
+    types = layer_types(config)
+    stores = {max(i for i in range(first_shared) if types[i] == kind)
+              for kind in set(types[:first_shared])}
+    return ["reuse" if i >= first_shared else "store" if i in stores else None for i in range(layers)]
 
 
 def kv_sources(config) -> list[int]:
@@ -208,8 +219,9 @@ FAMILIES: dict[str, Family] = {
         # local (sliding-window) and global layers
         # per-layer head dims and kv heads (global layers: 512, some with keys as values), the last layers
         # attending over earlier layers' keys and values, per-layer embeddings, experts beside the MLP
+        # (before 5.17 its configs have no per_layer_config, which gives the global layers' geometry)
         Family("gemma4_text", "Gemma4TextAttention", "num_key_value_heads", "head_dim", "Gemma4TextMLP",
-               experts_class="Gemma4TextExperts", float_linears=("*.router.proj",)),
+               experts_class="Gemma4TextExperts", float_linears=("*.router.proj",), supported_from="5.17"),
         Family("cohere2", "Cohere2Attention", "num_key_value_heads", "head_dim", "Cohere2MLP"),
         Family("cwm", "CwmAttention", "num_key_value_heads", "head_dim", "CwmMLP"),
         Family("vaultgemma", "VaultGemmaAttention", "num_key_value_heads", "head_dim", "VaultGemmaMLP"),  # soft-caps

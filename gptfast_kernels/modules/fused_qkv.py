@@ -66,17 +66,19 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 def fuse_qkv_(model: nn.Module, attention_class: str) -> int:
     """In place: every module of class name ``attention_class`` whose q_proj, k_proj and v_proj are
     all Int8Linear (none kept in float by int8_skip) gets ``qkv_proj``, their fusion, and the three
-    become its parts. Returns how many attention modules were fused."""
+    become its parts. A module without v_proj (None: Gemma 4's global layers take the keys as
+    values) fuses q_proj and k_proj alike. Returns how many attention modules were fused."""
     fused = 0
     for module in model.modules():
         if type(module).__name__ != attention_class:
             continue
-        projections = [getattr(module, name, None) for name in PROJECTIONS]
-        if not all(isinstance(p, Int8Linear) for p in projections):
+        names = [name for name in PROJECTIONS if not (name == "v_proj" and getattr(module, name, 0) is None)]
+        projections = [getattr(module, name, None) for name in names]
+        if len(names) < 2 or not all(isinstance(p, Int8Linear) for p in projections):
             continue
         owner = Int8FusedProjections(Int8Linear.concat(projections), [p.out_features for p in projections])
         module.qkv_proj = owner
-        for index, name in enumerate(PROJECTIONS):
+        for index, name in enumerate(names):
             setattr(module, name, ProjectionPart(owner, index))
         fused += 1
     return fused

@@ -2,9 +2,12 @@
 match the unpatched model, prefill + decode steps equal one full forward, ragged rows, one
 kv_cache_attention call per layer per forward, int8 within quantization error, clear errors."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BertConfig, DynamicCache, Gemma3Config
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, BertConfig, DynamicCache, Gemma3Config
 
 import gptfast_kernels.models.attention as attention
 from gptfast_kernels.models.families import family_of
@@ -180,6 +183,22 @@ def test_int8_logits_equal_the_model_with_dequantized_weights(family):
     torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
 
 
+def test_kv_sharing_modes_of_configs_before_transformers_5_23():
+    """Before 5.23 Gemma 4 configs have no kv_sharing_modes: ours, from num_kv_shared_layers, equal
+    the property's (where the installed transformers has it)."""
+    from gptfast_kernels.models.families import kv_sharing_modes
+
+    sliding, full = "sliding_attention", "full_attention"
+    for types, shared in [([sliding, full] * 3, 2), ([sliding] * 3 + [full, sliding, full], 2),
+                          ([sliding, sliding, full] * 3, 4), ([sliding, full], 0)]:
+        config = AutoConfig.for_model("gemma4_text", num_hidden_layers=len(types), layer_types=types,
+                                      num_kv_shared_layers=shared)
+        if not hasattr(config, "kv_sharing_modes"):
+            pytest.skip(f"transformers {transformers.__version__}'s Gemma 4 configs have no kv_sharing_modes")
+        plain = SimpleNamespace(num_hidden_layers=len(types), layer_types=types, num_kv_shared_layers=shared)
+        assert kv_sharing_modes(plain) == config.kv_sharing_modes
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_kv_sharing_layers_attend_over_their_source_layers_buffers(fused, monkeypatch):
     """Gemma 4's last layers reuse the keys and values of the last earlier layer of their type: the
@@ -195,7 +214,7 @@ def test_kv_sharing_layers_attend_over_their_source_layers_buffers(fused, monkey
 
     monkeypatch.setattr(attention, "kv_cache_attention", recording)
     model = tiny_model("gemma4_text", layers=4)
-    assert model.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    assert [layer.self_attn.is_kv_shared_layer for layer in model.model.layers] == [False, False, True, True]
     patched = patched_copy(model, int8=False, fused_attention=fused)
     ids, mask = ragged_prompts(2, 9, "left")
     with torch.no_grad():
@@ -211,9 +230,10 @@ def test_kv_sharing_layers_attend_over_their_source_layers_buffers(fused, monkey
     assert [type(layer).__name__ for layer in cache.layers[2:]] == ["NoCacheLayer"] * 2
     torch.testing.assert_close(got[0], want[0], **TOL)
     torch.testing.assert_close(torch.cat(got[1:], dim=1), torch.cat(want[1:], dim=1), **TOL)
-    # per forward, layers 0 to 3 (the prompt's shared layers ran its last query alone), each on the buffers
-    # of layer 0 (sliding) or 1 (global)
-    assert [T for T, _ in kernel_caches] == [7, 7, 1, 1] + [1] * 8
+    # per forward, layers 0 to 3, each on the buffers of layer 0 (sliding) or 1 (global); from transformers
+    # 5.23 on the prompt's shared layers run its last query alone
+    kept = 1 if hasattr(model.model, "_maybe_slice_kv_shared_inputs") else 7
+    assert [T for T, _ in kernel_caches] == [7, 7, kept, kept] + [1] * 8
     buffers = [layer.keys for layer in cache.layers[:2]]
     assert all(k_cache is buffers[i % 2] for i, (_, k_cache) in enumerate(kernel_caches))
 

@@ -49,6 +49,25 @@ def test_patch_model_fuses_qkv_exactly(family):
     assert attention.qkv_proj._parts is None and attention.qkv_proj._input is None
 
 
+def test_keys_as_values_fuse_q_and_k():
+    """Gemma 4's global layers have no v_proj (the keys are the values): q_proj and k_proj fuse; its
+    shared layers (q_proj alone) keep theirs; the model's logits equal the unfused int8 model's."""
+    model = tiny_model("gemma4_text")
+    patched, unfused = patched_copy(model, int8=True), patched_copy(model, int8=True)
+    for module in unfused.modules():  # the same int8 weights, each projection on its own
+        if hasattr(module, "qkv_proj"):
+            for name, part in zip(PROJECTIONS, _separate_projections(module.qkv_proj)):
+                setattr(module, name, part)
+            del module.qkv_proj
+    layers = [layer.self_attn for layer in patched.model.layers]
+    assert [attention.qkv_proj.sizes if hasattr(attention, "qkv_proj") else None for attention in layers] == \
+        [[64, 32, 32], [128, 32], None, None]
+    assert layers[1].v_proj is None and isinstance(layers[2].q_proj, Int8Linear)
+    ids = torch.randint(2, 90, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(patched(ids).logits, unfused(ids).logits)
+
+
 def test_weights_appear_once_in_the_state_dict():
     patched = patched_copy(tiny_model("llama"), int8=True)
     keys = patched.state_dict().keys()

@@ -306,14 +306,14 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
             "qwen3_moe", "olmoe", *AUTO_CONFIGS, *OWN_DIMS_CONFIGS)
 # mixture-of-experts families (their experts become Int8Experts; GPT-OSS's are biased, transposed, with
 # gate / up interleaved and a clamped gate)
-MOE = ("mixtral", "qwen2_moe", "gemma4_text", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
        "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
-       "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe")
+       "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe", "gemma4_text")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
-WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "gemma4_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
+WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
-            "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3")
+            "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3", "gemma4_text")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
           "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1")

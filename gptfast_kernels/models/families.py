@@ -69,7 +69,8 @@ class Family:
     kv_heads_attr: str | None       # config attribute with the KV-head count (None: MHA)
     head_dim_attr: str | None       # config attribute with the head size (None: hidden / heads)
     gated_mlp_class: str | None = None  # MLP class computing down(act(gate(x)) * up(x)), fused when int8
-    refused_flags: tuple[str, ...] = ()  # config flags that, when true, break causal decoding
+    # config flags that, when true ("name") or set to a value ("name=value"), break causal decoding
+    refused_flags: tuple[str, ...] = ()
     # mixture of experts: the experts module class (names across transformers versions), int8 as Int8Experts
     experts_class: str | tuple[str, ...] | None = None
     # Linear layers that stay float with int8 (patterns as patch_model's int8_skip): routers built as
@@ -135,8 +136,10 @@ class Family:
 
     def check_config(self, config) -> None:
         for flag in ("add_cross_attention", *self.refused_flags):
-            if getattr(config, flag, False):
-                raise ValueError(f"{self.model_type} models with {flag}=True are not supported (the fused "
+            name, _, refused = flag.partition("=")
+            value = getattr(config, name, None)
+            if (value == refused) if refused else bool(value):
+                raise ValueError(f"{self.model_type} models with {name}={value!r} are not supported (the fused "
                                  "attention is causal self-attention over the cache)")
 
 
@@ -221,7 +224,8 @@ FAMILIES: dict[str, Family] = {
         # attending over earlier layers' keys and values, per-layer embeddings, experts beside the MLP
         # (before 5.17 its configs have no per_layer_config, which gives the global layers' geometry)
         Family("gemma4_text", "Gemma4TextAttention", "num_key_value_heads", "head_dim", "Gemma4TextMLP",
-               experts_class="Gemma4TextExperts", float_linears=("*.router.proj",), supported_from="5.17"),
+               experts_class="Gemma4TextExperts", float_linears=("*.router.proj",), supported_from="5.17",
+               refused_flags=("use_bidirectional_attention=all",)),  # ("vision": for image tokens alone)
         Family("cohere2", "Cohere2Attention", "num_key_value_heads", "head_dim", "Cohere2MLP"),
         Family("cwm", "CwmAttention", "num_key_value_heads", "head_dim", "CwmMLP"),
         Family("vaultgemma", "VaultGemmaAttention", "num_key_value_heads", "head_dim", "VaultGemmaMLP"),  # soft-caps

@@ -21,7 +21,7 @@ def _on_cuda(*tensors):
     return [t.cuda() for t in tensors]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gpt2", "qwen3_5_text"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gpt2", "qwen3_5_text", "gemma4_text"])
 def test_greedy_equals_transformers(family):
     model = tiny_model(family).cuda()
     patched = patched_copy(model, int8=False)
@@ -31,13 +31,14 @@ def test_greedy_equals_transformers(family):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text", "lfm2", "falcon_h1", "stablelm", "dbrx"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text", "lfm2", "falcon_h1", "stablelm", "dbrx",
+                                    "gemma4_text"])
 def test_compiled_cuda_graph_decode_equals_eager(family):
     """compile=True: torch.compile(fullgraph=True, mode="reduce-overhead") per step, so the decode
     step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse).
     The hybrids' recurrent states (transformers' state layers, updated in place) must survive the
-    graph's replays too, as must StableLM's per-attention-module cache hook and DBRX's Int8Experts
-    on [B, T, H] hidden states."""
+    graph's replays too, as must StableLM's per-attention-module cache hook, DBRX's Int8Experts
+    on [B, T, H] hidden states and Gemma 4's layers attending over other layers' buffers."""
     from torch._dynamo.utils import counters
 
     patched = patch_model(tiny_model(family).cuda(), int8=True)
@@ -51,7 +52,7 @@ def test_compiled_cuda_graph_decode_equals_eager(family):
     assert counters["inductor"]["cudagraph_skips"] == skips_before
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text", "gpt_oss", "gemma4_text"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatch):
     """Sliding-window layers as ring buffers of window + 2 slots (prompt chunks of 3), on the CUDA

@@ -289,8 +289,12 @@ def test_unsupported_model_names_supported_families():
         patch_model(model)
     # bidirectional attention (Gemma 3 used as an encoder) is not causal decoding: refused, not wrong
     bidirectional = tiny_model("gemma3_text", use_bidirectional_attention=True)
-    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
         patch_model(bidirectional)
+    # Gemma 4's: "all" refused, "vision" (both ways among image tokens, which a text model has none of) not
+    with pytest.raises(ValueError, match="gemma4_text models with use_bidirectional_attention='all'"):
+        family_of(tiny_config("gemma4_text", use_bidirectional_attention="all"))
+    assert family_of(tiny_config("gemma4_text", use_bidirectional_attention="vision")).model_type == "gemma4_text"
     # a multimodal wrapper of a supported text model (its image tokens attend both ways)
     with pytest.raises(ValueError, match="'gemma3' wraps a 'gemma3_text' text model"):
         family_of(Gemma3Config())

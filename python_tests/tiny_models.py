@@ -44,6 +44,12 @@ def dense_then_sparse(layers: int) -> list[str]:
 # function of the layer count): what sets the family apart is in the override's comment.
 AUTO_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  max_position_embeddings=256)
+# multi-head latent attention: the latent (32) and rotary key (8) widths, per-head nope (16) and value (12)
+# dims, a low-rank query (24); and a MoE of 4 experts, top 2, with one shared expert
+MLA_DIMS = dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                head_dim=8, v_head_dim=12)  # (head_dim: the rotary embedding's, qk_rope_head_dim)
+MLA_EXPERTS = dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
+                   topk_group=1)
 AUTO_CONFIGS = {
     # sliding windows: every other layer local (4 tokens), the others global
     "cohere2": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers)),  # no RoPE on global
@@ -177,6 +183,15 @@ AUTO_CONFIGS = {
                                        use_double_wide_mlp=True, vocab_size_per_layer_input=VOCAB,
                                        hidden_size_per_layer_input=8, enable_moe_block=True, num_experts=4,
                                        top_k_experts=2, moe_intermediate_size=32),
+    # multi-head latent attention: DeepSeek-V3 and the families on its code (interleaved RoPE), layer 0 dense,
+    # the others experts; DeepSeek-V2 with its complex RoPE and a full-rank query (q_proj); MiniCPM3 and
+    # Youtu dense, MiniCPM3 with plain RoPE
+    "deepseek_v3": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS, first_k_dense_replace=1),
+    "deepseek_v2": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS, first_k_dense_replace=1) | dict(q_lora_rank=None),
+    "glm4_moe_lite": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS),
+    "axk1": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS),
+    "minicpm3": lambda layers: dict(**MLA_DIMS),
+    "youtu": lambda layers: dict(**MLA_DIMS),
     # attention sinks, local / global layers, experts that stay float
     "gpt_oss": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                    layer_types=alternating_layers(layers)),
@@ -309,7 +324,10 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
        "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
-       "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe", "gemma4_text")
+       "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe", "gemma4_text", "deepseek_v3",
+       "deepseek_v2", "glm4_moe_lite", "axk1")
+# families with multi-head latent attention (their caches hold one latent per token)
+LATENT = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "minicpm3", "youtu")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",

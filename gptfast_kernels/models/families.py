@@ -90,6 +90,9 @@ class Family:
     # False where the float experts module is not transformers' experts interface and loops over the
     # routed experts in Python (DBRX): it cannot compile to one graph (its Int8Experts can)
     float_experts_compile: bool = True
+    # multi-head latent attention (DeepSeek-V2 / V3 ...): how the family's code rotates its keys
+    # (latent_attention.ROPES); its attention modules get the absorbed forward, its cache holds latents
+    latent_attention: str | None = None
 
     def layer_kinds(self, config) -> list[str]:
         """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /
@@ -117,6 +120,8 @@ class Family:
         return [self._geometry(layer_config) for layer_config in layer_configs[:config.num_hidden_layers]]
 
     def _geometry(self, config) -> tuple[int, int]:
+        if self.latent_attention:  # one latent per token, shared by every head (see latent_attention)
+            return 1, config.kv_lora_rank + config.qk_rope_head_dim
         heads = config.num_attention_heads
         kv_heads = getattr(config, self.kv_heads_attr, None) if self.kv_heads_attr else None
         head_dim = getattr(config, self.head_dim_attr, None) if self.head_dim_attr else None
@@ -250,6 +255,19 @@ FAMILIES: dict[str, Family] = {
         Family("nanochat", "NanoChatAttention", "num_key_value_heads", "head_dim"),  # ungated, weightless norms
         Family("bitnet", "BitNetAttention", "num_key_value_heads", "head_dim"),  # norms inside attention and MLP
         # Phi-3 and GLM project gate / up as one Linear already (Phi-3 q / k / v too)
+        # multi-head latent attention (kv_b_proj stays float: its weight is read for the absorption)
+        Family("deepseek_v2", "DeepseekV2Attention", None, None, "DeepseekV2MLP", experts_class="DeepseekV2Experts",
+               float_linears=("*.kv_b_proj",), latent_attention="complex"),
+        Family("deepseek_v3", "DeepseekV3Attention", None, None, "DeepseekV3MLP", experts_class="DeepseekV3Experts",
+               float_linears=("*.kv_b_proj",), latent_attention="cos_sin"),
+        Family("glm4_moe_lite", "Glm4MoeLiteAttention", None, None, "Glm4MoeLiteMLP",
+               experts_class="Glm4MoeLiteExperts", float_linears=("*.kv_b_proj",), latent_attention="cos_sin"),
+        Family("minicpm3", "MiniCPM3Attention", None, None, "MiniCPM3MLP", float_linears=("*.kv_b_proj",),
+               latent_attention="cos_sin"),
+        Family("youtu", "YoutuAttention", None, None, "YoutuMLP", float_linears=("*.kv_b_proj",),
+               latent_attention="cos_sin"),
+        Family("axk1", "AXK1Attention", None, None, "AXK1MLP", experts_class="AXK1Experts",
+               float_linears=("*.kv_b_proj",), latent_attention="cos_sin"),
         Family("phi3", "Phi3Attention", "num_key_value_heads", None),
         Family("glm", "GlmAttention", "num_key_value_heads", "head_dim"),
         # plain (ungated) MLPs

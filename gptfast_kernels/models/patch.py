@@ -8,6 +8,7 @@ from torch import nn
 
 from gptfast_kernels.models import attention
 from gptfast_kernels.models.families import family_of
+from gptfast_kernels.models.latent_attention import patch_latent_attention_
 from gptfast_kernels.modules.fused_qkv import fuse_qkv_
 from gptfast_kernels.modules.gated_mlp import fuse_gated_mlps_
 from gptfast_kernels.modules.int8_experts import quantize_experts_
@@ -45,6 +46,8 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
                           "a gating it can run, no norm after the experts); attention, dense layers and lm_head "
                           "are int8",
                           stacklevel=2)
+    if family.latent_attention:
+        patch_latent_attention_(model, family.attention_class, family.latent_attention)
     # what a StaticKVCache for this model must hold (checked per forward by attention.before_forward)
     model._gptfast_cache_geometry = StaticKVCache.geometry_of(model.config)
     attention.register_attention_functions()

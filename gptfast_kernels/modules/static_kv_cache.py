@@ -326,6 +326,12 @@ class StaticKVCache(Cache):
         if layer_idx == self._first_attention or self._step_positions is None:  # a new forward (a failed one dropped)
             self.plan_step(key_states.shape[-2], fused=False)  # (refuses a cache with ring buffers)
         layer = self.layers[layer_idx]
+        if key_states.shape[1::2] != (layer.num_heads, layer.head_dim) or value_states.shape != key_states.shape:
+            # (multi-head latent attention hands transformers' caches its latent and rotary key apart)
+            raise ValueError(f"StaticKVCache: layer {layer_idx} holds keys / values of {layer.num_heads} heads x "
+                             f"{layer.head_dim}, but the model updates it with keys {list(key_states.shape)} and "
+                             f"values {list(value_states.shape)}; a model whose attention is multi-head latent "
+                             "attention (DeepSeek-V2 / V3 ...) uses a StaticKVCache only once patched (patch_model)")
         positions = self._step_positions
         rows, cols = (positions >= 0).nonzero(as_tuple=True)
         # (the buffers' dtype: a StaticKVStateLayer's ``dtype`` is its recurrent states')

@@ -8,7 +8,7 @@ from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from gptfast_kernels import StaticKVCache
 from gptfast_kernels.modules.static_kv_cache import NoCacheLayer
-from python_tests.tiny_models import AUTO_CONFIGS, FAMILIES, HYBRID, PARALLEL_HYBRID, tiny_config, tiny_model
+from python_tests.tiny_models import AUTO_CONFIGS, FAMILIES, HYBRID, LATENT, PARALLEL_HYBRID, tiny_config, tiny_model
 
 GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwen3": (2, 2, 16),
             "gemma": (2, 1, 32), "gemma2": (2, 2, 16), "gemma3_text": (2, 2, 16), "olmo2": (2, 2, 16),
@@ -18,7 +18,9 @@ GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwe
             "gpt2": (2, 4, 16), "gpt_neox": (2, 4, 16), "mixtral": (2, 2, 16), "qwen2_moe": (2, 2, 8),
             "qwen3_moe": (2, 2, 16), "olmoe": (2, 2, 16), **{family: (2, 2, 16) for family in AUTO_CONFIGS},
             "opt": (2, 4, 16), "gpt_bigcode": (2, 1, 16), "persimmon": (2, 4, 16), "nemotron_h": (4, 2, 16),
-            "lfm3": (3, 2, 16), "dbrx": (2, 2, 16), "gemma4_text": (4, 2, 16)}
+            "lfm3": (3, 2, 16), "dbrx": (2, 2, 16), "gemma4_text": (4, 2, 16),
+            # multi-head latent attention: one "kv head" of the latent (32) and rotary key (8)
+            **{family: (2, 1, 40) for family in LATENT}}
 # families whose layers differ: per layer (kv heads, head dim) of its buffers, None for a layer without
 # (Gemma 4's global layer 1 has its own; its layers 2 and 3 attend over layers 0's and 1's buffers)
 LAYER_GEOMETRY = {"gemma4_text": [(2, 16), (1, 32), None, None]}

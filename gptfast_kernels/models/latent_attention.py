@@ -1,0 +1,100 @@
+"""Multi-head latent attention (MLA: DeepSeek-V2 / V3 and the families built on them) over a
+StaticKVCache, with the up-projections absorbed.
+
+transformers caches MLA's compressed latents (the normed ``kv_nope`` [B, 1, T, r] and the rotated
+shared key ``k_rot`` [B, 1, T, dr]) and, every step, expands the whole cache through ``kv_b_proj``
+into per-head keys and values: S x r x H (dn + dv) multiply-adds per layer and token. Absorbed, as
+DeepSeek's own inference does, nothing is expanded: ``kv_b_proj``'s weight is per head a key part
+W_k [dn, r] and a value part W_v [dv, r], and
+
+    q_nope . (W_k c) = (q_nope W_k) . c        softmax(s) (W_v c) = W_v (softmax(s) c)
+
+so each head's query becomes [q_nope W_k, q_rot] (r + dr wide) against one shared "kv head"
+[c, k_rot] per token, and the attention's output over c goes through W_v once per query. That is
+multi-query attention with head dim r + dr (576 for DeepSeek-V3), which ``kv_cache_attention`` runs
+as it runs any layer: it writes the new latents at the step's positions and attends. Its values
+are the same [c, k_rot] rows (the last dr columns of the output are dropped), so the cache holds
+the latent twice (keys and values); it never holds per-head keys or values.
+
+``patch_model`` gives each MLA attention module this forward; called without a StaticKVCache it
+is transformers' own.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from gptfast_kernels.models import attention
+
+# Family.latent_attention: how the family's code rotates q_rot / k_rot
+COMPLEX_ROPE = "complex"   # DeepSeek-V2: apply_rotary_emb(q, k, freqs_cis), position_embeddings complex
+COS_SIN_ROPE = "cos_sin"   # the others: apply_rotary_pos_emb(q, k, cos, sin), or its _interleave variant
+ROPES = (COMPLEX_ROPE, COS_SIN_ROPE)
+
+
+def latent_head_dim(config) -> int:
+    """The head dim of an MLA layer's cache: the latent's width r plus the shared rotary key's dr."""
+    return config.kv_lora_rank + config.qk_rope_head_dim
+
+
+def patch_latent_attention_(model, attention_class: str, rope: str) -> int:
+    """In place: every module of class name ``attention_class`` runs ``latent_forward`` (transformers'
+    forward without a StaticKVCache). Returns how many modules."""
+    patched = 0
+    for module in model.modules():
+        if type(module).__name__ != attention_class:
+            continue
+        if module.kv_b_proj.bias is not None or not isinstance(module.kv_b_proj, torch.nn.Linear):
+            raise ValueError(f"patch_model: {attention_class}.kv_b_proj must be a bias-free float nn.Linear, whose "
+                             "weight the absorbed attention reads")
+        module._gptfast_rope = rope
+        module.forward = types.MethodType(latent_forward, module)
+        patched += 1
+    return patched
+
+
+def _rotate(module, q_rot: torch.Tensor, k_rot: torch.Tensor, position_embeddings):
+    """The family's own rotary embedding of q_rot [B, H, T, dr] and k_rot [B, 1, T, dr]."""
+    code = sys.modules[type(module).__module__]
+    if module._gptfast_rope == COMPLEX_ROPE:
+        return code.apply_rotary_emb(q_rot, k_rot, position_embeddings.to(q_rot.device))
+    cos, sin = position_embeddings
+    if getattr(module.config, "rope_interleave", False):
+        return code.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    return code.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
+
+
+def latent_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+    """An MLA module's forward: hidden_states [B, T, hidden] -> ([B, T, hidden], None). With a
+    StaticKVCache (the ``gptfast_cache`` keyword a patched model passes) the absorbed attention
+    through ``kv_cache_attention``; else transformers' forward."""
+    cache = kwargs.get("gptfast_cache")
+    if cache is None:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    if "position_embeddings" not in kwargs:
+        raise ValueError(f"patch_model: {type(self).__name__} was called without position_embeddings as a keyword")
+    B, T = hidden_states.shape[:2]
+    H, dn, dv, r = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden_states)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q = q.view(B, T, H, dn + self.qk_rope_head_dim).transpose(1, 2)
+    q_nope, q_rot = q.split([dn, self.qk_rope_head_dim], dim=-1)
+    kv_nope, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([r, self.qk_rope_head_dim], dim=-1)
+    kv_nope = self.kv_a_layernorm(kv_nope).view(B, 1, T, r)
+    k_rot = k_rot.view(B, 1, T, self.qk_rope_head_dim)
+    q_rot, k_rot = _rotate(self, q_rot, k_rot, kwargs["position_embeddings"])
+    # kv_b_proj's weight [H (dn + dv), r], per head its key rows then its value rows
+    weight = self.kv_b_proj.weight.view(H, dn + dv, r)
+    w_k, w_v = weight[:, :dn], weight[:, dn:]
+    query = torch.cat([torch.matmul(q_nope, w_k.to(q_nope.dtype)), q_rot], dim=-1)  # [B, H, T, r + dr]
+    latent = torch.cat([kv_nope, k_rot.to(kv_nope.dtype)], dim=-1)                  # [B, 1, T, r + dr]
+    backend = "reference" if self.config._attn_implementation == attention.UNFUSED else "auto"
+    out, _ = attention._cached_attention(self, query, latent, latent, None, backend=backend, scaling=self.scaling,
+                                         gptfast_cache=cache)                      # [B, T, H, r + dr]
+    out = torch.matmul(out[..., :r].transpose(1, 2), w_v.transpose(1, 2).to(out.dtype))  # [B, H, T, dv]
+    return self.o_proj(out.transpose(1, 2).reshape(B, T, H * dv)), None

@@ -256,8 +256,9 @@ FAMILIES: dict[str, Family] = {
         Family("bitnet", "BitNetAttention", "num_key_value_heads", "head_dim"),  # norms inside attention and MLP
         # Phi-3 and GLM project gate / up as one Linear already (Phi-3 q / k / v too)
         # multi-head latent attention (kv_b_proj stays float: its weight is read for the absorption)
+        # (its router: an nn.Linear whose weight the model reads in transformers 5.8, a module of its own later)
         Family("deepseek_v2", "DeepseekV2Attention", None, None, "DeepseekV2MLP", experts_class="DeepseekV2Experts",
-               float_linears=("*.kv_b_proj",), latent_attention="complex"),
+               float_linears=("*.kv_b_proj", "*.mlp.gate"), latent_attention="complex"),
         Family("deepseek_v3", "DeepseekV3Attention", None, None, "DeepseekV3MLP", experts_class="DeepseekV3Experts",
                float_linears=("*.kv_b_proj",), latent_attention="cos_sin"),
         Family("glm4_moe_lite", "Glm4MoeLiteAttention", None, None, "Glm4MoeLiteMLP",

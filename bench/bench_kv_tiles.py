@@ -42,7 +42,7 @@ def run(h) -> None:
     from gptfast_kernels.triton import kv_cache_attention as kv
 
     h.measure_copy_bandwidth()
-    current, num_sms = kv._tuning(h.device)
+    current, num_sms = kv._tuning(h.device, D)
     for B, T, context in QUICK_CASES if h.quick else CASES:
         S = 2 * context
         g = torch.Generator(device=h.device).manual_seed(0)

@@ -32,8 +32,9 @@ namespace {
 constexpr int64_t SLOT_BLOCK = 64;
 // Work items (query token x kv head) per parallel_for task; decode has few items, prefill many.
 constexpr int64_t ATTENTION_GRAIN = 1;
-// Largest head dim any backend supports (API.md).
-constexpr int64_t MAX_HEAD_DIM = 256;
+// Largest head dim any backend supports (Gemma 4's global layers: 512). The CPU kernel's buffers are
+// sized at run time; the CUDA kernels size shared memory by D (kv_cache_attention.cuh).
+constexpr int64_t MAX_HEAD_DIM = 512;
 
 struct Strides4 {
   int64_t b, h, t, d;

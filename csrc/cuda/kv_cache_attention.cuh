@@ -91,11 +91,19 @@ constexpr int MAX_SPLITS = 128;
 constexpr int64_t WORKSPACE_BUDGET_BYTES = int64_t{64} << 20;  // float partials of all splits
 // Prefill scatter: one block per (b, t), 128 threads copy its Hkv x D elements.
 constexpr int SCATTER_THREADS = 128;
-// WMMA prefill: 4 warps, 64 x 64 (query x key) tiles for D <= 128, 32 x 32 above (shared memory:
-// 111 KiB at D = 128, 90 KiB at D = 256, under the A100's 163 KiB).
+// WMMA prefill: 4 warps; (query x key) tiles: the first of TC_TILES (64 x 64 only for D <= 128) whose
+// shared memory fits the device's per-block limit (227 KiB on H100, 163 KiB on A100, 99 KiB on sm_86 /
+// sm_89). 64 x 64 at D = 128: 111 KiB (sm_86 / sm_89 take 32 x 32); 32 x 32 at D = 256: 90 KiB; at
+// D = 512 (Gemma 4's global layers) 32 x 32 needs 169 KiB (H100), 16 x 32 117 KiB (A100), 16 x 16
+// 83 KiB (sm_86 / sm_89). Smaller tiles read K / V more often; nothing else changes (no array in the
+// kernel is sized by D).
 constexpr int TC_WARPS = 4;
 constexpr int TC_THREADS = TC_WARPS * WARP;
 constexpr int TC_LARGE_HEAD_DIM = 128;
+struct TcTile {
+  int rows, slots;  // query rows and key slots, multiples of 16 (WMMA fragments)
+};
+constexpr TcTile TC_TILES[] = {{64, 64}, {32, 32}, {16, 32}, {16, 16}};
 constexpr int TC_PAD = 8;      // 16-bit elements of row padding: breaks bank conflicts of fragments
 constexpr int TC_ACC_PAD = 4;  // float padding of the score / output tiles
 // Dynamic shared memory a block may use without opting in (cudaFuncSetAttribute).

@@ -228,6 +228,20 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
   }
 }
 
+// The WMMA prefill's tile for rows of dp elements: the first of TC_TILES that fits the device's shared
+// memory per block, 64 x 64 only up to TC_LARGE_HEAD_DIM.
+template <typename T>
+TcTile tc_tile(int dp) {
+  const int limit =
+      device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin) - static_smem(prefill_tc_kernel<T, true, false>);
+  for (const TcTile& tile : TC_TILES) {
+    const bool allowed = tile.rows < 64 || dp <= TC_LARGE_HEAD_DIM;
+    if (allowed && TcSmem<T>(0, tile.rows, tile.slots, dp).bytes <= limit) return tile;
+  }
+  TORCH_CHECK(false, "kv_cache_attention: no prefill tile for head dim ", dp, " fits the device's ", limit,
+              " bytes of shared memory per block");
+}
+
 }  // namespace
 
 template <typename T>
@@ -249,13 +263,9 @@ void launch_prefill(Params<T> p, int64_t B, bool gvec, bool ring, cudaStream_t s
     bytes = SimtSmem<T>(0, p.rows, p.bn, p.dp).bytes;
   } else {
     p.dp = align_up(p.D, 16);
-    // 32 x 32 tiles for large heads, and on GPUs with less shared memory per block (sm_86 / sm_89:
-    // 99 KiB, under the 111 KiB of 64 x 64 tiles at D = 128).
-    const bool large = p.dp > TC_LARGE_HEAD_DIM ||
-                       TcSmem<T>(0, 64, 64, p.dp).bytes + static_smem(prefill_tc_kernel<T, true, false>) >
-                           device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
-    p.rows = large ? 32 : 64;
-    p.bn = large ? 32 : 64;
+    const TcTile tile = tc_tile<T>(p.dp);
+    p.rows = tile.rows;
+    p.bn = tile.slots;
     threads = TC_THREADS;
     bytes = TcSmem<T>(0, p.rows, p.bn, p.dp).bytes;
     kernel = ring ? (gvec ? prefill_tc_kernel<T, true, true> : prefill_tc_kernel<T, false, true>)

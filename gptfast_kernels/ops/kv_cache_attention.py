@@ -12,7 +12,7 @@ from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, chec
                                            is_tracing, resolve_backend)
 
 OP = "kv_cache_attention"
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # Gemma 4's global layers; every backend takes 1..512 (csrc/kv_cache_attention.cpp checks it too)
 MAX_WINDOW = 2**31 - 1  # the kernels hold positions and windows as int32
 
 
@@ -106,7 +106,9 @@ def _check_position_values(positions: torch.Tensor, S: int, window: int | None, 
 # 2.27) and for verification at long caches (B = 1, T = 5, S = 32768: 92 us against 271); but on
 # short caches the CUDA kernel's single launch wins at any batch (S = 2048, T = 1: 60 / 183 us at
 # B = 8 / 32 against 80 / 217), and for verification up to 8 rows (B = 8, T = 5: 173 against 250;
-# B = 32: 565 against 202). bench/check_auto.py holds these rules against a run.
+# B = 32: 565 against 202). bench/check_auto.py holds these rules against a run. Both GPU kernels take
+# every head dim up to MAX_HEAD_DIM, so the rules ignore D; they were measured at D = 128 only (the
+# larger tiles' cost at D = 512, Gemma 4, is not yet timed).
 CUDA_MAX_HEAD_ROWS = 8
 CUDA_MAX_SLOTS_FOR_VERIFY = 8192
 CUDA_MAX_SLOTS_ANY_ROWS = 2048

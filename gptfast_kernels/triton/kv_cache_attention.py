@@ -97,6 +97,19 @@ _INTERPRETER = Tuning(decode_block_n=16, decode_max_rows=16, min_split_len=16, m
                        combine_block_s=4, num_warps=4)
 # SM count the split heuristic assumes under the interpreter (there is no device to ask).
 _INTERPRETER_NUM_SMS = 16
+# Largest head dim _GPU's tiles serve; larger heads (Gemma 4's global layers: D = 512) get
+# _GPU_LARGE_HEAD. With _GPU's tiles at BLOCK_D = 512, sm_90 compiles spill: the decode kernel
+# (16 rows x 32 slots, 4 warps) 1.3 KiB per thread, and its three pipeline stages of 32 x 512 K / V
+# tiles want 336 KiB of shared memory, past the 227 KiB an H100 block may use; the bf16 prefill
+# kernel (64 x 32) spills 3.5 KiB.
+LARGE_HEAD_DIM = 256
+# H100, reasoned and checked by ptxas -v (sm_90a), not timed: 16-slot K / V tiles (decode_block_n and
+# prefill_block_n are halved above D = 128), at most 16 query rows per decode program and 32 per
+# prefill tile, and 8 warps, so the [rows, 512] float32 accumulator takes 32 (decode) / 64 (prefill)
+# registers per thread. No spills in bf16 / fp16 decode and prefill or fp32 decode (fp32 prefill:
+# 60 bytes); shared memory 176 KiB for 16-bit decode, 97 KiB for 16-bit prefill (fp32: 96 / 128 KiB).
+_GPU_LARGE_HEAD = _GPU._replace(decode_block_n=32, decode_max_rows=16, prefill_block_m=32, prefill_block_n=32,
+                                num_warps=8)
 
 
 @triton.jit
@@ -399,9 +412,14 @@ def _launch_options(dtype: torch.dtype, tune: Tuning) -> dict:
     return options
 
 
-def _tuning(device: torch.device) -> tuple[Tuning, int]:
+def _gpu_tuning(head_dim: int) -> Tuning:
+    return _GPU if head_dim <= LARGE_HEAD_DIM else _GPU_LARGE_HEAD
+
+
+def _tuning(device: torch.device, head_dim: int) -> tuple[Tuning, int]:
     if device.type == "cuda":
-        return _GPU, _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _gpu_tuning(head_dim), _num_sms(index)
     return _INTERPRETER, _INTERPRETER_NUM_SMS
 
 
@@ -505,8 +523,8 @@ def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (window in 1..S and the span contract checked by the wrapper)."""
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device), window,
-                                    softcap, sinks, ring)
+    return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device, q.shape[-1]),
+                                    window, softcap, sinks, ring)
 
 
 @kv_cache_attention_triton.register_fake

@@ -130,6 +130,52 @@ def test_matches_reference(backend, device, shape, dtype):
     check_against_reference(backend, device, *case)
 
 
+# Head dims past 256, up to MAX_HEAD_DIM = 512 (Gemma 4's global layers), and D = 320, which pads to
+# the same Triton tiles with a masked tail: (B, Hq, Hkv, T, D, S, starts), GQA. T = 20 is a prefill chunk
+# (the kernels' prefill paths start at T = 17).
+LARGE_HEAD_SHAPES = {
+    "decode-gqa-d512": (2, 4, 2, 1, 512, 20, [0, 19]),
+    "verify-k4-d512": (2, 4, 2, 5, 512, 24, [19, 3]),
+    "prefill-t20-d512": (1, 4, 2, 20, 512, 24, [2]),
+    "decode-gqa-d320": (2, 4, 2, 1, 320, 17, [16, 5]),
+    "verify-k4-mqa-d320": (2, 4, 1, 5, 320, 17, [12, 0]),
+    "prefill-t20-d320": (1, 4, 2, 20, 320, 24, [3]),
+}
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS + [pytest.param("reference", "cpu", id="reference")])
+@pytest.mark.parametrize("shape", list(LARGE_HEAD_SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_large_head_dims_match_reference(backend, device, shape, dtype):
+    if _is_interpreter(backend, device) and dtype == torch.float16:
+        pytest.skip("Triton interpreter: bfloat16 covers the 16-bit path")
+    B, Hq, Hkv, T, D, S, starts = LARGE_HEAD_SHAPES[shape]
+    case = make_case(B, Hq, Hkv, T, D, S, _contiguous_positions(B, T, starts), dtype, device, seed=11)
+    check_against_reference(backend, device, *case)
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS + [pytest.param("reference", "cpu", id="reference")])
+def test_head_dim_past_the_limit_is_refused(backend, device):
+    """D = 513, one past MAX_HEAD_DIM: a ValueError naming D, before anything is written."""
+    q, k, v, k_cache, v_cache, positions = make_case(1, 2, 1, 1, 513, 4, [[2]], device=device)
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="head dim D must be in 1..512, got 513"):
+        ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend=backend)
+    assert torch.equal(k_cache, before)
+
+
+@pytest.mark.skipif(not _extension.has_kernel("kv_cache_attention", "CPU"), reason="extension not built")
+def test_cpu_kernel_head_dim_limit_when_called_directly():
+    """The C++ check's limit is the wrapper's: D = 512 runs, D = 513 raises."""
+    for D, fits in ((512, True), (513, False)):
+        q, k, v, k_cache, v_cache, positions = make_case(1, 2, 1, 1, D, 4, [[2]])
+        if fits:
+            torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, D ** -0.5)
+        else:
+            with pytest.raises(RuntimeError, match="head dim D must be in 1..512, got 513"):
+                torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, D ** -0.5)
+
+
 @pytest.mark.parametrize("backend, device", BACKENDS)
 def test_ragged_rows_padding_and_shuffled_positions(backend, device):
     # row 0: left padding; row 1: right padding; row 2: all padding; row 3: positions out of order
@@ -336,6 +382,19 @@ def test_llama_heads_long_cache_on_gpu(backend, device, B, T, S):
     in the middle and at the start: the GPU tuning's many splits, tiles and int64 offsets."""
     starts = [S - T, S // 2 + 3, 4095, 0][:B]
     case = make_case(B, 32, 8, T, 128, S, _contiguous_positions(B, T, starts), torch.bfloat16, device, seed=5)
+    check_against_reference(backend, device, *case)
+
+
+@pytest.mark.parametrize("backend, device", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("B, T, S", [(3, 1, 16384), (3, 5, 16384), (2, 100, 4096)],
+                         ids=["decode", "verify", "prefill"])
+def test_head_dim_512_long_cache_on_gpu(backend, device, dtype, B, T, S):
+    """D = 512 (Gemma 4's global layers; 8 query / 2 kv heads here) over long caches: the CUDA
+    kernels' shared memory sized by D (16-slot SIMT tiles; the WMMA prefill's smaller tiles) and
+    Triton's large-head tiles, with many splits and prefill tiles."""
+    starts = [S - T, S // 2 + 3, 0][:B]
+    case = make_case(B, 8, 2, T, 512, S, _contiguous_positions(B, T, starts), dtype, device, seed=12)
     check_against_reference(backend, device, *case)
 
 

@@ -3,14 +3,18 @@ configurations its wrapper chooses on a GPU: in a child process with the interpr
 wrappers run with their GPU tuning on CPU tensors of Llama-3-8B shapes, each launch is captured
 instead of run, and Triton's own compiler (down to ptxas) builds it for sm_90. This proves what
 the interpreter never exercises: tl.dot shapes and dtypes, layouts, and shared memory within the
-227 KiB an H100 block may use. (With a GPU present the GPU tests run these kernels for real.)"""
+227 KiB an H100 block may use. Each kernel's registers and stack frame (spills) are read from its
+cubin by cuobjdump; run with -s to see them. (With a GPU present the GPU tests run these kernels for
+real.)"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -70,9 +74,21 @@ CASES = {
     "kv-prefill-fp32-d80": ((_kv_cache_attention, torch.float32, 37, 80, 512), PREFILL),
     "kv-ring-decode-bf16": ((_kv_cache_attention, torch.bfloat16, 1, 128, 4096 + 2047, 4096), DECODE),
     "kv-ring-prefill-bf16": ((_kv_cache_attention, torch.bfloat16, 64, 128, 1024 + 2047, 1024), PREFILL),
+    # Gemma 4's global layers (D = 512): the large-head tiles; D = 320 pads to the same BLOCK_D
+    "kv-decode-bf16-d512": ((_kv_cache_attention, torch.bfloat16, 1, 512, 4096), DECODE),
+    "kv-verify-bf16-d512": ((_kv_cache_attention, torch.bfloat16, 5, 512, 4096), DECODE),
+    "kv-decode-fp32-d512": ((_kv_cache_attention, torch.float32, 1, 512, 4096), DECODE),
+    "kv-prefill-bf16-d512": ((_kv_cache_attention, torch.bfloat16, 64, 512, 4096), PREFILL),
+    "kv-prefill-fp16-d320": ((_kv_cache_attention, torch.float16, 64, 320, 4096), PREFILL),
+    "kv-prefill-fp32-d512": ((_kv_cache_attention, torch.float32, 37, 512, 512), PREFILL),
     **{f"verify_draft-{mode}-V{V}": ((_verify_draft, mode == "greedy", V), ["_verify_draft_kernel"])
        for mode in ("greedy", "sampling") for V in (128256, 50257)},
 }
+# Cases whose attention kernels must not spill (a stack frame of 0 bytes): the large-head tiles
+# (gptfast_kernels/triton/kv_cache_attention.py, _GPU_LARGE_HEAD) were chosen for it. The fp32
+# prefill keeps a small one (60 bytes of spill stores), fp32 being the correctness path.
+SPILL_FREE = ("kv-decode-bf16-d512", "kv-verify-bf16-d512", "kv-decode-fp32-d512", "kv-prefill-bf16-d512",
+              "kv-prefill-fp16-d320")
 
 
 # -- the child: capture and compile ---------------------------------------------------------------
@@ -114,8 +130,25 @@ def _compile_for_sm90(jit_fn, args, kwargs) -> dict:
     signature, constexprs, attrs = _signature(jit_fn, dict(zip(jit_fn.arg_names, args), **kwargs))
     source = ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", SM90, 32), options=options)
-    return {"kernel": jit_fn.fn.__name__, "shared": compiled.metadata.shared,
-            "cubin_bytes": len(compiled.asm.get("cubin", b""))}
+    cubin = compiled.asm.get("cubin", b"")
+    return {"kernel": jit_fn.fn.__name__, "shared": compiled.metadata.shared, "cubin_bytes": len(cubin),
+            **_resource_usage(cubin)}
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and stack frame bytes (spills, when > 0) from cuobjdump, {} without it."""
+    import triton
+
+    try:
+        tool = triton.knobs.nvidia.cuobjdump.path
+    except (AttributeError, RuntimeError):  # not bundled with this Triton
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        report = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", report)
+    return {"registers": int(usage[1]), "stack": int(usage[2])} if usage else {}
 
 
 def _child_main() -> None:
@@ -125,7 +158,7 @@ def _child_main() -> None:
 
     launches = []
     JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append((self, args, kwargs))
-    kv._tuning = lambda device: (kv._GPU, H100_SMS)  # the H100 tuning, as on a GPU
+    kv._tuning = lambda device, head_dim: (kv._gpu_tuning(head_dim), H100_SMS)  # the H100 tuning, as on a GPU
     results = {}
     for name, ((call, *call_args), _) in CASES.items():
         launches.clear()
@@ -158,6 +191,10 @@ def test_compiles_for_sm90(compiled, case):
     assert isinstance(result, list), result
     assert [r["kernel"] for r in result] == CASES[case][1]
     for r in result:
+        print(f"{case} {r['kernel']}: {r.get('registers', '?')} registers, stack frame {r.get('stack', '?')} bytes, "
+              f"{r['shared']} bytes of shared memory")
         assert r["cubin_bytes"] > 0, r
         assert r["shared"] <= H100_MAX_SHARED_BYTES, \
             f"{r['kernel']}: {r['shared']} bytes of shared memory, an H100 block has at most {H100_MAX_SHARED_BYTES}"
+        if case in SPILL_FREE and "stack" in r:
+            assert r["stack"] == 0, f"{r['kernel']} spills: a stack frame of {r['stack']} bytes"

@@ -110,9 +110,10 @@ CASES: dict[str, Case] = {
     "attn_cache_non_contiguous": Case(_attention(k_cache=lambda a: torch.randn(2, 2, 16, 8).transpose(2, 3)),
                                       "k_cache"),
     "attn_q_3d": Case(_attention(q=lambda a: a["q"][0]), "q"),
-    "attn_head_dim_too_big": Case(_attention(q=lambda a: torch.randn(2, 4, 3, 512), k=lambda a: torch.randn(2, 2, 3, 512),
-                                             v=lambda a: torch.randn(2, 2, 3, 512), k_cache=lambda a: torch.randn(2, 2, 8, 512),
-                                             v_cache=lambda a: torch.randn(2, 2, 8, 512)), "D"),
+    # one past MAX_HEAD_DIM = 512
+    "attn_head_dim_too_big": Case(_attention(q=lambda a: torch.randn(2, 4, 3, 513), k=lambda a: torch.randn(2, 2, 3, 513),
+                                             v=lambda a: torch.randn(2, 2, 3, 513), k_cache=lambda a: torch.randn(2, 2, 8, 513),
+                                             v_cache=lambda a: torch.randn(2, 2, 8, 513)), "D"),
     "attn_scale_nan": Case(_attention(scale=float("nan")), "scale"),
     "attn_mixed_devices": Case(_attention(positions=lambda a: a["positions"].to("meta")), "positions"),
     # verify_draft

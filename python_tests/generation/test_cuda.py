@@ -21,7 +21,8 @@ def _on_cuda(*tensors):
     return [t.cuda() for t in tensors]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gpt2", "qwen3_5_text", "gemma4_text"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gpt2", "qwen3_5_text", "gemma4_text",
+                                    "deepseek_v3", "deepseek_v2"])
 def test_greedy_equals_transformers(family):
     model = tiny_model(family).cuda()
     patched = patched_copy(model, int8=False)
@@ -32,13 +33,14 @@ def test_greedy_equals_transformers(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text", "lfm2", "falcon_h1", "stablelm", "dbrx",
-                                    "gemma4_text"])
+                                    "gemma4_text", "deepseek_v3"])
 def test_compiled_cuda_graph_decode_equals_eager(family):
     """compile=True: torch.compile(fullgraph=True, mode="reduce-overhead") per step, so the decode
     step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse).
     The hybrids' recurrent states (transformers' state layers, updated in place) must survive the
     graph's replays too, as must StableLM's per-attention-module cache hook, DBRX's Int8Experts
-    on [B, T, H] hidden states and Gemma 4's layers attending over other layers' buffers."""
+    on [B, T, H] hidden states, Gemma 4's layers attending over other layers' buffers and
+    DeepSeek-V3's absorbed latent attention."""
     from torch._dynamo.utils import counters
 
     patched = patch_model(tiny_model(family).cuda(), int8=True)

@@ -40,7 +40,8 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class)
         fuse_qkv_(model, family.attention_class)
-        if family.experts_classes and quantize_experts_(model, family.experts_classes) == 0:
+        has_experts = any(type(m).__name__ in family.experts_classes for m in model.modules())
+        if has_experts and quantize_experts_(model, family.experts_classes) == 0:
             warnings.warn(f"patch_model: this {family.model_type} model's experts keep their float weights: "
                           f"no {family.experts_class} module Int8Experts reproduces (3-D gate_up_proj / down_proj, "
                           "a gating it can run, no norm after the experts); attention, dense layers and lm_head "

@@ -2,7 +2,9 @@
 match the unpatched model, prefill + decode steps equal one full forward, ragged rows, one
 kv_cache_attention call per layer per forward, int8 within quantization error, clear errors."""
 
+import warnings
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -272,6 +274,20 @@ def test_moe_experts_become_int8_and_decode_steps_match(family):
         steps = [patched(ids[:, :length], past_key_values=cache).logits]
         steps += [patched(ids[:, t:t + 1], past_key_values=cache).logits for t in range(length, length + 4)]
     torch.testing.assert_close(torch.cat(steps, dim=1), want, atol=1e-4, rtol=1e-4)
+
+
+def test_experts_warning_only_for_experts_kept_float():
+    """patch_model warns when a MoE family's experts stay float (a layout Int8Experts does not
+    reproduce), not when a model of such a family has no experts at all (every layer dense)."""
+    dense = tiny_model("deepseek_v3", first_k_dense_replace=2)
+    assert not any(type(m).__name__ == "DeepseekV3Experts" for m in dense.modules())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(dense)
+    moe = tiny_model("deepseek_v3")
+    with pytest.warns(UserWarning, match="experts keep their float weights"), \
+            mock.patch("gptfast_kernels.models.patch.quantize_experts_", return_value=0):
+        patch_model(moe)
 
 
 def test_patch_is_idempotent_and_switchable():

@@ -160,7 +160,11 @@ class StaticKVCache(Cache):
     position it wrote, and only a patched model can use the cache. The linear-attention (recurrent)
     layers of a hybrid model (Qwen3.5 ...) hold transformers' own state layer
     (``LinearAttentionLayer``: conv and recurrent states, updated in place); a recurrent state
-    cannot be rolled back, so such a cache can only be emptied.
+    cannot be rolled back, so such a cache can only be emptied. Layers may differ in kv heads and
+    head dim (``geometry``: Gemma 4's global layers); a layer that reuses another's keys and values
+    (Gemma 4's last layers) holds none and attends over that layer's buffers (``kv_sources``); a
+    multi-head latent attention layer (DeepSeek-V2 / V3) holds one latent per token, as one kv head
+    of width kv_lora_rank + qk_rope_head_dim (see models/latent_attention.py).
     """
 
     def __init__(self, config, batch_size: int, max_cache_len: int, *, device=None, dtype=None,

@@ -61,18 +61,30 @@ class ProjectionPart(nn.Module):
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+# multi-head latent attention projects its input twice: the query (low-rank q_a_proj, or q_proj) and
+# the compressed latent with the shared rotary key
+LATENT_PROJECTIONS = (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"))
+
+
+def _projection_names(module: nn.Module) -> list[str]:
+    """The projections of ``module``'s one input that it calls in order: q / k / v, or MLA's pair."""
+    for names in LATENT_PROJECTIONS:
+        if all(getattr(module, name, None) is not None for name in names):
+            return list(names)
+    return [name for name in PROJECTIONS if not (name == "v_proj" and getattr(module, name, 0) is None)]
 
 
 def fuse_qkv_(model: nn.Module, attention_class: str) -> int:
     """In place: every module of class name ``attention_class`` whose q_proj, k_proj and v_proj are
     all Int8Linear (none kept in float by int8_skip) gets ``qkv_proj``, their fusion, and the three
     become its parts. A module without v_proj (None: Gemma 4's global layers take the keys as
-    values) fuses q_proj and k_proj alike. Returns how many attention modules were fused."""
+    values) fuses q_proj and k_proj alike, a multi-head latent attention module its query projection
+    (q_a_proj or q_proj) and kv_a_proj_with_mqa. Returns how many attention modules were fused."""
     fused = 0
     for module in model.modules():
         if type(module).__name__ != attention_class:
             continue
-        names = [name for name in PROJECTIONS if not (name == "v_proj" and getattr(module, name, 0) is None)]
+        names = _projection_names(module)
         projections = [getattr(module, name, None) for name in names]
         if len(names) < 2 or not all(isinstance(p, Int8Linear) for p in projections):
             continue

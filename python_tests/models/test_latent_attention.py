@@ -46,8 +46,9 @@ def test_kv_b_proj_stays_float_and_is_not_applied_per_step(monkeypatch):
     patched = patched_copy(tiny_model("deepseek_v3"), int8=True)
     attention = patched.model.layers[0].self_attn
     assert type(attention.kv_b_proj) is torch.nn.Linear
-    assert all(isinstance(getattr(attention, name), Int8Linear)
-               for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"))
+    assert all(isinstance(getattr(attention, name), Int8Linear) for name in ("q_b_proj", "o_proj"))
+    # the two projections of the layer's input are one int8 matmul
+    assert attention.qkv_proj.sizes == [MLA_DIMS["q_lora_rank"], R + DR]
     calls = []
     for layer in patched.model.layers:
         monkeypatch.setattr(layer.self_attn.kv_b_proj, "forward", lambda x: calls.append(x.shape))

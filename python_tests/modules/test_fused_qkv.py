@@ -49,20 +49,27 @@ def test_patch_model_fuses_qkv_exactly(family):
     assert attention.qkv_proj._parts is None and attention.qkv_proj._input is None
 
 
-def test_keys_as_values_fuse_q_and_k():
-    """Gemma 4's global layers have no v_proj (the keys are the values): q_proj and k_proj fuse; its
-    shared layers (q_proj alone) keep theirs; the model's logits equal the unfused int8 model's."""
-    model = tiny_model("gemma4_text")
+@pytest.mark.parametrize("family, sizes", [
+    # Gemma 4's global layers have no v_proj (the keys are the values): q_proj and k_proj fuse; its shared
+    # layers (q_proj alone) keep theirs
+    ("gemma4_text", [[64, 32, 32], [128, 32], None, None]),
+    # multi-head latent attention: the low-rank query's q_a_proj (or DeepSeek-V2's full q_proj, 4 heads x
+    # 24) with kv_a_proj_with_mqa (latent 32 + rotary key 8)
+    ("deepseek_v3", [[24, 40]] * 2), ("deepseek_v2", [[96, 40]] * 2)])
+def test_other_projection_sets_fuse(family, sizes):
+    """Attention modules whose input goes through other projections than q / k / v fuse those; the
+    model's logits equal the unfused int8 model's."""
+    model = tiny_model(family)
     patched, unfused = patched_copy(model, int8=True), patched_copy(model, int8=True)
     for module in unfused.modules():  # the same int8 weights, each projection on its own
         if hasattr(module, "qkv_proj"):
-            for name, part in zip(PROJECTIONS, _separate_projections(module.qkv_proj)):
-                setattr(module, name, part)
+            separate = _separate_projections(module.qkv_proj)
+            for name, child in list(module.named_children()):
+                if isinstance(child, ProjectionPart):
+                    setattr(module, name, separate[child.index])
             del module.qkv_proj
     layers = [layer.self_attn for layer in patched.model.layers]
-    assert [attention.qkv_proj.sizes if hasattr(attention, "qkv_proj") else None for attention in layers] == \
-        [[64, 32, 32], [128, 32], None, None]
-    assert layers[1].v_proj is None and isinstance(layers[2].q_proj, Int8Linear)
+    assert [attention.qkv_proj.sizes if hasattr(attention, "qkv_proj") else None for attention in layers] == sizes
     ids = torch.randint(2, 90, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(patched(ids).logits, unfused(ids).logits)

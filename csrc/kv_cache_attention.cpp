@@ -32,9 +32,11 @@ namespace {
 constexpr int64_t SLOT_BLOCK = 64;
 // Work items (query token x kv head) per parallel_for task; decode has few items, prefill many.
 constexpr int64_t ATTENTION_GRAIN = 1;
-// Largest head dim any backend supports (Gemma 4's global layers: 512). The CPU kernel's buffers are
-// sized at run time; the CUDA kernels size shared memory by D (kv_cache_attention.cuh).
-constexpr int64_t MAX_HEAD_DIM = 512;
+// Largest head dim any backend supports: multi-head latent attention runs as multi-query attention
+// over latents of kv_lora_rank + qk_rope_head_dim = 512 + 64 = 576 (DeepSeek-V2 / V3, Kimi-K2,
+// GLM-4.7-Flash). The CPU kernel's buffers are sized at run time; the CUDA kernels size shared
+// memory by D (kv_cache_attention.cuh).
+constexpr int64_t MAX_HEAD_DIM = 576;
 
 struct Strides4 {
   int64_t b, h, t, d;

@@ -95,8 +95,11 @@ constexpr int SCATTER_THREADS = 128;
 // shared memory fits the device's per-block limit (227 KiB on H100, 163 KiB on A100, 99 KiB on sm_86 /
 // sm_89). 64 x 64 at D = 128: 111 KiB (sm_86 / sm_89 take 32 x 32); 32 x 32 at D = 256: 90 KiB; at
 // D = 512 (Gemma 4's global layers) 32 x 32 needs 169 KiB (H100), 16 x 32 117 KiB (A100), 16 x 16
-// 83 KiB (sm_86 / sm_89). Smaller tiles read K / V more often; nothing else changes (no array in the
-// kernel is sized by D).
+// 83 KiB (sm_86 / sm_89); at D = 576 (MLA's latents: 36 WMMA steps of 16, no padding) 189 / 131 /
+// 93 KiB, the same choices. Smaller tiles read K / V more often; nothing else changes (no array in
+// the kernel is sized by D). The SIMT kernels' K / V tiles are 16 slots from D = 512 on (kv_tile):
+// 18 KiB at D = 576 in 16-bit (rows of 9 x 128 bytes), 36 KiB in fp32; a decode pass then holds up
+// to 17 query rows in 16-bit (MLA's 16 heads per kv head at once: 91 KiB), 5 in fp32.
 constexpr int TC_WARPS = 4;
 constexpr int TC_THREADS = TC_WARPS * WARP;
 constexpr int TC_LARGE_HEAD_DIM = 128;

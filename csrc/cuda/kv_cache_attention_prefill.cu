@@ -228,18 +228,20 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
   }
 }
 
-// The WMMA prefill's tile for rows of dp elements: the first of TC_TILES that fits the device's shared
-// memory per block, 64 x 64 only up to TC_LARGE_HEAD_DIM.
+// The WMMA prefill's tile for head dim D, rows of dp elements: the first of TC_TILES that fits the
+// device's shared memory per block, 64 x 64 only up to TC_LARGE_HEAD_DIM.
 template <typename T>
-TcTile tc_tile(int dp) {
+TcTile tc_tile(int D, int dp) {
   const int limit =
       device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin) - static_smem(prefill_tc_kernel<T, true, false>);
   for (const TcTile& tile : TC_TILES) {
     const bool allowed = tile.rows < 64 || dp <= TC_LARGE_HEAD_DIM;
     if (allowed && TcSmem<T>(0, tile.rows, tile.slots, dp).bytes <= limit) return tile;
   }
-  TORCH_CHECK(false, "kv_cache_attention: no prefill tile for head dim ", dp, " fits the device's ", limit,
-              " bytes of shared memory per block");
+  const TcTile& smallest = TC_TILES[std::size(TC_TILES) - 1];
+  TORCH_CHECK(false, "kv_cache_attention: no prefill tile for head dim D = ", D, " fits the device's ", limit,
+              " bytes of shared memory per block (the smallest, ", smallest.rows, " x ", smallest.slots, ", needs ",
+              TcSmem<T>(0, smallest.rows, smallest.slots, dp).bytes, ")");
 }
 
 }  // namespace
@@ -263,7 +265,7 @@ void launch_prefill(Params<T> p, int64_t B, bool gvec, bool ring, cudaStream_t s
     bytes = SimtSmem<T>(0, p.rows, p.bn, p.dp).bytes;
   } else {
     p.dp = align_up(p.D, 16);
-    const TcTile tile = tc_tile<T>(p.dp);
+    const TcTile tile = tc_tile<T>(p.D, p.dp);
     p.rows = tile.rows;
     p.bn = tile.slots;
     threads = TC_THREADS;

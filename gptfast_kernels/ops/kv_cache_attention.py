@@ -12,7 +12,10 @@ from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, chec
                                            is_tracing, resolve_backend)
 
 OP = "kv_cache_attention"
-MAX_HEAD_DIM = 512  # Gemma 4's global layers; every backend takes 1..512 (csrc/kv_cache_attention.cpp checks it too)
+# Multi-head latent attention runs as multi-query attention over its latents of r + dr = 512 + 64 = 576
+# (DeepSeek-V2 / V3, Kimi-K2, GLM-4.7-Flash; models/latent_attention.py); Gemma 4's global layers
+# take 512. Every backend takes 1..576 (csrc/kv_cache_attention.cpp checks it too).
+MAX_HEAD_DIM = 576
 MAX_WINDOW = 2**31 - 1  # the kernels hold positions and windows as int32
 
 
@@ -108,7 +111,7 @@ def _check_position_values(positions: torch.Tensor, S: int, window: int | None, 
 # B = 8 / 32 against 80 / 217), and for verification up to 8 rows (B = 8, T = 5: 173 against 250;
 # B = 32: 565 against 202). bench/check_auto.py holds these rules against a run. Both GPU kernels take
 # every head dim up to MAX_HEAD_DIM, so the rules ignore D; they were measured at D = 128 only (the
-# larger tiles' cost at D = 512, Gemma 4, is not yet timed).
+# larger tiles' cost at D = 512, Gemma 4, and D = 576, MLA's latents, is not yet timed).
 CUDA_MAX_HEAD_ROWS = 8
 CUDA_MAX_SLOTS_FOR_VERIFY = 8192
 CUDA_MAX_SLOTS_ANY_ROWS = 2048

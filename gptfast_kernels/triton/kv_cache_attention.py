@@ -82,6 +82,9 @@ class Tuning(NamedTuple):
     scatter_block_t: int      # new tokens per scatter program
     combine_block_s: int      # splits reduced per step of the combine kernel
     num_warps: int
+    # software-pipeline stages of the decode kernel in 16-bit (None: Triton's default, 3); float32
+    # always takes FP32_NUM_STAGES
+    decode_num_stages: int | None = None
 
 
 # H100-class defaults, not yet tuned on a GPU (none was available when this was written): 64-slot
@@ -110,6 +113,29 @@ LARGE_HEAD_DIM = 256
 # 60 bytes); shared memory 176 KiB for 16-bit decode, 97 KiB for 16-bit prefill (fp32: 96 / 128 KiB).
 _GPU_LARGE_HEAD = _GPU._replace(decode_block_n=32, decode_max_rows=16, prefill_block_m=32, prefill_block_n=32,
                                 num_warps=8)
+# Widest head-dim block (a power of two, as every Triton tile). Wider heads, multi-head latent
+# attention's r + dr = 512 + 64 = 576 (DeepSeek-V2 / V3, Kimi-K2, GLM-4.7-Flash), are tiled as this
+# block plus a power-of-two tail of at least MIN_TAIL_BLOCK_D (BLOCK_DT: 64 for D = 513..576): two
+# dots summed into one score tile and two output accumulators, where BLOCK_D = next_power_of_2(576)
+# = 1024 would leave 44% of every q / K / V tile and accumulator idle, doubling their registers and
+# shared memory. Heads up to this width keep one block (BLOCK_DT = 0). The kernels' statements for
+# the first block are those from before the tail existed, with the tail's in `if BLOCK_DT > 0:`
+# blocks beside them: D <= 512 compiles to the same SASS as before (cuobjdump, sm_90a). Even
+# moving a statement into an inlined helper changes ptxas's schedule (its debug-line labels).
+MAX_BLOCK_D = 512
+# Narrower tails compile badly on sm_90 (bf16, ptxas -v): with a 16-wide tail (D = 528) ptxas falls
+# to 32 registers and 2.5 to 3.5 KiB of spills in decode and prefill, a 32-wide one (D = 544) spills
+# 400 bytes in prefill; with the 64-wide tail both compile as D = 576 does. Columns past D are
+# masked, so it costs no memory traffic: every D in 513..576 runs the tiles of D = 576. (A D that is
+# not a multiple of 16, such as 520, gets no 16-element alignment hint, hence scalar, unpipelined
+# loads and some spills, as D = 500 already does in the single-block tiles.)
+MIN_TAIL_BLOCK_D = 64
+# Tuning past MAX_BLOCK_D (sm_90a, ptxas -v, bf16, not timed): _GPU_LARGE_HEAD's tiles with the
+# 64-wide tail, but two pipeline stages in decode: with Triton's three the decode kernel needs 255
+# registers and spills 32 bytes in verification (T = 5), with two it takes 248 / 254 (T = 1 / 5), no
+# spills, and 126 KiB of shared memory instead of 198 KiB; each stage still holds 36 KiB of K / V
+# (16 slots x 576 x 2 bytes x 2) in flight. Prefill keeps three stages (186 registers, 109 KiB).
+_GPU_SPLIT_HEAD = _GPU_LARGE_HEAD._replace(decode_num_stages=2)
 
 
 @triton.jit
@@ -174,9 +200,34 @@ def _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step_split(s, allowed, v, v_t, m_i, l_i, acc, acc_t, FP32_DOT: tl.constexpr):
+    """_online_softmax_step for a head dim in two blocks (D > MAX_BLOCK_D): v [N, BLOCK_D] and
+    v_t [N, BLOCK_DT] update acc [M, BLOCK_D] and acc_t [M, BLOCK_DT] with the same probabilities."""
+    s = tl.where(allowed, s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = p.to(v.dtype)
+    return (m_new, l_i * alpha + tl.sum(p.to(tl.float32), axis=1), acc * alpha[:, None] + _dot(p, v, FP32_DOT),
+            acc_t * alpha[:, None] + _dot(p, v_t, FP32_DOT))
+
+
+@triton.jit
 def _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """q [M, D] . k [N, D]^T -> scores [M, N] in the log2 domain, soft-capped when SOFTCAP."""
     dot = _dot(q, tl.trans(k), FP32_DOT)
+    if SOFTCAP:
+        return cap_log2 * _tanh(dot * scale_over_cap)
+    return dot * qk_scale
+
+
+@triton.jit
+def _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT: tl.constexpr,
+                  SOFTCAP: tl.constexpr):
+    """_scores for a head dim in two blocks (D > MAX_BLOCK_D): q [M, BLOCK_D] . k [N, BLOCK_D]^T
+    + q_t [M, BLOCK_DT] . k_t [N, BLOCK_DT]^T, then scaled (and capped) once."""
+    dot = _dot(q, tl.trans(k), FP32_DOT) + _dot(q_t, tl.trans(k_t), FP32_DOT)
     if SOFTCAP:
         return cap_log2 * _tanh(dot * scale_over_cap)
     return dot * qk_scale
@@ -204,9 +255,11 @@ def _kv_cache_attention_decode_kernel(
         stride_vb, stride_vh, stride_vt, stride_cb, stride_ch, stride_cs,
         NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
         FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_DT: tl.constexpr):
     # Ring: splits, tiles and the fused scatter's match work on positions, the cache on their slots.
     # A row's span is at most S positions (row_first), so its splits own distinct slots.
+    # BLOCK_DT > 0 (D > MAX_BLOCK_D): head-dim columns BLOCK_D.. are a second block (the "_t" tensors).
     split = tl.program_id(0)
     h = (tl.program_id(1) // NUM_M_BLOCKS).to(tl.int64)  # h * stride_ch may pass 2^31
     m_block = tl.program_id(1) % NUM_M_BLOCKS
@@ -230,6 +283,11 @@ def _kv_cache_attention_decode_kernel(
     mask_d = offs_d < D
     q = tl.load(Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
                 + offs_d[None, :], mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+    if BLOCK_DT > 0:
+        offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        mask_dt = offs_dt < D
+        q_t = tl.load(Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
+                      + offs_dt[None, :], mask=row_ok[:, None] & mask_dt[None, :], other=0.0)
 
     k_new_ptr = K_ptr + b * stride_kb + h * stride_kh
     v_new_ptr = V_ptr + b * stride_vb + h * stride_vh
@@ -242,6 +300,8 @@ def _kv_cache_attention_decode_kernel(
         m_i = tl.where(row_ok, tl.load(Sinks_ptr + hq_m, mask=row_ok, other=0.0) * LOG2E_, m_i)
         l_i = tl.where(row_ok, 1.0, l_i)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if BLOCK_DT > 0:
+        acc_t = tl.zeros((BLOCK_M, BLOCK_DT), dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < end
@@ -252,9 +312,10 @@ def _kv_cache_attention_decode_kernel(
         new_mask = is_new[:, None] & mask_d[None, :]
         old_mask = (in_range & (t_src < 0))[:, None] & mask_d[None, :]
         if RING:
-            cache_offs = _ring_slots(n0, S, BLOCK_N)[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+            cache_rows = _ring_slots(n0, S, BLOCK_N)[:, None].to(tl.int64) * stride_cs
         else:
-            cache_offs = offs_n[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+            cache_rows = offs_n[:, None].to(tl.int64) * stride_cs
+        cache_offs = cache_rows + offs_d[None, :]
         k_new = tl.load(k_new_ptr + t_src[:, None] * stride_kt + offs_d[None, :], mask=new_mask,
                         other=0.0)
         v_new = tl.load(v_new_ptr + t_src[:, None] * stride_vt + offs_d[None, :], mask=new_mask,
@@ -265,23 +326,51 @@ def _kv_cache_attention_decode_kernel(
         tl.store(kc_ptr + cache_offs, k_new, mask=new_mask & (m_block == 0))
         tl.store(vc_ptr + cache_offs, v_new, mask=new_mask & (m_block == 0))
 
-        s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+        if BLOCK_DT > 0:  # the same for the head dim's second block
+            new_mask = is_new[:, None] & mask_dt[None, :]
+            old_mask = (in_range & (t_src < 0))[:, None] & mask_dt[None, :]
+            cache_offs = cache_rows + offs_dt[None, :]
+            k_new = tl.load(k_new_ptr + t_src[:, None] * stride_kt + offs_dt[None, :], mask=new_mask, other=0.0)
+            v_new = tl.load(v_new_ptr + t_src[:, None] * stride_vt + offs_dt[None, :], mask=new_mask, other=0.0)
+            k_t = tl.where(new_mask, k_new, tl.load(kc_ptr + cache_offs, mask=old_mask, other=0.0))
+            v_t = tl.where(new_mask, v_new, tl.load(vc_ptr + cache_offs, mask=old_mask, other=0.0))
+            tl.store(kc_ptr + cache_offs, k_new, mask=new_mask & (m_block == 0))
+            tl.store(vc_ptr + cache_offs, v_new, mask=new_mask & (m_block == 0))
+            s = _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+        else:
+            s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
         allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])
                    & in_range[None, :])
-        m_i, l_i, acc = _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_DOT)
+        if BLOCK_DT > 0:
+            m_i, l_i, acc, acc_t = _online_softmax_step_split(s, allowed, v, v_t, m_i, l_i, acc, acc_t, FP32_DOT)
+        else:
+            m_i, l_i, acc = _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_DOT)
 
     rows = (b * Hq + hq_m) * T + t_m  # row of the [B, Hq, T] output
     has_any = l_i > 0
-    out = acc / tl.where(has_any, l_i, 1.0)[:, None]
+    norm = tl.where(has_any, l_i, 1.0)[:, None]
+    out = acc / norm
     store_mask = row_ok[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:  # padding rows (nothing allowed) get zeros
-        tl.store(Out_ptr + rows[:, None] * D + offs_d[None, :], out.to(Out_ptr.dtype.element_ty),
-                 mask=store_mask)
-    else:
+        out_rows = Out_ptr + rows[:, None] * D
+    else:  # this split's float32 partial output, and its log2-sum-exp below
         lse = tl.where(has_any, m_i + tl.math.log2(tl.where(has_any, l_i, 1.0)), -float("inf"))
         part = rows * NUM_SPLITS + split
-        tl.store(OPart_ptr + part[:, None] * D + offs_d[None, :], out, mask=store_mask)
+        out_rows = OPart_ptr + part[:, None] * D
+    tl.store(out_rows + offs_d[None, :], out.to(out_rows.dtype.element_ty), mask=store_mask)
+    if BLOCK_DT > 0:
+        tl.store(out_rows + offs_dt[None, :], (acc_t / norm).to(out_rows.dtype.element_ty),
+                 mask=row_ok[:, None] & mask_dt[None, :])
+    if NUM_SPLITS > 1:
         tl.store(LsePart_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _weighted_sum(row_ptrs, w, mask_s, offs_d, mask_d):
+    """sum_s w[s] * the columns offs_d (mask_d: < D) of rows row_ptrs [S, 1] where mask_s [S]
+    -> [len(offs_d)]."""
+    o = tl.load(row_ptrs + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    return tl.sum(w[:, None] * o, axis=0)
 
 
 @triton.jit
@@ -289,7 +378,7 @@ def _kv_cache_attention_combine_kernel(
         Pos_ptr, Sinks_ptr, OPart_ptr, LsePart_ptr, Out_ptr, window, T, S, D, Hq,
         HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-        BLOCK_D: tl.constexpr, RING: tl.constexpr):
+        BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr, RING: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (b * Hq + hq) * T + t
     b = row // (Hq * T)
     _, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN, BLOCK_N,
@@ -309,23 +398,31 @@ def _kv_cache_attention_combine_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if BLOCK_DT > 0:  # the head dim's second block (D > MAX_BLOCK_D)
+        offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        mask_dt = offs_dt < D
+        acc_t = tl.zeros((BLOCK_DT,), dtype=tl.float32)
     for s0 in range(0, num_active, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         mask_s = offs_s < num_active
         w = tl.math.exp2(tl.load(LsePart_ptr + row * NUM_SPLITS + offs_s, mask=mask_s,
                                  other=-float("inf")) - lse_max)
-        o = tl.load(OPart_ptr + (row * NUM_SPLITS + offs_s[:, None]) * D + offs_d[None, :],
-                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
-    out = acc / tl.where(total > 0, total, 1.0)
+        part_rows = OPart_ptr + (row * NUM_SPLITS + offs_s[:, None]) * D
+        acc += _weighted_sum(part_rows, w, mask_s, offs_d, mask_d)
+        if BLOCK_DT > 0:
+            acc_t += _weighted_sum(part_rows, w, mask_s, offs_dt, mask_dt)
+    norm = tl.where(total > 0, total, 1.0)
+    out = acc / norm
     tl.store(Out_ptr + row * D + offs_d, out.to(Out_ptr.dtype.element_ty), mask=mask_d)
+    if BLOCK_DT > 0:
+        tl.store(Out_ptr + row * D + offs_dt, (acc_t / norm).to(Out_ptr.dtype.element_ty), mask=mask_dt)
 
 
 @triton.jit
 def _kv_cache_attention_scatter_kernel(
         K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, T, S, D,
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-        stride_cb, stride_ch, stride_cs, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        stride_cb, stride_ch, stride_cs, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
         BLOCK_LATER: tl.constexpr, RING: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1).to(tl.int64)
@@ -344,14 +441,23 @@ def _kv_cache_attention_scatter_kernel(
             later = tl.where(later >= 0, later % S, -1)
         same = (later[None, :] == pos[:, None]) & (offs_l[None, :] > offs_t[:, None])
         overwritten = tl.maximum(overwritten, tl.max(same.to(tl.int32), axis=1))
+    write = (pos >= 0) & (overwritten == 0)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = ((pos >= 0) & (overwritten == 0))[:, None] & (offs_d < D)[None, :]
+    mask = write[:, None] & (offs_d < D)[None, :]
     src_t = offs_t[:, None].to(tl.int64)
     k = tl.load(K_ptr + b * stride_kb + h * stride_kh + src_t * stride_kt + offs_d[None, :], mask=mask)
     v = tl.load(V_ptr + b * stride_vb + h * stride_vh + src_t * stride_vt + offs_d[None, :], mask=mask)
     dst = b * stride_cb + h * stride_ch + pos[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
     tl.store(KC_ptr + dst, k, mask=mask)
     tl.store(VC_ptr + dst, v, mask=mask)
+    if BLOCK_DT > 0:  # the same for the head dim's second block (D > MAX_BLOCK_D)
+        offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        mask = write[:, None] & (offs_dt < D)[None, :]
+        k = tl.load(K_ptr + b * stride_kb + h * stride_kh + src_t * stride_kt + offs_dt[None, :], mask=mask)
+        v = tl.load(V_ptr + b * stride_vb + h * stride_vh + src_t * stride_vt + offs_dt[None, :], mask=mask)
+        dst = b * stride_cb + h * stride_ch + pos[:, None].to(tl.int64) * stride_cs + offs_dt[None, :]
+        tl.store(KC_ptr + dst, k, mask=mask)
+        tl.store(VC_ptr + dst, v, mask=mask)
 
 
 @triton.jit
@@ -359,7 +465,8 @@ def _kv_cache_attention_prefill_kernel(
         Q_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Out_ptr, qk_scale, cap_log2, scale_over_cap, window, T, S, D, G,
         Hq, stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
         FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr):
+    # BLOCK_DT > 0 (D > MAX_BLOCK_D): head-dim columns BLOCK_D.. are a second block (the "_t" tensors).
     # The last (longest) query tiles first, so the short ones fill the tail of the grid.
     offs_m = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
@@ -373,6 +480,11 @@ def _kv_cache_attention_prefill_kernel(
     mask_d = offs_d < D
     q = tl.load(Q_ptr + b * stride_qb + hq * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
                 mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+    if BLOCK_DT > 0:
+        offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        mask_dt = offs_dt < D
+        q_t = tl.load(Q_ptr + b * stride_qb + hq * stride_qh + offs_m[:, None] * stride_qt + offs_dt[None, :],
+                      mask=row_ok[:, None] & mask_dt[None, :], other=0.0)
     kv_head = b * stride_cb + (hq // G) * stride_ch
     m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -380,24 +492,41 @@ def _kv_cache_attention_prefill_kernel(
         m_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32) + tl.load(Sinks_ptr + hq) * LOG2E_
         l_i = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if BLOCK_DT > 0:
+        acc_t = tl.zeros((BLOCK_M, BLOCK_DT), dtype=tl.float32)
     for n0 in range(tile_first, tile_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < tile_len
         if RING:
-            offs = kv_head + _ring_slots(n0, S, BLOCK_N)[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+            rows = kv_head + _ring_slots(n0, S, BLOCK_N)[:, None].to(tl.int64) * stride_cs
         else:
-            offs = kv_head + offs_n[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+            rows = kv_head + offs_n[:, None].to(tl.int64) * stride_cs
+        offs = rows + offs_d[None, :]
         kv_mask = in_range[:, None] & mask_d[None, :]
         k = tl.load(KC_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(VC_ptr + offs, mask=kv_mask, other=0.0)
-        s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+        if BLOCK_DT > 0:  # the same for the head dim's second block
+            offs = rows + offs_dt[None, :]
+            kv_mask = in_range[:, None] & mask_dt[None, :]
+            k_t = tl.load(KC_ptr + offs, mask=kv_mask, other=0.0)
+            v_t = tl.load(VC_ptr + offs, mask=kv_mask, other=0.0)
+            s = _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+        else:
+            s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
         allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])
                    & in_range[None, :])
-        m_i, l_i, acc = _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_DOT)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows: zeros
+        if BLOCK_DT > 0:
+            m_i, l_i, acc, acc_t = _online_softmax_step_split(s, allowed, v, v_t, m_i, l_i, acc, acc_t, FP32_DOT)
+        else:
+            m_i, l_i, acc = _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_DOT)
+    norm = tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows: zeros
+    out = acc / norm
     rows = (b * Hq + hq) * T + offs_m
     tl.store(Out_ptr + rows[:, None] * D + offs_d[None, :], out.to(Out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & mask_d[None, :])
+    if BLOCK_DT > 0:
+        tl.store(Out_ptr + rows[:, None] * D + offs_dt[None, :], (acc_t / norm).to(Out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & mask_dt[None, :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -405,15 +534,19 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _launch_options(dtype: torch.dtype, tune: Tuning) -> dict:
+def _launch_options(dtype: torch.dtype, tune: Tuning, num_stages: int | None = None) -> dict:
     options = {"num_warps": tune.num_warps}
     if dtype == torch.float32:
         options["num_stages"] = FP32_NUM_STAGES
+    elif num_stages is not None:
+        options["num_stages"] = num_stages
     return options
 
 
 def _gpu_tuning(head_dim: int) -> Tuning:
-    return _GPU if head_dim <= LARGE_HEAD_DIM else _GPU_LARGE_HEAD
+    if head_dim <= LARGE_HEAD_DIM:
+        return _GPU
+    return _GPU_LARGE_HEAD if head_dim <= MAX_BLOCK_D else _GPU_SPLIT_HEAD
 
 
 def _tuning(device: torch.device, head_dim: int) -> tuple[Tuning, int]:
@@ -421,6 +554,15 @@ def _tuning(device: torch.device, head_dim: int) -> tuple[Tuning, int]:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return _gpu_tuning(head_dim), _num_sms(index)
     return _INTERPRETER, _INTERPRETER_NUM_SMS
+
+
+def _head_blocks(D: int, min_block: int = 1) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_DT) of head dim D: one power-of-two block of at least min_block up to
+    MAX_BLOCK_D (BLOCK_DT = 0), else MAX_BLOCK_D and a power-of-two tail covering the rest, at least
+    MIN_TAIL_BLOCK_D wide."""
+    if D <= MAX_BLOCK_D:
+        return max(triton.next_power_of_2(D), min_block), 0
+    return MAX_BLOCK_D, max(triton.next_power_of_2(D - MAX_BLOCK_D), MIN_TAIL_BLOCK_D)
 
 
 def _num_splits(tune: Tuning, num_sms: int, programs: int, S: int) -> int:
@@ -434,7 +576,7 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp3
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    block_d = max(triton.next_power_of_2(D), MIN_DOT_DIM)
+    block_d, block_dt = _head_blocks(D, MIN_DOT_DIM)
     block_n = tune.decode_block_n if block_d <= 128 else tune.decode_block_n // 2
     block_m = min(max(triton.next_power_of_2(G * T), MIN_DOT_DIM), tune.decode_max_rows)
     num_m_blocks = triton.cdiv(G * T, block_m)
@@ -452,33 +594,37 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp3
         v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT_LEN=tune.min_split_len, NUM_M_BLOCKS=num_m_blocks,
         FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, HAS_SINKS=sinks is not None, RING=ring, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
-        **_launch_options(q.dtype, tune))
+        BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DT=block_dt,
+        **_launch_options(q.dtype, tune, tune.decode_num_stages))
     if num_splits > 1:
+        combine_block_d, combine_block_dt = _head_blocks(D)
         _kv_cache_attention_combine_kernel[(B * Hq * T,)](
             positions, q if sinks is None else sinks, o_part, lse_part, out, scoring.window, T, S, D, Hq,
             HAS_SINKS=sinks is not None, NUM_SPLITS=num_splits,
             MIN_SPLIT_LEN=tune.min_split_len, BLOCK_N=block_n, BLOCK_T=block_t,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits),
             BLOCK_S=min(tune.combine_block_s, triton.next_power_of_2(num_splits)),
-            BLOCK_D=triton.next_power_of_2(D), RING=ring, num_warps=tune.num_warps)
+            BLOCK_D=combine_block_d, BLOCK_DT=combine_block_dt, RING=ring, num_warps=tune.num_warps)
 
 
 def _prefill(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp32_dot, tune):
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    block_d = max(triton.next_power_of_2(D), MIN_DOT_DIM)
+    block_d, block_dt = _head_blocks(D, MIN_DOT_DIM)
+    scatter_block_d, scatter_block_dt = _head_blocks(D)
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     _kv_cache_attention_scatter_kernel[(triton.cdiv(T, tune.scatter_block_t), Hkv, B)](
         k, v, k_cache, v_cache, positions, T, S, D, k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *cache_strides, BLOCK_T=tune.scatter_block_t,
-        BLOCK_D=triton.next_power_of_2(D), BLOCK_LATER=SCATTER_BLOCK_LATER, RING=ring, num_warps=tune.num_warps)
+        BLOCK_D=scatter_block_d, BLOCK_DT=scatter_block_dt, BLOCK_LATER=SCATTER_BLOCK_LATER, RING=ring,
+        num_warps=tune.num_warps)
     block_n = tune.prefill_block_n if block_d <= 128 else tune.prefill_block_n // 2
     _kv_cache_attention_prefill_kernel[(triton.cdiv(T, tune.prefill_block_m), Hq, B)](
         q, k_cache, v_cache, positions, q if sinks is None else sinks, out, *scoring.args, T, S, D, Hq // Hkv, Hq,
         q.stride(0), q.stride(1), q.stride(2), *cache_strides, FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap,
         HAS_SINKS=sinks is not None, RING=ring,
-        BLOCK_M=tune.prefill_block_m, BLOCK_N=block_n, BLOCK_D=block_d, **_launch_options(q.dtype, tune))
+        BLOCK_M=tune.prefill_block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DT=block_dt,
+        **_launch_options(q.dtype, tune))
 
 
 class _Scoring(NamedTuple):

@@ -130,9 +130,11 @@ def test_matches_reference(backend, device, shape, dtype):
     check_against_reference(backend, device, *case)
 
 
-# Head dims past 256, up to MAX_HEAD_DIM = 512 (Gemma 4's global layers), and D = 320, which pads to
-# the same Triton tiles with a masked tail: (B, Hq, Hkv, T, D, S, starts), GQA. T = 20 is a prefill chunk
-# (the kernels' prefill paths start at T = 17).
+# Head dims past 256: D = 512 (Gemma 4's global layers) and D = 320, which pads to the same Triton
+# tiles with masked columns; D = 576 = MAX_HEAD_DIM (multi-head latent attention's latents, r + dr =
+# 512 + 64, as multi-query attention: one kv head), which Triton tiles as 512 + a 64-wide tail, and
+# D = 520, whose tail is mostly masked: (B, Hq, Hkv, T, D, S, starts). T = 20 is a prefill chunk (the
+# kernels' prefill paths start at T = 17).
 LARGE_HEAD_SHAPES = {
     "decode-gqa-d512": (2, 4, 2, 1, 512, 20, [0, 19]),
     "verify-k4-d512": (2, 4, 2, 5, 512, 24, [19, 3]),
@@ -140,6 +142,12 @@ LARGE_HEAD_SHAPES = {
     "decode-gqa-d320": (2, 4, 2, 1, 320, 17, [16, 5]),
     "verify-k4-mqa-d320": (2, 4, 1, 5, 320, 17, [12, 0]),
     "prefill-t20-d320": (1, 4, 2, 20, 320, 24, [3]),
+    "decode-mla-d576": (2, 16, 1, 1, 576, 20, [0, 19]),
+    "verify-k4-mla-d576": (2, 4, 1, 5, 576, 24, [19, 3]),
+    "prefill-t20-mla-d576": (1, 8, 1, 20, 576, 24, [2]),
+    "decode-mla-d520": (2, 8, 1, 1, 520, 17, [16, 5]),
+    "verify-k4-mla-d520": (2, 4, 1, 5, 520, 17, [12, 0]),
+    "prefill-t20-mla-d520": (1, 4, 1, 20, 520, 24, [3]),
 }
 
 
@@ -154,26 +162,39 @@ def test_large_head_dims_match_reference(backend, device, shape, dtype):
     check_against_reference(backend, device, *case)
 
 
+@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("T, starts", [(1, [30, 5]), (20, [3, 40])], ids=["decode", "prefill"])
+def test_mla_head_dim_with_window_softcap_sinks_and_ring(backend, device, T, starts):
+    """D = 576 with every scoring option at once (a sliding window, soft-capping, sinks) on a ring
+    cache whose reads wrap: the tail block of Triton's split head dim goes through each path."""
+    B, Hq, Hkv, S, window = 2, 4, 1, 24, 5
+    case = make_case(B, Hq, Hkv, T, 576, S, _contiguous_positions(B, T, starts), torch.bfloat16, device, seed=13)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=device)
+    check_against_reference(backend, device, *case, window=window, softcap=2.0, sinks=sinks, ring=True)
+
+
 @pytest.mark.parametrize("backend, device", BACKENDS + [pytest.param("reference", "cpu", id="reference")])
 def test_head_dim_past_the_limit_is_refused(backend, device):
-    """D = 513, one past MAX_HEAD_DIM: a ValueError naming D, before anything is written."""
-    q, k, v, k_cache, v_cache, positions = make_case(1, 2, 1, 1, 513, 4, [[2]], device=device)
+    """D = 577, one past MAX_HEAD_DIM: a ValueError naming D, before anything is written."""
+    q, k, v, k_cache, v_cache, positions = make_case(1, 2, 1, 1, 577, 4, [[2]], device=device)
     before = k_cache.clone()
-    with pytest.raises(ValueError, match="head dim D must be in 1..512, got 513"):
+    with pytest.raises(ValueError, match="head dim D must be in 1..576, got 577"):
         ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend=backend)
     assert torch.equal(k_cache, before)
 
 
 @pytest.mark.skipif(not _extension.has_kernel("kv_cache_attention", "CPU"), reason="extension not built")
 def test_cpu_kernel_head_dim_limit_when_called_directly():
-    """The C++ check's limit is the wrapper's: D = 512 runs, D = 513 raises."""
-    for D, fits in ((512, True), (513, False)):
+    """The C++ check's limit is the wrapper's: D = 576 runs, D = 577 raises, the cache untouched."""
+    for D, fits in ((576, True), (577, False)):
         q, k, v, k_cache, v_cache, positions = make_case(1, 2, 1, 1, D, 4, [[2]])
         if fits:
             torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, D ** -0.5)
         else:
-            with pytest.raises(RuntimeError, match="head dim D must be in 1..512, got 513"):
+            before = k_cache.clone()
+            with pytest.raises(RuntimeError, match="head dim D must be in 1..576, got 577"):
                 torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, D ** -0.5)
+            assert torch.equal(k_cache, before)
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
@@ -389,12 +410,14 @@ def test_llama_heads_long_cache_on_gpu(backend, device, B, T, S):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
 @pytest.mark.parametrize("B, T, S", [(3, 1, 16384), (3, 5, 16384), (2, 100, 4096)],
                          ids=["decode", "verify", "prefill"])
-def test_head_dim_512_long_cache_on_gpu(backend, device, dtype, B, T, S):
-    """D = 512 (Gemma 4's global layers; 8 query / 2 kv heads here) over long caches: the CUDA
-    kernels' shared memory sized by D (16-slot SIMT tiles; the WMMA prefill's smaller tiles) and
-    Triton's large-head tiles, with many splits and prefill tiles."""
+@pytest.mark.parametrize("D, Hq, Hkv", [(512, 8, 2), (576, 16, 1)], ids=["d512-gqa", "d576-mla"])
+def test_large_head_dims_long_cache_on_gpu(backend, device, dtype, B, T, S, D, Hq, Hkv):
+    """D = 512 (Gemma 4's global layers; 8 query / 2 kv heads here) and D = 576 (MLA's latents: 16
+    query heads over one kv head) over long caches: the CUDA kernels' shared memory sized by D
+    (16-slot SIMT tiles; the WMMA prefill's smaller tiles) and Triton's large-head tiles (at 576,
+    512 + a 64-wide tail), with many splits and prefill tiles."""
     starts = [S - T, S // 2 + 3, 0][:B]
-    case = make_case(B, 8, 2, T, 512, S, _contiguous_positions(B, T, starts), dtype, device, seed=12)
+    case = make_case(B, Hq, Hkv, T, D, S, _contiguous_positions(B, T, starts), dtype, device, seed=12)
     check_against_reference(backend, device, *case)
 
 

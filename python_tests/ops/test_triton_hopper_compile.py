@@ -39,11 +39,16 @@ def _int8_linear(dtype, M):
                        torch.zeros(N, dtype=dtype))
 
 
-def _kv_cache_attention(dtype, T, D, S, window=0):
-    """window > 0: a ring buffer of S slots (ring=True) at positions past S, as a sliding layer's."""
+# Multi-head latent attention as multi-query attention: 16 query heads over one kv head of 576.
+MLA_HEADS = (16, 1)
+
+
+def _kv_cache_attention(dtype, T, D, S, window=0, heads=(32, 8)):
+    """window > 0: a ring buffer of S slots (ring=True) at positions past S, as a sliding layer's.
+    heads: (query heads, kv heads)."""
     from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
-    B, Hq, Hkv = 1, 32, 8
+    B, (Hq, Hkv) = 1, heads
     zeros = lambda *shape: torch.zeros(*shape, dtype=dtype)  # noqa: E731
     positions = torch.arange(T).expand(B, T).contiguous() + (3 * S if window else 0)
     kv_cache_attention_triton(zeros(B, Hq, T, D), zeros(B, Hkv, T, D), zeros(B, Hkv, T, D), zeros(B, Hkv, S, D),
@@ -81,14 +86,27 @@ CASES = {
     "kv-prefill-bf16-d512": ((_kv_cache_attention, torch.bfloat16, 64, 512, 4096), PREFILL),
     "kv-prefill-fp16-d320": ((_kv_cache_attention, torch.float16, 64, 320, 4096), PREFILL),
     "kv-prefill-fp32-d512": ((_kv_cache_attention, torch.float32, 37, 512, 512), PREFILL),
+    # multi-head latent attention's latents (D = 576, MQA): 512 + a 64-wide tail; D = 520 runs the same tiles
+    "kv-decode-bf16-d576": ((_kv_cache_attention, torch.bfloat16, 1, 576, 4096, 0, MLA_HEADS), DECODE),
+    "kv-verify-bf16-d576": ((_kv_cache_attention, torch.bfloat16, 5, 576, 4096, 0, MLA_HEADS), DECODE),
+    "kv-decode-fp16-d576": ((_kv_cache_attention, torch.float16, 1, 576, 4096, 0, MLA_HEADS), DECODE),
+    "kv-prefill-bf16-d576": ((_kv_cache_attention, torch.bfloat16, 64, 576, 4096, 0, MLA_HEADS), PREFILL),
+    "kv-decode-fp32-d576": ((_kv_cache_attention, torch.float32, 1, 576, 4096, 0, MLA_HEADS), DECODE),
+    "kv-verify-fp32-d576": ((_kv_cache_attention, torch.float32, 5, 576, 4096, 0, MLA_HEADS), DECODE),
+    "kv-prefill-fp32-d576": ((_kv_cache_attention, torch.float32, 37, 576, 512, 0, MLA_HEADS), PREFILL),
+    "kv-prefill-bf16-d520": ((_kv_cache_attention, torch.bfloat16, 64, 520, 4096, 0, MLA_HEADS), PREFILL),
     **{f"verify_draft-{mode}-V{V}": ((_verify_draft, mode == "greedy", V), ["_verify_draft_kernel"])
        for mode in ("greedy", "sampling") for V in (128256, 50257)},
 }
 # Cases whose attention kernels must not spill (a stack frame of 0 bytes): the large-head tiles
-# (gptfast_kernels/triton/kv_cache_attention.py, _GPU_LARGE_HEAD) were chosen for it. The fp32
-# prefill keeps a small one (60 bytes of spill stores), fp32 being the correctness path.
+# (gptfast_kernels/triton/kv_cache_attention.py, _GPU_LARGE_HEAD, and _GPU_SPLIT_HEAD past 512) were
+# chosen for it. fp32 being the correctness path, its prefill keeps a small frame (about 100 bytes at
+# D = 512 / 576) and its verification a large one (ptxas allots 32 registers and about 4 KiB of
+# stack at D = 512 and 576 alike); D = 520 (not a multiple of 16: no vectorised, pipelined loads)
+# spills a little, as D = 500 does in the single-block tiles.
 SPILL_FREE = ("kv-decode-bf16-d512", "kv-verify-bf16-d512", "kv-decode-fp32-d512", "kv-prefill-bf16-d512",
-              "kv-prefill-fp16-d320")
+              "kv-prefill-fp16-d320", "kv-decode-bf16-d576", "kv-verify-bf16-d576", "kv-decode-fp16-d576",
+              "kv-prefill-bf16-d576", "kv-decode-fp32-d576")
 
 
 # -- the child: capture and compile ---------------------------------------------------------------

@@ -110,10 +110,10 @@ CASES: dict[str, Case] = {
     "attn_cache_non_contiguous": Case(_attention(k_cache=lambda a: torch.randn(2, 2, 16, 8).transpose(2, 3)),
                                       "k_cache"),
     "attn_q_3d": Case(_attention(q=lambda a: a["q"][0]), "q"),
-    # one past MAX_HEAD_DIM = 512
-    "attn_head_dim_too_big": Case(_attention(q=lambda a: torch.randn(2, 4, 3, 513), k=lambda a: torch.randn(2, 2, 3, 513),
-                                             v=lambda a: torch.randn(2, 2, 3, 513), k_cache=lambda a: torch.randn(2, 2, 8, 513),
-                                             v_cache=lambda a: torch.randn(2, 2, 8, 513)), "D"),
+    # one past MAX_HEAD_DIM = 576
+    "attn_head_dim_too_big": Case(_attention(q=lambda a: torch.randn(2, 4, 3, 577), k=lambda a: torch.randn(2, 2, 3, 577),
+                                             v=lambda a: torch.randn(2, 2, 3, 577), k_cache=lambda a: torch.randn(2, 2, 8, 577),
+                                             v_cache=lambda a: torch.randn(2, 2, 8, 577)), "D"),
     "attn_scale_nan": Case(_attention(scale=float("nan")), "scale"),
     "attn_mixed_devices": Case(_attention(positions=lambda a: a["positions"].to("meta")), "positions"),
     # verify_draft

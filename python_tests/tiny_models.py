@@ -187,7 +187,7 @@ AUTO_CONFIGS = {
     # the others experts; DeepSeek-V2 with its complex RoPE and a full-rank query (q_proj); MiniCPM3 and
     # Youtu dense, MiniCPM3 with plain RoPE
     "deepseek_v3": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS, first_k_dense_replace=1),
-    "deepseek_v2": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS, first_k_dense_replace=1) | dict(q_lora_rank=None),
+    "deepseek_v2": lambda layers: {**MLA_DIMS, **MLA_EXPERTS, "first_k_dense_replace": 1, "q_lora_rank": None},
     "glm4_moe_lite": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS),
     "axk1": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS),
     "minicpm3": lambda layers: dict(**MLA_DIMS),

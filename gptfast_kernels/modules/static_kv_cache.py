@@ -189,10 +189,12 @@ class StaticKVCache(Cache):
             return attention[kind](batch_size, num_heads, max_cache_len, head_dim, device, dtype)
 
         kinds = layer_kinds(config)
-        # (a "shared" layer attends over the keys and values of the layer kv_sources names, and keeps none)
-        layers = [LinearAttentionLayer() if kind == "recurrent" else NoCacheLayer() if kind in ("none", "shared")
+        # per layer, the (kv heads, head dim) of its buffers, None for a layer without (a recurrent one, or a
+        # "shared" layer, which attends over the keys and values of the layer kv_sources names)
+        self.geometry = self.geometry_of(config)
+        layers = [LinearAttentionLayer() if kind == "recurrent" else NoCacheLayer() if geometry is None
                   else attention_layer(kind, window, *geometry)
-                  for kind, window, geometry in zip(kinds, sliding_windows(config), layer_geometry(config))]
+                  for kind, window, geometry in zip(kinds, sliding_windows(config), self.geometry)]
         super().__init__(layers=layers)
         # per layer, the layer whose buffers its attention reads and writes (its own but for shared layers),
         # and how many layers run attention in a forward (the fused path checks each one did)
@@ -228,15 +230,11 @@ class StaticKVCache(Cache):
         # (generate / speculative_generate do for the caches they allocate).
         self.check_positions = True
 
-    @property
-    def geometry(self) -> tuple:
-        """Per layer: (kv heads, head dim) of its key / value buffers, None for a layer without."""
-        return tuple((layer.num_heads, layer.head_dim) if isinstance(layer, StaticKVLayer) else None
-                     for layer in self.layers)
-
     @staticmethod
     def geometry_of(config) -> tuple:
-        """The ``geometry`` of a StaticKVCache built from ``config`` (a model's: its cache must match)."""
+        """Per decoder layer of ``config``: (kv heads, head dim) of the key / value buffers a
+        StaticKVCache holds there, None for a layer without; a cache's ``geometry`` (a patched model
+        checks the cache it is given against its config's)."""
         return tuple(geometry if kind in ("attention", "both") else None
                      for kind, geometry in zip(layer_kinds(config), layer_geometry(config)))
 

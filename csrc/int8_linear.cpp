@@ -124,10 +124,17 @@ void gemv_block(const float* x, int64_t ldx, const int8_t* w, int64_t K, float* 
   gemv_block_scalar<ROWS>(x, ldx, w, K, out);
 }
 
+// The GEMV's epilogue: output feature n's scale and bias (none: bias == nullptr) applied to a dot product.
+struct Epilogue {
+  const float* scales;
+  const float* bias;
+  float operator()(float dot, int64_t n) const { return dot * scales[n] + (bias ? bias[n] : 0.f); }
+};
+
 // y[m, n] for rows m_begin .. M of x [M, K] and one weight row w_row (output feature n), in blocks
 // of up to GEMV_ROW_BLOCK rows.
 void gemv_rows(const float* x, int64_t M, int64_t K, int64_t m_begin, const int8_t* w_row, int64_t n,
-               int64_t N, float* y) {
+               int64_t N, const Epilogue& epilogue, float* y) {
   float partial[GEMV_ROW_BLOCK];
   for (int64_t m = m_begin; m < M; m += GEMV_ROW_BLOCK) {
     const int64_t rows = std::min<int64_t>(GEMV_ROW_BLOCK, M - m);
@@ -138,12 +145,14 @@ void gemv_rows(const float* x, int64_t M, int64_t K, int64_t m_begin, const int8
       case 2: gemv_block<2>(x_rows, K, w_row, K, partial); break;
       default: gemv_block<1>(x_rows, K, w_row, K, partial); break;
     }
-    for (int64_t r = 0; r < rows; ++r) y[(m + r) * N + n] = partial[r];
+    for (int64_t r = 0; r < rows; ++r) y[(m + r) * N + n] = epilogue(partial[r], n);
   }
 }
 
-// y_f32 [M, N] = x_f32 [M, K] @ qweight^T, unscaled.
-void gemv_unscaled(const at::Tensor& x_f32, const at::Tensor& qweight, at::Tensor& y_f32) {
+// y_f32 [M, N] = (x_f32 [M, K] @ qweight^T) * scales + bias, the scale and bias applied as each
+// dot product is stored (no passes over y afterwards: at decode sizes those cost as much as the
+// dot products).
+void gemv(const at::Tensor& x_f32, const at::Tensor& qweight, const Epilogue& epilogue, at::Tensor& y_f32) {
   const int64_t M = x_f32.size(0), K = x_f32.size(1), N = qweight.size(0);
   const float* x = x_f32.data_ptr<float>();
   const int8_t* w = qweight.data_ptr<int8_t>();
@@ -160,16 +169,16 @@ void gemv_unscaled(const at::Tensor& x_f32, const at::Tensor& qweight, at::Tenso
         for (; m + GEMV_ROW_BLOCK <= M; m += GEMV_ROW_BLOCK) {
           gemv_pair_avx2<GEMV_ROW_BLOCK>(x + m * K, K, w0, w0 + K, K, partial0, partial1);
           for (int64_t r = 0; r < GEMV_ROW_BLOCK; ++r) {
-            y[(m + r) * N + n] = partial0[r];
-            y[(m + r) * N + n + 1] = partial1[r];
+            y[(m + r) * N + n] = epilogue(partial0[r], n);
+            y[(m + r) * N + n + 1] = epilogue(partial1[r], n + 1);
           }
         }
-        gemv_rows(x, M, K, m, w0, n, N, y);  // the last M % GEMV_ROW_BLOCK rows
-        gemv_rows(x, M, K, m, w0 + K, n + 1, N, y);
+        gemv_rows(x, M, K, m, w0, n, N, epilogue, y);  // the last M % GEMV_ROW_BLOCK rows
+        gemv_rows(x, M, K, m, w0 + K, n + 1, N, epilogue, y);
       }
     }
 #endif
-    for (; n < n_end; ++n) gemv_rows(x, M, K, 0, w + n * K, n, N, y);
+    for (; n < n_end; ++n) gemv_rows(x, M, K, 0, w + n * K, n, N, epilogue, y);
   });
 }
 
@@ -214,15 +223,15 @@ at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   const int64_t M = x.size(0), N = qweight.size(0);
   at::Tensor x_f32 = x.to(at::kFloat).contiguous();
   at::Tensor y_f32 = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M > 0 && N > 0) {
-    if (M <= GEMV_MAX_ROWS) {
-      gemv_unscaled(x_f32, qweight, y_f32);
-    } else {
-      gemm_unscaled(x_f32, qweight, y_f32);
-    }
+  if (M <= GEMV_MAX_ROWS) {
+    const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
+    const Epilogue epilogue{scales.data_ptr<float>(), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr};
+    if (M > 0 && N > 0) gemv(x_f32, qweight, epilogue, y_f32);
+  } else {
+    gemm_unscaled(x_f32, qweight, y_f32);
+    y_f32.mul_(scales);
+    if (bias.has_value()) y_f32.add_(bias->to(at::kFloat));
   }
-  y_f32.mul_(scales);
-  if (bias.has_value()) y_f32.add_(bias->to(at::kFloat));
   return y_f32.to(x.scalar_type());
 }
 

@@ -41,11 +41,18 @@ def test_info_names_backends_and_families(capsys):
     assert "model families  llama, mistral, qwen2, qwen3, gemma" in out, out
 
 
+def _warmup_seconds(out: str) -> dict[str, float]:
+    line = next(line for line in out.splitlines() if line.strip().startswith("warm-up, untimed:"))
+    return {name: float(seconds) for name, seconds in re.findall(r"(baseline|optimized[^,(]*?) ([\d.]+) s", line)}
+
+
 def test_demo_trains_caches_and_reports(tmp_path, capsys):
-    tiny = ["--train-seconds", "2", "--max-new-tokens", "8", "--num-prompts", "2", "--cache-dir", str(tmp_path)]
+    tiny = ["--train-seconds", "2", "--max-new-tokens", "8", "--num-prompts", "2", "--cache-dir", str(tmp_path),
+            "--no-compile"]
     first = _demo(capsys, *tiny)
     _check_report(first, 2)
     assert "byte-level" in first and "standard library" in first and "trained now, saved to" in first
+    assert "the optimized sides' decode steps eager" in first
     assert len(list(tmp_path.glob("byte-llama-*/target/config.json"))) == 1
 
     second = _demo(capsys, *tiny, "--no-progress", "--batch-size", "2", "--speculate-k", "2")
@@ -64,9 +71,24 @@ def test_demo_trains_caches_and_reports(tmp_path, capsys):
 def test_demo_prompts_batches_and_no_int8(tmp_path, capsys):
     out = _demo(capsys, "--train-seconds", "1", "--max-new-tokens", "6", "--cache-dir", str(tmp_path), "--no-progress",
                 "--prompt", "import os\n", "--prompt", "    def __init__(self, name):\n        self.",
-                "--num-prompts", "3", "--batch-size", "2", "--no-int8")
+                "--num-prompts", "3", "--batch-size", "2", "--no-int8", "--no-compile")
     _check_report(out.replace("float32 + fused", "int8 + fused"), 3)
     assert "optimized: float32 + fused attention" in out
+
+
+def test_demo_compiles_by_default(tmp_path, capsys):
+    """The default runs the optimized sides' steps through torch.compile: their warm-up compiles them
+    (batches of 2 and, for the third prompt, of 1: a graph each, all built before the timed runs),
+    and the compiled speculative and prompt-lookup sides still reproduce the compiled target's own
+    greedy tokens exactly (checked by _check_report)."""
+    out = _demo(capsys, "--train-seconds", "1", "--max-new-tokens", "12", "--cache-dir", str(tmp_path), "--no-progress",
+                "--num-prompts", "3", "--batch-size", "2")
+    _check_report(out, 3)
+    assert "the optimized sides' decode steps compiled (torch.compile)" in out, out
+    warmup = _warmup_seconds(out)
+    assert set(warmup) == {"baseline", "optimized", "optimized + speculative", "optimized + prompt lookup"}, out
+    # compiling takes seconds; transformers' eager warm-up of two 12-token batches does not
+    assert warmup["optimized"] > warmup["baseline"], out
 
 
 @pytest.mark.parametrize("with_tokenizer", [False, True])
@@ -90,7 +112,7 @@ def test_demo_with_local_checkpoints(tmp_path, capsys, with_tokenizer):
         PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
                                 unk_token="<unk>").save_pretrained(tmp_path / "target")
     out = _demo(capsys, "--model", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
-                "--max-new-tokens", "8", "--num-prompts", "2", "--no-progress", "--prompt", "w1 w2 w3",
+                "--max-new-tokens", "8", "--num-prompts", "2", "--no-progress", "--no-compile", "--prompt", "w1 w2 w3",
                 "--prompt", "w7")
     _check_report(out, 2)
     assert "local checkpoints" in out

@@ -52,6 +52,11 @@ def add_demo_parser(subparsers) -> callable:
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="new tokens per prompt (default 128)")
     gen.add_argument("--speculate-k", type=_positive_int, default=4, help="draft tokens per round (default 4)")
     gen.add_argument("--no-int8", action="store_true", help="keep float weights on the optimized side")
+    gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                     help="run the optimized sides' decode steps through torch.compile, as CUDA graphs on a GPU "
+                          "(default); their first calls compile them (tens of seconds on a CPU, once: torch keeps "
+                          "compiled code on disk), which the warm-up takes and the timings leave out. "
+                          "--no-compile: eager steps, as transformers' generate runs")
     run = parser.add_argument_group("run")
     run.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
     run.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),

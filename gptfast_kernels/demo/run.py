@@ -24,7 +24,6 @@ from gptfast_kernels.demo.training import TrainSettings, default_cache_dir, load
 
 DEFAULT_CHECKPOINT_PROMPTS = ("def fibonacci(n):\n    ", "import numpy as np\n\n", "The capital of France is",
                               "Once upon a time, there was a")
-WARMUP_TOKENS = 8
 
 
 @dataclass
@@ -36,6 +35,7 @@ class Side:
     tokens: int = 0
     outputs: list = field(default_factory=list)   # per prompt: generated ids, cut after the first eos
     extra: dict = field(default_factory=dict)
+    warmup_seconds: float = 0.0                   # its untimed first calls (compiling, with --compile)
 
 
 def _choose_threads(requested: int | None) -> int:
@@ -153,12 +153,24 @@ def _generated(sequences: torch.Tensor, prompt_width: int, eos: list[int]) -> li
 
 
 def _run_sides(sides: list[Side], batches, max_new_tokens: int, eos: list[int], device, progress: bool) -> None:
-    """Warms every side up once, then runs the batches with the sides interleaved, so that load
-    from other processes falls on all of them alike."""
+    """Warms every side up, then runs the batches with the sides interleaved, so that load from
+    other processes falls on all of them alike. The warm-up runs the widest batch of each batch size
+    for the full number of new tokens: a compiled side builds a graph per batch size and per step
+    width, and the longest prompt sizes the cache its graphs are specialised on."""
     from tqdm.auto import tqdm
 
-    for side in sides:  # allocations, kernel selection, first-call costs
-        side.run(*batches[0], min(WARMUP_TOKENS, max_new_tokens))
+    widest = {}
+    for input_ids, mask in batches:
+        size = input_ids.shape[0]
+        if size not in widest or input_ids.shape[1] > widest[size][0].shape[1]:
+            widest[size] = (input_ids, mask)
+    for side in sides:  # allocations, kernel selection, compilation, first-call costs
+        for input_ids, mask in widest.values():
+            _sync(device)
+            start = time.perf_counter()
+            side.run(input_ids, mask, max_new_tokens)
+            _sync(device)
+            side.warmup_seconds += time.perf_counter() - start
         side.extra.clear()
     bar = tqdm(total=len(batches) * len(sides), unit="call", disable=not progress, leave=False)
     for input_ids, mask in batches:
@@ -224,7 +236,7 @@ def _run_demo(args) -> int:
             return target.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=pad)
 
         def own_greedy(ids, mask, n):
-            return generate(fast_target, ids, mask, max_new_tokens=n).sequences
+            return generate(fast_target, ids, mask, max_new_tokens=n, compile=args.compile).sequences
 
         def counted(side: int, out):
             counts = sides[side].extra
@@ -234,11 +246,11 @@ def _run_demo(args) -> int:
 
         def speculative(ids, mask, n):
             return counted(2, speculative_generate(fast_target, fast_draft, ids, mask, max_new_tokens=n,
-                                                   speculate_k=args.speculate_k))
+                                                   speculate_k=args.speculate_k, compile=args.compile))
 
         def prompt_lookup(ids, mask, n):
             return counted(3, prompt_lookup_generate(fast_target, ids, mask, max_new_tokens=n,
-                                                     speculate_k=args.speculate_k))
+                                                     speculate_k=args.speculate_k, compile=args.compile))
 
         sides = [Side(f"baseline: transformers generate, {args.dtype}", baseline),
                  Side(f"optimized: {int8} + fused attention", own_greedy),
@@ -246,8 +258,11 @@ def _run_demo(args) -> int:
                  Side(f"optimized + prompt lookup (k={args.speculate_k}, no draft)", prompt_lookup)]
         batches = [tokenizer.batch(prompts[i:i + args.batch_size], device)
                    for i in range(0, len(prompts), args.batch_size)]
+        steps = ("compiled (torch.compile" + (", CUDA graphs)" if device.type == "cuda" else ")") if args.compile
+                 else "eager")
         print(f"\nGenerating: {len(prompts)} prompts in batches of {args.batch_size}, {args.max_new_tokens} new tokens "
-              f"each, greedy; each side warmed up once, then timed, the sides taking turns batch by batch")
+              f"each, greedy; the optimized sides' decode steps {steps}; each side warmed up, then timed, the sides "
+              f"taking turns batch by batch")
         _run_sides(sides, batches, args.max_new_tokens, eos, device, not args.no_progress)
     return _report(args, prompts, tokenizer, sides, setup_seconds, started)
 
@@ -265,6 +280,9 @@ def _report(args, prompts, tokenizer, sides, setup_seconds, started) -> int:
         rate = side.tokens / side.seconds if side.seconds else float("nan")
         speedup = (side.tokens / side.seconds) / (baseline.tokens / baseline.seconds)
         print(f"  {side.name:<44}{side.tokens:>8}{side.seconds:>9.2f}{rate:>10.1f}{speedup:>9.2f}x")
+    print("  warm-up, untimed: " + ", ".join(f"{side.name.split(':')[0].split(' (')[0]} {side.warmup_seconds:.1f} s"
+                                          for side in sides)
+          + (" (the optimized sides compile their steps in theirs)" if args.compile else ""))
     speedup = (spec.tokens / spec.seconds) / (baseline.tokens / baseline.seconds)
     own_match = sum(a == b for a, b in zip(spec.outputs, own.outputs))
     lookup_match = sum(a == b for a, b in zip(lookup.outputs, own.outputs))

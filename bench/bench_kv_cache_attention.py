@@ -23,6 +23,13 @@ over only the slots the window covers (its ring buffer holds no more), after the
 our kernels on a ring buffer of window + 2047 slots (``ring=True``, as generation allocates it:
 generation/forward.py's PREFILL_CHUNK) at the same positions: they must cost what the full-length
 cache costs.
+
+Multi-head latent attention rows (``--cases mla``: DeepSeek-V3's absorbed attention, 128 query
+heads over one kv head of the latent and rotary key, D = 512 + 64, values the 512-wide latent):
+"ours_kernel" / "ours_triton_kernel" read the values from the keys (``value_dim=512``, one [S, 576]
+buffer per layer, what generation runs) against "ours_kernel_separate_values", the same kernel
+with a value cache holding the same rows (two buffers: what MLA took before values-in-keys). GB/s
+counts the keys alone for all, so the fractions compare bytes the layer must read.
 """
 
 from __future__ import annotations
@@ -117,6 +124,50 @@ def run(h) -> None:
         del q, k, v, k_cache, v_cache, mask
     if h.cases is None or "window" in h.cases:
         run_window(h, dtype, usable, module, scale)
+    if h.cases is None or "mla" in h.cases:
+        run_latent(h, dtype)
+
+
+MLA_HEADS, MLA_RANK, MLA_ROPE = 128, 512, 64  # DeepSeek-V3: kv_lora_rank 512, qk_rope_head_dim 64
+# (B, T, context, S)
+GPU_MLA_CASES = [(B, T, 4096, 8192) for B in BATCHES for T in TOKENS] + [(1, 1, 32768, 65536)]
+GPU_QUICK_MLA_CASES = [(1, 1, 4096, 8192), (32, 1, 4096, 8192)]
+CPU_MLA_CASES = [(1, 1, 1024, 2048)]
+
+
+def run_latent(h, dtype) -> None:
+    """Absorbed multi-head latent attention, values in the keys against a separate value cache."""
+    device = h.device
+    cases = (GPU_QUICK_MLA_CASES if h.quick else GPU_MLA_CASES) if device.type == "cuda" else CPU_MLA_CASES
+    if not _extension.has_kernel("kv_cache_attention", "CUDA" if device.type == "cuda" else "CPU"):
+        return
+    D = MLA_RANK + MLA_ROPE
+    scale = D ** -0.5
+    empty = torch.empty(0, device=device, dtype=dtype)
+    for B, T, context, S in cases:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(B, MLA_HEADS, T, D, generator=g, device=device, dtype=dtype)
+        k = torch.randn(B, 1, T, D, generator=g, device=device, dtype=dtype)
+        k_cache = torch.randn(B, 1, S, D, generator=g, device=device, dtype=dtype)
+        v_cache = k_cache.clone()
+        positions = torch.arange(context, context + T, device=device).expand(B, T).contiguous()
+        op = torch.ops.gptfast_kernels.kv_cache_attention
+        candidates = {
+            "ours_kernel_separate_values": lambda: op(q, k, k, k_cache, v_cache, positions, scale),
+            "ours_kernel": lambda: op(q, k, empty, k_cache, empty, positions, scale, value_dim=MLA_RANK),
+        }
+        if device.type == "cuda" and "triton" in _extension.usable_backends(device):
+            from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
+
+            candidates["ours_triton_kernel"] = lambda: kv_cache_attention_triton(
+                q, k, empty, k_cache, empty, positions, scale, value_dim=MLA_RANK)
+        elem = q.element_size()
+        nbytes = B * (context + T) * D * elem + B * MLA_HEADS * T * (D + MLA_RANK) * elem
+        case = {"B": B, "T": T, "context": context, "S": S, "heads": MLA_HEADS, "kv_heads": 1, "head_dim": D,
+                "value_dim": MLA_RANK, "dtype": str(dtype)[6:]}
+        h.compare("kv_cache_attention", case, candidates, baseline="ours_kernel_separate_values", nbytes=nbytes,
+                  graphed=tuple(candidates))
+        del q, k, k_cache, v_cache
 
 
 def run_window(h, dtype, usable, module, scale) -> None:

@@ -30,14 +30,15 @@ class Rule:
     key: tuple[str, ...]
     impls: dict[str, str]  # backend -> impl name in the bench rows
     picks: Callable[[dict], str]
-    optional: tuple[str, ...] = ()  # keys that tell cases apart where present (a sliding window)
+    optional: tuple[str, ...] = ()  # keys that tell cases apart where present (a sliding window, MLA's shape)
 
 
 RULES = (
     Rule("int8_linear", ("M", "N", "K"), {"cuda": "ours_cuda", "triton": "ours_triton"},
          lambda case: int8_auto(GPU_BACKENDS, case["M"], case["K"])),
     Rule("kv_cache_attention", ("B", "T", "context", "S"), {"cuda": "ours_kernel", "triton": "ours_triton_kernel"},
-         lambda case: kv_auto(GPU_BACKENDS, case["B"] * HKV, case["T"], case["S"]), optional=("window",)),
+         lambda case: kv_auto(GPU_BACKENDS, case["B"] * case.get("kv_heads", HKV), case["T"], case["S"]),
+         optional=("window", "kv_heads", "value_dim")),
 )
 
 

@@ -9,6 +9,9 @@
 // With sinks [Hq] (GPT-OSS), head h's softmax has one more logit, sinks[h], attending to nothing.
 // With ring = true the caches are ring buffers (a sliding-window layer's, S >= window slots):
 // position p lives in slot p % S, for the scatter and for every read; positions may exceed S.
+// With value_dim = Dv > 0 the values are in the keys: slot s's value is k_cache[b, h, s, :Dv] (multi-
+// head latent attention, whose keys are [latent, rope part] and whose values the latent alone); v and
+// v_cache are then empty and unused, only k is written, and out is [B, Hq, T, Dv].
 //
 // Each query reads only slots first..position, never the whole preallocated cache. The scatter runs
 // first (one parallel pass), then the attention, parallel over (batch, kv head, query token);
@@ -55,15 +58,16 @@ inline float dot_f32(const float* a, const scalar_t* b, int64_t D) {
 // The slot holding position pos (>= 0): pos itself, or pos % S in a ring buffer.
 inline int64_t slot_of(int64_t pos, int64_t S, bool ring) { return ring ? pos % S : pos; }
 
+// Writes k (and v, unless values_in_keys) at the tokens' slots.
 template <typename scalar_t>
 void scatter_new_tokens(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-                        const int64_t* positions, bool ring) {
+                        const int64_t* positions, bool ring, bool values_in_keys) {
   const int64_t B = k.size(0), Hkv = k.size(1), T = k.size(2), D = k.size(3), S = k_cache.size(2);
-  const Strides4 ks(k), vs(v);
+  const Strides4 ks(k), vs(values_in_keys ? k : v);  // (v may be an empty tensor of any rank then)
   const scalar_t* k_ptr = k.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = values_in_keys ? nullptr : v.data_ptr<scalar_t>();
   scalar_t* kc = k_cache.data_ptr<scalar_t>();
-  scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  scalar_t* vc = values_in_keys ? nullptr : v_cache.data_ptr<scalar_t>();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
@@ -72,11 +76,10 @@ void scatter_new_tokens(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
         if (pos < 0) continue;
         const int64_t dst = ((b * Hkv + h) * S + slot_of(pos, S, ring)) * D;
         const scalar_t* k_src = k_ptr + ks.at(b, h, t);
+        for (int64_t d = 0; d < D; ++d) kc[dst + d] = k_src[d * ks.d];
+        if (values_in_keys) continue;
         const scalar_t* v_src = v_ptr + vs.at(b, h, t);
-        for (int64_t d = 0; d < D; ++d) {
-          kc[dst + d] = k_src[d * ks.d];
-          vc[dst + d] = v_src[d * vs.d];
-        }
+        for (int64_t d = 0; d < D; ++d) vc[dst + d] = v_src[d * vs.d];
       }
     }
   });
@@ -85,29 +88,31 @@ void scatter_new_tokens(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
 // First slot a query at `pos` sees: the window's start, or 0 without a window (window == 0).
 inline int64_t first_slot(int64_t pos, int64_t window) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
 
+// values: v_cache, or k_cache itself with values in keys (its rows' first Dv numbers; Dv = out's
+// head dim, D otherwise).
 template <typename scalar_t>
-void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* positions,
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& values, const int64_t* positions,
             double scale, int64_t window, double softcap, const float* sinks, bool ring, at::Tensor& out) {
-  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Dv = out.size(3);
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2), G = Hq / Hkv;
   const Strides4 qs(q);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-  scalar_t* o_ptr = out.data_ptr<scalar_t>();  // contiguous [B, Hq, T, D]
+  const scalar_t* vc = values.data_ptr<scalar_t>();  // rows of D numbers either way
+  scalar_t* o_ptr = out.data_ptr<scalar_t>();  // contiguous [B, Hq, T, Dv]
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   at::parallel_for(0, B * Hkv * T, ATTENTION_GRAIN, [&](int64_t begin, int64_t end) {
     // Per-task scratch: the group's scaled queries, accumulators, running max / sum, block scores.
-    std::vector<float> qf(G * D), acc(G * D), row_max(G), row_sum(G), scores(G * SLOT_BLOCK);
+    std::vector<float> qf(G * D), acc(G * Dv), row_max(G), row_sum(G), scores(G * SLOT_BLOCK);
     std::vector<int64_t> row_offset(SLOT_BLOCK);  // a block's K / V rows in the head's buffers
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item % T, h = (item / T) % Hkv, b = item / (T * Hkv);
       const int64_t pos = positions[b * T + t];
       if (pos < 0) {  // padding query: zero output
         for (int64_t g = 0; g < G; ++g) {
-          scalar_t* o = o_ptr + ((b * Hq + h * G + g) * T + t) * D;
-          std::fill(o, o + D, static_cast<scalar_t>(0.f));
+          scalar_t* o = o_ptr + ((b * Hq + h * G + g) * T + t) * Dv;
+          std::fill(o, o + Dv, static_cast<scalar_t>(0.f));
         }
         continue;
       }
@@ -153,21 +158,21 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             block_sum += sc[j];
           }
           row_sum[g] = row_sum[g] * correction + block_sum;
-          float* a = acc.data() + g * D;
+          float* a = acc.data() + g * Dv;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] *= correction;
+          for (int64_t d = 0; d < Dv; ++d) a[d] *= correction;
           for (int64_t j = 0; j < n; ++j) {
             const scalar_t* vrow = v_head + row_offset[j];
             const float p = sc[j];
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vrow[d]);
+            for (int64_t d = 0; d < Dv; ++d) a[d] += p * static_cast<float>(vrow[d]);
           }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        scalar_t* o = o_ptr + ((b * Hq + h * G + g) * T + t) * D;
+        scalar_t* o = o_ptr + ((b * Hq + h * G + g) * T + t) * Dv;
         const float inv = 1.f / row_sum[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
+        for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<scalar_t>(acc[g * Dv + d] * inv);
       }
     }
   });
@@ -195,11 +200,12 @@ void check_ring_positions(const int64_t* pos, int64_t B, int64_t T, int64_t S, i
 
 // Checks shared by the CPU and CUDA entry points (declared in common.h): shapes, dtypes,
 // contiguity of the caches and of positions. Position values are checked by each backend.
-void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                     const at::Tensor& positions, int64_t window, double softcap,
-                                     const std::optional<at::Tensor>& sinks, bool ring) {
+int64_t check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        const at::Tensor& positions, int64_t window, double softcap,
+                                        const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim) {
   constexpr const char* op = "kv_cache_attention";
+  const bool values_in_keys = value_dim != 0;
   TORCH_CHECK(window >= 0 && window <= INT32_MAX, op, ": window must be in 0..2^31 - 1 (0: no window), got ", window);
   TORCH_CHECK(!ring || (window > 0 && k_cache.dim() == 4 && window <= k_cache.size(2)), op,
               ": ring=True (a ring-buffer cache) needs a window in 1..S, the cache's slots; got window ", window,
@@ -211,24 +217,35 @@ void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
   GPTFAST_CHECK_FLOATING(op, q);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   for (const auto* x : {&k, &v, &k_cache, &v_cache}) {
-    TORCH_CHECK(x->dim() == 4, op, ": k, v, k_cache and v_cache must have 4 dimensions, got ", x->sizes());
     TORCH_CHECK(x->scalar_type() == q.scalar_type(), op, ": k, v, k_cache and v_cache must have q's dtype ",
                 q.scalar_type(), ", got ", x->scalar_type());
     TORCH_CHECK(x->device() == q.device(), op, ": all tensors must be on q's device ", q.device(), ", got ",
                 x->device());
   }
+  for (const auto* x : {&k, &k_cache}) {
+    TORCH_CHECK(x->dim() == 4, op, ": k and k_cache must have 4 dimensions, got ", x->sizes());
+  }
   const int64_t Hkv = k.size(1);
   TORCH_CHECK(k.sizes() == c10::IntArrayRef({B, Hkv, T, D}), op, ": k must be [B, Hkv, T, D] matching q ",
               q.sizes(), ", got ", k.sizes());
-  TORCH_CHECK(v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
   TORCH_CHECK(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, op, ": Hq (", Hq, ") must be a positive multiple of Hkv (", Hkv, ")");
   TORCH_CHECK(D > 0 && D <= MAX_HEAD_DIM, op, ": head dim D must be in 1..", MAX_HEAD_DIM, ", got ", D);
   TORCH_CHECK(k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D, op,
               ": k_cache must be [B, Hkv, S, D] = [", B, ", ", Hkv, ", S, ", D, "], got ", k_cache.sizes());
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have k_cache's shape ", k_cache.sizes(),
-              ", got ", v_cache.sizes());
   GPTFAST_CHECK_CONTIGUOUS(op, k_cache);
-  GPTFAST_CHECK_CONTIGUOUS(op, v_cache);
+  TORCH_CHECK(value_dim >= 0 && value_dim <= D, op, ": value_dim must be 0 (values in v_cache) or in 1..D = 1..", D,
+              " (values in the keys' first value_dim numbers), got ", value_dim);
+  if (values_in_keys) {
+    TORCH_CHECK(v.numel() == 0 && v_cache.numel() == 0, op, ": with value_dim > 0 the values are in k_cache, so v "
+                "and v_cache must be empty tensors (they are not used), got v ", v.sizes(), " and v_cache ",
+                v_cache.sizes());
+  } else {
+    TORCH_CHECK(v.dim() == 4 && v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ",
+                v.sizes());
+    TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have k_cache's shape ", k_cache.sizes(),
+                ", got ", v_cache.sizes());
+    GPTFAST_CHECK_CONTIGUOUS(op, v_cache);
+  }
   for (const auto* x : {&q, &k, &v}) {
     TORCH_CHECK(x->numel() == 0 || x->stride(3) == 1, op, ": q, k and v must be contiguous in the head dim");
   }
@@ -243,16 +260,20 @@ void check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
     TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1) && sinks->is_contiguous(), op,
                 ": sinks must be contiguous [Hq] = [", q.size(1), "], got ", sinks->sizes());
   }
+  return values_in_keys ? value_dim : D;
 }
 
 // q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] contiguous (written in
-// place); positions [B, T] int64 contiguous, -1 = padding -> out [B, Hq, T, D] contiguous.
+// place); positions [B, T] int64 contiguous, -1 = padding -> out [B, Hq, T, D] contiguous. With
+// value_dim > 0: v, v_cache empty, values in k_cache's first value_dim numbers, out [B, Hq, T, value_dim].
 at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
                                   double scale, int64_t window, double softcap,
-                                  const std::optional<at::Tensor>& sinks, bool ring) {
+                                  const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim) {
   constexpr const char* op = "kv_cache_attention";
-  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks, ring);
+  const int64_t Dv =
+      check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks, ring, value_dim);
+  const bool values_in_keys = value_dim > 0;
   const int64_t S = k_cache.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
   // before anything is written
@@ -263,11 +284,11 @@ at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
   } else {
     check_ring_positions(pos, positions.size(0), positions.size(1), S, window);
   }
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), Dv}, q.options());
   if (q.numel() == 0) return out;
   GPTFAST_DISPATCH_FLOAT_HALF_BF16(q.scalar_type(), "kv_cache_attention_cpu", [&] {
-    scatter_new_tokens<scalar_t>(k, v, k_cache, v_cache, pos, ring);
-    attend<scalar_t>(q, k_cache, v_cache, pos, scale, window, softcap,
+    scatter_new_tokens<scalar_t>(k, v, k_cache, v_cache, pos, ring, values_in_keys);
+    attend<scalar_t>(q, k_cache, values_in_keys ? k_cache : v_cache, pos, scale, window, softcap,
                      sinks.has_value() ? sinks->data_ptr<float>() : nullptr, ring, out);
   });
   return out;
@@ -275,8 +296,8 @@ at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
 
 TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
   m.def("kv_cache_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor positions, float scale, int window=0, float softcap=0.0, Tensor? sinks=None, bool ring=False) "
-        "-> Tensor");
+        "Tensor positions, float scale, int window=0, float softcap=0.0, Tensor? sinks=None, bool ring=False, "
+        "int value_dim=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gptfast_kernels, CPU, m) {

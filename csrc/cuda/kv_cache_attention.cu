@@ -8,6 +8,8 @@ using namespace kv_attention;
 
 // q [B, Hq, T, D], k / v [B, Hkv, T, D] (head dim contiguous); k_cache / v_cache [B, Hkv, S, D]
 // contiguous, written in place; positions [B, T] int64 -> out [B, Hq, T, D] contiguous.
+// value_dim = Dv > 0 (values in the keys): v and v_cache are empty and never touched; the kernels'
+// V sources are k and k_cache themselves (rows of D, the first Dv read), and out is [B, Hq, T, Dv].
 // No host synchronisation: position values are never read on the host, so the op is capturable;
 // out-of-range positions are treated as padding by the kernels. ring: the caches are ring buffers
 // (position p in slot p % S); the caller's span contract on positions is not checked here (that
@@ -15,11 +17,16 @@ using namespace kv_attention;
 at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
                                    double scale, int64_t window, double softcap,
-                                   const std::optional<at::Tensor>& sinks, bool ring) {
+                                   const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim) {
   constexpr const char* op = "kv_cache_attention";
-  check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks, ring);
+  const int64_t Dv =
+      check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks, ring, value_dim);
+  const bool values_in_keys = value_dim > 0;
+  // The tensors the values are read from (v may then be an empty tensor of any rank: no strides)
+  const at::Tensor& values = values_in_keys ? k : v;
+  at::Tensor& value_cache = values_in_keys ? k_cache : v_cache;
   const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), Dv}, q.options());
   if (q.numel() == 0) return out;
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k_cache.size(2);
@@ -30,34 +37,35 @@ at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, con
     Params<scalar_t> p{};
     p.q = q.data_ptr<scalar_t>();
     p.k = k.data_ptr<scalar_t>();
-    p.v = v.data_ptr<scalar_t>();
+    p.v = values.data_ptr<scalar_t>();
     p.k_cache = k_cache.data_ptr<scalar_t>();
-    p.v_cache = v_cache.data_ptr<scalar_t>();
+    p.v_cache = value_cache.data_ptr<scalar_t>();
     p.positions = positions.data_ptr<int64_t>();
     p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
     p.out = out.data_ptr<scalar_t>();
     p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_st = q.stride(2);
     p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_st = k.stride(2);
-    p.v_sb = v.stride(0), p.v_sh = v.stride(1), p.v_st = v.stride(2);
+    p.v_sb = values.stride(0), p.v_sh = values.stride(1), p.v_st = values.stride(2);
     p.Hq = static_cast<int>(Hq), p.Hkv = static_cast<int>(Hkv), p.G = static_cast<int>(Hq / Hkv);
-    p.T = static_cast<int>(T), p.S = static_cast<int>(S), p.D = static_cast<int>(D);
+    p.T = static_cast<int>(T), p.S = static_cast<int>(S), p.D = static_cast<int>(D), p.Dv = static_cast<int>(Dv);
     constexpr double LOG2_E = 1.4426950408889634;
     p.score.scale_log2 = static_cast<float>(scale * LOG2_E);
     p.score.cap_log2 = static_cast<float>(softcap * LOG2_E);
     p.score.scale_over_cap = softcap > 0 ? static_cast<float>(scale / softcap) : 0.f;
     p.score.window = static_cast<int>(window);  // checked: fits int
-    // 16-byte global vectors need aligned rows: every base pointer and row stride a multiple of them.
+    // 16-byte global vectors need aligned rows: every base pointer and row stride a multiple of them
+    // (with values in the keys k's and k_cache's alone; Dv need not be a multiple, see load_vec).
     const int64_t vec = VEC<scalar_t>;
     bool gvec = D % vec == 0;
-    for (const at::Tensor* x : {&q, &k, &v}) {
+    for (const at::Tensor* x : {&q, &k, &values}) {
       gvec = gvec && aligned16(x->data_ptr()) && x->stride(0) % vec == 0 && x->stride(1) % vec == 0 &&
              x->stride(2) % vec == 0;
     }
-    gvec = gvec && aligned16(k_cache.data_ptr()) && aligned16(v_cache.data_ptr());
+    gvec = gvec && aligned16(k_cache.data_ptr()) && aligned16(value_cache.data_ptr());
     if (T <= DECODE_MAX_T) {
-      launch_decode<scalar_t>(p, B, q, gvec, ring, stream);
+      launch_decode<scalar_t>(p, B, q, gvec, ring, values_in_keys, stream);
     } else {
-      launch_prefill<scalar_t>(p, B, gvec, ring, stream);
+      launch_prefill<scalar_t>(p, B, gvec, ring, values_in_keys, stream);
     }
   });
   return out;

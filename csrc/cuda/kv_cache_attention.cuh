@@ -10,6 +10,12 @@
 // position space on the positions it reads, rebased to its span (rebase_span): at most S of them,
 // so they map to distinct slots and no position arithmetic overflows; tiles of consecutive
 // positions may wrap around the end of the ring, so each row's slot is computed on its own.
+// Values in the keys (value_dim = Dv > 0, multi-head latent attention): a slot's value is the first
+// Dv numbers of its key row, out is [B, Hq, T, Dv], and v / v_cache are empty. The entry point
+// points the kernels' V sources at k / k_cache (same row strides), so every V read below, the
+// decode blocks' reads of this launch's new tokens included, reads keys. The kernels' VIK = true
+// instantiations size V tiles, accumulators and output rows by Dv and write k alone; VIK = false
+// is the code of the ordinary op, unchanged (Dv = D there is known at compile time).
 //
 // Decode / verification (T <= DECODE_MAX_T): flash-decoding in ONE launch. Blocks = splits x kv
 // heads x batch (flattened into blockIdx.x). A block owns one (b, kv head) and one range of cache
@@ -47,6 +53,7 @@
 #include <climits>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -99,7 +106,9 @@ constexpr int SCATTER_THREADS = 128;
 // 93 KiB, the same choices. Smaller tiles read K / V more often; nothing else changes (no array in
 // the kernel is sized by D). The SIMT kernels' K / V tiles are 16 slots from D = 512 on (kv_tile):
 // 18 KiB at D = 576 in 16-bit (rows of 9 x 128 bytes), 36 KiB in fp32; a decode pass then holds up
-// to 17 query rows in 16-bit (MLA's 16 heads per kv head at once: 91 KiB), 5 in fp32.
+// to 17 query rows in 16-bit (MLA's 16 heads per kv head at once: 91 KiB), 5 in fp32. MLA reads its
+// values in the keys (Dv = 512): V tiles and accumulators are then 512 wide, so 19 rows (16: 85
+// KiB) and 6 in fp32, and the WMMA tiles need 177 / 123 / 87 KiB, the same choices.
 constexpr int TC_WARPS = 4;
 constexpr int TC_THREADS = TC_WARPS * WARP;
 constexpr int TC_LARGE_HEAD_DIM = 128;
@@ -146,7 +155,9 @@ __device__ __forceinline__ unsigned raw_bits(c10::BFloat16 x) { return x.x; }
 // Vector c (VEC elements) of a D-element global row -> shared memory, zeros past D. GVEC: rows are
 // 16-byte aligned and D % VEC == 0 (checked by the launcher): an asynchronous copy (cp.async, so
 // all of a thread's loads of a tile are in flight at once; async_wait() before the barrier that
-// publishes them), else element loads.
+// publishes them), else element loads. A V row's first Dv elements load as D = Dv: with GVEC the
+// vector holding element Dv - 1 then comes whole (its row has D % VEC == 0 elements, so it stays
+// inside), and what it holds past Dv only reaches accumulator columns that are never output.
 template <typename T, bool GVEC>
 __device__ __forceinline__ void load_vec(T* dst, const T* src, int c, int D) {
   constexpr int V = VEC<T>;
@@ -217,7 +228,7 @@ struct Params {
   E *k_cache, *v_cache, *out;
   const int64_t* positions;
   const float* sinks;  // [Hq] attention-sink logits (natural log units), or nullptr
-  float* ws_o;    // decode partials [B * Hkv, splits, G * T, D] (splits > 1 only)
+  float* ws_o;    // decode partials [B * Hkv, splits, G * T, Dv] (splits > 1 only)
   float* ws_lse;  // [B * Hkv, splits, G * T], log2 domain
   int* counters;  // [B * Hkv] split tickets, zeroed by the launcher
   int64_t q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st;
@@ -227,6 +238,9 @@ struct Params {
   int rows;  // query rows per pass (decode) or per query tile (prefill)
   int splits;
   Scoring score;
+  // Value (and output) head dim: D, or value_dim with values in the keys (v / v_cache then alias k /
+  // k_cache); dvp is Dv padded as dp is. Read by the VIK instantiations only (the others use D, dp).
+  int Dv, dvp;
 };
 
 // A position as the kernels hold it: an int, -1 for padding or any value out of range (without ring
@@ -273,14 +287,14 @@ struct SmemCarver {
 
 template <typename T>
 struct SimtSmem {
-  T *q, *k, *v;  // q [rows][dp], k / v [bn][dp], zero-padded past D
-  float *acc, *p, *m, *l, *alpha;  // acc [rows][dp]; p [rows][bn] scores, then probabilities
+  T *q, *k, *v;  // q [rows][dp], k [bn][dp], v [bn][dvp]; zero-padded past D (Dv: see load_vec)
+  float *acc, *p, *m, *l, *alpha;  // acc [rows][dvp]; p [rows][bn] scores, then probabilities
   int *pos, *src;  // pos [rows]: a row sees positions 0..pos (-1: none); src [bn]: see DecodeKv
   int bytes;
-  __host__ __device__ SimtSmem(uintptr_t base, int rows, int bn, int dp) {
+  __host__ __device__ SimtSmem(uintptr_t base, int rows, int bn, int dp, int dvp) {
     SmemCarver c{base};
-    q = c.take<T>(rows * dp), k = c.take<T>(bn * dp), v = c.take<T>(bn * dp);
-    acc = c.take<float>(rows * dp), p = c.take<float>(rows * bn);
+    q = c.take<T>(rows * dp), k = c.take<T>(bn * dp), v = c.take<T>(bn * dvp);
+    acc = c.take<float>(rows * dvp), p = c.take<float>(rows * bn);
     m = c.take<float>(rows), l = c.take<float>(rows), alpha = c.take<float>(rows);
     pos = c.take<int>(rows), src = c.take<int>(bn);
     bytes = c.bytes;
@@ -299,12 +313,12 @@ __device__ __forceinline__ int pv_slot_lanes(int items) {
 // tile at a time. On entry q, pos, acc (0), m (-inf), l (0) are set and the block synchronised; on
 // exit acc / m / l hold the unnormalised result (log2 domain), synchronised. A (row, slot) pair that the row must not
 // see (past its position, or before its window) is never computed, so stale or non-finite values
-// there cannot leak in.
+// there cannot leak in. Keys are D wide (rows of dp in shared memory), values Dv (rows of dvp).
 template <typename T, bool GVEC, typename KvSource>
-__device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int D, int lo, int hi,
+__device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int D, int dvp, int Dv, int lo, int hi,
                             const Scoring& score, const KvSource& kv) {
   constexpr int V = VEC<T>;
-  const int nvec = dp / V;
+  const int nvec = dp / V, nvec_v = dvp / V;
   const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
   const int group = tid / DOT_LANES, sub = tid % DOT_LANES;
   // K and V of a tile load as separate cp.async groups, each as soon as its buffer is free: a
@@ -312,9 +326,10 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
   // p @ v, the next V load the next scores. Groups complete in order, so "at most one pending"
   // after issuing [K, V] means K has landed.
   auto issue = [&](T* dst, bool keys, int tile, int n) {
-    for (int i = tid; i < n * nvec; i += THREADS) {
-      const int j = i / nvec, c = i % nvec;
-      load_vec<T, GVEC>(dst + j * dp, keys ? kv.k_row(tile + j, j) : kv.v_row(tile + j, j), c, D);
+    const int width = keys ? D : Dv, row = keys ? dp : dvp, vecs = keys ? nvec : nvec_v;
+    for (int i = tid; i < n * vecs; i += THREADS) {
+      const int j = i / vecs, c = i % vecs;
+      load_vec<T, GVEC>(dst + j * row, keys ? kv.k_row(tile + j, j) : kv.v_row(tile + j, j), c, width);
     }
     async_commit();
   };
@@ -387,10 +402,10 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
     // Few rows (decode: G x T = 4 rows of 16 vectors at D = 128 in 16-bit) leave most threads idle,
     // so `slot_lanes` adjacent lanes share one (row, vector) item, each summing every slot_lanes-th
     // slot, and meet by shuffles (the lanes of an item agree on its trip counts and mask).
-    const int slot_lanes = pv_slot_lanes(rows * nvec);
-    for (int i = tid; i < rows * nvec * slot_lanes; i += THREADS) {
+    const int slot_lanes = pv_slot_lanes(rows * nvec_v);
+    for (int i = tid; i < rows * nvec_v * slot_lanes; i += THREADS) {
       const int item = i / slot_lanes, first = i % slot_lanes;
-      const int r = item / nvec, c = item % nvec;
+      const int r = item / nvec_v, c = item % nvec_v;
       const int seen = min(n, sm.pos[r] - tile + 1), skipped = max(0, score.first_slot(sm.pos[r]) - tile);
       if (seen <= skipped) continue;
       float o[V];
@@ -400,7 +415,7 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
       for (int j = skipped + first; j < seen; j += slot_lanes) {
         const float pj = sm.p[r * bn + j];
         float vf[V];
-        unpack<T>(*reinterpret_cast<const uint4*>(sm.v + j * dp + c * V), vf);
+        unpack<T>(*reinterpret_cast<const uint4*>(sm.v + j * dvp + c * V), vf);
 #pragma unroll
         for (int e = 0; e < V; ++e) o[e] = fmaf(pj, vf[e], o[e]);
       }
@@ -409,7 +424,7 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
 #pragma unroll
         for (int e = 0; e < V; ++e) o[e] += __shfl_xor_sync(item_mask, o[e], offset);
       if (first != 0) continue;
-      float4* a = reinterpret_cast<float4*>(sm.acc + r * dp + c * V);
+      float4* a = reinterpret_cast<float4*>(sm.acc + r * dvp + c * V);
       const float alpha = sm.alpha[r];
 #pragma unroll
       for (int e = 0; e < V / 4; ++e) {
@@ -475,24 +490,34 @@ __device__ void simt_seed_sinks(const SimtSmem<T>& sm, int rows, const SinkOf& s
   __syncthreads();
 }
 
-// Output row of query (b, q head, t): out is contiguous [B, Hq, T, D].
-template <typename T>
+// Value (and output) head dim of a kernel instantiation, and its rows in shared memory: Dv / dvp with
+// values in the keys (VIK), else D / dp, read where the ordinary kernels always read them.
+template <bool VIK, typename T>
+__device__ __forceinline__ int value_width(const Params<T>& p) { return VIK ? p.Dv : p.D; }
+template <bool VIK, typename T>
+__device__ __forceinline__ int value_row(const Params<T>& p) { return VIK ? p.dvp : p.dp; }
+
+// Output row of query (b, q head, t): out is contiguous [B, Hq, T, Dv].
+template <bool VIK, typename T>
 __device__ __forceinline__ T* out_row(const Params<T>& p, int64_t b, int qh, int t) {
-  return p.out + ((b * p.Hq + qh) * p.T + t) * static_cast<int64_t>(p.D);
+  return p.out + ((b * p.Hq + qh) * p.T + t) * static_cast<int64_t>(value_width<VIK>(p));
 }
 
 // Loads `rows` query rows (q_row(r): global row, row_pos(r): sanitised position) into the SIMT
 // engine and resets their softmax state; returns synchronised.
 template <typename T, bool GVEC, typename QRow, typename RowPos>
-__device__ void simt_init_rows(const SimtSmem<T>& sm, int rows, int dp, int D, const QRow& q_row,
+__device__ void simt_init_rows(const SimtSmem<T>& sm, int rows, int dp, int D, int dvp, const QRow& q_row,
                                const RowPos& row_pos) {
   constexpr int V = VEC<T>;
-  const int nvec = dp / V;
+  const int nvec = dp / V, nvec_v = dvp / V;
   for (int i = threadIdx.x; i < rows * nvec; i += THREADS) {
     const int r = i / nvec, c = i % nvec;
     load_vec<T, GVEC>(sm.q + r * dp, q_row(r), c, D);
+    if (dvp == dp || c < nvec_v) {  // acc [rows][dvp]: c < nvec_v, written to fold away where dvp is dp
+      float4* a = reinterpret_cast<float4*>(sm.acc + r * dvp + c * V);
 #pragma unroll
-    for (int e = 0; e < V / 4; ++e) reinterpret_cast<float4*>(sm.acc + r * dp + c * V)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int e = 0; e < V / 4; ++e) a[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
   for (int r = threadIdx.x; r < rows; r += THREADS) {
     sm.pos[r] = row_pos(r);
@@ -527,14 +552,25 @@ int static_smem(Kernel kernel) {
 // (99 KiB on sm_86 / sm_89, which run the sm_80 build). Passes are balanced: 64 rows that fit 62
 // at a time run as 2 x 32, not 62 + 2.
 template <typename T, typename Kernel>
-int simt_rows(Kernel kernel, int wanted, int bn, int dp) {
+int simt_rows(Kernel kernel, int wanted, int bn, int dp, int dvp) {
   const int budget = std::min(SIMT_SMEM_BUDGET,
                               device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin) - static_smem(kernel));
   wanted = std::max(1, wanted);
   int rows = std::min(wanted, MAX_ROWS_PER_PASS);
-  while (rows > 1 && SimtSmem<T>(0, rows, bn, dp).bytes > budget) --rows;
+  while (rows > 1 && SimtSmem<T>(0, rows, bn, dp, dvp).bytes > budget) --rows;
   const int passes = ceil_div(std::min(wanted, MAX_ROWS_PER_PASS), rows);
   return ceil_div(std::min(wanted, MAX_ROWS_PER_PASS), passes);
+}
+
+// The instantiation kernel<T, GVEC, RING, VIK> for the runtime flags: pick(g, r, v) returns it for
+// std::bool_constant arguments (kernels are function templates, not types).
+template <typename Pick>
+auto pick_kernel(bool gvec, bool ring, bool values_in_keys, const Pick& pick) {
+  const auto with_vik = [&](auto g, auto r) {
+    return values_in_keys ? pick(g, r, std::true_type{}) : pick(g, r, std::false_type{});
+  };
+  const auto with_ring = [&](auto g) { return ring ? with_vik(g, std::true_type{}) : with_vik(g, std::false_type{}); };
+  return gvec ? with_ring(std::true_type{}) : with_ring(std::false_type{});
 }
 
 // Opts a kernel in to `bytes` of dynamic shared memory on the current device (once per size):
@@ -560,9 +596,10 @@ void set_dynamic_smem(Kernel kernel, int bytes) {
 
 // One launch each, defined (and instantiated for float, Half, BFloat16) in the decode / prefill files.
 template <typename T>
-void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, bool ring, cudaStream_t stream);
+void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, bool ring, bool values_in_keys,
+                   cudaStream_t stream);
 template <typename T>
-void launch_prefill(Params<T> p, int64_t B, bool gvec, bool ring, cudaStream_t stream);
+void launch_prefill(Params<T> p, int64_t B, bool gvec, bool ring, bool values_in_keys, cudaStream_t stream);
 
 }  // namespace kv_attention
 }  // namespace gptfast_kernels

@@ -16,7 +16,8 @@ __device__ __forceinline__ bool last_writer(const int* row_pos, int T, int t) {
 }
 
 // K/V rows of a decode block: a position written by this launch is read from k / v (src[j] = the
-// token writing it), any other from the cache (its slot: slot_of).
+// token writing it), any other from the cache (its slot: slot_of). With values in the keys v_new /
+// v_cache are k_new / k_cache, so a new token's value is its k row too.
 template <typename T, bool RING>
 struct DecodeKv {
   const T *k_new, *v_new;  // k / v of this (b, kv head); + t * stride
@@ -43,7 +44,8 @@ struct DecodeKv {
   }
 };
 
-template <typename T, bool GVEC, bool RING>
+// VIK: values in the keys (v / v_cache alias k / k_cache; V rows, partials and outputs Dv wide).
+template <typename T, bool GVEC, bool RING, bool VIK>
 __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const Params<T> p) {
   constexpr int V = VEC<T>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -53,9 +55,9 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
   const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
   const int split = static_cast<int>(blockIdx.x % p.splits);
   const int64_t bh = blockIdx.x / p.splits, b = bh / p.Hkv;
-  const int h = static_cast<int>(bh % p.Hkv), GT = p.G * p.T, D = p.D;
+  const int h = static_cast<int>(bh % p.Hkv), GT = p.G * p.T, D = p.D, Dv = VIK ? p.Dv : D;
   // Query row rr = g * T + t of the group is (q head h * G + g, token t).
-  auto group_out = [&](int rr) { return out_row(p, b, h * p.G + rr / p.T, rr % p.T); };
+  auto group_out = [&](int rr) { return out_row<VIK>(p, b, h * p.G + rr / p.T, rr % p.T); };
   if (tid < p.T) new_pos[tid] = sanitize<RING>(p.positions[b * p.T + tid], p.S);
   __syncthreads();
   // The positions [first, len) any query of the row reads (with a sliding window, not from 0;
@@ -69,7 +71,7 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
   const int active = ceil_div(len - first, chunk);
   if (split >= active) {
     if (split == 0) {  // len == 0: every query of the row is padding
-      for (int i = tid; i < GT * D; i += THREADS) group_out(i / D)[i % D] = T(0.f);
+      for (int i = tid; i < GT * Dv; i += THREADS) group_out(i / Dv)[i % Dv] = T(0.f);
     }
     return;
   }
@@ -86,30 +88,30 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
     if (x >= lo && x < hi && last_writer(new_pos, p.T, t)) {
       const int64_t slot = slot_of(x);
       copy_vec<T, GVEC>(k_cache + slot * D, k_new + t * p.k_st, c, D);
-      copy_vec<T, GVEC>(v_cache + slot * D, v_new + t * p.v_st, c, D);
+      if constexpr (!VIK) copy_vec<T, GVEC>(v_cache + slot * D, v_new + t * p.v_st, c, D);
     }
   }
 
-  const SimtSmem<T> sm(reinterpret_cast<uintptr_t>(smem), p.rows, p.bn, p.dp);
+  const SimtSmem<T> sm(reinterpret_cast<uintptr_t>(smem), p.rows, p.bn, p.dp, value_row<VIK>(p));
   const DecodeKv<T, RING> kv{k_new, v_new, p.k_st, p.v_st, k_cache, v_cache, new_pos, sm.src, p.T, D, slot_of};
   const int64_t ws_row0 = (bh * p.splits + split) * GT;  // this split's partials (active > 1 only)
   for (int r0 = 0; r0 < GT; r0 += p.rows) {  // passes of at most p.rows query rows
     const int rows = min(p.rows, GT - r0);
     simt_init_rows<T, GVEC>(
-        sm, rows, p.dp, D,
+        sm, rows, p.dp, D, value_row<VIK>(p),
         [&](int r) { return p.q + b * p.q_sb + (h * p.G + (r0 + r) / p.T) * p.q_sh + ((r0 + r) % p.T) * p.q_st; },
         [&](int r) { return new_pos[(r0 + r) % p.T]; });
     if (p.sinks != nullptr && active == 1) {  // with several splits the merge adds the sink, once
       simt_seed_sinks(sm, rows, [&](int r) { return p.sinks[h * p.G + (r0 + r) / p.T] * LOG2E; });
     }
-    simt_attend<T, GVEC>(sm, rows, p.bn, p.dp, D, lo, hi, p.score, kv);
-    for (int i = tid; i < rows * D; i += THREADS) {
-      const int r = i / D, d = i % D;
-      const float l = sm.l[r], o = l > 0.f ? sm.acc[r * p.dp + d] / l : 0.f;
+    simt_attend<T, GVEC>(sm, rows, p.bn, p.dp, D, value_row<VIK>(p), Dv, lo, hi, p.score, kv);
+    for (int i = tid; i < rows * Dv; i += THREADS) {
+      const int r = i / Dv, d = i % Dv;
+      const float l = sm.l[r], o = l > 0.f ? sm.acc[r * value_row<VIK>(p) + d] / l : 0.f;
       if (active == 1) {
         group_out(r0 + r)[d] = T(o);
       } else {
-        p.ws_o[(ws_row0 + r0 + r) * D + d] = o;
+        p.ws_o[(ws_row0 + r0 + r) * Dv + d] = o;
       }
     }
     for (int r = tid; r < rows && active > 1; r += THREADS) {
@@ -129,7 +131,7 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
   if (!is_last) return;
   __threadfence();
   const float* lse = p.ws_lse + bh * p.splits * GT;                        // [splits][GT]
-  const float* part = p.ws_o + bh * p.splits * GT * static_cast<int64_t>(D);  // [splits][GT][D]
+  const float* part = p.ws_o + bh * p.splits * GT * static_cast<int64_t>(Dv);  // [splits][GT][Dv]
   float* w = split_weight[warp];
   for (int rr = warp; rr < GT; rr += WARPS) {
     float mx = -INFINITY;
@@ -145,9 +147,10 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
     total = warp_sum(total) + (sink == -INFINITY ? 0.f : exp2f(sink - mx));
     __syncwarp();
     const float inv = total > 0.f ? 1.f / total : 0.f;  // every split empty: padding, zero output
-    for (int d = lane; d < D; d += WARP) {
+    for (int d = lane; d < Dv; d += WARP) {
       float acc = 0.f;
-      for (int s = 0; s < active; ++s) acc = fmaf(w[s], __ldcg(part + (static_cast<int64_t>(s) * GT + rr) * D + d), acc);
+      for (int s = 0; s < active; ++s)
+        acc = fmaf(w[s], __ldcg(part + (static_cast<int64_t>(s) * GT + rr) * Dv + d), acc);
       group_out(rr)[d] = T(acc * inv);
     }
     __syncwarp();  // w is rewritten for this warp's next row
@@ -167,41 +170,45 @@ at::Tensor split_counters(const at::Tensor& like, int64_t n) {
 }  // namespace
 
 template <typename T>
-void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, bool ring, cudaStream_t stream) {
+void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, bool ring, bool values_in_keys,
+                   cudaStream_t stream) {
   p.dp = align_up(p.D, VEC<T>);
-  p.bn = kv_tile(p.dp * static_cast<int>(sizeof(T)));
+  p.dvp = align_up(p.Dv, VEC<T>);
+  p.bn = kv_tile(p.dp * static_cast<int>(sizeof(T)));  // K rows are the wider (Dv <= D)
   const int64_t GT = static_cast<int64_t>(p.G) * p.T, bh = B * p.Hkv;
-  auto kernel = ring ? (gvec ? decode_kernel<T, true, true> : decode_kernel<T, false, true>)
-                     : (gvec ? decode_kernel<T, true, false> : decode_kernel<T, false, false>);
-  p.rows = simt_rows<T>(kernel, static_cast<int>(std::min<int64_t>(GT, MAX_ROWS_PER_PASS)), p.bn, p.dp);
+  const auto kernel = pick_kernel(gvec, ring, values_in_keys, [](auto g, auto r, auto v) {
+    return decode_kernel<T, decltype(g)::value, decltype(r)::value, decltype(v)::value>;
+  });
+  p.rows = simt_rows<T>(kernel, static_cast<int>(std::min<int64_t>(GT, MAX_ROWS_PER_PASS)), p.bn, p.dp, p.dvp);
   // Splits from host-known sizes only (a CUDA graph replays them for any positions). With ring a
   // row's span is at most S positions too (window + T - 1 <= S; cut to S on the device).
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
   int64_t splits = ceil_div64(static_cast<int64_t>(DECODE_BLOCKS_PER_SM) * sms, bh);
   splits = std::min({splits, ceil_div64(p.S, MIN_SPLIT_SLOTS), static_cast<int64_t>(MAX_SPLITS),
-                     WORKSPACE_BUDGET_BYTES / (bh * GT * p.D * static_cast<int64_t>(sizeof(float)))});
+                     WORKSPACE_BUDGET_BYTES / (bh * GT * p.Dv * static_cast<int64_t>(sizeof(float)))});
   splits = std::max<int64_t>(splits, 1);
   TORCH_CHECK(bh * splits <= INT_MAX, "kv_cache_attention: B * Hkv = ", bh, " exceeds the CUDA grid");
   p.splits = static_cast<int>(splits);
   at::Tensor ws_o, ws_lse, counters;
   if (splits > 1) {
     const auto f32 = q.options().dtype(at::kFloat);
-    ws_o = at::empty({bh * splits * GT * p.D}, f32);
+    ws_o = at::empty({bh * splits * GT * p.Dv}, f32);
     ws_lse = at::empty({bh * splits * GT}, f32);
     counters = split_counters(q, bh);
     p.ws_o = ws_o.data_ptr<float>();
     p.ws_lse = ws_lse.data_ptr<float>();
     p.counters = counters.data_ptr<int>();
   }
-  const int bytes = SimtSmem<T>(0, p.rows, p.bn, p.dp).bytes;
+  const int bytes = SimtSmem<T>(0, p.rows, p.bn, p.dp, p.dvp).bytes;
   set_dynamic_smem(kernel, bytes);
   kernel<<<static_cast<unsigned>(bh * splits), THREADS, bytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template void launch_decode<float>(Params<float>, int64_t, const at::Tensor&, bool, bool, cudaStream_t);
-template void launch_decode<c10::Half>(Params<c10::Half>, int64_t, const at::Tensor&, bool, bool, cudaStream_t);
-template void launch_decode<c10::BFloat16>(Params<c10::BFloat16>, int64_t, const at::Tensor&, bool, bool, cudaStream_t);
+template void launch_decode<float>(Params<float>, int64_t, const at::Tensor&, bool, bool, bool, cudaStream_t);
+template void launch_decode<c10::Half>(Params<c10::Half>, int64_t, const at::Tensor&, bool, bool, bool, cudaStream_t);
+template void launch_decode<c10::BFloat16>(Params<c10::BFloat16>, int64_t, const at::Tensor&, bool, bool, bool,
+                                           cudaStream_t);
 
 }  // namespace kv_attention
 }  // namespace gptfast_kernels

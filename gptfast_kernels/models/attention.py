@@ -24,7 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import is_tracing
-from gptfast_kernels.ops.kv_cache_attention import kv_cache_attention
+from gptfast_kernels.ops.kv_cache_attention import checked_backend, kv_cache_attention, run_kv_cache_attention
 
 FUSED = "gptfast_kernels"
 UNFUSED = "gptfast_kernels_unfused"
@@ -84,13 +84,36 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
         raise ValueError(f"StaticKVCache: layer {module.layer_idx}'s ring buffer was sized for a sliding window of "
                          f"{layer.ring_window} (the config's), but the layer attends with window {sliding_window}")
     dtype = layer.keys.dtype
-    out = kv_cache_attention(query.to(dtype), key.to(dtype), value.to(dtype), layer.keys, layer.values,
-                             positions, scaling, window=sliding_window, softcap=softcap,
-                             sinks=s_aux, ring=ring, backend=backend,
-                             check_positions=False)  # checked once per forward by plan_step
+    out = _attend(layer, query.to(dtype), key.to(dtype), None if layer.value_dim else value.to(dtype), positions,
+                  scaling, sliding_window, softcap, s_aux, ring, backend)
     # [B, T, Hq, D] contiguous, as transformers' attention functions return it (AFMoE .view()s it); for
     # T = 1 the transpose is contiguous already and this copies nothing
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _attend(layer, q, k, v, positions, scale, window, softcap, sinks, ring: bool, backend: str) -> torch.Tensor:
+    """kv_cache_attention over one cache layer's buffers (v None for a layer whose values are its
+    keys' first ``value_dim`` numbers). Its input checks and backend choice cost more than a small
+    model's kernel (tens of microseconds in Python, for every layer of every step), so in eager mode
+    they run once per call signature (shapes, dtypes, devices and the scalar arguments: all they
+    depend on) and the layer keeps the chosen backend; the position values are checked once per
+    forward by plan_step. Compiled code traces the full wrapper."""
+    value_dim = layer.value_dim
+    v_cache = None if value_dim else layer.values
+    if torch.compiler.is_compiling():
+        return kv_cache_attention(q, k, v, layer.keys, v_cache, positions, scale, window=window, softcap=softcap,
+                                  sinks=sinks, ring=ring, value_dim=value_dim, backend=backend, check_positions=False)
+    signature = (q.shape, k.shape, q.dtype, k.dtype, q.device, k.device,
+                 None if v is None else (v.shape, v.dtype, v.device), positions.shape, positions.dtype,
+                 positions.device, scale, window, softcap, ring, backend,
+                 None if sinks is None else (sinks.shape, sinks.dtype, sinks.device))
+    chosen = layer.checked_calls.get(signature)
+    if chosen is None:
+        chosen = checked_backend(q, k, v, layer.keys, v_cache, positions, scale, window, softcap, sinks, ring,
+                                 value_dim, backend)
+        layer.checked_calls[signature] = chosen
+    return run_kv_cache_attention(chosen, q, k, v, layer.keys, v_cache, positions, scale, window, softcap,
+                                  sinks, ring, value_dim)
 
 
 def fused_attention(module, query, key, value, attention_mask, **kwargs):

@@ -111,17 +111,18 @@ class Family:
             return ()
         return (self.experts_class,) if isinstance(self.experts_class, str) else self.experts_class
 
-    def layer_geometry(self, config) -> list[tuple[int, int]]:
-        """Per decoder layer: (kv heads, head dim) for this family's config. A heterogeneous config
-        (transformers' ``per_layer_config``: Gemma 4's global layers have their own) gives each layer
-        its own; others give every layer the config's."""
+    def layer_geometry(self, config) -> list[tuple[int, ...]]:
+        """Per decoder layer: (kv heads, head dim) for this family's config; (kv heads, head dim,
+        value dim) where the values are the keys' first value-dim numbers (multi-head latent
+        attention: the latent). A heterogeneous config (transformers' ``per_layer_config``: Gemma 4's
+        global layers have their own) gives each layer its own; others give every layer the config's."""
         layer_configs = getattr(config, "per_layer_config", None)
         layer_configs = list(layer_configs) if layer_configs is not None else [config] * config.num_hidden_layers
         return [self._geometry(layer_config) for layer_config in layer_configs[:config.num_hidden_layers]]
 
-    def _geometry(self, config) -> tuple[int, int]:
-        if self.latent_attention:  # one latent per token, shared by every head (see latent_attention)
-            return 1, config.kv_lora_rank + config.qk_rope_head_dim
+    def _geometry(self, config) -> tuple[int, ...]:
+        if self.latent_attention:  # one [latent, rope part] per token, shared by every head, values the latent
+            return 1, config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank
         heads = config.num_attention_heads
         kv_heads = getattr(config, self.kv_heads_attr, None) if self.kv_heads_attr else None
         head_dim = getattr(config, self.head_dim_attr, None) if self.head_dim_attr else None

@@ -12,9 +12,9 @@ W_k [dn, r] and a value part W_v [dv, r], and
 so each head's query becomes [q_nope W_k, q_rot] (r + dr wide) against one shared "kv head"
 [c, k_rot] per token, and the attention's output over c goes through W_v once per query. That is
 multi-query attention with head dim r + dr (576 for DeepSeek-V3), which ``kv_cache_attention`` runs
-as it runs any layer: it writes the new latents at the step's positions and attends. Its values
-are the same [c, k_rot] rows (the last dr columns of the output are dropped), so the cache holds
-the latent twice (keys and values); it never holds per-head keys or values.
+as it runs any layer: it writes the new latents at the step's positions and attends. The values
+are the keys' first r numbers, the latent c itself (the kernel's ``value_dim``), so the cache holds
+one [c, k_rot] row per token and layer, r + dr numbers, and no per-head keys or values.
 
 ``patch_model`` gives each MLA attention module this forward; called without a StaticKVCache it
 is transformers' own.
@@ -94,7 +94,8 @@ def latent_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     query = torch.cat([torch.matmul(q_nope, w_k.to(q_nope.dtype)), q_rot], dim=-1)  # [B, H, T, r + dr]
     latent = torch.cat([kv_nope, k_rot.to(kv_nope.dtype)], dim=-1)                  # [B, 1, T, r + dr]
     backend = "reference" if self.config._attn_implementation == attention.UNFUSED else "auto"
-    out, _ = attention._cached_attention(self, query, latent, latent, None, backend=backend, scaling=self.scaling,
-                                         gptfast_cache=cache)                      # [B, T, H, r + dr]
-    out = torch.matmul(out[..., :r].transpose(1, 2), w_v.transpose(1, 2).to(out.dtype))  # [B, H, T, dv]
+    # the cache's layer takes values in its keys: the output is over the latents' first r numbers alone
+    out, _ = attention._cached_attention(self, query, latent, None, None, backend=backend, scaling=self.scaling,
+                                         gptfast_cache=cache)                      # [B, T, H, r]
+    out = torch.matmul(out.transpose(1, 2), w_v.transpose(1, 2).to(out.dtype))  # [B, H, T, dv]
     return self.o_proj(out.transpose(1, 2).reshape(B, T, H * dv)), None

@@ -25,8 +25,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLaye
 from gptfast_kernels.ops._dispatch import check_int, is_tracing
 
 
-def layer_geometry(config) -> list[tuple[int, int]]:
-    """Per decoder layer of a supported family's config: (kv heads, head dim)."""
+def layer_geometry(config) -> list[tuple[int, ...]]:
+    """Per decoder layer of a supported family's config: (kv heads, head dim), or (kv heads, head
+    dim, value dim) for a layer whose values are its keys' first numbers (Family.layer_geometry)."""
     from gptfast_kernels.models.families import family_of
 
     return family_of(config).layer_geometry(config.get_text_config(decoder=True))
@@ -84,22 +85,26 @@ class NoCacheLayer:
 class StaticKVLayer(CacheLayerMixin):
     """One layer's buffers: keys / values [B, Hkv, S, D], allocated up front at static addresses.
     ``ring_window``: a sliding-window layer's window when its buffers are a ring (position p in slot
-    p % S, S = max_cache_len here), else None."""
+    p % S, S = max_cache_len here), else None. ``value_dim``: the values are the keys' first
+    value_dim numbers (multi-head latent attention's latent), so ``values`` is empty ([B, Hkv, S, 0]);
+    else None."""
 
     is_compileable = True
     is_sliding = False
     supports_early_init = True
 
-    def __init__(self, batch_size: int, num_heads: int, max_cache_len: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype, ring_window: int | None = None):
+    def __init__(self, batch_size: int, num_heads: int, max_cache_len: int, head_dim: int, value_dim: int | None = None,
+                 *, device: torch.device, dtype: torch.dtype, ring_window: int | None = None):
         super().__init__()
-        self.ring_window = ring_window
+        self.ring_window, self.value_dim = ring_window, value_dim
         self.batch_size, self.num_heads = batch_size, num_heads
         self.max_cache_len, self.head_dim = max_cache_len, head_dim
         self.device, self.dtype = device, dtype
+        # kv_cache_attention's backend per call signature whose inputs were checked (models/attention.py)
+        self.checked_calls: dict[tuple, str] = {}
         shape = (batch_size, num_heads, max_cache_len, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape if value_dim is None else shape[:3] + (0,), dtype=dtype, device=device)
         if not torch.compiler.is_compiling():
             # fixed data pointers: a compiled decode step can be captured in a CUDA graph
             torch._dynamo.mark_static_address(self.keys)
@@ -132,9 +137,10 @@ class StaticKVStateLayer(LinearAttentionLayer, StaticKVLayer):
     """A layer that has both (Falcon-H1's: attention and Mamba side by side): static keys / values,
     and transformers' recurrent states (as its ``LinearAttentionAndStaticFullAttentionLayer``)."""
 
-    def __init__(self, batch_size: int, num_heads: int, max_cache_len: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype, ring_window: int | None = None):
-        StaticKVLayer.__init__(self, batch_size, num_heads, max_cache_len, head_dim, device, dtype, ring_window)
+    def __init__(self, batch_size: int, num_heads: int, max_cache_len: int, head_dim: int, value_dim: int | None = None,
+                 *, device: torch.device, dtype: torch.dtype, ring_window: int | None = None):
+        StaticKVLayer.__init__(self, batch_size, num_heads, max_cache_len, head_dim, value_dim, device=device,
+                               dtype=dtype, ring_window=ring_window)
         LinearAttentionLayer.__init__(self)  # device / dtype become the states' (set when they first arrive)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
@@ -164,7 +170,8 @@ class StaticKVCache(Cache):
     head dim (``geometry``: Gemma 4's global layers); a layer that reuses another's keys and values
     (Gemma 4's last layers) holds none and attends over that layer's buffers (``kv_sources``); a
     multi-head latent attention layer (DeepSeek-V2 / V3) holds one latent per token, as one kv head
-    of width kv_lora_rank + qk_rope_head_dim (see models/latent_attention.py).
+    of width kv_lora_rank + qk_rope_head_dim whose first kv_lora_rank numbers are also the values
+    (no value buffer: see models/latent_attention.py).
     """
 
     def __init__(self, config, batch_size: int, max_cache_len: int, *, device=None, dtype=None,
@@ -182,11 +189,13 @@ class StaticKVCache(Cache):
         device = torch.device("cpu") if device is None else torch.device(device)
         attention = {"attention": StaticKVLayer, "both": StaticKVStateLayer}
 
-        def attention_layer(kind: str, window: int | None, num_heads: int, head_dim: int):
+        def attention_layer(kind: str, window: int | None, num_heads: int, head_dim: int, value_dim: int | None = None):
             ring = None if window is None or max_step_tokens is None else window + max_step_tokens - 1
             if ring is not None and ring < max_cache_len:
-                return attention[kind](batch_size, num_heads, ring, head_dim, device, dtype, ring_window=window)
-            return attention[kind](batch_size, num_heads, max_cache_len, head_dim, device, dtype)
+                return attention[kind](batch_size, num_heads, ring, head_dim, value_dim, device=device, dtype=dtype,
+                                       ring_window=window)
+            return attention[kind](batch_size, num_heads, max_cache_len, head_dim, value_dim, device=device,
+                                   dtype=dtype)
 
         kinds = layer_kinds(config)
         # per layer, the (kv heads, head dim) of its buffers, None for a layer without (a recurrent one, or a
@@ -328,7 +337,8 @@ class StaticKVCache(Cache):
         if layer_idx == self._first_attention or self._step_positions is None:  # a new forward (a failed one dropped)
             self.plan_step(key_states.shape[-2], fused=False)  # (refuses a cache with ring buffers)
         layer = self.layers[layer_idx]
-        if key_states.shape[1::2] != (layer.num_heads, layer.head_dim) or value_states.shape != key_states.shape:
+        if (key_states.shape[1::2] != (layer.num_heads, layer.head_dim) or value_states.shape != key_states.shape
+                or layer.value_dim is not None):
             # (multi-head latent attention hands transformers' caches its latent and rotary key apart)
             raise ValueError(f"StaticKVCache: layer {layer_idx} holds keys / values of {layer.num_heads} heads x "
                              f"{layer.head_dim}, but the model updates it with keys {list(key_states.shape)} and "

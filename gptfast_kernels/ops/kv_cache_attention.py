@@ -23,8 +23,17 @@ MAX_WINDOW = 2**31 - 1  # the kernels hold positions and windows as int32
 SOFTCAP_MIN = torch.finfo(torch.float32).tiny
 
 
-def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring) -> None:
+def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim) -> None:
     check_tensor(OP, "q", q, dtypes=FLOAT_DTYPES, ndim=4)
+    if value_dim is not None:
+        if isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 1 <= value_dim <= q.shape[-1]:
+            raise ValueError(f"{OP}: value_dim must be None or an int in 1..D = 1..{q.shape[-1]} (the values being "
+                             f"the keys' first value_dim numbers), got {value_dim!r}")
+        for name, t in (("v", v), ("v_cache", v_cache)):
+            if t is not None:
+                raise ValueError(f"{OP}: with value_dim the values are read from k_cache, so {name} must be None, "
+                                 f"got {type(t).__name__}")
+        v, v_cache = k, k_cache  # checked as such below
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(OP, name, t, ndim=4)
         if t.dtype != q.dtype:
@@ -127,11 +136,11 @@ def auto_backend(usable: list[str], head_rows: int, T: int, S: int) -> str:
     return gpu_backend(usable, few_rows or short_cache)
 
 
-def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
+def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor | None, positions: torch.Tensor, scale: float | None = None,
                        *, window: int | None = None, softcap: float | None = None,
-                       sinks: torch.Tensor | None = None, ring: bool = False, backend: str = "auto",
-                       check_positions: bool = True) -> torch.Tensor:
+                       sinks: torch.Tensor | None = None, ring: bool = False, value_dim: int | None = None,
+                       backend: str = "auto", check_positions: bool = True) -> torch.Tensor:
     """Writes k, v into the caches at ``positions`` and attends, in one kernel launch.
 
     q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] (mutated in place);
@@ -145,39 +154,70 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     ``ring=True``: the caches are ring buffers (a sliding-window layer's, window <= S): position p
     lives in slot p % S, positions may exceed S, and a row's new positions may span at most
     S - window, so that no token written by this call overwrites a slot one of its queries reads.
+    ``value_dim`` Dv (multi-head latent attention, whose keys are [latent, rope part] and whose
+    values are the latent): the values are the keys' first Dv numbers, so there is no value cache
+    (v and v_cache must be None), only k is written, and out is [B, Hq, T, Dv].
     In eager mode the position values are checked (one host synchronisation) unless
     ``check_positions=False``, for callers that validated them already (StaticKVCache checks them
     once per forward, not once per layer); the kernels never access memory out of bounds either way.
     """
-    _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring)
+    chosen = checked_backend(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
+                             backend)
     if check_positions and not is_tracing():
         _check_position_values(positions, k_cache.shape[2], window, ring)
-    chosen = resolve_backend(OP, backend, q.device,
-                             auto=lambda usable: auto_backend(usable, q.shape[0] * k.shape[1], q.shape[2],
-                                                              k_cache.shape[2]))
+    return run_kv_cache_attention(chosen, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring,
+                                  value_dim)
+
+
+def checked_backend(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
+                    backend) -> str:
+    """kv_cache_attention's input checks (all but the position values') and its backend choice: the
+    backend ``run_kv_cache_attention`` may then be called with, for these inputs or any others of
+    the same shapes, dtypes, devices and scalar arguments."""
+    _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim)
+    return resolve_backend(OP, backend, q.device,
+                           auto=lambda usable: auto_backend(usable, q.shape[0] * k.shape[1], q.shape[2],
+                                                            k_cache.shape[2]))
+
+
+def run_kv_cache_attention(chosen: str, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks,
+                           ring, value_dim=None) -> torch.Tensor:
+    """kv_cache_attention on inputs that passed ``checked_backend``, which returned ``chosen`` (the
+    patched attention's path: it checks each layer's inputs once per shape, not on every call)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if chosen == "reference":
         return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks,
-                                            ring)
+                                            ring, value_dim)
+    if value_dim is not None:  # the kernels take empty, unused v and v_cache, and value_dim 0 for "v_cache"
+        v = v_cache = q.new_empty(0)
+    value_dim = value_dim or 0
     # the kernels' encoding of "none": window 0, softcap 0
     window = 0 if window is None else window
     softcap = 0.0 if softcap is None else float(softcap)
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
-    positions = reference.broadcast_positions(positions, q.shape[0]).contiguous()
+    if positions.dim() != 2 or positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = reference.broadcast_positions(positions, q.shape[0]).contiguous()
     # kernels take any strides except in the head dim (HF's [B, T, H, D] -> [B, H, T, D] views pass)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
     if chosen == "triton":
         from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
-        return kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring)
+        return kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring,
+                                         value_dim)
     return torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window,
-                                                        softcap, sinks, ring)
+                                                        softcap, sinks, ring, value_dim)
 
 
 if _extension.has_kernel(OP, "CPU"):
 
     @torch.library.register_fake(f"gptfast_kernels::{OP}")
     def _kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None,
-                                 ring=False):
-        return q.new_empty(q.shape)  # the kernels return a contiguous tensor, whatever q's strides
+                                 ring=False, value_dim=0):
+        # the kernels return a contiguous tensor, whatever q's strides
+        return q.new_empty((*q.shape[:-1], value_dim or q.shape[-1]))

@@ -56,7 +56,8 @@ def broadcast_positions(positions: torch.Tensor, batch: int) -> torch.Tensor:
 def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
                        window: int | None = None, softcap: float | None = None,
-                       sinks: torch.Tensor | None = None, ring: bool = False) -> torch.Tensor:
+                       sinks: torch.Tensor | None = None, ring: bool = False,
+                       value_dim: int | None = None) -> torch.Tensor:
     """Writes k/v [B, Hkv, T, D] into the caches [B, Hkv, S, D] at positions [B, T] (or [T]),
     in place, then returns the causal attention of q [B, Hq, T, D] over cache slots 0..position
     (with a ``window``: only the last ``window`` of them, position - window < slot <= position).
@@ -64,7 +65,8 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     each slot, the latest position <= its own that maps there).
     ``softcap``: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
     ``sinks`` [Hq]: one more logit per head in the softmax's denominator, with no value (GPT-OSS).
-    Negative positions are padding: nothing is written and their output rows are zero."""
+    Negative positions are padding: nothing is written and their output rows are zero.
+    ``value_dim`` Dv: the values are the keys' first Dv numbers (v, v_cache unused; out [B, Hq, T, Dv])."""
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
@@ -75,7 +77,11 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     rows, cols = valid.nonzero(as_tuple=True)
     slots = pos[rows, cols] % S if ring else pos[rows, cols]
     k_cache[rows, :, slots] = k[rows, :, cols]
-    v_cache[rows, :, slots] = v[rows, :, cols]
+    if value_dim:
+        v_cache, Dv = k_cache[..., :value_dim], value_dim
+    else:
+        v_cache[rows, :, slots] = v[rows, :, cols]
+        Dv = D
 
     acc = _compute_dtype(q.dtype)
     qg = q.to(acc).reshape(B, Hkv, group, T, D)
@@ -99,7 +105,7 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     # slots no query of the row sees (past the fill of a torch.empty cache, before every window)
     # may hold garbage, NaN included: their zero probabilities must not meet it
     values = v_cache.to(acc).masked_fill(~allowed.any(dim=1)[:, None, :, None], 0.0)
-    out = torch.einsum("bhgts,bhsd->bhgtd", probs, values).reshape(B, Hq, T, D)
+    out = torch.einsum("bhgts,bhsd->bhgtd", probs, values).reshape(B, Hq, T, Dv)
     out = out * valid[:, None, :, None]
     return out.to(q.dtype)
 

@@ -32,6 +32,17 @@ positions span at most S - window) makes a row's span at most S positions, so it
 distinct and the splits own disjoint slots. The span is also cut to S positions when the contract
 is broken (results unspecified, but every access stays in the caches and no loop runs long).
 
+``value_dim`` Dv > 0 (the constexpr DV; 0 compiles the kernels as without it) keeps the values in
+the keys, as multi-head latent attention's cache does (keys [latent (512), rope part (64)], values
+the latent): a slot's value is its key's first Dv numbers, so only k is read and written, v and
+v_cache are empty placeholders that no kernel addresses, and the output (and the splits' partial
+outputs that the combine kernel reduces) is Dv wide. The key tiles serve as value tiles: the
+probabilities multiply the key tile itself, the fused scatter's new keys included, and only the
+accumulator's first Dv columns are stored. MLA's Dv = 512 is then exactly the 512-wide block of D = 576,
+whose tail only adds to the scores (no tail accumulator); a Dv past 512 also accumulates the tail. A
+smaller Dv keeps the key block's accumulator width, its extra columns computed and dropped: a
+Triton tile cannot be sliced, and a narrower value tile would be a second read of the keys.
+
 Positions outside [-1, S) (ring: [-1, 2^31 - 1)) are treated as padding (zero output, nothing
 written): the wrapper raises for them in eager mode but cannot under torch.compile or CUDA-graph
 capture. All sums are float32; no host synchronisation. Registered as
@@ -135,6 +146,9 @@ MIN_TAIL_BLOCK_D = 64
 # registers and spills 32 bytes in verification (T = 5), with two it takes 248 / 254 (T = 1 / 5), no
 # spills, and 126 KiB of shared memory instead of 198 KiB; each stage still holds 36 KiB of K / V
 # (16 slots x 576 x 2 bytes x 2) in flight. Prefill keeps three stages (186 registers, 109 KiB).
+# With values in the keys (MLA: value_dim 512) the same tiles read K only: decode 222 / 248 registers
+# (T = 1 / 5) and 72 KiB, prefill 168 registers and 73 KiB, no spills. Three decode stages would fit
+# there too (246 / 255 registers, no spills, 108 KiB: the 36 KiB in flight of value_dim 0), untimed.
 _GPU_SPLIT_HEAD = _GPU_LARGE_HEAD._replace(decode_num_stages=2)
 
 
@@ -256,10 +270,12 @@ def _kv_cache_attention_decode_kernel(
         NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
         FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_DT: tl.constexpr):
+        BLOCK_DT: tl.constexpr, DV: tl.constexpr):
     # Ring: splits, tiles and the fused scatter's match work on positions, the cache on their slots.
     # A row's span is at most S positions (row_first), so its splits own distinct slots.
     # BLOCK_DT > 0 (D > MAX_BLOCK_D): head-dim columns BLOCK_D.. are a second block (the "_t" tensors).
+    # DV > 0: values in the keys (V_ptr / VC_ptr unused); the output holds the key tiles' first DV columns.
+    TAIL_VALUES: tl.constexpr = BLOCK_DT > 0 and (DV == 0 or DV > BLOCK_D)  # acc_t needed
     split = tl.program_id(0)
     h = (tl.program_id(1) // NUM_M_BLOCKS).to(tl.int64)  # h * stride_ch may pass 2^31
     m_block = tl.program_id(1) % NUM_M_BLOCKS
@@ -289,10 +305,14 @@ def _kv_cache_attention_decode_kernel(
         q_t = tl.load(Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
                       + offs_dt[None, :], mask=row_ok[:, None] & mask_dt[None, :], other=0.0)
 
+    # (in this order, that of the kernel before DV existed: computing the v pointers after both k
+    # pointers changes ptxas's register allocation, hence the SASS, of the DV = 0 kernels)
     k_new_ptr = K_ptr + b * stride_kb + h * stride_kh
-    v_new_ptr = V_ptr + b * stride_vb + h * stride_vh
+    if DV == 0:  # values in v / v_cache
+        v_new_ptr = V_ptr + b * stride_vb + h * stride_vh
     kc_ptr = KC_ptr + b * stride_cb + h * stride_ch
-    vc_ptr = VC_ptr + b * stride_cb + h * stride_ch
+    if DV == 0:
+        vc_ptr = VC_ptr + b * stride_cb + h * stride_ch
     offs_t = tl.arange(0, BLOCK_T)
     m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -300,7 +320,7 @@ def _kv_cache_attention_decode_kernel(
         m_i = tl.where(row_ok, tl.load(Sinks_ptr + hq_m, mask=row_ok, other=0.0) * LOG2E_, m_i)
         l_i = tl.where(row_ok, 1.0, l_i)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    if BLOCK_DT > 0:
+    if TAIL_VALUES:
         acc_t = tl.zeros((BLOCK_M, BLOCK_DT), dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -318,49 +338,67 @@ def _kv_cache_attention_decode_kernel(
         cache_offs = cache_rows + offs_d[None, :]
         k_new = tl.load(k_new_ptr + t_src[:, None] * stride_kt + offs_d[None, :], mask=new_mask,
                         other=0.0)
-        v_new = tl.load(v_new_ptr + t_src[:, None] * stride_vt + offs_d[None, :], mask=new_mask,
-                        other=0.0)
+        if DV == 0:
+            v_new = tl.load(v_new_ptr + t_src[:, None] * stride_vt + offs_d[None, :], mask=new_mask,
+                            other=0.0)
         k = tl.where(new_mask, k_new, tl.load(kc_ptr + cache_offs, mask=old_mask, other=0.0))
-        v = tl.where(new_mask, v_new, tl.load(vc_ptr + cache_offs, mask=old_mask, other=0.0))
+        if DV == 0:
+            v = tl.where(new_mask, v_new, tl.load(vc_ptr + cache_offs, mask=old_mask, other=0.0))
+        else:  # the key tile itself, new slots included: its columns from DV on never reach the output
+            v = k
         # This program owns the tile's slots; of its query-row blocks, block 0 stores them.
         tl.store(kc_ptr + cache_offs, k_new, mask=new_mask & (m_block == 0))
-        tl.store(vc_ptr + cache_offs, v_new, mask=new_mask & (m_block == 0))
+        if DV == 0:
+            tl.store(vc_ptr + cache_offs, v_new, mask=new_mask & (m_block == 0))
 
         if BLOCK_DT > 0:  # the same for the head dim's second block
             new_mask = is_new[:, None] & mask_dt[None, :]
             old_mask = (in_range & (t_src < 0))[:, None] & mask_dt[None, :]
             cache_offs = cache_rows + offs_dt[None, :]
             k_new = tl.load(k_new_ptr + t_src[:, None] * stride_kt + offs_dt[None, :], mask=new_mask, other=0.0)
-            v_new = tl.load(v_new_ptr + t_src[:, None] * stride_vt + offs_dt[None, :], mask=new_mask, other=0.0)
+            if DV == 0:
+                v_new = tl.load(v_new_ptr + t_src[:, None] * stride_vt + offs_dt[None, :], mask=new_mask, other=0.0)
             k_t = tl.where(new_mask, k_new, tl.load(kc_ptr + cache_offs, mask=old_mask, other=0.0))
-            v_t = tl.where(new_mask, v_new, tl.load(vc_ptr + cache_offs, mask=old_mask, other=0.0))
+            if DV == 0:
+                v_t = tl.where(new_mask, v_new, tl.load(vc_ptr + cache_offs, mask=old_mask, other=0.0))
+            elif TAIL_VALUES:  # DV > BLOCK_D: the values reach into the tail
+                v_t = k_t
             tl.store(kc_ptr + cache_offs, k_new, mask=new_mask & (m_block == 0))
-            tl.store(vc_ptr + cache_offs, v_new, mask=new_mask & (m_block == 0))
+            if DV == 0:
+                tl.store(vc_ptr + cache_offs, v_new, mask=new_mask & (m_block == 0))
             s = _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
         else:
             s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
         allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])
                    & in_range[None, :])
-        if BLOCK_DT > 0:
+        if TAIL_VALUES:
             m_i, l_i, acc, acc_t = _online_softmax_step_split(s, allowed, v, v_t, m_i, l_i, acc, acc_t, FP32_DOT)
-        else:
+        else:  # one value block (values in the keys with DV <= BLOCK_D: a tail only adds to the scores)
             m_i, l_i, acc = _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_DOT)
 
     rows = (b * Hq + hq_m) * T + t_m  # row of the [B, Hq, T] output
     has_any = l_i > 0
     norm = tl.where(has_any, l_i, 1.0)[:, None]
     out = acc / norm
-    store_mask = row_ok[:, None] & mask_d[None, :]
+    if DV > 0:  # output rows of DV columns
+        out_d, out_mask_d = DV, offs_d < DV
+        if TAIL_VALUES:
+            out_mask_dt = offs_dt < DV
+    else:
+        out_d, out_mask_d = D, mask_d
+        if TAIL_VALUES:
+            out_mask_dt = mask_dt
+    store_mask = row_ok[:, None] & out_mask_d[None, :]
     if NUM_SPLITS == 1:  # padding rows (nothing allowed) get zeros
-        out_rows = Out_ptr + rows[:, None] * D
+        out_rows = Out_ptr + rows[:, None] * out_d
     else:  # this split's float32 partial output, and its log2-sum-exp below
         lse = tl.where(has_any, m_i + tl.math.log2(tl.where(has_any, l_i, 1.0)), -float("inf"))
         part = rows * NUM_SPLITS + split
-        out_rows = OPart_ptr + part[:, None] * D
+        out_rows = OPart_ptr + part[:, None] * out_d
     tl.store(out_rows + offs_d[None, :], out.to(out_rows.dtype.element_ty), mask=store_mask)
-    if BLOCK_DT > 0:
+    if TAIL_VALUES:
         tl.store(out_rows + offs_dt[None, :], (acc_t / norm).to(out_rows.dtype.element_ty),
-                 mask=row_ok[:, None] & mask_dt[None, :])
+                 mask=row_ok[:, None] & out_mask_dt[None, :])
     if NUM_SPLITS > 1:
         tl.store(LsePart_ptr + part, lse, mask=row_ok)
 
@@ -423,7 +461,8 @@ def _kv_cache_attention_scatter_kernel(
         K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, T, S, D,
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_cb, stride_ch, stride_cs, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
-        BLOCK_LATER: tl.constexpr, RING: tl.constexpr):
+        BLOCK_LATER: tl.constexpr, RING: tl.constexpr, DV: tl.constexpr):
+    # DV > 0: values in the keys, only k is written (V_ptr / VC_ptr unused)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -446,18 +485,22 @@ def _kv_cache_attention_scatter_kernel(
     mask = write[:, None] & (offs_d < D)[None, :]
     src_t = offs_t[:, None].to(tl.int64)
     k = tl.load(K_ptr + b * stride_kb + h * stride_kh + src_t * stride_kt + offs_d[None, :], mask=mask)
-    v = tl.load(V_ptr + b * stride_vb + h * stride_vh + src_t * stride_vt + offs_d[None, :], mask=mask)
+    if DV == 0:
+        v = tl.load(V_ptr + b * stride_vb + h * stride_vh + src_t * stride_vt + offs_d[None, :], mask=mask)
     dst = b * stride_cb + h * stride_ch + pos[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
     tl.store(KC_ptr + dst, k, mask=mask)
-    tl.store(VC_ptr + dst, v, mask=mask)
+    if DV == 0:
+        tl.store(VC_ptr + dst, v, mask=mask)
     if BLOCK_DT > 0:  # the same for the head dim's second block (D > MAX_BLOCK_D)
         offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
         mask = write[:, None] & (offs_dt < D)[None, :]
         k = tl.load(K_ptr + b * stride_kb + h * stride_kh + src_t * stride_kt + offs_dt[None, :], mask=mask)
-        v = tl.load(V_ptr + b * stride_vb + h * stride_vh + src_t * stride_vt + offs_dt[None, :], mask=mask)
+        if DV == 0:
+            v = tl.load(V_ptr + b * stride_vb + h * stride_vh + src_t * stride_vt + offs_dt[None, :], mask=mask)
         dst = b * stride_cb + h * stride_ch + pos[:, None].to(tl.int64) * stride_cs + offs_dt[None, :]
         tl.store(KC_ptr + dst, k, mask=mask)
-        tl.store(VC_ptr + dst, v, mask=mask)
+        if DV == 0:
+            tl.store(VC_ptr + dst, v, mask=mask)
 
 
 @triton.jit
@@ -465,8 +508,11 @@ def _kv_cache_attention_prefill_kernel(
         Q_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Out_ptr, qk_scale, cap_log2, scale_over_cap, window, T, S, D, G,
         Hq, stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
         FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
+        DV: tl.constexpr):
     # BLOCK_DT > 0 (D > MAX_BLOCK_D): head-dim columns BLOCK_D.. are a second block (the "_t" tensors).
+    # DV > 0: values in the keys (VC_ptr unused), as in the decode kernel.
+    TAIL_VALUES: tl.constexpr = BLOCK_DT > 0 and (DV == 0 or DV > BLOCK_D)  # acc_t needed
     # The last (longest) query tiles first, so the short ones fill the tail of the grid.
     offs_m = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
@@ -492,7 +538,7 @@ def _kv_cache_attention_prefill_kernel(
         m_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32) + tl.load(Sinks_ptr + hq) * LOG2E_
         l_i = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    if BLOCK_DT > 0:
+    if TAIL_VALUES:
         acc_t = tl.zeros((BLOCK_M, BLOCK_DT), dtype=tl.float32)
     for n0 in range(tile_first, tile_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -504,29 +550,43 @@ def _kv_cache_attention_prefill_kernel(
         offs = rows + offs_d[None, :]
         kv_mask = in_range[:, None] & mask_d[None, :]
         k = tl.load(KC_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(VC_ptr + offs, mask=kv_mask, other=0.0)
+        if DV == 0:
+            v = tl.load(VC_ptr + offs, mask=kv_mask, other=0.0)
+        else:  # the key tile itself: its columns from DV on never reach the output
+            v = k
         if BLOCK_DT > 0:  # the same for the head dim's second block
             offs = rows + offs_dt[None, :]
             kv_mask = in_range[:, None] & mask_dt[None, :]
             k_t = tl.load(KC_ptr + offs, mask=kv_mask, other=0.0)
-            v_t = tl.load(VC_ptr + offs, mask=kv_mask, other=0.0)
+            if DV == 0:
+                v_t = tl.load(VC_ptr + offs, mask=kv_mask, other=0.0)
+            elif TAIL_VALUES:  # DV > BLOCK_D: the values reach into the tail
+                v_t = k_t
             s = _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
         else:
             s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
         allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])
                    & in_range[None, :])
-        if BLOCK_DT > 0:
+        if TAIL_VALUES:
             m_i, l_i, acc, acc_t = _online_softmax_step_split(s, allowed, v, v_t, m_i, l_i, acc, acc_t, FP32_DOT)
-        else:
+        else:  # one value block (values in the keys with DV <= BLOCK_D: a tail only adds to the scores)
             m_i, l_i, acc = _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_DOT)
     norm = tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows: zeros
     out = acc / norm
     rows = (b * Hq + hq) * T + offs_m
-    tl.store(Out_ptr + rows[:, None] * D + offs_d[None, :], out.to(Out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & mask_d[None, :])
-    if BLOCK_DT > 0:
-        tl.store(Out_ptr + rows[:, None] * D + offs_dt[None, :], (acc_t / norm).to(Out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & mask_dt[None, :])
+    if DV > 0:  # output rows of DV columns
+        out_d, out_mask_d = DV, offs_d < DV
+        if TAIL_VALUES:
+            out_mask_dt = offs_dt < DV
+    else:
+        out_d, out_mask_d = D, mask_d
+        if TAIL_VALUES:
+            out_mask_dt = mask_dt
+    tl.store(Out_ptr + rows[:, None] * out_d + offs_d[None, :], out.to(Out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & out_mask_d[None, :])
+    if TAIL_VALUES:
+        tl.store(Out_ptr + rows[:, None] * out_d + offs_dt[None, :], (acc_t / norm).to(Out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & out_mask_dt[None, :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -572,9 +632,16 @@ def _num_splits(tune: Tuning, num_sms: int, programs: int, S: int) -> int:
     return max(1, min(wanted, triton.cdiv(S, tune.min_split_len), tune.max_splits))
 
 
-def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp32_dot, tune, num_sms):
+def _v_strides(v: torch.Tensor, value_dim: int) -> tuple[int, int, int]:
+    """v's batch, head and token strides; with values in the keys, v is an empty placeholder that
+    no kernel addresses (any strides do)."""
+    return (0, 0, 0) if value_dim else (v.stride(0), v.stride(1), v.stride(2))
+
+
+def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp32_dot, tune, value_dim, num_sms):
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    Dv = out.shape[-1]
     G = Hq // Hkv
     block_d, block_dt = _head_blocks(D, MIN_DOT_DIM)
     block_n = tune.decode_block_n if block_d <= 128 else tune.decode_block_n // 2
@@ -583,7 +650,7 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp3
     num_splits = _num_splits(tune, num_sms, B * Hkv * num_m_blocks, S)
     block_t = triton.next_power_of_2(T)
     if num_splits > 1:  # per-split normalised outputs and log2-sum-exps, float32
-        o_part = torch.empty((B, Hq, T, num_splits, D), dtype=torch.float32, device=q.device)
+        o_part = torch.empty((B, Hq, T, num_splits, Dv), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((B, Hq, T, num_splits), dtype=torch.float32, device=q.device)
     else:
         o_part = lse_part = out  # never touched with a single split
@@ -591,15 +658,15 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp3
         q, k, v, k_cache, v_cache, positions, q if sinks is None else sinks, out, o_part, lse_part,
         *scoring.args, T, S, D, G, Hq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *_v_strides(v, value_dim), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT_LEN=tune.min_split_len, NUM_M_BLOCKS=num_m_blocks,
         FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, HAS_SINKS=sinks is not None, RING=ring, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DT=block_dt,
+        BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DT=block_dt, DV=value_dim,
         **_launch_options(q.dtype, tune, tune.decode_num_stages))
-    if num_splits > 1:
-        combine_block_d, combine_block_dt = _head_blocks(D)
+    if num_splits > 1:  # combines rows of the output's width, Dv
+        combine_block_d, combine_block_dt = _head_blocks(Dv)
         _kv_cache_attention_combine_kernel[(B * Hq * T,)](
-            positions, q if sinks is None else sinks, o_part, lse_part, out, scoring.window, T, S, D, Hq,
+            positions, q if sinks is None else sinks, o_part, lse_part, out, scoring.window, T, S, Dv, Hq,
             HAS_SINKS=sinks is not None, NUM_SPLITS=num_splits,
             MIN_SPLIT_LEN=tune.min_split_len, BLOCK_N=block_n, BLOCK_T=block_t,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits),
@@ -607,7 +674,7 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp3
             BLOCK_D=combine_block_d, BLOCK_DT=combine_block_dt, RING=ring, num_warps=tune.num_warps)
 
 
-def _prefill(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp32_dot, tune):
+def _prefill(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp32_dot, tune, value_dim):
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     block_d, block_dt = _head_blocks(D, MIN_DOT_DIM)
@@ -615,15 +682,15 @@ def _prefill(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     _kv_cache_attention_scatter_kernel[(triton.cdiv(T, tune.scatter_block_t), Hkv, B)](
         k, v, k_cache, v_cache, positions, T, S, D, k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), *cache_strides, BLOCK_T=tune.scatter_block_t,
+        *_v_strides(v, value_dim), *cache_strides, BLOCK_T=tune.scatter_block_t,
         BLOCK_D=scatter_block_d, BLOCK_DT=scatter_block_dt, BLOCK_LATER=SCATTER_BLOCK_LATER, RING=ring,
-        num_warps=tune.num_warps)
+        DV=value_dim, num_warps=tune.num_warps)
     block_n = tune.prefill_block_n if block_d <= 128 else tune.prefill_block_n // 2
     _kv_cache_attention_prefill_kernel[(triton.cdiv(T, tune.prefill_block_m), Hq, B)](
         q, k_cache, v_cache, positions, q if sinks is None else sinks, out, *scoring.args, T, S, D, Hq // Hkv, Hq,
         q.stride(0), q.stride(1), q.stride(2), *cache_strides, FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap,
         HAS_SINKS=sinks is not None, RING=ring,
-        BLOCK_M=tune.prefill_block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DT=block_dt,
+        BLOCK_M=tune.prefill_block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DT=block_dt, DV=value_dim,
         **_launch_options(q.dtype, tune))
 
 
@@ -643,12 +710,14 @@ class _Scoring(NamedTuple):
 
 def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float, tune: Tuning,
                              num_sms: int, window: int = 0, softcap: float = 0.0,
-                             sinks: torch.Tensor | None = None, ring: bool = False) -> torch.Tensor:
+                             sinks: torch.Tensor | None = None, ring: bool = False,
+                             value_dim: int = 0) -> torch.Tensor:
     """The Triton op's computation with the launch constants ``tune`` and an assumed SM count (for
     tuning: bench/bench_kv_tiles.py); inputs as ``kv_cache_attention_triton``'s."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)
     scoring = _Scoring.of(float(scale), int(window), float(softcap))
-    args = (q, k, v, k_cache, v_cache, positions, sinks, out, scoring, bool(ring), dot_in_fp32(q.dtype), tune)
+    args = (q, k, v, k_cache, v_cache, positions, sinks, out, scoring, bool(ring), dot_in_fp32(q.dtype), tune,
+            int(value_dim))
     with on_device(q):
         if q.shape[2] <= DECODE_MAX_T:
             _decode(*args, num_sms)
@@ -657,22 +726,28 @@ def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float,
     return out
 
 
+def _out_shape(q: torch.Tensor, value_dim: int) -> tuple[int, ...]:
+    return (*q.shape[:-1], value_dim or q.shape[-1])
+
+
 @torch.library.custom_op("gptfast_kernels::kv_cache_attention_triton", mutates_args=("k_cache", "v_cache"))
 def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0,
                               softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                              ring: bool = False) -> torch.Tensor:
+                              ring: bool = False, value_dim: int = 0) -> torch.Tensor:
     """q [B, Hq, T, D], k, v [B, Hkv, T, D] (any strides, stride(-1) == 1); k_cache, v_cache
     [B, Hkv, S, D] contiguous, written in place; positions [B, T] int64 contiguous, -1 = padding
     -> out [B, Hq, T, D] contiguous in q's dtype. window 0 / softcap 0: none (checked by the wrapper);
     sinks [Hq] float32 contiguous or None. ring: ring-buffer caches, position p in slot p % S
-    (window in 1..S and the span contract checked by the wrapper)."""
+    (window in 1..S and the span contract checked by the wrapper). value_dim Dv in 1..D: values in
+    the keys (the value of a slot is its key's first Dv numbers; v and v_cache are empty and never
+    touched; out [B, Hq, T, Dv]); 0: values in v / v_cache (value_dim checked by the wrapper)."""
     if q.numel() == 0:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)
     return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device, q.shape[-1]),
-                                    window, softcap, sinks, ring)
+                                    window, softcap, sinks, ring, value_dim)
 
 
 @kv_cache_attention_triton.register_fake
-def _(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None, ring=False):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+def _(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None, ring=False, value_dim=0):
+    return torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)

@@ -17,8 +17,9 @@ R, DR = MLA_DIMS["kv_lora_rank"], MLA_DIMS["qk_rope_head_dim"]
 @pytest.mark.parametrize("family", LATENT)
 def test_cache_holds_the_latent_transformers_caches(family):
     """Per token one row [c, k_rot]: transformers' DynamicCache keeps c (the normed latent) as the
-    layer's keys and k_rot (the rotated shared key) as its values; ours keeps their concatenation, in
-    the keys and again in the values, at each row's own positions (left padding: row 1 starts later)."""
+    layer's keys and k_rot (the rotated shared key) as its values; ours keeps their concatenation as the
+    keys, at each row's own positions (left padding: row 1 starts later), and no value buffer: the
+    kernel reads the values from the keys' first r numbers (c)."""
     model = tiny_model(family)
     patched = patched_copy(model, int8=False)
     ids, mask = ragged_prompts(2, 7, "left")
@@ -36,8 +37,8 @@ def test_cache_holds_the_latent_transformers_caches(family):
                 n = real.shape[1]
                 want = torch.cat([hf_cache.layers[i].keys, hf_cache.layers[i].values], dim=-1)[0, :, :n]
                 torch.testing.assert_close(layer.keys[row, :, :n], want, atol=2e-5, rtol=1e-4)
-                assert torch.equal(layer.values[row, :, :n], layer.keys[row, :, :n])
-    assert cache.geometry == ((1, R + DR),) * len(cache.layers)
+    assert cache.geometry == ((1, R + DR, R),) * len(cache.layers)
+    assert all(layer.value_dim == R and layer.values.numel() == 0 for layer in cache.layers)
 
 
 def test_kv_b_proj_stays_float_and_is_not_applied_per_step(monkeypatch):

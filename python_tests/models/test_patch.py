@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, BertConfig, DynamicCa
 
 import gptfast_kernels.models.attention as attention
 from gptfast_kernels.models.families import family_of
-from gptfast_kernels import Int8Linear, StaticKVCache, patch_model
+from gptfast_kernels import Int8Linear, StaticKVCache, ops, patch_model
 from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, MOE, PARALLEL_HYBRID, SOFTCAPPED, WINDOW, WINDOWED,
                                      WITH_SINKS, dequantized_copy, experts_per_token, patched_copy, ragged_prompts,
                                      tiny_config, tiny_model)
@@ -88,13 +88,13 @@ def test_explicit_position_ids_and_padding_rows():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
     calls = []
-    real = attention.kv_cache_attention
+    real = attention.run_kv_cache_attention  # what eager attention calls, once its inputs are checked
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("backend"))
-        return real(*args, **kwargs)
+    def counting(chosen, *args, **kwargs):
+        calls.append(chosen)
+        return real(chosen, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "kv_cache_attention", counting)
+    monkeypatch.setattr(attention, "run_kv_cache_attention", counting)
     patched = patched_copy(tiny_model(family, layers=3), int8=False)
     with torch.no_grad():
         cache = StaticKVCache(patched.config, 1, 8)
@@ -107,7 +107,7 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
         patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
         assert len(calls) == layers
         patched(torch.tensor([[6]]), past_key_values=cache)
-        assert len(calls) == 2 * layers and set(calls) == {"auto"}
+        assert len(calls) == 2 * layers and set(calls) == {"cpu"}  # "auto"'s pick on a CPU
 
 
 # Dense families only: a MoE router's top-k is discontinuous, so int8 noise upstream may send a token
@@ -143,13 +143,13 @@ def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, mon
     """Each layer's sliding window (or none, for global layers), Gemma 2's softcap and GPT-OSS's sinks
     reach kv_cache_attention; 12 decode steps past the window give the unpatched model's logits."""
     seen = []
-    real = attention.kv_cache_attention
+    real = attention.run_kv_cache_attention  # what eager attention calls, once its inputs are checked
 
-    def recording(*args, **kwargs):
-        seen.append((kwargs.get("window"), kwargs.get("softcap"), kwargs.get("sinks") is not None))
-        return real(*args, **kwargs)
+    def recording(chosen, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, *args):
+        seen.append((window, softcap, sinks is not None))
+        return real(chosen, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, *args)
 
-    monkeypatch.setattr(attention, "kv_cache_attention", recording)
+    monkeypatch.setattr(attention, "run_kv_cache_attention", recording)
     model = tiny_model(family)
     patched = patched_copy(model, int8=False)
     ids = torch.randint(2, 90, (2, 18), generator=torch.Generator().manual_seed(4))
@@ -208,13 +208,13 @@ def test_kv_sharing_layers_attend_over_their_source_layers_buffers(fused, monkey
     layer's buffers, and logits match transformers, also where transformers runs those layers for the
     kept queries alone (logits_to_keep=1 on a prompt) and then decodes from the cache."""
     kernel_caches = []
-    real = attention.kv_cache_attention
+    real = attention.run_kv_cache_attention  # what eager attention calls, once its inputs are checked
 
-    def recording(q, k, v, k_cache, v_cache, *args, **kwargs):
+    def recording(chosen, q, k, v, k_cache, *args):
         kernel_caches.append((q.shape[2], k_cache))
-        return real(q, k, v, k_cache, v_cache, *args, **kwargs)
+        return real(chosen, q, k, v, k_cache, *args)
 
-    monkeypatch.setattr(attention, "kv_cache_attention", recording)
+    monkeypatch.setattr(attention, "run_kv_cache_attention", recording)
     model = tiny_model("gemma4_text", layers=4)
     assert [layer.self_attn.is_kv_shared_layer for layer in model.model.layers] == [False, False, True, True]
     patched = patched_copy(model, int8=False, fused_attention=fused)
@@ -358,3 +358,39 @@ def test_a_cache_with_other_per_layer_geometry_is_refused():
                                                           r"1 x \(2, 16\), 1 x \(1, 32\), 2 x None"):
         patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
     assert cache.seq_lengths.tolist() == [0]
+
+
+def test_attention_checks_each_call_signature_once():
+    """The patched attention checks kv_cache_attention's inputs once per call signature and layer (they
+    cost more than a small model's kernel); a new shape is checked again, bad inputs still raise the
+    wrapper's errors, and the checked path computes what the wrapper does."""
+    model = tiny_model("llama")
+    patched = patched_copy(model, int8=False)
+    ids, _ = ragged_prompts(2, 9, "left")
+    cache = StaticKVCache(patched.config, 2, 16)
+    with torch.no_grad():
+        patched(ids[:, :6], past_key_values=cache)
+        signatures = [dict(layer.checked_calls) for layer in cache.layers]
+        assert all(len(s) == 1 and list(s.values()) == ["cpu"] for s in signatures), signatures
+        patched(ids[:, 6:7], past_key_values=cache)  # decode: T = 1, a new signature per layer
+        patched(ids[:, 7:8], past_key_values=cache)  # the same again: no new one
+        assert [len(layer.checked_calls) for layer in cache.layers] == [2] * len(cache.layers)
+
+    layer = StaticKVCache(patched.config, 2, 16).layers[0]
+    B, Hkv, D = 2, layer.num_heads, layer.head_dim
+    q, k, v = torch.randn(B, Hkv, 3, D), torch.randn(B, Hkv, 3, D), torch.randn(B, Hkv, 3, D)
+    positions = torch.tensor([[0, 1, 2], [4, 5, 6]])
+    first = attention._attend(layer, q, k, v, positions, None, None, None, None, False, "auto")
+    second = attention._attend(layer, q, k, v, positions, None, None, None, None, False, "auto")  # checked before
+    want = ops.kv_cache_attention(q, k, v, torch.zeros_like(layer.keys), torch.zeros_like(layer.values), positions,
+                                  backend="reference")
+    torch.testing.assert_close(first, want, **TOL)
+    torch.testing.assert_close(second, want, **TOL)
+    with pytest.raises(ValueError, match="v must have k's shape"):
+        attention._attend(layer, q, k, v[:, :, :2], positions, None, None, None, None, False, "auto")
+    with pytest.raises(ValueError, match="k must have q's dtype"):
+        attention._attend(layer, q, k.double(), v, positions, None, None, None, None, False, "auto")
+    with pytest.raises(ValueError, match="k_cache must have shape"):
+        wide = torch.randn(B, Hkv, 3, D + 1)
+        attention._attend(layer, wide, wide, wide, positions, None, None, None, None, False, "auto")
+    assert len(layer.checked_calls) == 1

@@ -19,8 +19,10 @@ GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwe
             "qwen3_moe": (2, 2, 16), "olmoe": (2, 2, 16), **{family: (2, 2, 16) for family in AUTO_CONFIGS},
             "opt": (2, 4, 16), "gpt_bigcode": (2, 1, 16), "persimmon": (2, 4, 16), "nemotron_h": (4, 2, 16),
             "lfm3": (3, 2, 16), "dbrx": (2, 2, 16), "gemma4_text": (4, 2, 16),
-            # multi-head latent attention: one "kv head" of the latent (32) and rotary key (8)
+            # multi-head latent attention: one "kv head" of the latent (32) and rotary key (8), whose first
+            # 32 numbers are the values (no value buffer)
             **{family: (2, 1, 40) for family in LATENT}}
+VALUE_DIM = {family: 32 for family in LATENT}
 # families whose layers differ: per layer (kv heads, head dim) of its buffers, None for a layer without
 # (Gemma 4's global layer 1 has its own; its layers 2 and 3 attend over layers 0's and 1's buffers)
 LAYER_GEOMETRY = {"gemma4_text": [(2, 16), (1, 32), None, None]}
@@ -42,12 +44,15 @@ def test_buffers_follow_the_config(family):
     both = len(recurrent) if family in PARALLEL_HYBRID else 0
     assert len(cache.attention_layers) == layers - len(recurrent) - len(cacheless) + both
     geometry = LAYER_GEOMETRY.get(family, [(kv_heads, head_dim)] * layers)
+    value_dim = VALUE_DIM.get(family)
     for layer, (kv_heads, head_dim) in zip(cache.attention_layers, [g for g in geometry if g is not None]):
-        assert layer.keys.shape == (3, kv_heads, 20, head_dim) == layer.values.shape
-        assert layer.keys.dtype == torch.bfloat16
+        assert layer.keys.shape == (3, kv_heads, 20, head_dim)
+        assert layer.values.shape == (3, kv_heads, 20, 0 if value_dim else head_dim)
+        assert layer.value_dim == value_dim and layer.keys.dtype == torch.bfloat16
     # the geometry a patched model checks is the buffers' own
-    assert cache.geometry == tuple((layer.keys.shape[1], layer.keys.shape[3]) if isinstance(layer, StaticKVLayer)
-                                   else None for layer in cache.layers)
+    assert cache.geometry == tuple(
+        ((layer.keys.shape[1], layer.keys.shape[3]) + ((layer.value_dim,) if layer.value_dim else ()))
+        if isinstance(layer, StaticKVLayer) else None for layer in cache.layers)
     assert cache.get_seq_length() == 0 and cache.get_max_length() == 20 and cache.batch_size == 3
     assert cache.is_compileable
 

@@ -43,16 +43,17 @@ def _int8_linear(dtype, M):
 MLA_HEADS = (16, 1)
 
 
-def _kv_cache_attention(dtype, T, D, S, window=0, heads=(32, 8)):
+def _kv_cache_attention(dtype, T, D, S, window=0, heads=(32, 8), value_dim=0):
     """window > 0: a ring buffer of S slots (ring=True) at positions past S, as a sliding layer's.
-    heads: (query heads, kv heads)."""
+    heads: (query heads, kv heads). value_dim > 0: values in the keys (v and v_cache empty)."""
     from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
     B, (Hq, Hkv) = 1, heads
     zeros = lambda *shape: torch.zeros(*shape, dtype=dtype)  # noqa: E731
     positions = torch.arange(T).expand(B, T).contiguous() + (3 * S if window else 0)
-    kv_cache_attention_triton(zeros(B, Hq, T, D), zeros(B, Hkv, T, D), zeros(B, Hkv, T, D), zeros(B, Hkv, S, D),
-                              zeros(B, Hkv, S, D), positions, D ** -0.5, window, 0.0, None, window > 0)
+    v, v_cache = (zeros(0), zeros(0)) if value_dim else (zeros(B, Hkv, T, D), zeros(B, Hkv, S, D))
+    kv_cache_attention_triton(zeros(B, Hq, T, D), zeros(B, Hkv, T, D), v, zeros(B, Hkv, S, D), v_cache, positions,
+                              D ** -0.5, window, 0.0, None, window > 0, value_dim)
 
 
 def _verify_draft(greedy, V):
@@ -95,6 +96,11 @@ CASES = {
     "kv-verify-fp32-d576": ((_kv_cache_attention, torch.float32, 5, 576, 4096, 0, MLA_HEADS), DECODE),
     "kv-prefill-fp32-d576": ((_kv_cache_attention, torch.float32, 37, 576, 512, 0, MLA_HEADS), PREFILL),
     "kv-prefill-bf16-d520": ((_kv_cache_attention, torch.bfloat16, 64, 520, 4096, 0, MLA_HEADS), PREFILL),
+    # ... and as MLA runs them: values in the keys, the latent (value_dim 512) before the 64-wide rope part
+    **{f"kv-{mode}-{name}-mla": ((_kv_cache_attention, dtype, T, 576, 4096, 0, MLA_HEADS, 512),
+                                 PREFILL if T > 16 else DECODE)
+       for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))
+       for mode, T in (("decode", 1), ("verify", 5), ("prefill", 64))},
     **{f"verify_draft-{mode}-V{V}": ((_verify_draft, mode == "greedy", V), ["_verify_draft_kernel"])
        for mode in ("greedy", "sampling") for V in (128256, 50257)},
 }
@@ -103,10 +109,12 @@ CASES = {
 # chosen for it. fp32 being the correctness path, its prefill keeps a small frame (about 100 bytes at
 # D = 512 / 576) and its verification a large one (ptxas allots 32 registers and about 4 KiB of
 # stack at D = 512 and 576 alike); D = 520 (not a multiple of 16: no vectorised, pipelined loads)
-# spills a little, as D = 500 does in the single-block tiles.
+# spills a little, as D = 500 does in the single-block tiles. Values in the keys read K tiles only and
+# keep no tail accumulator: MLA's kernels then need fewer registers and less shared memory still.
 SPILL_FREE = ("kv-decode-bf16-d512", "kv-verify-bf16-d512", "kv-decode-fp32-d512", "kv-prefill-bf16-d512",
               "kv-prefill-fp16-d320", "kv-decode-bf16-d576", "kv-verify-bf16-d576", "kv-decode-fp16-d576",
-              "kv-prefill-bf16-d576", "kv-decode-fp32-d576")
+              "kv-prefill-bf16-d576", "kv-decode-fp32-d576",
+              *(f"kv-{mode}-{name}-mla" for name in ("bf16", "fp16") for mode in ("decode", "verify", "prefill")))
 
 
 # -- the child: capture and compile ---------------------------------------------------------------

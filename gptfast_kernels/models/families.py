@@ -256,20 +256,18 @@ FAMILIES: dict[str, Family] = {
         Family("nanochat", "NanoChatAttention", "num_key_value_heads", "head_dim"),  # ungated, weightless norms
         Family("bitnet", "BitNetAttention", "num_key_value_heads", "head_dim"),  # norms inside attention and MLP
         # Phi-3 and GLM project gate / up as one Linear already (Phi-3 q / k / v too)
-        # multi-head latent attention (kv_b_proj stays float: its weight is read for the absorption)
+        # multi-head latent attention (kv_b_proj int8 too: its per-head weights absorbed, latent_attention.py)
         # (its router: an nn.Linear whose weight the model reads in transformers 5.8, a module of its own later)
         Family("deepseek_v2", "DeepseekV2Attention", None, None, "DeepseekV2MLP", experts_class="DeepseekV2Experts",
-               float_linears=("*.kv_b_proj", "*.mlp.gate"), latent_attention="complex"),
+               float_linears=("*.mlp.gate",), latent_attention="complex"),
         Family("deepseek_v3", "DeepseekV3Attention", None, None, "DeepseekV3MLP", experts_class="DeepseekV3Experts",
-               float_linears=("*.kv_b_proj",), latent_attention="cos_sin"),
+               latent_attention="cos_sin"),
         Family("glm4_moe_lite", "Glm4MoeLiteAttention", None, None, "Glm4MoeLiteMLP",
-               experts_class="Glm4MoeLiteExperts", float_linears=("*.kv_b_proj",), latent_attention="cos_sin"),
-        Family("minicpm3", "MiniCPM3Attention", None, None, "MiniCPM3MLP", float_linears=("*.kv_b_proj",),
-               latent_attention="cos_sin"),
-        Family("youtu", "YoutuAttention", None, None, "YoutuMLP", float_linears=("*.kv_b_proj",),
-               latent_attention="cos_sin"),
+               experts_class="Glm4MoeLiteExperts", latent_attention="cos_sin"),
+        Family("minicpm3", "MiniCPM3Attention", None, None, "MiniCPM3MLP", latent_attention="cos_sin"),
+        Family("youtu", "YoutuAttention", None, None, "YoutuMLP", latent_attention="cos_sin"),
         Family("axk1", "AXK1Attention", None, None, "AXK1MLP", experts_class="AXK1Experts",
-               float_linears=("*.kv_b_proj",), latent_attention="cos_sin"),
+               latent_attention="cos_sin"),
         Family("phi3", "Phi3Attention", "num_key_value_heads", None),
         Family("glm", "GlmAttention", "num_key_value_heads", "head_dim"),
         # plain (ungated) MLPs

@@ -16,6 +16,14 @@ as it runs any layer: it writes the new latents at the step's positions and atte
 are the keys' first r numbers, the latent c itself (the kernel's ``value_dim``), so the cache holds
 one [c, k_rot] row per token and layer, r + dr numbers, and no per-head keys or values.
 
+With int8 weights ``kv_b_proj`` is an Int8Linear like the other projections (quantized per output
+channel, i.e. per (head, row of W_k or W_v)), and both absorbed products run as one
+``int8_expert_linear`` call each, the head as the expert: per head, W_v [dv, r] is an int8 weight
+with its own per-row scales, and W_k [dn, r] is read transposed, [r, dn] (a copy made when the
+model is patched), its per-row scales then scaling the query's input features instead, in float32:
+q_nope diag(s) W_kq = q_nope W_k. The query and output of every head go through the int8 weights
+of their own head only, each read once per step, in int8.
+
 ``patch_model`` gives each MLA attention module this forward; called without a StaticKVCache it
 is transformers' own.
 """
@@ -28,6 +36,8 @@ import types
 import torch
 
 from gptfast_kernels.models import attention
+from gptfast_kernels.modules.int8_linear import Int8Linear
+from gptfast_kernels.ops.int8_expert_linear import int8_expert_linear
 
 # Family.latent_attention: how the family's code rotates q_rot / k_rot
 COMPLEX_ROPE = "complex"   # DeepSeek-V2: apply_rotary_emb(q, k, freqs_cis), position_embeddings complex
@@ -47,13 +57,39 @@ def patch_latent_attention_(model, attention_class: str, rope: str) -> int:
     for module in model.modules():
         if type(module).__name__ != attention_class:
             continue
-        if module.kv_b_proj.bias is not None or not isinstance(module.kv_b_proj, torch.nn.Linear):
-            raise ValueError(f"patch_model: {attention_class}.kv_b_proj must be a bias-free float nn.Linear, whose "
-                             "weight the absorbed attention reads")
+        kv_b_proj = module.kv_b_proj
+        if kv_b_proj.bias is not None or not isinstance(kv_b_proj, (torch.nn.Linear, Int8Linear)):
+            raise ValueError(f"patch_model: {attention_class}.kv_b_proj must be a bias-free nn.Linear (or its "
+                             "Int8Linear), whose weight the absorbed attention reads")
+        if isinstance(kv_b_proj, Int8Linear):
+            _absorb_int8_(module)
         module._gptfast_rope = rope
         module.forward = types.MethodType(latent_forward, module)
         patched += 1
     return patched
+
+
+def _absorb_int8_(module) -> None:
+    """The per-head int8 weights of an Int8Linear kv_b_proj ([H (dn + dv), r]), as buffers of the
+    attention module (not saved in its state dict): W_k transposed [H, r, dn] with unit scales, the
+    key rows' scales [H, dn] (they scale the query's features), W_v [H, dv, r] with its scales [H, dv]."""
+    H, dn, dv = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
+    qweight = module.kv_b_proj.qweight.view(H, dn + dv, -1)
+    scales = module.kv_b_proj.scales.to(torch.float32).view(H, dn + dv)
+    buffers = {"_gptfast_wk_t": qweight[:, :dn].transpose(1, 2), "_gptfast_wk_scales": scales[:, :dn],
+               "_gptfast_wk_ones": scales.new_ones(H, qweight.shape[-1]),
+               "_gptfast_wv": qweight[:, dn:], "_gptfast_wv_scales": scales[:, dn:]}
+    for name, value in buffers.items():
+        module.register_buffer(name, value.contiguous(), persistent=False)
+
+
+def _per_head(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """x [..., H, K] -> [..., H, N]: head h's rows through its int8 weight[h] [N, K] (int8_expert_linear,
+    the head as the expert; ``heads`` [H] = 0..H-1)."""
+    H, K = x.shape[-2:]
+    rows = x.reshape(-1, K)
+    experts = heads.repeat(rows.shape[0] // H)
+    return int8_expert_linear(rows, weight, scales, experts, check_experts=False).view(*x.shape[:-1], -1)
 
 
 def _rotate(module, q_rot: torch.Tensor, k_rot: torch.Tensor, position_embeddings):
@@ -88,14 +124,24 @@ def latent_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     kv_nope = self.kv_a_layernorm(kv_nope).view(B, 1, T, r)
     k_rot = k_rot.view(B, 1, T, self.qk_rope_head_dim)
     q_rot, k_rot = _rotate(self, q_rot, k_rot, kwargs["position_embeddings"])
-    # kv_b_proj's weight [H (dn + dv), r], per head its key rows then its value rows
-    weight = self.kv_b_proj.weight.view(H, dn + dv, r)
-    w_k, w_v = weight[:, :dn], weight[:, dn:]
-    query = torch.cat([torch.matmul(q_nope, w_k.to(q_nope.dtype)), q_rot], dim=-1)  # [B, H, T, r + dr]
-    latent = torch.cat([kv_nope, k_rot.to(kv_nope.dtype)], dim=-1)                  # [B, 1, T, r + dr]
+    int8 = isinstance(self.kv_b_proj, Int8Linear)
+    if int8:  # q_nope W_k per head: the key rows' scales scale q_nope's features (float32), then W_k^T in int8
+        heads = torch.arange(H, device=q_nope.device)
+        scaled = q_nope.transpose(1, 2).to(torch.float32) * self._gptfast_wk_scales  # [B, T, H, dn]
+        absorbed = _per_head(scaled, self._gptfast_wk_t, self._gptfast_wk_ones, heads)
+        absorbed = absorbed.to(q_nope.dtype).transpose(1, 2)                          # [B, H, T, r]
+    else:  # kv_b_proj's weight [H (dn + dv), r], per head its key rows then its value rows
+        weight = self.kv_b_proj.weight.view(H, dn + dv, r)
+        w_k, w_v = weight[:, :dn], weight[:, dn:]
+        absorbed = torch.matmul(q_nope, w_k.to(q_nope.dtype))                          # [B, H, T, r]
+    query = torch.cat([absorbed, q_rot], dim=-1)                                        # [B, H, T, r + dr]
+    latent = torch.cat([kv_nope, k_rot.to(kv_nope.dtype)], dim=-1)                    # [B, 1, T, r + dr]
     backend = "reference" if self.config._attn_implementation == attention.UNFUSED else "auto"
     # the cache's layer takes values in its keys: the output is over the latents' first r numbers alone
     out, _ = attention._cached_attention(self, query, latent, None, None, backend=backend, scaling=self.scaling,
-                                         gptfast_cache=cache)                      # [B, T, H, r]
-    out = torch.matmul(out.transpose(1, 2), w_v.transpose(1, 2).to(out.dtype))  # [B, H, T, dv]
-    return self.o_proj(out.transpose(1, 2).reshape(B, T, H * dv)), None
+                                         gptfast_cache=cache)                        # [B, T, H, r]
+    if int8:
+        out = _per_head(out, self._gptfast_wv, self._gptfast_wv_scales, heads)      # [B, T, H, dv]
+    else:
+        out = torch.matmul(out.transpose(1, 2), w_v.transpose(1, 2).to(out.dtype)).transpose(1, 2)
+    return self.o_proj(out.reshape(B, T, H * dv)), None

@@ -28,6 +28,9 @@ from gptfast_kernels.ops.kv_cache_attention import checked_backend, kv_cache_att
 
 FUSED = "gptfast_kernels"
 UNFUSED = "gptfast_kernels_unfused"
+# Call signatures a cache layer remembers as checked (see _attend): a decode loop has a few (prefill
+# lengths, T = 1, k + 1), a long-lived cache fed prompts of many lengths would collect one per length.
+MAX_CHECKED_SIGNATURES = 64
 
 
 def _plain_attention(query, key, value, attention_mask, scaling, softcap=None, sinks=None):
@@ -111,6 +114,8 @@ def _attend(layer, q, k, v, positions, scale, window, softcap, sinks, ring: bool
     if chosen is None:
         chosen = checked_backend(q, k, v, layer.keys, v_cache, positions, scale, window, softcap, sinks, ring,
                                  value_dim, backend)
+        if len(layer.checked_calls) >= MAX_CHECKED_SIGNATURES:  # prompts of ever new lengths: start afresh
+            layer.checked_calls.clear()
         layer.checked_calls[signature] = chosen
     return run_kv_cache_attention(chosen, q, k, v, layer.keys, v_cache, positions, scale, window, softcap,
                                   sinks, ring, value_dim)

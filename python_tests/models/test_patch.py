@@ -375,6 +375,12 @@ def test_attention_checks_each_call_signature_once():
         patched(ids[:, 6:7], past_key_values=cache)  # decode: T = 1, a new signature per layer
         patched(ids[:, 7:8], past_key_values=cache)  # the same again: no new one
         assert [len(layer.checked_calls) for layer in cache.layers] == [2] * len(cache.layers)
+        # a long-lived cache fed ever new shapes keeps at most MAX_CHECKED_SIGNATURES of them
+        long_lived = StaticKVCache(patched.config, 2, attention.MAX_CHECKED_SIGNATURES + 1)
+        for t in range(attention.MAX_CHECKED_SIGNATURES + 1):
+            long_lived.reset()
+            patched(torch.randint(2, 50, (2, t + 1)), past_key_values=long_lived)
+        assert [len(layer.checked_calls) for layer in long_lived.layers] == [1] * len(long_lived.layers)
 
     layer = StaticKVCache(patched.config, 2, 16).layers[0]
     B, Hkv, D = 2, layer.num_heads, layer.head_dim

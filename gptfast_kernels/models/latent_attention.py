@@ -72,23 +72,23 @@ def patch_latent_attention_(model, attention_class: str, rope: str) -> int:
 def _absorb_int8_(module) -> None:
     """The per-head int8 weights of an Int8Linear kv_b_proj ([H (dn + dv), r]), as buffers of the
     attention module (not saved in its state dict): W_k transposed [H, r, dn] with unit scales, the
-    key rows' scales [H, dn] (they scale the query's features), W_v [H, dv, r] with its scales [H, dv]."""
+    key rows' scales [H, dn] (they scale the query's features), W_v [H, dv, r] with its scales [H, dv],
+    and the head indices 0..H-1 (the experts of one token's H rows)."""
     H, dn, dv = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
     qweight = module.kv_b_proj.qweight.view(H, dn + dv, -1)
     scales = module.kv_b_proj.scales.to(torch.float32).view(H, dn + dv)
     buffers = {"_gptfast_wk_t": qweight[:, :dn].transpose(1, 2), "_gptfast_wk_scales": scales[:, :dn],
                "_gptfast_wk_ones": scales.new_ones(H, qweight.shape[-1]),
-               "_gptfast_wv": qweight[:, dn:], "_gptfast_wv_scales": scales[:, dn:]}
+               "_gptfast_wv": qweight[:, dn:], "_gptfast_wv_scales": scales[:, dn:],
+               "_gptfast_heads": torch.arange(H, device=qweight.device)}
     for name, value in buffers.items():
         module.register_buffer(name, value.contiguous(), persistent=False)
 
 
-def _per_head(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-    """x [..., H, K] -> [..., H, N]: head h's rows through its int8 weight[h] [N, K] (int8_expert_linear,
-    the head as the expert; ``heads`` [H] = 0..H-1)."""
-    H, K = x.shape[-2:]
-    rows = x.reshape(-1, K)
-    experts = heads.repeat(rows.shape[0] // H)
+def _per_head(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, K] -> [B, T, H, N]: head h's rows through its int8 weight[h] [N, K] (int8_expert_linear,
+    the head as the expert: ``experts`` [B T H] = 0..H-1 per token)."""
+    rows = x.reshape(-1, x.shape[-1])
     return int8_expert_linear(rows, weight, scales, experts, check_experts=False).view(*x.shape[:-1], -1)
 
 
@@ -126,9 +126,9 @@ def latent_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     q_rot, k_rot = _rotate(self, q_rot, k_rot, kwargs["position_embeddings"])
     int8 = isinstance(self.kv_b_proj, Int8Linear)
     if int8:  # q_nope W_k per head: the key rows' scales scale q_nope's features (float32), then W_k^T in int8
-        heads = torch.arange(H, device=q_nope.device)
+        experts = self._gptfast_heads.repeat(B * T)  # rows (token, head) of both products
         scaled = q_nope.transpose(1, 2).to(torch.float32) * self._gptfast_wk_scales  # [B, T, H, dn]
-        absorbed = _per_head(scaled, self._gptfast_wk_t, self._gptfast_wk_ones, heads)
+        absorbed = _per_head(scaled, self._gptfast_wk_t, self._gptfast_wk_ones, experts)
         absorbed = absorbed.to(q_nope.dtype).transpose(1, 2)                          # [B, H, T, r]
     else:  # kv_b_proj's weight [H (dn + dv), r], per head its key rows then its value rows
         weight = self.kv_b_proj.weight.view(H, dn + dv, r)
@@ -141,7 +141,7 @@ def latent_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     out, _ = attention._cached_attention(self, query, latent, None, None, backend=backend, scaling=self.scaling,
                                          gptfast_cache=cache)                        # [B, T, H, r]
     if int8:
-        out = _per_head(out, self._gptfast_wv, self._gptfast_wv_scales, heads)      # [B, T, H, dv]
+        out = _per_head(out, self._gptfast_wv, self._gptfast_wv_scales, experts)    # [B, T, H, dv]
     else:
         out = torch.matmul(out.transpose(1, 2), w_v.transpose(1, 2).to(out.dtype)).transpose(1, 2)
     return self.o_proj(out.reshape(B, T, H * dv)), None

@@ -198,8 +198,8 @@ class StaticKVCache(Cache):
                                    dtype=dtype)
 
         kinds = layer_kinds(config)
-        # per layer, the (kv heads, head dim) of its buffers, None for a layer without (a recurrent one, or a
-        # "shared" layer, which attends over the keys and values of the layer kv_sources names)
+        # per layer, the (kv heads, head dim[, value dim]) of its buffers, None for a layer without (a recurrent
+        # one, or a "shared" layer, which attends over the keys and values of the layer kv_sources names)
         self.geometry = self.geometry_of(config)
         layers = [LinearAttentionLayer() if kind == "recurrent" else NoCacheLayer() if geometry is None
                   else attention_layer(kind, window, *geometry)
@@ -242,7 +242,8 @@ class StaticKVCache(Cache):
     @staticmethod
     def geometry_of(config) -> tuple:
         """Per decoder layer of ``config``: (kv heads, head dim) of the key / value buffers a
-        StaticKVCache holds there, None for a layer without; a cache's ``geometry`` (a patched model
+        StaticKVCache holds there (and the value dim, for a layer whose values are its keys' first
+        numbers: layer_geometry), None for a layer without; a cache's ``geometry`` (a patched model
         checks the cache it is given against its config's)."""
         return tuple(geometry if kind in ("attention", "both") else None
                      for kind, geometry in zip(layer_kinds(config), layer_geometry(config)))
@@ -337,8 +338,10 @@ class StaticKVCache(Cache):
         if layer_idx == self._first_attention or self._step_positions is None:  # a new forward (a failed one dropped)
             self.plan_step(key_states.shape[-2], fused=False)  # (refuses a cache with ring buffers)
         layer = self.layers[layer_idx]
-        if (key_states.shape[1::2] != (layer.num_heads, layer.head_dim) or value_states.shape != key_states.shape
-                or layer.value_dim is not None):
+        # the new states must fit the layer's own buffers (a layer whose values are in its keys has an empty
+        # value buffer, which no value states fit)
+        if (key_states.shape[1::2] != layer.keys.shape[1::2] or value_states.shape[1::2] != layer.values.shape[1::2]
+                or value_states.shape != key_states.shape):
             # (multi-head latent attention hands transformers' caches its latent and rotary key apart)
             raise ValueError(f"StaticKVCache: layer {layer_idx} holds keys / values of {layer.num_heads} heads x "
                              f"{layer.head_dim}, but the model updates it with keys {list(key_states.shape)} and "

@@ -23,6 +23,8 @@ INIT_RANGE = 0.1
 # tiny models) are capped at 1, so the tanh changes every one of them.
 WINDOW = 4
 ATTENTION_SOFTCAP = 1.0
+# Llama 4's attention chunks (attention_chunk_size), shorter than the tests' prompts as WINDOW is
+CHUNK = 4
 
 
 def alternating_layers(layers: int) -> list[str]:
@@ -192,6 +194,13 @@ AUTO_CONFIGS = {
     "axk1": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS),
     "minicpm3": lambda layers: dict(**MLA_DIMS),
     "youtu": lambda layers: dict(**MLA_DIMS),
+    # Llama 4: layer 0 chunked attention with RoPE (chunks of CHUNK tokens, shorter than the tests'
+    # prompts) and a dense MLP, layer 1 full attention without RoPE, its queries scaled from position
+    # floor_scale - 1 on, and top-1 experts on router-scaled inputs beside a shared expert
+    "llama4_text": lambda layers: dict(intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,
+                                       num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=CHUNK,
+                                       no_rope_layers=[int(i % 2 == 0) for i in range(layers)], floor_scale=4,
+                                       attn_scale=0.1),
     # attention sinks, local / global layers, experts that stay float
     "gpt_oss": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                    layer_types=alternating_layers(layers)),
@@ -325,7 +334,7 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
        "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
        "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe", "gemma4_text", "deepseek_v3",
-       "deepseek_v2", "glm4_moe_lite", "axk1")
+       "deepseek_v2", "glm4_moe_lite", "axk1", "llama4_text")
 # families with multi-head latent attention (their caches hold one latent per token)
 LATENT = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "minicpm3", "youtu")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
@@ -340,6 +349,10 @@ PARALLEL_HYBRID = ("falcon_h1",)
 # families whose tiny configs soft-cap attention scores (ATTENTION_SOFTCAP) or have attention sinks
 SOFTCAPPED = ("gemma2", "vaultgemma")
 WITH_SINKS = ("gpt_oss", "granitemoe_swa", "granite_swa", "flint")
+# families whose transformers models take some position-dependent quantity from a token's index in the
+# padded batch rather than its position (Llama 4's query temperature on NoPE layers): against them, rows
+# are padded on the right, where the two agree
+INDEX_POSITIONED = ("llama4_text",)
 # families whose MLP has separate gate / up projections and whose attention separate q / k / v ones
 SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite",
                         "cohere", "olmo", "helium", "smollm3")
@@ -418,6 +431,9 @@ def dequantized_copy(model):
             mlp, E = module.mlp, module.num_experts
             mlp.w1.data, mlp.v1.data = rounded(mlp.w1.data), rounded(mlp.v1.data)  # rows: output channels
             mlp.w2.data = rounded_experts(mlp.w2.data.view(E, -1, mlp.w2.shape[1]), True).reshape(mlp.w2.shape)
+        elif type(module).__name__ == "Llama4TextExperts":  # [E, H, 2I] / [E, I, H]: inputs first (Int8Llama4Moe)
+            module.gate_up_proj.data = rounded_experts(module.gate_up_proj.data, True)
+            module.down_proj.data = rounded_experts(module.down_proj.data, True)
         elif type(module).__name__ in experts and Int8Experts.supports(module):  # what patch_model makes int8
             transposed = getattr(module, "is_transposed", False)  # biases stay float, as in Int8Experts
             first = module.gate_up_proj if getattr(module, "has_gate", True) else module.up_proj  # ungated: up

@@ -60,9 +60,12 @@ def _plain_attention(query, key, value, attention_mask, scaling, softcap=None, s
 
 def _cached_attention(module, query, key, value, attention_mask, *, backend: str, scaling=None, dropout=0.0,
                       sliding_window: int | None = None, softcap: float | None = None,
-                      s_aux: torch.Tensor | None = None, gptfast_cache: StaticKVCache | None = None, **kwargs):
+                      s_aux: torch.Tensor | None = None, attention_chunk_size: int | None = None,
+                      gptfast_cache: StaticKVCache | None = None, **kwargs):
     """transformers attention-function signature; q [B, Hq, T, D], k / v [B, Hkv, T, D] (the new
-    tokens only, when a StaticKVCache is active) -> ([B, T, Hq, D], None)."""
+    tokens only, when a StaticKVCache is active) -> ([B, T, Hq, D], None). ``attention_chunk_size``
+    (Llama 4's chunked layers: passed by models/llama4.py with a StaticKVCache only) becomes the
+    kernel's ``chunk_size``."""
     if gptfast_cache is None:
         if softcap is not None or s_aux is not None:
             if dropout:
@@ -87,8 +90,10 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
         raise ValueError(f"StaticKVCache: layer {module.layer_idx}'s ring buffer was sized for a sliding window of "
                          f"{layer.ring_window} (the config's), but the layer attends with window {sliding_window}")
     dtype = layer.keys.dtype
+    # chunks as long as the layer's buffers never cut one: every position is in the first chunk
+    chunk = attention_chunk_size if attention_chunk_size and attention_chunk_size < layer.keys.shape[2] else None
     out = _attend(layer, query.to(dtype), key.to(dtype), None if layer.value_dim else value.to(dtype), positions,
-                  scaling, sliding_window, softcap, s_aux, ring, backend)
+                  scaling, sliding_window, softcap, s_aux, ring, backend, chunk)
     # [B, T, Hq, D] contiguous, as transformers' attention functions return it (AFMoE .view()s it); for
     # T = 1 the transpose is contiguous already and this copies nothing
     return out.to(query.dtype).transpose(1, 2).contiguous(), None

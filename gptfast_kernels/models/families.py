@@ -93,6 +93,9 @@ class Family:
     # multi-head latent attention (DeepSeek-V2 / V3 ...): how the family's code rotates its keys
     # (latent_attention.ROPES); its attention modules get the absorbed forward, its cache holds latents
     latent_attention: str | None = None
+    # a family whose modules get forwards of ours beyond the attention function (models/<name>.py):
+    # "llama4" (chunked attention, per-row query temperature, experts on router-scaled inputs)
+    own_forwards: str | None = None
 
     def layer_kinds(self, config) -> list[str]:
         """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /
@@ -268,6 +271,10 @@ FAMILIES: dict[str, Family] = {
         Family("youtu", "YoutuAttention", None, None, "YoutuMLP", latent_attention="cos_sin"),
         Family("axk1", "AXK1Attention", None, None, "AXK1MLP", experts_class="AXK1Experts",
                latent_attention="cos_sin"),
+        # chunked attention on its RoPE layers, query temperature on its NoPE layers, top-1 experts on
+        # router-scaled inputs beside a shared expert (models/llama4.py)
+        Family("llama4_text", "Llama4TextAttention", "num_key_value_heads", "head_dim", "Llama4TextMLP",
+               experts_class="Llama4TextExperts", own_forwards="llama4"),
         Family("phi3", "Phi3Attention", "num_key_value_heads", None),
         Family("glm", "GlmAttention", "num_key_value_heads", "head_dim"),
         # plain (ungated) MLPs

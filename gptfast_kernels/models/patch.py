@@ -9,11 +9,15 @@ from torch import nn
 from gptfast_kernels.models import attention
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels.models.latent_attention import patch_latent_attention_
+from gptfast_kernels.models.llama4 import patch_llama4_
 from gptfast_kernels.modules.fused_qkv import fuse_qkv_
 from gptfast_kernels.modules.gated_mlp import fuse_gated_mlps_
 from gptfast_kernels.modules.int8_experts import quantize_experts_
 from gptfast_kernels.modules.int8_linear import quantize_int8_
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
+
+# Family.own_forwards: what patches such a family's modules, given the model and whether int8
+OWN_FORWARDS = {"llama4": patch_llama4_}
 
 
 def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = True,
@@ -40,6 +44,9 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class)
         fuse_qkv_(model, family.attention_class)
+    if family.own_forwards:  # (with int8, after the int8 pass above: it may take the int8 modules in)
+        OWN_FORWARDS[family.own_forwards](model, int8)
+    if int8:
         has_experts = any(type(m).__name__ in family.experts_classes for m in model.modules())
         if has_experts and quantize_experts_(model, family.experts_classes) == 0:
             warnings.warn(f"patch_model: this {family.model_type} model's experts keep their float weights: "

@@ -23,7 +23,9 @@ class Int8GatedMLP(nn.Module):
 
     @classmethod
     def from_mlp(cls, mlp: nn.Module) -> "Int8GatedMLP":
-        return cls(Int8Linear.concat([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, mlp.act_fn)
+        # the activation is act_fn in most families' MLPs, activation_fn in Phi-3-derived ones (Llama 4's)
+        act_fn = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn
+        return cls(Int8Linear.concat([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, act_fn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

@@ -30,7 +30,7 @@ from gptfast_kernels.ops.int8_linear import int8_linear, quantize_int8
 GROUPED_MIN_ROWS = 64
 
 
-def _quantize_experts(weight: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_expert_weights(weight: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, N, K] float ([E, K, N] if ``transposed``) -> (qweight [E, N, K] int8, scales [E, N]
     float32), per output channel."""
     if transposed:
@@ -143,31 +143,34 @@ class Int8Experts(nn.Module):
                             "down_proj weights (with both biases if any) and a gating Int8Experts can run")
         if _has_glu_weights(module):
             gate_up, down, act_fn = _glu_weights(module)
-            return cls(_quantize_experts(gate_up, False), _quantize_experts(down, False), HalvesGating(act_fn))
+            return cls(quantize_expert_weights(gate_up, False), quantize_expert_weights(down, False), HalvesGating(act_fn))
         transposed = getattr(module, "is_transposed", False)
         first = _first_projection(module)
         biases = ((getattr(module, f"{first}_bias").detach(), module.down_proj_bias.detach())
                   if getattr(module, "has_bias", False) else (None, None))
-        return cls(_quantize_experts(getattr(module, first), transposed),
-                   _quantize_experts(module.down_proj, transposed), ExpertsGating(module), *biases)
+        return cls(quantize_expert_weights(getattr(module, first), transposed),
+                   quantize_expert_weights(module.down_proj, transposed), ExpertsGating(module), *biases)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden_states [tokens, H] (or [..., H]: DBRX's are [B, T, H]), top_k_index / top_k_weights
         [tokens, k] -> [tokens, H] (hidden_states' shape)."""
         tokens, top_k = top_k_index.shape
-        experts = top_k_index.reshape(-1)
         # row t * k + j: token t, its j-th expert
         rows = hidden_states.reshape(tokens, -1).repeat_interleave(top_k, dim=0)
-        if rows.shape[0] >= GROUPED_MIN_ROWS and not is_tracing():
-            out = self._grouped(rows, experts)
-        else:
-            gate_up = int8_expert_linear(rows, self.gate_up_qweight, self.gate_up_scales, experts, self.gate_up_bias,
-                                         check_experts=False)  # router ids: valid by construction
-            out = int8_expert_linear(self.gating(gate_up), self.down_qweight, self.down_scales, experts, self.down_bias,
-                                     check_experts=False)
+        out = self.run(rows, top_k_index.reshape(-1))
         weighted = out.float() * top_k_weights.reshape(-1, 1).float()
         return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype).view(hidden_states.shape)
+
+    def run(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """rows [n, H], experts [n] (router ids, valid by construction: not checked) -> [n, H]: each
+        row through its expert, unweighted."""
+        if rows.shape[0] >= GROUPED_MIN_ROWS and not is_tracing():
+            return self._grouped(rows, experts)
+        gate_up = int8_expert_linear(rows, self.gate_up_qweight, self.gate_up_scales, experts, self.gate_up_bias,
+                                     check_experts=False)
+        return int8_expert_linear(self.gating(gate_up), self.down_qweight, self.down_scales, experts, self.down_bias,
+                                  check_experts=False)
 
     def _grouped(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Eager prompt path: each chosen expert's rows through the tiled int8_linear kernels."""

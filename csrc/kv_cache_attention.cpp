@@ -4,7 +4,9 @@
 //   for (b, t) with positions[b, t] >= 0:  k_cache[b, :, positions[b, t]] = k[b, :, t]  (same for v)
 //   out[b, h, t] = softmax(cap(scale * q[b, h, t] . k_cache[b, h / G, first..positions[b, t]])) @ v_cache[...]
 //   out[b, h, t] = 0 where positions[b, t] < 0 (padding)
-// first = 0, or positions[b, t] - window + 1 (at least 0) with a sliding window (window > 0);
+// first = 0, or positions[b, t] - window + 1 (at least 0) with a sliding window (window > 0), or
+// with chunked attention (chunk_size = C > 0, Llama 4) the start of the query's chunk of C positions,
+// positions[b, t] - positions[b, t] % C;
 // cap(s) = s, or softcap * tanh(s / softcap) when softcap > 0 (Gemma 2's logit soft-capping).
 // With sinks [Hq] (GPT-OSS), head h's softmax has one more logit, sinks[h], attending to nothing.
 // With ring = true the caches are ring buffers (a sliding-window layer's, S >= window slots):
@@ -85,14 +87,19 @@ void scatter_new_tokens(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
   });
 }
 
-// First slot a query at `pos` sees: the window's start, or 0 without a window (window == 0).
-inline int64_t first_slot(int64_t pos, int64_t window) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+// First slot a query at `pos` (>= 0) sees: the window's start, its chunk's start, or 0 with neither
+// (window == chunk == 0; the two never come together).
+inline int64_t first_slot(int64_t pos, int64_t window, int64_t chunk) {
+  if (window > 0) return std::max<int64_t>(0, pos - window + 1);
+  return chunk > 0 ? pos - pos % chunk : 0;
+}
 
 // values: v_cache, or k_cache itself with values in keys (its rows' first Dv numbers; Dv = out's
 // head dim, D otherwise).
 template <typename scalar_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& values, const int64_t* positions,
-            double scale, int64_t window, double softcap, const float* sinks, bool ring, at::Tensor& out) {
+            double scale, int64_t window, int64_t chunk, double softcap, const float* sinks, bool ring,
+            at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Dv = out.size(3);
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2), G = Hq / Hkv;
   const Strides4 qs(q);
@@ -128,7 +135,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& va
       const scalar_t* k_head = kc + (b * Hkv + h) * S * D;
       const scalar_t* v_head = vc + (b * Hkv + h) * S * D;
       const int64_t length = pos + 1;  // positions first..pos inclusive
-      for (int64_t s0 = first_slot(pos, window); s0 < length; s0 += SLOT_BLOCK) {
+      for (int64_t s0 = first_slot(pos, window, chunk); s0 < length; s0 += SLOT_BLOCK) {
         const int64_t n = std::min(SLOT_BLOCK, length - s0);
         // slots of positions s0 .. s0 + n - 1: one remainder per block in a ring, wrapping after
         for (int64_t j = 0, slot = slot_of(s0, S, ring); j < n; ++j, slot = slot + 1 == S ? 0 : slot + 1) {
@@ -203,10 +210,15 @@ void check_ring_positions(const int64_t* pos, int64_t B, int64_t T, int64_t S, i
 int64_t check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& k_cache, const at::Tensor& v_cache,
                                         const at::Tensor& positions, int64_t window, double softcap,
-                                        const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim) {
+                                        const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim,
+                                        int64_t chunk_size) {
   constexpr const char* op = "kv_cache_attention";
   const bool values_in_keys = value_dim != 0;
   TORCH_CHECK(window >= 0 && window <= INT32_MAX, op, ": window must be in 0..2^31 - 1 (0: no window), got ", window);
+  TORCH_CHECK(chunk_size >= 0 && chunk_size <= INT32_MAX, op,
+              ": chunk_size must be in 0..2^31 - 1 (0: no chunking), got ", chunk_size);
+  TORCH_CHECK(chunk_size == 0 || (window == 0 && !ring), op, ": chunk_size (chunked attention) cannot be combined "
+              "with a window or ring=True; got chunk_size ", chunk_size, ", window ", window, ", ring ", ring);
   TORCH_CHECK(!ring || (window > 0 && k_cache.dim() == 4 && window <= k_cache.size(2)), op,
               ": ring=True (a ring-buffer cache) needs a window in 1..S, the cache's slots; got window ", window,
               " for k_cache ", k_cache.sizes());
@@ -266,13 +278,15 @@ int64_t check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k
 // q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] contiguous (written in
 // place); positions [B, T] int64 contiguous, -1 = padding -> out [B, Hq, T, D] contiguous. With
 // value_dim > 0: v, v_cache empty, values in k_cache's first value_dim numbers, out [B, Hq, T, value_dim].
+// chunk_size > 0: chunked attention (see first_slot).
 at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
                                   double scale, int64_t window, double softcap,
-                                  const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim) {
+                                  const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim,
+                                  int64_t chunk_size) {
   constexpr const char* op = "kv_cache_attention";
-  const int64_t Dv =
-      check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks, ring, value_dim);
+  const int64_t Dv = check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks,
+                                                     ring, value_dim, chunk_size);
   const bool values_in_keys = value_dim > 0;
   const int64_t S = k_cache.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -288,7 +302,7 @@ at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
   if (q.numel() == 0) return out;
   GPTFAST_DISPATCH_FLOAT_HALF_BF16(q.scalar_type(), "kv_cache_attention_cpu", [&] {
     scatter_new_tokens<scalar_t>(k, v, k_cache, v_cache, pos, ring, values_in_keys);
-    attend<scalar_t>(q, k_cache, values_in_keys ? k_cache : v_cache, pos, scale, window, softcap,
+    attend<scalar_t>(q, k_cache, values_in_keys ? k_cache : v_cache, pos, scale, window, chunk_size, softcap,
                      sinks.has_value() ? sinks->data_ptr<float>() : nullptr, ring, out);
   });
   return out;
@@ -297,7 +311,7 @@ at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
 TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
   m.def("kv_cache_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor positions, float scale, int window=0, float softcap=0.0, Tensor? sinks=None, bool ring=False, "
-        "int value_dim=0) -> Tensor");
+        "int value_dim=0, int chunk_size=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gptfast_kernels, CPU, m) {

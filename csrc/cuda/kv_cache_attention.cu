@@ -10,6 +10,7 @@ using namespace kv_attention;
 // contiguous, written in place; positions [B, T] int64 -> out [B, Hq, T, D] contiguous.
 // value_dim = Dv > 0 (values in the keys): v and v_cache are empty and never touched; the kernels'
 // V sources are k and k_cache themselves (rows of D, the first Dv read), and out is [B, Hq, T, Dv].
+// chunk_size = C > 0: a query at p sees p - p % C .. p (Scoring::first_slot).
 // No host synchronisation: position values are never read on the host, so the op is capturable;
 // out-of-range positions are treated as padding by the kernels. ring: the caches are ring buffers
 // (position p in slot p % S); the caller's span contract on positions is not checked here (that
@@ -17,10 +18,11 @@ using namespace kv_attention;
 at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
                                    double scale, int64_t window, double softcap,
-                                   const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim) {
+                                   const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim,
+                                   int64_t chunk_size) {
   constexpr const char* op = "kv_cache_attention";
-  const int64_t Dv =
-      check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks, ring, value_dim);
+  const int64_t Dv = check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks,
+                                                     ring, value_dim, chunk_size);
   const bool values_in_keys = value_dim > 0;
   // The tensors the values are read from (v may then be an empty tensor of any rank: no strides)
   const at::Tensor& values = values_in_keys ? k : v;
@@ -53,6 +55,7 @@ at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, con
     p.score.cap_log2 = static_cast<float>(softcap * LOG2_E);
     p.score.scale_over_cap = softcap > 0 ? static_cast<float>(scale / softcap) : 0.f;
     p.score.window = static_cast<int>(window);  // checked: fits int
+    p.score.chunk = static_cast<int>(chunk_size);  // checked: fits int, and never with a window or ring
     // 16-byte global vectors need aligned rows: every base pointer and row stride a multiple of them
     // (with values in the keys k's and k_cache's alone; Dv need not be a multiple, see load_vec).
     const int64_t vec = VEC<scalar_t>;

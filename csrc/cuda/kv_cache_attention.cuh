@@ -3,7 +3,8 @@
 //   for (b, t) with 0 <= positions[b, t] < S:  k_cache[b, :, positions[b, t]] = k[b, :, t]  (same for v)
 //   out[b, h, t] = softmax(cap(scale * q[b, h, t] . k_cache[b, h / G, first..positions[b, t]])) @ v_cache[...]
 //   out[b, h, t] = 0 where the position is outside [0, S) (padding, or a bad value under capture)
-// first = 0, or the start of a sliding window; cap = soft-capping when asked for (see Scoring);
+// first = 0, the start of a sliding window, or of the query's chunk (chunked attention, Llama 4); cap =
+// soft-capping when asked for (see Scoring);
 // with sinks [Hq] (GPT-OSS) each head's softmax has one more logit that attends to nothing.
 // Ring mode (ring = true, a sliding-window layer's ring buffer, window <= S): position p lives in
 // slot p % S for the scatter and every read; positions 0 .. 2^31 - 2 are valid. A block works in
@@ -213,12 +214,18 @@ struct Scoring {
   float cap_log2;        // softcap * log2(e); 0: no soft-capping
   float scale_over_cap;  // scale / softcap
   int window;            // a query at pos sees positions pos - window + 1 .. pos; 0: all of 0 .. pos
+  int chunk;             // chunked attention (Llama 4): pos - pos % chunk .. pos; 0: none (never with a window)
   // log2-domain score: scale * dot, or softcap * tanh(scale * dot / softcap) (Gemma 2).
   __device__ __forceinline__ float operator()(float dot) const {
     return cap_log2 > 0.f ? cap_log2 * accurate_tanh(dot * scale_over_cap) : dot * scale_log2;
   }
-  // First position a query at pos (>= -1) sees; no overflow for any int pos >= -1 and window >= 0.
-  __device__ __forceinline__ int first_slot(int pos) const { return window > 0 ? max(0, pos - window + 1) : 0; }
+  // First position a query at pos (>= -1) sees; no overflow for any int pos >= -1 and window, chunk >= 0
+  // (pos = -1: -1 % chunk = -1, so 0). At most pos and non-decreasing in pos: all that the spans and
+  // splits cut from a row's or a tile's positions (slot_span) rely on.
+  __device__ __forceinline__ int first_slot(int pos) const {
+    if (window > 0) return max(0, pos - window + 1);
+    return chunk > 0 ? pos - pos % chunk : 0;
+  }
 };
 
 // Everything the kernels need; strides in elements, int64 (B * H * T * D can pass 2^31).
@@ -312,7 +319,7 @@ __device__ __forceinline__ int pv_slot_lanes(int items) {
 // Online softmax of `rows` query rows over positions [lo, hi) (kv maps them to cache rows), one K/V
 // tile at a time. On entry q, pos, acc (0), m (-inf), l (0) are set and the block synchronised; on
 // exit acc / m / l hold the unnormalised result (log2 domain), synchronised. A (row, slot) pair that the row must not
-// see (past its position, or before its window) is never computed, so stale or non-finite values
+// see (past its position, or before its window or chunk) is never computed, so stale or non-finite values
 // there cannot leak in. Keys are D wide (rows of dp in shared memory), values Dv (rows of dvp).
 template <typename T, bool GVEC, typename KvSource>
 __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int D, int dvp, int Dv, int lo, int hi,
@@ -456,10 +463,11 @@ __device__ __forceinline__ int2 slot_span(int rows, const PosOf& pos_of, const S
 // Ring mode: rebases a block's span (slot_span of pos[0 .. rows), shared memory) and the positions
 // in pos to the span's first position, and returns the slot map of the rebased positions. Only the
 // numbering changes: the span starts at the smallest first visible position of the rows, so a
-// row's first visible position, rebased, is still max(0, pos - window + 1) of its rebased pos. A
-// span longer than S (the caller's span contract violated) is cut to its last S positions: those
-// before the cut become padding and windows reaching below it start at it (garbage, as allowed
-// then, but every access stays inside the cache, on distinct slots). Without ring: a no-op.
+// row's first visible position, rebased, is still max(0, pos - window + 1) of its rebased pos (ring
+// never comes with chunks, whose starts rebasing would move). A span longer than S (the caller's
+// span contract violated) is cut to its last S positions: those before the cut become padding and
+// windows reaching below it start at it (garbage, as allowed then, but every access stays inside
+// the cache, on distinct slots). Without ring: a no-op.
 // Every thread of the block calls it, after reading pos for its span.
 template <bool RING>
 __device__ __forceinline__ SlotOf<RING> rebase_span(int* pos, int rows, int2& span, int S) {

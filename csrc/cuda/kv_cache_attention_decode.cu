@@ -60,22 +60,22 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
   auto group_out = [&](int rr) { return out_row<VIK>(p, b, h * p.G + rr / p.T, rr % p.T); };
   if (tid < p.T) new_pos[tid] = sanitize<RING>(p.positions[b * p.T + tid], p.S);
   __syncthreads();
-  // The positions [first, len) any query of the row reads (with a sliding window, not from 0;
+  // The positions [first, len) any query of the row reads (with a sliding window or chunks, not from 0;
   // with ring rebased to start at 0, at most S of them, on distinct slots). Every block of the row
   // derives the same partition of them, so exactly one owns each slot; the new tokens' own
   // positions lie inside.
   int2 span = slot_span(p.T, [&](int t) { return new_pos[t]; }, p.score);
   const SlotOf<RING> slot_of = rebase_span<RING>(new_pos, p.T, span, p.S);
   const int first = span.x, len = span.y;
-  const int chunk = max(MIN_SPLIT_SLOTS, align_up(ceil_div(len - first, p.splits), p.bn));
-  const int active = ceil_div(len - first, chunk);
+  const int split_len = max(MIN_SPLIT_SLOTS, align_up(ceil_div(len - first, p.splits), p.bn));
+  const int active = ceil_div(len - first, split_len);
   if (split >= active) {
     if (split == 0) {  // len == 0: every query of the row is padding
       for (int i = tid; i < GT * Dv; i += THREADS) group_out(i / Dv)[i % Dv] = T(0.f);
     }
     return;
   }
-  const int lo = first + split * chunk, hi = min(lo + chunk, len);
+  const int lo = first + split * split_len, hi = min(lo + split_len, len);
   const T* k_new = p.k + b * p.k_sb + h * p.k_sh;
   const T* v_new = p.v + b * p.v_sb + h * p.v_sh;
   T* k_cache = p.k_cache + bh * p.S * static_cast<int64_t>(D);

@@ -99,7 +99,8 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-def _attend(layer, q, k, v, positions, scale, window, softcap, sinks, ring: bool, backend: str) -> torch.Tensor:
+def _attend(layer, q, k, v, positions, scale, window, softcap, sinks, ring: bool, backend: str,
+            chunk_size: int | None = None) -> torch.Tensor:
     """kv_cache_attention over one cache layer's buffers (v None for a layer whose values are its
     keys' first ``value_dim`` numbers). Its input checks and backend choice cost more than a small
     model's kernel (tens of microseconds in Python, for every layer of every step), so in eager mode
@@ -110,20 +111,21 @@ def _attend(layer, q, k, v, positions, scale, window, softcap, sinks, ring: bool
     v_cache = None if value_dim else layer.values
     if torch.compiler.is_compiling():
         return kv_cache_attention(q, k, v, layer.keys, v_cache, positions, scale, window=window, softcap=softcap,
-                                  sinks=sinks, ring=ring, value_dim=value_dim, backend=backend, check_positions=False)
+                                  sinks=sinks, ring=ring, value_dim=value_dim, chunk_size=chunk_size, backend=backend,
+                                  check_positions=False)
     signature = (q.shape, k.shape, q.dtype, k.dtype, q.device, k.device,
                  None if v is None else (v.shape, v.dtype, v.device), positions.shape, positions.dtype,
                  positions.device, scale, window, softcap, ring, backend,
-                 None if sinks is None else (sinks.shape, sinks.dtype, sinks.device))
+                 None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), chunk_size)
     chosen = layer.checked_calls.get(signature)
     if chosen is None:
         chosen = checked_backend(q, k, v, layer.keys, v_cache, positions, scale, window, softcap, sinks, ring,
-                                 value_dim, backend)
+                                 value_dim, backend, chunk_size)
         if len(layer.checked_calls) >= MAX_CHECKED_SIGNATURES:  # prompts of ever new lengths: start afresh
             layer.checked_calls.clear()
         layer.checked_calls[signature] = chosen
     return run_kv_cache_attention(chosen, q, k, v, layer.keys, v_cache, positions, scale, window, softcap,
-                                  sinks, ring, value_dim)
+                                  sinks, ring, value_dim, chunk_size)
 
 
 def fused_attention(module, query, key, value, attention_mask, **kwargs):

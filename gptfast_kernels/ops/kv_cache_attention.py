@@ -17,13 +17,15 @@ OP = "kv_cache_attention"
 # take 512. Every backend takes 1..576 (csrc/kv_cache_attention.cpp checks it too).
 MAX_HEAD_DIM = 576
 MAX_WINDOW = 2**31 - 1  # the kernels hold positions and windows as int32
+MAX_CHUNK_SIZE = 2**31 - 1  # and chunk sizes
 
 
 # the smallest normal float32: the kernels take the cap as a float32, where 0 means "no cap"
 SOFTCAP_MIN = torch.finfo(torch.float32).tiny
 
 
-def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim) -> None:
+def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
+                  chunk_size=None) -> None:
     check_tensor(OP, "q", q, dtypes=FLOAT_DTYPES, ndim=4)
     if value_dim is not None:
         if isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 1 <= value_dim <= q.shape[-1]:
@@ -79,6 +81,14 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, 
     if ring and (window is None or window > k_cache.shape[2]):
         raise ValueError(f"{OP}: ring=True (a ring-buffer cache) needs a window in 1..S = 1..{k_cache.shape[2]}, "
                          f"the cache's slots; got window {window!r}")
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+            raise ValueError(f"{OP}: chunk_size must be None or an int in 1..{MAX_CHUNK_SIZE} (the tokens per chunk "
+                             f"of chunked attention), got {chunk_size!r}")
+        # a query's chunk and a window or a ring buffer's slots are two different rules for what it sees
+        if window is not None or ring:
+            raise ValueError(f"{OP}: chunk_size (chunked attention) cannot be combined with a window or ring=True; "
+                             f"got chunk_size {chunk_size}, window {window!r}, ring {ring}")
     if sinks is not None:
         check_tensor(OP, "sinks", sinks, dtypes=FLOAT_DTYPES, ndim=1)
         if sinks.shape[0] != q.shape[1]:
@@ -140,7 +150,8 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                        v_cache: torch.Tensor | None, positions: torch.Tensor, scale: float | None = None,
                        *, window: int | None = None, softcap: float | None = None,
                        sinks: torch.Tensor | None = None, ring: bool = False, value_dim: int | None = None,
-                       backend: str = "auto", check_positions: bool = True) -> torch.Tensor:
+                       chunk_size: int | None = None, backend: str = "auto",
+                       check_positions: bool = True) -> torch.Tensor:
     """Writes k, v into the caches at ``positions`` and attends, in one kernel launch.
 
     q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] (mutated in place);
@@ -157,43 +168,47 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
     ``value_dim`` Dv (multi-head latent attention, whose keys are [latent, rope part] and whose
     values are the latent): the values are the keys' first Dv numbers, so there is no value cache
     (v and v_cache must be None), only k is written, and out is [B, Hq, T, Dv].
+    ``chunk_size`` C (Llama 4's chunked attention, ``attention_chunk_size``): the sequence is cut into
+    chunks of C positions and a query sees only its own chunk's slots up to itself,
+    positions[b, t] - positions[b, t] % C <= slot <= positions[b, t]; not with ``window`` or ``ring``.
     In eager mode the position values are checked (one host synchronisation) unless
     ``check_positions=False``, for callers that validated them already (StaticKVCache checks them
     once per forward, not once per layer); the kernels never access memory out of bounds either way.
     """
     chosen = checked_backend(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
-                             backend)
+                             backend, chunk_size)
     if check_positions and not is_tracing():
         _check_position_values(positions, k_cache.shape[2], window, ring)
     return run_kv_cache_attention(chosen, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring,
-                                  value_dim)
+                                  value_dim, chunk_size)
 
 
 def checked_backend(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
-                    backend) -> str:
+                    backend, chunk_size=None) -> str:
     """kv_cache_attention's input checks (all but the position values') and its backend choice: the
     backend ``run_kv_cache_attention`` may then be called with, for these inputs or any others of
     the same shapes, dtypes, devices and scalar arguments."""
-    _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim)
+    _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim, chunk_size)
     return resolve_backend(OP, backend, q.device,
                            auto=lambda usable: auto_backend(usable, q.shape[0] * k.shape[1], q.shape[2],
                                                             k_cache.shape[2]))
 
 
 def run_kv_cache_attention(chosen: str, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks,
-                           ring, value_dim=None) -> torch.Tensor:
+                           ring, value_dim=None, chunk_size=None) -> torch.Tensor:
     """kv_cache_attention on inputs that passed ``checked_backend``, which returned ``chosen`` (the
     patched attention's path: it checks each layer's inputs once per shape, not on every call)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if chosen == "reference":
         return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks,
-                                            ring, value_dim)
+                                            ring, value_dim, chunk_size)
     if value_dim is not None:  # the kernels take empty, unused v and v_cache, and value_dim 0 for "v_cache"
         v = v_cache = q.new_empty(0)
     value_dim = value_dim or 0
-    # the kernels' encoding of "none": window 0, softcap 0
+    # the kernels' encoding of "none": window 0, softcap 0, chunk_size 0
     window = 0 if window is None else window
     softcap = 0.0 if softcap is None else float(softcap)
+    chunk_size = chunk_size or 0
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
     if positions.dim() != 2 or positions.dtype != torch.int64 or not positions.is_contiguous():
@@ -209,15 +224,15 @@ def run_kv_cache_attention(chosen: str, q, k, v, k_cache, v_cache, positions, sc
         from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
         return kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring,
-                                         value_dim)
+                                         value_dim, chunk_size)
     return torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window,
-                                                        softcap, sinks, ring, value_dim)
+                                                        softcap, sinks, ring, value_dim, chunk_size)
 
 
 if _extension.has_kernel(OP, "CPU"):
 
     @torch.library.register_fake(f"gptfast_kernels::{OP}")
     def _kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None,
-                                 ring=False, value_dim=0):
+                                 ring=False, value_dim=0, chunk_size=0):
         # the kernels return a contiguous tensor, whatever q's strides
         return q.new_empty((*q.shape[:-1], value_dim or q.shape[-1]))

@@ -57,10 +57,11 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
                        v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
                        window: int | None = None, softcap: float | None = None,
                        sinks: torch.Tensor | None = None, ring: bool = False,
-                       value_dim: int | None = None) -> torch.Tensor:
+                       value_dim: int | None = None, chunk_size: int | None = None) -> torch.Tensor:
     """Writes k/v [B, Hkv, T, D] into the caches [B, Hkv, S, D] at positions [B, T] (or [T]),
     in place, then returns the causal attention of q [B, Hq, T, D] over cache slots 0..position
-    (with a ``window``: only the last ``window`` of them, position - window < slot <= position).
+    (with a ``window``: only the last ``window`` of them, position - window < slot <= position;
+    with ``chunk_size`` C: only those of the query's chunk, position - position % C <= slot).
     ``ring``: the caches are ring buffers, position p lives in slot p % S (a query then sees, in
     each slot, the latest position <= its own that maps there).
     ``softcap``: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
@@ -95,6 +96,8 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     allowed = (slot_pos <= query_pos) & (slot_pos >= 0)
     if window:
         allowed &= slot_pos > query_pos - window
+    if chunk_size:
+        allowed &= slot_pos >= query_pos - query_pos % chunk_size
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     if sinks is not None:
         sink = sinks.to(acc).reshape(1, Hkv, group, 1, 1).expand(B, Hkv, group, T, 1)

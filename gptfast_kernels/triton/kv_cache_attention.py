@@ -20,10 +20,13 @@ Two regimes, chosen on T (host-known, never on position values):
 
 A sliding ``window`` (> 0) limits query (b, t) to slots positions[b, t] - window + 1 .. positions[b, t]:
 splits and key tiles then start at the earliest slot any query of the row / tile sees, so a long
-cache costs a window's reads, not a position's. ``softcap`` (> 0) caps the scaled scores at
-+-softcap by softcap * tanh(score / softcap), Gemma 2's attention soft-capping. ``sinks`` [Hq]
-(GPT-OSS) gives each head's softmax one more logit that attends to nothing: it seeds the online
-softmax (m = sink, l = 1) with one split, and is added once by the combine with several.
+cache costs a window's reads, not a position's. Chunked attention (``chunk_size`` C > 0, Llama 4)
+does the same with the start of each query's chunk, p - p % C, as its first slot (the constexpr
+CHUNK: chunk_size 0 compiles the kernels as without it, and a constant C makes p % C a multiply).
+``softcap`` (> 0) caps the scaled scores at +-softcap by softcap * tanh(score / softcap), Gemma 2's
+attention soft-capping. ``sinks`` [Hq] (GPT-OSS) gives each head's softmax one more logit that
+attends to nothing: it seeds the online softmax (m = sink, l = 1) with one split, and is added
+once by the combine with several.
 
 ``ring=True`` (a constexpr) makes the caches ring buffers of a sliding-window layer: position p lives
 in slot p % S. Splits, key tiles and the fused scatter's match then run in position space, from
@@ -162,10 +165,15 @@ def _clean_positions(pos, S, RING: tl.constexpr):
 
 
 @triton.jit
-def _first_slots(pos, window):
+def _first_slots(pos, window, CHUNK: tl.constexpr):
     """The first slot (ring: position) a query at each (clean) position sees: its window's start,
-    or 0 (window 0)."""
-    return tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    its chunk's start (CHUNK > 0, never with a window), or 0 (window 0). (A padding position's value
+    is never used: _span_start skips it and no slot is allowed to it.)"""
+    if CHUNK > 0:
+        first = pos - pos % CHUNK
+    else:
+        first = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    return first
 
 
 @triton.jit
@@ -249,14 +257,14 @@ def _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT: 
 
 @triton.jit
 def _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, CHUNK: tl.constexpr):
     """Row b's T positions [BLOCK_T], the slots (ring: positions) [row_first, row_len) its queries
-    see (row_len = largest position + 1; row_first > 0 only with a window) and the slots per split:
-    the same in the attention and the combine kernel, a multiple of BLOCK_N."""
+    see (row_len = largest position + 1; row_first > 0 only with a window or chunks) and the slots
+    per split: the same in the attention and the combine kernel, a multiple of BLOCK_N."""
     offs_t = tl.arange(0, BLOCK_T)
     pos = _clean_positions(tl.load(Pos_ptr + b * T + offs_t, mask=offs_t < T, other=-1), S, RING)
     row_len = tl.max(pos, axis=0) + 1
-    row_first = _span_start(pos, _first_slots(pos, window), row_len, S, RING)
+    row_first = _span_start(pos, _first_slots(pos, window, CHUNK), row_len, S, RING)
     split_len = tl.cdiv(tl.cdiv(row_len - row_first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     return pos, row_first, row_len, tl.maximum(split_len, MIN_SPLIT_LEN)
 
@@ -270,7 +278,7 @@ def _kv_cache_attention_decode_kernel(
         NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
         FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_DT: tl.constexpr, DV: tl.constexpr):
+        BLOCK_DT: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr):
     # Ring: splits, tiles and the fused scatter's match work on positions, the cache on their slots.
     # A row's span is at most S positions (row_first), so its splits own distinct slots.
     # BLOCK_DT > 0 (D > MAX_BLOCK_D): head-dim columns BLOCK_D.. are a second block (the "_t" tensors).
@@ -281,7 +289,7 @@ def _kv_cache_attention_decode_kernel(
     m_block = tl.program_id(1) % NUM_M_BLOCKS
     b = tl.program_id(2).to(tl.int64)
     pos_row, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN,
-                                                        BLOCK_N, BLOCK_T, RING)
+                                                        BLOCK_N, BLOCK_T, RING, CHUNK)
     start = row_first + split * split_len
     if NUM_SPLITS > 1:
         if start >= row_len:  # nothing of this row here: the combine kernel skips this split
@@ -294,7 +302,7 @@ def _kv_cache_attention_decode_kernel(
     t_m = offs_m % T
     hq_m = (h * G + offs_m // T).to(tl.int64)
     pos_m = _clean_positions(tl.load(Pos_ptr + b * T + t_m, mask=row_ok, other=-1), S, RING)
-    first_m = _first_slots(pos_m, window)
+    first_m = _first_slots(pos_m, window, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     q = tl.load(Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
@@ -416,11 +424,11 @@ def _kv_cache_attention_combine_kernel(
         Pos_ptr, Sinks_ptr, OPart_ptr, LsePart_ptr, Out_ptr, window, T, S, D, Hq,
         HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr, RING: tl.constexpr):
+        BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr, RING: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (b * Hq + hq) * T + t
     b = row // (Hq * T)
     _, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN, BLOCK_N,
-                                                  BLOCK_T, RING)
+                                                  BLOCK_T, RING, CHUNK)
     num_active = tl.cdiv(row_len - row_first, split_len)  # the splits the attention kernel wrote
     offs_all = tl.arange(0, BLOCK_SPLITS)
     lse_all = tl.load(LsePart_ptr + row * NUM_SPLITS + offs_all, mask=offs_all < num_active,
@@ -509,7 +517,7 @@ def _kv_cache_attention_prefill_kernel(
         Hq, stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
         FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
-        DV: tl.constexpr):
+        DV: tl.constexpr, CHUNK: tl.constexpr):
     # BLOCK_DT > 0 (D > MAX_BLOCK_D): head-dim columns BLOCK_D.. are a second block (the "_t" tensors).
     # DV > 0: values in the keys (VC_ptr unused), as in the decode kernel.
     TAIL_VALUES: tl.constexpr = BLOCK_DT > 0 and (DV == 0 or DV > BLOCK_D)  # acc_t needed
@@ -520,7 +528,7 @@ def _kv_cache_attention_prefill_kernel(
     row_ok = offs_m < T
     pos_m = _clean_positions(tl.load(Pos_ptr + b * T + offs_m, mask=row_ok, other=-1), S, RING)
     tile_len = tl.max(pos_m, axis=0) + 1  # positions need not be sorted: the tile's largest
-    first_m = _first_slots(pos_m, window)
+    first_m = _first_slots(pos_m, window, CHUNK)
     tile_first = _span_start(pos_m, first_m, tile_len, S, RING)  # ring: key tiles walk positions
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
@@ -661,7 +669,7 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp3
         *_v_strides(v, value_dim), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT_LEN=tune.min_split_len, NUM_M_BLOCKS=num_m_blocks,
         FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, HAS_SINKS=sinks is not None, RING=ring, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DT=block_dt, DV=value_dim,
+        BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DT=block_dt, DV=value_dim, CHUNK=scoring.chunk,
         **_launch_options(q.dtype, tune, tune.decode_num_stages))
     if num_splits > 1:  # combines rows of the output's width, Dv
         combine_block_d, combine_block_dt = _head_blocks(Dv)
@@ -671,7 +679,8 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp3
             MIN_SPLIT_LEN=tune.min_split_len, BLOCK_N=block_n, BLOCK_T=block_t,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits),
             BLOCK_S=min(tune.combine_block_s, triton.next_power_of_2(num_splits)),
-            BLOCK_D=combine_block_d, BLOCK_DT=combine_block_dt, RING=ring, num_warps=tune.num_warps)
+            BLOCK_D=combine_block_d, BLOCK_DT=combine_block_dt, RING=ring, CHUNK=scoring.chunk,
+            num_warps=tune.num_warps)
 
 
 def _prefill(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp32_dot, tune, value_dim):
@@ -691,31 +700,33 @@ def _prefill(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp
         q.stride(0), q.stride(1), q.stride(2), *cache_strides, FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap,
         HAS_SINKS=sinks is not None, RING=ring,
         BLOCK_M=tune.prefill_block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DT=block_dt, DV=value_dim,
-        **_launch_options(q.dtype, tune))
+        CHUNK=scoring.chunk, **_launch_options(q.dtype, tune))
 
 
 class _Scoring(NamedTuple):
     """Score arguments of the attention kernels: (qk_scale, cap_log2, scale_over_cap, window) in
-    ``args``, and whether soft-capping is on (a constexpr: no tanh in kernels that do not cap)."""
+    ``args``, whether soft-capping is on (a constexpr: no tanh in kernels that do not cap) and the
+    chunk size of chunked attention (the constexpr CHUNK, 0: none)."""
     args: tuple[float, float, float, int]
     window: int
     softcap: bool
+    chunk: int
 
     @classmethod
-    def of(cls, scale: float, window: int, softcap: float) -> "_Scoring":
+    def of(cls, scale: float, window: int, softcap: float, chunk: int = 0) -> "_Scoring":
         capped = softcap > 0
         args = (scale * LOG2_E, softcap * LOG2_E, scale / softcap if capped else 0.0, window)
-        return cls(args, window, capped)
+        return cls(args, window, capped, chunk)
 
 
 def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float, tune: Tuning,
                              num_sms: int, window: int = 0, softcap: float = 0.0,
                              sinks: torch.Tensor | None = None, ring: bool = False,
-                             value_dim: int = 0) -> torch.Tensor:
+                             value_dim: int = 0, chunk_size: int = 0) -> torch.Tensor:
     """The Triton op's computation with the launch constants ``tune`` and an assumed SM count (for
     tuning: bench/bench_kv_tiles.py); inputs as ``kv_cache_attention_triton``'s."""
     out = torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)
-    scoring = _Scoring.of(float(scale), int(window), float(softcap))
+    scoring = _Scoring.of(float(scale), int(window), float(softcap), int(chunk_size))
     args = (q, k, v, k_cache, v_cache, positions, sinks, out, scoring, bool(ring), dot_in_fp32(q.dtype), tune,
             int(value_dim))
     with on_device(q):
@@ -734,20 +745,23 @@ def _out_shape(q: torch.Tensor, value_dim: int) -> tuple[int, ...]:
 def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0,
                               softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                              ring: bool = False, value_dim: int = 0) -> torch.Tensor:
+                              ring: bool = False, value_dim: int = 0, chunk_size: int = 0) -> torch.Tensor:
     """q [B, Hq, T, D], k, v [B, Hkv, T, D] (any strides, stride(-1) == 1); k_cache, v_cache
     [B, Hkv, S, D] contiguous, written in place; positions [B, T] int64 contiguous, -1 = padding
     -> out [B, Hq, T, D] contiguous in q's dtype. window 0 / softcap 0: none (checked by the wrapper);
     sinks [Hq] float32 contiguous or None. ring: ring-buffer caches, position p in slot p % S
     (window in 1..S and the span contract checked by the wrapper). value_dim Dv in 1..D: values in
     the keys (the value of a slot is its key's first Dv numbers; v and v_cache are empty and never
-    touched; out [B, Hq, T, Dv]); 0: values in v / v_cache (value_dim checked by the wrapper)."""
+    touched; out [B, Hq, T, Dv]); 0: values in v / v_cache (value_dim checked by the wrapper).
+    chunk_size C > 0: chunked attention, a query at p sees slots p - p % C .. p (a constexpr: one
+    compilation per chunk size; never with a window or ring, checked by the wrapper); 0: none."""
     if q.numel() == 0:
         return torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)
     return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device, q.shape[-1]),
-                                    window, softcap, sinks, ring, value_dim)
+                                    window, softcap, sinks, ring, value_dim, chunk_size)
 
 
 @kv_cache_attention_triton.register_fake
-def _(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None, ring=False, value_dim=0):
+def _(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None, ring=False, value_dim=0,
+      chunk_size=0):
     return torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)

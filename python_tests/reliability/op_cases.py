@@ -115,6 +115,8 @@ CASES: dict[str, Case] = {
                                              v=lambda a: torch.randn(2, 2, 3, 577), k_cache=lambda a: torch.randn(2, 2, 8, 577),
                                              v_cache=lambda a: torch.randn(2, 2, 8, 577)), "D"),
     "attn_scale_nan": Case(_attention(scale=float("nan")), "scale"),
+    "attn_chunk_size_zero": Case(_attention(chunk_size=0), "chunk_size"),
+    "attn_chunk_size_with_window": Case(_attention(chunk_size=4, window=2), "chunk_size"),
     "attn_mixed_devices": Case(_attention(positions=lambda a: a["positions"].to("meta")), "positions"),
     # verify_draft
     "verify_nan_target": Case(_verify(target_probs=_nan_at("target_probs", float("nan"))), "target_probs"),

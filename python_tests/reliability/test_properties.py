@@ -59,16 +59,17 @@ def test_kv_cache_attention_property(backend, device):
     @_settings(backend)
     @given(B=st.integers(1, 3), Hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
            T=st.integers(1, 6), D=st.sampled_from([16, 32, 64, 80]), extra=st.integers(0, 20),
-           dtype=dtypes, seed=st.integers(0, 2**31 - 1))
-    def check(B, Hkv, group, T, D, extra, dtype, seed):
+           dtype=dtypes, chunk=st.sampled_from([None, 1, 3, 8]), seed=st.integers(0, 2**31 - 1))
+    def check(B, Hkv, group, T, D, extra, dtype, chunk, seed):
         g = torch.Generator().manual_seed(seed)
         S = T + extra
         q, k, v, k_cache, v_cache, positions = _attention_case(g, B, Hkv, group, T, D, S, dtype)
         ref_k, ref_v = k_cache.double(), v_cache.double()
-        expected = reference.kv_cache_attention(q.double(), k.double(), v.double(), ref_k, ref_v, positions)
-        out = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend=backend)
+        expected = reference.kv_cache_attention(q.double(), k.double(), v.double(), ref_k, ref_v, positions,
+                                                chunk_size=chunk)
+        out = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, chunk_size=chunk, backend=backend)
         # tolerance: a low-precision PyTorch computation's own error, doubled, plus a floor
-        low = reference.kv_cache_attention(q, k, v, k_cache.clone(), v_cache.clone(), positions)
+        low = reference.kv_cache_attention(q, k, v, k_cache.clone(), v_cache.clone(), positions, chunk_size=chunk)
         budget = 2 * (low.double() - expected).abs().max().item() + DTYPE_TOL[dtype][0] / 10
         assert (out.double() - expected).abs().max().item() <= budget
         torch.testing.assert_close(k_cache.double(), ref_k, atol=0, rtol=0)

@@ -116,3 +116,29 @@ def test_int8_experts_run_the_chosen_rows_on_scaled_inputs(monkeypatch):
     assert rows == [5 * model.config.num_experts_per_tok] * 2  # gate / up, then down
     torch.testing.assert_close(logits, want_logits)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_text_model_of_a_multimodal_checkpoint_patches(tmp_path):
+    """Meta's Llama 4 checkpoints are the multimodal model: AutoModelForCausalLM loads its text model
+    (a local checkpoint here, never a hub), which patches and decodes as the multimodal model's
+    language model; the multimodal model itself is refused with a message saying what to load."""
+    from transformers import AutoModelForCausalLM, Llama4Config, Llama4ForConditionalGeneration
+
+    from gptfast_kernels import generate, patch_model
+    from python_tests.tiny_models import tiny_config
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64)
+    torch.manual_seed(0)
+    multimodal = Llama4ForConditionalGeneration(Llama4Config(text_config=tiny_config("llama4_text").to_dict(),
+                                                             vision_config=vision)).eval()
+    with pytest.raises(ValueError, match="text-only causal language models.*llama4_text"):
+        patch_model(multimodal)
+    multimodal.save_pretrained(tmp_path)
+    text = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(text).__name__ == "Llama4ForCausalLM"
+    ids = torch.randint(2, 90, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = multimodal.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = generate(patch_model(text, int8=False), ids, max_new_tokens=6, eos_token_id=[]).sequences
+    assert torch.equal(got, want)

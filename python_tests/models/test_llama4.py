@@ -1,7 +1,8 @@
 """Llama 4 (models/llama4.py) on a tiny config: chunked attention reaches the kernel as its
 chunk_size and decodes across chunk boundaries as transformers' mask does; NoPE layers scale each
-row's queries by that row's own positions; int8 experts run the chosen (token, expert) rows alone on
-router-scaled inputs. The family-wide tests (test_patch.py, generation/) cover the rest."""
+row's queries by that row's own positions (test_patch.py's ragged-rows test); int8 experts run the
+chosen (token, expert) rows alone on router-scaled inputs. The family-wide tests (test_patch.py,
+generation/) cover the rest."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import gptfast_kernels.models.attention as attention
 from gptfast_kernels import StaticKVCache
 from gptfast_kernels.models.llama4 import Int8Llama4Moe, query_temperature
 from gptfast_kernels.modules.int8_experts import Int8Experts
-from python_tests.tiny_models import CHUNK, dequantized_copy, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import CHUNK, dequantized_copy, patched_copy, tiny_model
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -58,25 +59,6 @@ def test_chunks_no_shorter_than_the_cache_are_not_passed(monkeypatch):
         torch.testing.assert_close(got, model(ids).logits, **TOL)
         patched(ids, past_key_values=StaticKVCache(patched.config, 1, 17))
     assert seen == [None, None, 16, None]
-
-
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_ragged_rows_match_each_row_alone(side):
-    """Rows padded to one batch sit at positions of their own: each row's logits (chunk boundaries and
-    query temperature at its own positions) equal the row run alone, prompt and a decode step.
-    transformers' own model does not give this (it scales NoPE queries by batch index)."""
-    model = tiny_model("llama4_text")
-    patched = patched_copy(model, int8=False)
-    ids, mask = ragged_prompts(3, 11, side)
-    with torch.no_grad():
-        cache = StaticKVCache(patched.config, 3, 16)
-        logits = patched(ids, attention_mask=mask, past_key_values=cache).logits
-        step = patched(torch.tensor([[5], [6], [7]]), past_key_values=cache).logits
-        for b in range(3):
-            real = ids[b][mask[b] == 1][None]
-            alone = model(torch.cat([real, torch.tensor([[5 + b]])], dim=1)).logits[0]
-            torch.testing.assert_close(logits[b][mask[b] == 1], alone[:-1], **TOL)
-            torch.testing.assert_close(step[b, 0], alone[-1], **TOL)
 
 
 def test_query_temperature_as_transformers_computes_it():

@@ -40,7 +40,7 @@ void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, co
 // kv_cache_attention's shape / dtype / device / contiguity checks, shared by the CPU and CUDA
 // entry points (defined in kv_cache_attention.cpp). Position values are checked by each backend.
 // value_dim > 0: values in keys (v and v_cache empty, unused); returns the output's head dim, Dv.
-// chunk_size > 0: chunked attention, refused together with a window or ring.
+// chunk_size > 0: chunked attention, refused together with a window; ring needs a window or a chunk_size.
 int64_t check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& k_cache, const at::Tensor& v_cache,
                                         const at::Tensor& positions, int64_t window, double softcap,

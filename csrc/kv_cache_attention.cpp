@@ -9,8 +9,10 @@
 // positions[b, t] - positions[b, t] % C;
 // cap(s) = s, or softcap * tanh(s / softcap) when softcap > 0 (Gemma 2's logit soft-capping).
 // With sinks [Hq] (GPT-OSS), head h's softmax has one more logit, sinks[h], attending to nothing.
-// With ring = true the caches are ring buffers (a sliding-window layer's, S >= window slots):
-// position p lives in slot p % S, for the scatter and for every read; positions may exceed S.
+// With ring = true the caches are ring buffers (a sliding-window layer's, S >= window slots, or a
+// chunked layer's, S >= chunk_size): position p lives in slot p % S, for the scatter and for every
+// read; positions may exceed S. first_slot always takes absolute positions, so chunk starts stay
+// p - p % C whatever slot p lands in.
 // With value_dim = Dv > 0 the values are in the keys: slot s's value is k_cache[b, h, s, :Dv] (multi-
 // head latent attention, whose keys are [latent, rope part] and whose values the latent alone); v and
 // v_cache are then empty and unused, only k is written, and out is [B, Hq, T, Dv].
@@ -87,8 +89,8 @@ void scatter_new_tokens(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
   });
 }
 
-// First slot a query at `pos` (>= 0) sees: the window's start, its chunk's start, or 0 with neither
-// (window == chunk == 0; the two never come together).
+// First position a query at `pos` (>= 0) sees: the window's start, its chunk's start, or 0 with
+// neither (window == chunk == 0; the two never come together). Without ring also its first slot.
 inline int64_t first_slot(int64_t pos, int64_t window, int64_t chunk) {
   if (window > 0) return std::max<int64_t>(0, pos - window + 1);
   return chunk > 0 ? pos - pos % chunk : 0;
@@ -185,10 +187,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& va
   });
 }
 
+// The most positions a query sees with a window or chunks (ring mode has one of them): a window's
+// W, or a chunk's C (a query at p reads p - p % C .. p, at most C positions).
+inline int64_t query_reach(int64_t window, int64_t chunk) { return window > 0 ? window : chunk; }
+
 // A ring-buffer call's positions [B, T]: each in [-1, 2^31 - 1), and per row the valid ones within
-// S - window of each other, so that no token this call writes lands on a slot one of its queries
-// reads (its window's positions, in a ring of S slots).
-void check_ring_positions(const int64_t* pos, int64_t B, int64_t T, int64_t S, int64_t window) {
+// S - reach of each other (reach: query_reach), so that no token this call writes lands on a slot
+// one of its queries reads (the reach positions up to it, in a ring of S slots).
+void check_ring_positions(const int64_t* pos, int64_t B, int64_t T, int64_t S, int64_t window, int64_t chunk) {
+  const int64_t reach = query_reach(window, chunk);
+  const char* bound = window > 0 ? "window" : "chunk_size";
   constexpr const char* op = "kv_cache_attention";
   for (int64_t b = 0; b < B; ++b) {
     int64_t low = INT64_MAX, high = -1;
@@ -197,8 +205,8 @@ void check_ring_positions(const int64_t* pos, int64_t B, int64_t T, int64_t S, i
       TORCH_CHECK(p >= -1 && p < INT32_MAX, op, ": positions must lie in [-1, 2^31 - 1) with ring=True, got ", p);
       if (p >= 0) low = std::min(low, p), high = std::max(high, p);
     }
-    TORCH_CHECK(high < 0 || high - low + window <= S, op, ": with ring=True a row's positions may span at most S - "
-                "window = ", S - window, " (its new tokens would overwrite slots its queries read); row ", b,
+    TORCH_CHECK(high < 0 || high - low + reach <= S, op, ": with ring=True a row's positions may span at most S - ",
+                bound, " = ", S - reach, " (its new tokens would overwrite slots its queries read); row ", b,
                 " spans ", low, "..", high);
   }
 }
@@ -217,11 +225,13 @@ int64_t check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k
   TORCH_CHECK(window >= 0 && window <= INT32_MAX, op, ": window must be in 0..2^31 - 1 (0: no window), got ", window);
   TORCH_CHECK(chunk_size >= 0 && chunk_size <= INT32_MAX, op,
               ": chunk_size must be in 0..2^31 - 1 (0: no chunking), got ", chunk_size);
-  TORCH_CHECK(chunk_size == 0 || (window == 0 && !ring), op, ": chunk_size (chunked attention) cannot be combined "
-              "with a window or ring=True; got chunk_size ", chunk_size, ", window ", window, ", ring ", ring);
-  TORCH_CHECK(!ring || (window > 0 && k_cache.dim() == 4 && window <= k_cache.size(2)), op,
-              ": ring=True (a ring-buffer cache) needs a window in 1..S, the cache's slots; got window ", window,
-              " for k_cache ", k_cache.sizes());
+  TORCH_CHECK(chunk_size == 0 || window == 0, op, ": chunk_size (chunked attention) cannot be combined with a "
+              "window; got chunk_size ", chunk_size, ", window ", window);
+  // a ring must hold every position a query sees: its window, or its chunk
+  TORCH_CHECK(!ring || (query_reach(window, chunk_size) > 0 && k_cache.dim() == 4 &&
+                        query_reach(window, chunk_size) <= k_cache.size(2)),
+              op, ": ring=True (a ring-buffer cache) needs a window or a chunk_size in 1..S, the cache's slots; got "
+              "window ", window, ", chunk_size ", chunk_size, " for k_cache ", k_cache.sizes());
   // a cap below float32's smallest normal would reach the CUDA kernels as 0, i.e. as "no cap"
   TORCH_CHECK(std::isfinite(softcap) && (softcap == 0 || softcap >= std::numeric_limits<float>::min()), op,
               ": softcap must be 0 (none) or finite and >= ", std::numeric_limits<float>::min(), ", got ", softcap);
@@ -296,7 +306,7 @@ at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
       TORCH_CHECK(pos[i] >= -1 && pos[i] < S, op, ": positions must lie in [-1, S) = [-1, ", S, "), got ", pos[i]);
     }
   } else {
-    check_ring_positions(pos, positions.size(0), positions.size(1), S, window);
+    check_ring_positions(pos, positions.size(0), positions.size(1), S, window, chunk_size);
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), Dv}, q.options());
   if (q.numel() == 0) return out;

@@ -13,8 +13,9 @@ using namespace kv_attention;
 // chunk_size = C > 0: a query at p sees p - p % C .. p (Scoring::first_slot).
 // No host synchronisation: position values are never read on the host, so the op is capturable;
 // out-of-range positions are treated as padding by the kernels. ring: the caches are ring buffers
-// (position p in slot p % S); the caller's span contract on positions is not checked here (that
-// would read them), and when violated the kernels still stay inside the caches.
+// (position p in slot p % S; with a window or a chunk_size); the caller's span contract on positions
+// is not checked here (that would read them), and when violated the kernels still stay inside the
+// caches.
 at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
                                    double scale, int64_t window, double softcap,
@@ -55,7 +56,7 @@ at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, con
     p.score.cap_log2 = static_cast<float>(softcap * LOG2_E);
     p.score.scale_over_cap = softcap > 0 ? static_cast<float>(scale / softcap) : 0.f;
     p.score.window = static_cast<int>(window);  // checked: fits int
-    p.score.chunk = static_cast<int>(chunk_size);  // checked: fits int, and never with a window or ring
+    p.score.chunk = static_cast<int>(chunk_size);  // checked: fits int, and never with a window
     // 16-byte global vectors need aligned rows: every base pointer and row stride a multiple of them
     // (with values in the keys k's and k_cache's alone; Dv need not be a multiple, see load_vec).
     const int64_t vec = VEC<scalar_t>;

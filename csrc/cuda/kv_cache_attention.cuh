@@ -6,9 +6,10 @@
 // first = 0, the start of a sliding window, or of the query's chunk (chunked attention, Llama 4); cap =
 // soft-capping when asked for (see Scoring);
 // with sinks [Hq] (GPT-OSS) each head's softmax has one more logit that attends to nothing.
-// Ring mode (ring = true, a sliding-window layer's ring buffer, window <= S): position p lives in
-// slot p % S for the scatter and every read; positions 0 .. 2^31 - 2 are valid. A block works in
-// position space on the positions it reads, rebased to its span (rebase_span): at most S of them,
+// Ring mode (ring = true, the ring buffer of a sliding-window layer, window <= S, or of a chunked
+// layer, chunk <= S): position p lives in slot p % S for the scatter and every read; positions
+// 0 .. 2^31 - 2 are valid. A block works in position space on the positions it reads, rebased to its
+// span (rebase_span): at most S of them,
 // so they map to distinct slots and no position arithmetic overflows; tiles of consecutive
 // positions may wrap around the end of the ring, so each row's slot is computed on its own.
 // Values in the keys (value_dim = Dv > 0, multi-head latent attention): a slot's value is the first
@@ -214,7 +215,8 @@ struct Scoring {
   float cap_log2;        // softcap * log2(e); 0: no soft-capping
   float scale_over_cap;  // scale / softcap
   int window;            // a query at pos sees positions pos - window + 1 .. pos; 0: all of 0 .. pos
-  int chunk;             // chunked attention (Llama 4): pos - pos % chunk .. pos; 0: none (never with a window)
+  int chunk;             // chunked attention (Llama 4): pos - pos % chunk .. pos; 0: none (never with a window;
+                         // with ring, rebase_span keeps pos % chunk)
   // log2-domain score: scale * dot, or softcap * tanh(scale * dot / softcap) (Gemma 2).
   __device__ __forceinline__ float operator()(float dot) const {
     return cap_log2 > 0.f ? cap_log2 * accurate_tanh(dot * scale_over_cap) : dot * scale_log2;
@@ -463,11 +465,13 @@ __device__ __forceinline__ int2 slot_span(int rows, const PosOf& pos_of, const S
 // Ring mode: rebases a block's span (slot_span of pos[0 .. rows), shared memory) and the positions
 // in pos to the span's first position, and returns the slot map of the rebased positions. Only the
 // numbering changes: the span starts at the smallest first visible position of the rows, so a
-// row's first visible position, rebased, is still max(0, pos - window + 1) of its rebased pos (ring
-// never comes with chunks, whose starts rebasing would move). A span longer than S (the caller's
-// span contract violated) is cut to its last S positions: those before the cut become padding and
-// windows reaching below it start at it (garbage, as allowed then, but every access stays inside
-// the cache, on distinct slots). Without ring: a no-op.
+// row's first visible position, rebased, is still Scoring::first_slot of its rebased pos: with a
+// window max(0, pos - window + 1); with chunks that start is itself a chunk start, a multiple of
+// the chunk, so rebasing keeps every pos % chunk and with it every row's chunk start. A span
+// longer than S (the caller's span contract violated) is cut to its last S positions: those
+// before the cut become padding, windows reaching below it start at it and chunk starts move
+// (garbage, as allowed then, but every access stays inside the cache, on distinct slots). Without
+// ring: a no-op.
 // Every thread of the block calls it, after reading pos for its span.
 template <bool RING>
 __device__ __forceinline__ SlotOf<RING> rebase_span(int* pos, int rows, int2& span, int S) {

@@ -181,7 +181,7 @@ void launch_decode(Params<T> p, int64_t B, const at::Tensor& q, bool gvec, bool 
   });
   p.rows = simt_rows<T>(kernel, static_cast<int>(std::min<int64_t>(GT, MAX_ROWS_PER_PASS)), p.bn, p.dp, p.dvp);
   // Splits from host-known sizes only (a CUDA graph replays them for any positions). With ring a
-  // row's span is at most S positions too (window + T - 1 <= S; cut to S on the device).
+  // row's span is at most S positions too (window or chunk + T - 1 <= S; cut to S on the device).
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
   int64_t splits = ceil_div64(static_cast<int64_t>(DECODE_BLOCKS_PER_SM) * sms, bh);
   splits = std::min({splits, ceil_div64(p.S, MIN_SPLIT_SLOTS), static_cast<int64_t>(MAX_SPLITS),

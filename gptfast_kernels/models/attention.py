@@ -65,7 +65,8 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
     """transformers attention-function signature; q [B, Hq, T, D], k / v [B, Hkv, T, D] (the new
     tokens only, when a StaticKVCache is active) -> ([B, T, Hq, D], None). ``attention_chunk_size``
     (Llama 4's chunked layers: passed by models/llama4.py with a StaticKVCache only) becomes the
-    kernel's ``chunk_size``."""
+    kernel's ``chunk_size``. A layer whose buffers are a ring (sized for a window or a chunk) passes
+    ``ring=True`` with that window or chunk."""
     if gptfast_cache is None:
         if softcap is not None or s_aux is not None:
             if dropout:
@@ -85,13 +86,20 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
         # may run such layers for the last queries alone (logits_to_keep): those take the last positions
         T = query.shape[2]
         key, value, positions = key[:, :, -T:], value[:, :, -T:], positions[:, -T:]
-    ring = layer.ring_window is not None
-    if ring and sliding_window != layer.ring_window:  # the cache read the window off the config
+    ring = layer.is_ring
+    # the cache read the window / chunk off the config: the layer must attend with that one
+    if layer.ring_window is not None and sliding_window != layer.ring_window:
         raise ValueError(f"StaticKVCache: layer {module.layer_idx}'s ring buffer was sized for a sliding window of "
                          f"{layer.ring_window} (the config's), but the layer attends with window {sliding_window}")
+    if layer.ring_chunk is not None and attention_chunk_size != layer.ring_chunk:
+        raise ValueError(f"StaticKVCache: layer {module.layer_idx}'s ring buffer was sized for an attention chunk of "
+                         f"{layer.ring_chunk} (the config's), but the layer attends with attention_chunk_size "
+                         f"{attention_chunk_size}")
     dtype = layer.keys.dtype
-    # chunks as long as the layer's buffers never cut one: every position is in the first chunk
-    chunk = attention_chunk_size if attention_chunk_size and attention_chunk_size < layer.keys.shape[2] else None
+    # chunks as long as the layer's buffers never cut one (every position is in the first chunk) are not
+    # passed; a ring's positions run past its slots, so there the chunk is always needed
+    needs_chunk = attention_chunk_size and (ring or attention_chunk_size < layer.keys.shape[2])
+    chunk = attention_chunk_size if needs_chunk else None
     out = _attend(layer, query.to(dtype), key.to(dtype), None if layer.value_dim else value.to(dtype), positions,
                   scaling, sliding_window, softcap, s_aux, ring, backend, chunk)
     # [B, T, Hq, D] contiguous, as transformers' attention functions return it (AFMoE .view()s it); for

@@ -14,7 +14,9 @@ Sliding-window layers can keep a ring buffer instead of max_cache_len slots (``m
 a layer of window W then holds W + C - 1 slots, position p in slot p % (W + C - 1), where C is the
 most tokens one forward writes per row. Every query still finds its whole window (the C - 1 extra
 slots hold what this forward's own tokens would otherwise overwrite), and a rollback of up to C
-tokens (a rejected speculative round) never needs a slot that was overwritten.
+tokens (a rejected speculative round) never needs a slot that was overwritten. Chunked-attention
+layers (Llama 4's, chunks of A positions) do the same with A in place of W: a query sees at most
+its own chunk's A positions, so A + C - 1 slots hold them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,24 @@ def sliding_windows(config) -> list[int | None]:
     if getattr(config, "layer_types", None) is None:
         return [window] * config.num_hidden_layers
     return [window if kind == "sliding_attention" else None for kind in layer_types(config)]
+
+
+# The layer_types entry of a chunked-attention layer (Llama 4's; models/llama4.py passes it the chunk).
+CHUNKED_ATTENTION = "chunked_attention"
+
+
+def attention_chunks(config) -> list[int | None]:
+    """Per decoder layer: its attention chunk (a query at p sees only p - p % chunk .. p), or None. As
+    models/llama4.py passes it: the ``layer_types`` named "chunked_attention" have the config's
+    ``attention_chunk_size``; without layer types (which no Llama 4 config lacks) no layer has one."""
+    from gptfast_kernels.models.families import layer_types
+
+    config = config.get_text_config(decoder=True)
+    chunk = getattr(config, "attention_chunk_size", None)
+    chunked = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0
+    if not chunked or getattr(config, "layer_types", None) is None:
+        return [None] * config.num_hidden_layers
+    return [chunk if kind == CHUNKED_ATTENTION else None for kind in layer_types(config)]
 
 
 def layer_kinds(config) -> list[str]:
@@ -85,7 +105,8 @@ class NoCacheLayer:
 class StaticKVLayer(CacheLayerMixin):
     """One layer's buffers: keys / values [B, Hkv, S, D], allocated up front at static addresses.
     ``ring_window``: a sliding-window layer's window when its buffers are a ring (position p in slot
-    p % S, S = max_cache_len here), else None. ``value_dim``: the values are the keys' first
+    p % S, S = max_cache_len here), else None; ``ring_chunk`` likewise a chunked-attention layer's
+    chunk (at most one of the two is set: ``is_ring``). ``value_dim``: the values are the keys' first
     value_dim numbers (multi-head latent attention's latent), so ``values`` is empty ([B, Hkv, S, 0]);
     else None."""
 
@@ -94,9 +115,13 @@ class StaticKVLayer(CacheLayerMixin):
     supports_early_init = True
 
     def __init__(self, batch_size: int, num_heads: int, max_cache_len: int, head_dim: int, value_dim: int | None = None,
-                 *, device: torch.device, dtype: torch.dtype, ring_window: int | None = None):
+                 *, device: torch.device, dtype: torch.dtype, ring_window: int | None = None,
+                 ring_chunk: int | None = None):
         super().__init__()
-        self.ring_window, self.value_dim = ring_window, value_dim
+        if ring_window is not None and ring_chunk is not None:
+            raise ValueError("StaticKVLayer: a ring buffer is sized for a window or for a chunk, not both; got "
+                             f"ring_window {ring_window}, ring_chunk {ring_chunk}")
+        self.ring_window, self.ring_chunk, self.value_dim = ring_window, ring_chunk, value_dim
         self.batch_size, self.num_heads = batch_size, num_heads
         self.max_cache_len, self.head_dim = max_cache_len, head_dim
         self.device, self.dtype = device, dtype
@@ -110,6 +135,11 @@ class StaticKVLayer(CacheLayerMixin):
             torch._dynamo.mark_static_address(self.keys)
             torch._dynamo.mark_static_address(self.values)
         self.is_initialized = True
+
+    @property
+    def is_ring(self) -> bool:
+        """Whether the buffers are a ring (position p in slot p % S), for a window or a chunk."""
+        return self.ring_window is not None or self.ring_chunk is not None
 
     def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
         return None
@@ -138,9 +168,10 @@ class StaticKVStateLayer(LinearAttentionLayer, StaticKVLayer):
     and transformers' recurrent states (as its ``LinearAttentionAndStaticFullAttentionLayer``)."""
 
     def __init__(self, batch_size: int, num_heads: int, max_cache_len: int, head_dim: int, value_dim: int | None = None,
-                 *, device: torch.device, dtype: torch.dtype, ring_window: int | None = None):
+                 *, device: torch.device, dtype: torch.dtype, ring_window: int | None = None,
+                 ring_chunk: int | None = None):
         StaticKVLayer.__init__(self, batch_size, num_heads, max_cache_len, head_dim, value_dim, device=device,
-                               dtype=dtype, ring_window=ring_window)
+                               dtype=dtype, ring_window=ring_window, ring_chunk=ring_chunk)
         LinearAttentionLayer.__init__(self)  # device / dtype become the states' (set when they first arrive)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
@@ -161,9 +192,11 @@ class StaticKVCache(Cache):
     Sliding-window layers (Mistral, Gemma 2 / 3, GPT-OSS ...) keep every slot as well by default.
     With ``max_step_tokens`` C, those of window W keep a ring buffer of W + C - 1 slots instead,
     where that is shorter than max_cache_len (memory: Gemma 3's 5 sliding layers of 6 hold 1024 +
-    C - 1 slots, not 128k); every forward may then write at most C tokens per row (generate feeds
-    longer prompts in chunks), a crop may roll a row back by at most C tokens from the furthest
-    position it wrote, and only a patched model can use the cache. The linear-attention (recurrent)
+    C - 1 slots, not 128k), and so do chunked-attention layers of chunk A, with A + C - 1 slots
+    (Llama 4's 36 chunked layers of 48: 8192 + C - 1, not 128k); every forward may then write at
+    most C tokens per row (generate feeds longer prompts in chunks), a crop may roll a row back by
+    at most C tokens from the furthest position it wrote, and only a patched model can use the
+    cache. The linear-attention (recurrent)
     layers of a hybrid model (Qwen3.5 ...) hold transformers' own state layer
     (``LinearAttentionLayer``: conv and recurrent states, updated in place); a recurrent state
     cannot be rolled back, so such a cache can only be emptied. Layers may differ in kv heads and
@@ -189,11 +222,14 @@ class StaticKVCache(Cache):
         device = torch.device("cpu") if device is None else torch.device(device)
         attention = {"attention": StaticKVLayer, "both": StaticKVStateLayer}
 
-        def attention_layer(kind: str, window: int | None, num_heads: int, head_dim: int, value_dim: int | None = None):
-            ring = None if window is None or max_step_tokens is None else window + max_step_tokens - 1
+        def attention_layer(kind: str, window: int | None, chunk: int | None, num_heads: int, head_dim: int,
+                            value_dim: int | None = None):
+            # the most positions a query of the layer sees (a layer has a window, a chunk or neither)
+            reach = window if window is not None else chunk
+            ring = None if reach is None or max_step_tokens is None else reach + max_step_tokens - 1
             if ring is not None and ring < max_cache_len:
                 return attention[kind](batch_size, num_heads, ring, head_dim, value_dim, device=device, dtype=dtype,
-                                       ring_window=window)
+                                       ring_window=window, ring_chunk=None if window is not None else chunk)
             return attention[kind](batch_size, num_heads, max_cache_len, head_dim, value_dim, device=device,
                                    dtype=dtype)
 
@@ -202,8 +238,9 @@ class StaticKVCache(Cache):
         # one, or a "shared" layer, which attends over the keys and values of the layer kv_sources names)
         self.geometry = self.geometry_of(config)
         layers = [LinearAttentionLayer() if kind == "recurrent" else NoCacheLayer() if geometry is None
-                  else attention_layer(kind, window, *geometry)
-                  for kind, window, geometry in zip(kinds, sliding_windows(config), self.geometry)]
+                  else attention_layer(kind, window, chunk, *geometry)
+                  for kind, window, chunk, geometry in zip(kinds, sliding_windows(config), attention_chunks(config),
+                                                           self.geometry)]
         super().__init__(layers=layers)
         # per layer, the layer whose buffers its attention reads and writes (its own but for shared layers),
         # and how many layers run attention in a forward (the fused path checks each one did)
@@ -221,8 +258,8 @@ class StaticKVCache(Cache):
         self.has_recurrent_layers = any(isinstance(layer, LinearAttentionLayer) for layer in layers)
         self._max_cache_len = max_cache_len
         self.max_step_tokens = max_step_tokens
-        # whether some sliding-window layers keep a ring buffer (max_step_tokens made them shorter)
-        self.has_ring_layers = any(layer.ring_window is not None for layer in self.attention_layers)
+        # whether some sliding-window or chunked layers keep a ring buffer (max_step_tokens made them shorter)
+        self.has_ring_layers = any(layer.is_ring for layer in self.attention_layers)
         self.device, self.dtype = device, dtype
         self.seq_lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
         # per row, one past the furthest position written since the last reset (a forward that
@@ -259,7 +296,7 @@ class StaticKVCache(Cache):
         B = self.batch_size
         if self.has_ring_layers:
             if not fused:
-                raise ValueError("StaticKVCache: this cache's sliding-window layers are ring buffers "
+                raise ValueError("StaticKVCache: this cache's sliding-window / chunked layers are ring buffers "
                                  f"(max_step_tokens={self.max_step_tokens}), which only a patched model can use; "
                                  "call gptfast_kernels.patch_model, or build the cache without max_step_tokens")
             if num_tokens > self.max_step_tokens:
@@ -396,8 +433,9 @@ class StaticKVCache(Cache):
         test that tensor lengths are >= 0 (a GPU sync), for callers that computed them so. A hybrid
         model's cache can only be emptied (recurrent states have no positions to roll back to). With
         ring-buffer layers a row can go back at most max_step_tokens positions from the furthest it
-        wrote since the last reset (``written_lengths``), or to 0: further back, its window's oldest
-        slots were overwritten (ValueError; checked on tensor lengths too unless ``check=False``)."""
+        wrote since the last reset (``written_lengths``), or to 0: further back, the oldest slots of
+        its window (or chunk) were overwritten (ValueError; checked on tensor lengths too unless
+        ``check=False``)."""
         if self.has_recurrent_layers:
             self._crop_recurrent(num_tokens)
             return
@@ -424,14 +462,15 @@ class StaticKVCache(Cache):
             self.written_lengths.masked_fill_(self.seq_lengths == 0, 0)
 
     def _check_ring_crop(self, new: torch.Tensor) -> None:
-        """ValueError if a ring-buffer layer no longer holds the window of a row cropped to ``new``."""
+        """ValueError if a ring-buffer layer no longer holds the window (or chunk) of a row cropped to
+        ``new``."""
         too_far = (new > 0) & (new < self.written_lengths - self.max_step_tokens)
         if bool(too_far.any()):
             row = int(too_far.nonzero()[0, 0])
             raise ValueError(f"StaticKVCache.crop: row {row} would go back to length {int(new[row])}, but its "
-                             f"ring-buffer layers (max_step_tokens = {self.max_step_tokens}) keep its window only "
-                             f"from length {int(self.written_lengths[row]) - self.max_step_tokens} on (positions up "
-                             f"to {int(self.written_lengths[row]) - 1} were written); crop to 0 or build the cache "
+                             f"ring-buffer layers (max_step_tokens = {self.max_step_tokens}) keep its window / chunk "
+                             f"only from length {int(self.written_lengths[row]) - self.max_step_tokens} on (positions "
+                             f"up to {int(self.written_lengths[row]) - 1} were written); crop to 0 or build the cache "
                              "with a larger max_step_tokens")
 
     def _crop_recurrent(self, num_tokens) -> None:
@@ -473,7 +512,7 @@ class StaticKVCache(Cache):
         self.written_lengths.copy_(self.written_lengths.index_select(0, beam_idx))
 
     def __repr__(self) -> str:
-        rings = sum(layer.ring_window is not None for layer in self.attention_layers)
+        rings = sum(layer.is_ring for layer in self.attention_layers)
         ring = f", max_step_tokens={self.max_step_tokens} ({rings} ring-buffer layers)" if rings else ""
         return (f"StaticKVCache(layers={len(self.layers)}, batch_size={self.batch_size}, "
                 f"max_cache_len={self.max_cache_len}{ring}, dtype={self.dtype}, device={self.device})")

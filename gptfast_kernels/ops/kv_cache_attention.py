@@ -78,17 +78,19 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, 
         raise ValueError(f"{OP}: softcap must be None or a finite number >= {SOFTCAP_MIN}, got {softcap!r}")
     if not isinstance(ring, bool):
         raise ValueError(f"{OP}: ring must be True or False, got {ring!r}")
-    if ring and (window is None or window > k_cache.shape[2]):
-        raise ValueError(f"{OP}: ring=True (a ring-buffer cache) needs a window in 1..S = 1..{k_cache.shape[2]}, "
-                         f"the cache's slots; got window {window!r}")
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
             raise ValueError(f"{OP}: chunk_size must be None or an int in 1..{MAX_CHUNK_SIZE} (the tokens per chunk "
                              f"of chunked attention), got {chunk_size!r}")
-        # a query's chunk and a window or a ring buffer's slots are two different rules for what it sees
-        if window is not None or ring:
-            raise ValueError(f"{OP}: chunk_size (chunked attention) cannot be combined with a window or ring=True; "
-                             f"got chunk_size {chunk_size}, window {window!r}, ring {ring}")
+        # a query's chunk and a window are two different rules for what it sees
+        if window is not None:
+            raise ValueError(f"{OP}: chunk_size (chunked attention) cannot be combined with a window; "
+                             f"got chunk_size {chunk_size}, window {window!r}")
+    # a ring buffer must hold every position a query sees: its window, or its chunk
+    reach = query_reach(window, chunk_size)
+    if ring and (reach is None or reach > k_cache.shape[2]):
+        raise ValueError(f"{OP}: ring=True (a ring-buffer cache) needs a window or a chunk_size in 1..S = "
+                         f"1..{k_cache.shape[2]}, the cache's slots; got window {window!r}, chunk_size {chunk_size!r}")
     if sinks is not None:
         check_tensor(OP, "sinks", sinks, dtypes=FLOAT_DTYPES, ndim=1)
         if sinks.shape[0] != q.shape[1]:
@@ -97,7 +99,14 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, 
     check_same_device(OP, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions, sinks=sinks)
 
 
-def _check_position_values(positions: torch.Tensor, S: int, window: int | None, ring: bool) -> None:
+def query_reach(window: int | None, chunk_size: int | None) -> int | None:
+    """The most positions a query sees, which a ring buffer's slots must cover: a window's W, or a
+    chunk's C (a query at p sees p - p % C .. p); None with neither (the two never come together)."""
+    return window if window is not None else chunk_size
+
+
+def _check_position_values(positions: torch.Tensor, S: int, window: int | None, ring: bool,
+                           chunk_size: int | None = None) -> None:
     """Value checks that need the data (one host synchronisation); skipped while tracing."""
     if positions.numel() == 0:
         return
@@ -114,9 +123,11 @@ def _check_position_values(positions: torch.Tensor, S: int, window: int | None, 
     if low < -1 or high >= limit:
         raise ValueError(f"{OP}: positions must lie in [-1, {'2^31 - 1' if ring else 'S'}) = [-1, {limit}) "
                          f"(-1 marks padding); got values from {low} to {high}")
-    if ring and span[0] + window > S:
-        raise ValueError(f"{OP}: with ring=True a row's positions may span at most S - window = {S - window} "
-                         f"(its new tokens would overwrite slots its queries read), got a span of {span[0]}")
+    if ring:
+        bound, reach = ("window", window) if window is not None else ("chunk_size", chunk_size)
+        if span[0] + reach > S:
+            raise ValueError(f"{OP}: with ring=True a row's positions may span at most S - {bound} = {S - reach} "
+                             f"(its new tokens would overwrite slots its queries read), got a span of {span[0]}")
     if any_repeated:
         raise ValueError(f"{OP}: positions must not repeat a slot within a row (two tokens "
                          "cannot be written to one cache slot)")
@@ -162,15 +173,17 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
     ``softcap`` caps the scaled scores at +-softcap by softcap * tanh(score / softcap) (Gemma 2).
     ``sinks`` [Hq] adds one logit per query head to the softmax's denominator, attending to nothing
     (GPT-OSS's attention sinks): out = sum_s e^(score_s) v_s / (e^sink + sum_s e^(score_s)).
-    ``ring=True``: the caches are ring buffers (a sliding-window layer's, window <= S): position p
-    lives in slot p % S, positions may exceed S, and a row's new positions may span at most
-    S - window, so that no token written by this call overwrites a slot one of its queries reads.
+    ``ring=True``: the caches are ring buffers (a sliding-window layer's, window <= S, or a chunked
+    layer's, chunk_size <= S): position p lives in slot p % S, positions may exceed S, and a row's new
+    positions may span at most S - window (S - chunk_size), so that no token written by this call
+    overwrites a slot one of its queries reads.
     ``value_dim`` Dv (multi-head latent attention, whose keys are [latent, rope part] and whose
     values are the latent): the values are the keys' first Dv numbers, so there is no value cache
     (v and v_cache must be None), only k is written, and out is [B, Hq, T, Dv].
     ``chunk_size`` C (Llama 4's chunked attention, ``attention_chunk_size``): the sequence is cut into
     chunks of C positions and a query sees only its own chunk's slots up to itself,
-    positions[b, t] - positions[b, t] % C <= slot <= positions[b, t]; not with ``window`` or ``ring``.
+    positions[b, t] - positions[b, t] % C <= slot <= positions[b, t] (with ``ring``: those positions,
+    each read from its slot); not with ``window``.
     In eager mode the position values are checked (one host synchronisation) unless
     ``check_positions=False``, for callers that validated them already (StaticKVCache checks them
     once per forward, not once per layer); the kernels never access memory out of bounds either way.
@@ -178,7 +191,7 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
     chosen = checked_backend(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
                              backend, chunk_size)
     if check_positions and not is_tracing():
-        _check_position_values(positions, k_cache.shape[2], window, ring)
+        _check_position_values(positions, k_cache.shape[2], window, ring, chunk_size)
     return run_kv_cache_attention(chosen, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring,
                                   value_dim, chunk_size)
 

@@ -28,12 +28,12 @@ attention soft-capping. ``sinks`` [Hq] (GPT-OSS) gives each head's softmax one m
 attends to nothing: it seeds the online softmax (m = sink, l = 1) with one split, and is added
 once by the combine with several.
 
-``ring=True`` (a constexpr) makes the caches ring buffers of a sliding-window layer: position p lives
-in slot p % S. Splits, key tiles and the fused scatter's match then run in position space, from
-the window's start, and only cache addresses take the remainder; the caller's contract (a row's
-positions span at most S - window) makes a row's span at most S positions, so its slots are
-distinct and the splits own disjoint slots. The span is also cut to S positions when the contract
-is broken (results unspecified, but every access stays in the caches and no loop runs long).
+``ring=True`` (a constexpr) makes the caches ring buffers of a sliding-window or a chunked layer:
+position p lives in slot p % S. Splits, key tiles and the scatter's match run on absolute positions,
+from the window's or chunk's start; only cache addresses take the remainder. The caller's contract
+(a row's positions span at most S - window, or S - chunk_size) makes a row's span at most S
+positions, on distinct slots that the splits own disjointly. It is also cut to S positions when the
+contract is broken (results unspecified, but every access stays in the caches and no loop runs long).
 
 ``value_dim`` Dv > 0 (the constexpr DV; 0 compiles the kernels as without it) keeps the values in
 the keys, as multi-head latent attention's cache does (keys [latent (512), rope part (64)], values
@@ -166,9 +166,9 @@ def _clean_positions(pos, S, RING: tl.constexpr):
 
 @triton.jit
 def _first_slots(pos, window, CHUNK: tl.constexpr):
-    """The first slot (ring: position) a query at each (clean) position sees: its window's start,
-    its chunk's start (CHUNK > 0, never with a window), or 0 (window 0). (A padding position's value
-    is never used: _span_start skips it and no slot is allowed to it.)"""
+    """The first slot (ring: absolute position) a query at each (clean) position sees: its window's
+    start, its chunk's start (CHUNK > 0, never with a window), or 0 (window 0). (A padding position's
+    value is never used: _span_start skips it and no slot is allowed to it.)"""
     if CHUNK > 0:
         first = pos - pos % CHUNK
     else:
@@ -749,12 +749,12 @@ def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q [B, Hq, T, D], k, v [B, Hkv, T, D] (any strides, stride(-1) == 1); k_cache, v_cache
     [B, Hkv, S, D] contiguous, written in place; positions [B, T] int64 contiguous, -1 = padding
     -> out [B, Hq, T, D] contiguous in q's dtype. window 0 / softcap 0: none (checked by the wrapper);
-    sinks [Hq] float32 contiguous or None. ring: ring-buffer caches, position p in slot p % S
-    (window in 1..S and the span contract checked by the wrapper). value_dim Dv in 1..D: values in
+    sinks [Hq] float32 contiguous or None. ring: ring buffers, position p in slot p % S (a window or a
+    chunk_size in 1..S and the span contract checked by the wrapper). value_dim Dv in 1..D: values in
     the keys (the value of a slot is its key's first Dv numbers; v and v_cache are empty and never
     touched; out [B, Hq, T, Dv]); 0: values in v / v_cache (value_dim checked by the wrapper).
     chunk_size C > 0: chunked attention, a query at p sees slots p - p % C .. p (a constexpr: one
-    compilation per chunk size; never with a window or ring, checked by the wrapper); 0: none."""
+    compilation per chunk size; never with a window, checked by the wrapper); 0: none."""
     if q.numel() == 0:
         return torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)
     return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device, q.shape[-1]),

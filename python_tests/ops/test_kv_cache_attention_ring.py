@@ -46,7 +46,7 @@ def test_ring_with_padding_softcap_and_sinks(backend, device):
     assert not out[2].any(), "an all-padding row must give zeros"
 
 
-def _run_sequence(backend, device, dtype, S, window, ring, steps, seed=13):
+def _run_sequence(backend, device, dtype, S, window, ring, steps, seed=13, chunk_size=None):
     """Writes one token sequence through ``steps`` calls (each a [B, T] positions list), into a cache of S
     slots; returns every call's output. The k / v / q of position p are the same whatever the cache."""
     B, Hq, Hkv, D = 2, 4, 2, 16
@@ -71,7 +71,8 @@ def _run_sequence(backend, device, dtype, S, window, ring, steps, seed=13):
                 q[b, :, t], k[b, :, t], v[b, :, t] = draw[:Hq], draw[Hq:Hq + Hkv], draw[Hq + Hkv:]
                 written[b, p] += 1
         outputs.append(ops.kv_cache_attention(q.to(device), k.to(device), v.to(device), k_cache, v_cache,
-                                              pos.to(device), window=window, ring=ring, backend=backend))
+                                              pos.to(device), window=window, ring=ring, chunk_size=chunk_size,
+                                              backend=backend))
     return outputs
 
 

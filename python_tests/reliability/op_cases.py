@@ -117,6 +117,9 @@ CASES: dict[str, Case] = {
     "attn_scale_nan": Case(_attention(scale=float("nan")), "scale"),
     "attn_chunk_size_zero": Case(_attention(chunk_size=0), "chunk_size"),
     "attn_chunk_size_with_window": Case(_attention(chunk_size=4, window=2), "chunk_size"),
+    # a ring (S = 8 slots) for chunks it cannot hold, and rows spanning 2 positions, more than S - chunk_size = 1
+    "attn_ring_chunk_size_too_long": Case(_attention(chunk_size=9, ring=True), "chunk_size"),
+    "attn_ring_chunk_span": Case(_attention(chunk_size=7, ring=True), "chunk_size"),
     "attn_mixed_devices": Case(_attention(positions=lambda a: a["positions"].to("meta")), "positions"),
     # verify_draft
     "verify_nan_target": Case(_verify(target_probs=_nan_at("target_probs", float("nan"))), "target_probs"),

@@ -41,6 +41,26 @@ def make_case(B, Hq, Hkv, T, D, S, positions, dtype=torch.float32, device="cpu",
     return q, k, v, k_cache, v_cache, positions
 
 
+
+def check_unseen_slots_are_never_read(backend, device, T, starts, first_seen, seed, **kwargs):
+    """Rows of T queries from positions ``starts``; each row's slots before ``first_seen(start)`` (which
+    no query of the row sees: before its earliest query's window or chunk, ``kwargs`` being
+    kv_cache_attention's window= / chunk_size=) hold NaN: a kernel that read them, even to multiply by
+    a zero probability, would return NaN."""
+    B, Hq, Hkv, D, S = 2, 4, 2, 32, 260
+    positions = _contiguous_positions(B, T, starts).to(device)
+    q, k, v, k_cache, v_cache, _ = make_case(B, Hq, Hkv, T, D, S, positions, device=device, seed=seed)
+    clean_k, clean_v = k_cache.clone(), v_cache.clone()
+    for b, start in enumerate(starts):
+        unseen = first_seen(start)
+        for cache, clean in ((k_cache, clean_k), (v_cache, clean_v)):
+            cache[b, :, :unseen] = float("nan")
+            clean[b, :, :unseen] = 0
+    got = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend=backend, **kwargs)
+    want = ops.kv_cache_attention(q, k, v, clean_k, clean_v, positions, backend="reference", **kwargs)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
 def _attention_in_dtype(q, k, v, k_cache, v_cache, positions, scale=None, window=None, softcap=None, sinks=None,
                         ring=False):
     """The same attention computed by PyTorch in q's dtype throughout (the low-precision baseline)."""

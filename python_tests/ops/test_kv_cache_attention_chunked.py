@@ -14,7 +14,8 @@ import torch
 from gptfast_kernels import _extension, ops
 from gptfast_kernels.ops import reference
 from python_tests.ops.test_kv_cache_attention import (BACKENDS, DTYPES, ERROR_FLOOR, TRITON_BACKENDS,
-                                                      _contiguous_positions, _is_interpreter, make_case)
+                                                      _contiguous_positions, _is_interpreter,
+                                                      check_unseen_slots_are_never_read, make_case)
 
 ALL_BACKENDS = BACKENDS + [pytest.param("reference", "cpu", id="reference")]
 HAS_CPU_KERNEL = _extension.has_kernel("kv_cache_attention", "CPU")
@@ -153,19 +154,9 @@ def test_with_values_in_keys(backend, device, T, starts, D, value_dim):
 def test_slots_before_the_rows_chunks_are_never_read(backend, device, T, starts):
     """Slots before the chunk of a row's earliest query hold NaN: a kernel that read them, even to
     multiply by a zero probability, would return NaN."""
-    B, Hq, Hkv, D, S, chunk = 2, 4, 2, 32, 260, 32
-    positions = _contiguous_positions(B, T, starts).to(device)
-    q, k, v, k_cache, v_cache, _ = make_case(B, Hq, Hkv, T, D, S, positions, device=device, seed=36)
-    clean_k, clean_v = k_cache.clone(), v_cache.clone()
-    for b, start in enumerate(starts):
-        unseen = start - start % chunk
-        for cache, clean in ((k_cache, clean_k), (v_cache, clean_v)):
-            cache[b, :, :unseen] = float("nan")
-            clean[b, :, :unseen] = 0
-    got = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, chunk_size=chunk, backend=backend)
-    want = ops.kv_cache_attention(q, k, v, clean_k, clean_v, positions, chunk_size=chunk, backend="reference")
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    chunk = 32
+    check_unseen_slots_are_never_read(backend, device, T, starts, lambda start: start - start % chunk, seed=36,
+                                      chunk_size=chunk)
 
 
 @pytest.mark.parametrize("backend, device", ALL_BACKENDS)

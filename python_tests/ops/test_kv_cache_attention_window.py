@@ -9,7 +9,8 @@ import torch
 
 from gptfast_kernels import _extension, ops
 from python_tests.ops.test_kv_cache_attention import (BACKENDS, DTYPES, TRITON_BACKENDS, _contiguous_positions,
-                                                      _is_interpreter, check_against_reference, make_case)
+                                                      _is_interpreter, check_against_reference,
+                                                      check_unseen_slots_are_never_read, make_case)
 
 # (B, Hq, Hkv, T, D, S, starts, window): windows shorter than the rows' positions, so each query
 # sees a strict suffix; the decode row at 290 with window 40 leaves most of a 300-slot cache unread
@@ -69,20 +70,9 @@ def test_slots_before_the_window_are_never_read(backend, device, T, starts):
     read them, even to multiply by a zero probability, would return NaN."""
     if _is_interpreter(backend, device) and T == 20:
         pytest.skip("Triton interpreter: decode and verify cover the split kernel")
-    B, Hq, Hkv, D, S, window = 2, 4, 2, 32, 260, 16
-    positions = _contiguous_positions(B, T, starts).to(device)
-    q, k, v, k_cache, v_cache, _ = make_case(B, Hq, Hkv, T, D, S, positions, device=device, seed=9)
-    clean_k, clean_v = k_cache.clone(), v_cache.clone()
-    for b, start in enumerate(starts):
-        unseen = start - window + 1  # the earliest query (at `start`) sees slots from here on
-        k_cache[b, :, :unseen] = float("nan")
-        v_cache[b, :, :unseen] = float("nan")
-        clean_k[b, :, :unseen] = 0
-        clean_v[b, :, :unseen] = 0
-    got = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, window=window, backend=backend)
-    want = ops.kv_cache_attention(q, k, v, clean_k, clean_v, positions, window=window, backend="reference")
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    window = 16
+    check_unseen_slots_are_never_read(backend, device, T, starts, lambda start: start - window + 1, seed=9,
+                                      window=window)
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)

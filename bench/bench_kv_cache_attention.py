@@ -24,6 +24,12 @@ our kernels on a ring buffer of window + 2047 slots (``ring=True``, as generatio
 generation/forward.py's PREFILL_CHUNK) at the same positions: they must cost what the full-length
 cache costs.
 
+Chunked-attention rows (``--cases chunked``: Llama 4's 8192-token chunks, with Llama-3's heads: the
+same 8 kv heads of 128, 32 query heads where Scout has 40) decode late in a chunk and just past a
+chunk start, against "hf_chunked", transformers' chunked static-cache layer at its best: SDPA over
+the slots of the query's chunk alone, after the same ``index_copy_``; ours gets ``chunk_size=``.
+Their "ring" rows run a ring buffer of chunk + 2047 slots, as generation allocates it.
+
 Multi-head latent attention rows (``--cases mla``: DeepSeek-V3's absorbed attention, 128 query
 heads over one kv head of the latent and rotary key, D = 512 + 64, values the 512-wide latent):
 "ours_kernel" / "ours_triton_kernel" read the values from the keys (``value_dim=512``, one [S, 576]
@@ -58,6 +64,12 @@ GPU_WINDOW_CASES = [(B, 1, ctx, 2 * ctx, WINDOW) for ctx in (16384, 32768) for B
 GPU_QUICK_WINDOW_CASES = [(1, 1, 32768, 65536, WINDOW), (32, 1, 16384, 32768, WINDOW)]
 CPU_WINDOW_CASES = [(1, 1, 8192, 16384, 1024), (1, 5, 8192, 16384, 1024)]
 RING_EXTRA = 2047  # a ring buffer's slots past the window (generation's prefill chunk - 1)
+CHUNK = 8192  # Llama 4's attention_chunk_size
+# (B, T, context, S, chunk): decode 8000 tokens into a chunk and 100 past a chunk start, verification
+GPU_CHUNK_CASES = [(B, 1, ctx, 32768, CHUNK) for ctx in (2 * CHUNK + 8000, 2 * CHUNK + 100) for B in BATCHES] + \
+    [(B, 5, 2 * CHUNK + 8000, 32768, CHUNK) for B in (1, 32)]
+GPU_QUICK_CHUNK_CASES = [(1, 1, 2 * CHUNK + 8000, 32768, CHUNK), (32, 1, 2 * CHUNK + 8000, 32768, CHUNK)]
+CPU_CHUNK_CASES = [(1, 1, 8192 + 900, 16384, 1024), (1, 5, 8192 + 900, 16384, 1024)]
 
 
 def hf_static_cache_step(module, q, k, v, k_cache, v_cache, cache_position, mask, scale):
@@ -68,7 +80,7 @@ def hf_static_cache_step(module, q, k, v, k_cache, v_cache, cache_position, mask
 
 
 def run(h) -> None:
-    """--cases full (no window) and / or window; both by default."""
+    """--cases full (no window), window, chunked and / or mla; all by default."""
     device = h.device
     h.measure_copy_bandwidth()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -123,7 +135,9 @@ def run(h) -> None:
                   graphed=("ours_kernel", "ours_triton_kernel"))
         del q, k, v, k_cache, v_cache, mask
     if h.cases is None or "window" in h.cases:
-        run_window(h, dtype, usable, module, scale)
+        run_local(h, dtype, usable, module, scale, "window")
+    if h.cases is None or "chunked" in h.cases:
+        run_local(h, dtype, usable, module, scale, "chunk_size")
     if h.cases is None or "mla" in h.cases:
         run_latent(h, dtype)
 
@@ -170,14 +184,19 @@ def run_latent(h, dtype) -> None:
         del q, k, k_cache, v_cache
 
 
-def run_window(h, dtype, usable, module, scale) -> None:
-    """Decode / verification with a sliding window far behind the position (see the docstring)."""
+def run_local(h, dtype, usable, module, scale, rule: str) -> None:
+    """Decode / verification where a query sees only its last slots (``rule`` "window": a sliding
+    window far behind the position) or its chunk's ("chunk_size"); see the docstring."""
     device = h.device
-    if device.type == "cuda":
-        cases = GPU_QUICK_WINDOW_CASES if h.quick else GPU_WINDOW_CASES
+    if rule == "window":
+        gpu_cases, quick_cases, cpu_cases = GPU_WINDOW_CASES, GPU_QUICK_WINDOW_CASES, CPU_WINDOW_CASES
     else:
-        cases = CPU_WINDOW_CASES[:1] if h.quick else CPU_WINDOW_CASES
-    for B, T, context, S, window in cases:
+        gpu_cases, quick_cases, cpu_cases = GPU_CHUNK_CASES, GPU_QUICK_CHUNK_CASES, CPU_CHUNK_CASES
+    if device.type == "cuda":
+        cases = quick_cases if h.quick else gpu_cases
+    else:
+        cases = cpu_cases[:1] if h.quick else cpu_cases
+    for B, T, context, S, reach in cases:  # reach: the window, or the chunk
         g = torch.Generator(device=device).manual_seed(0)
 
         def rand(*shape):
@@ -187,36 +206,44 @@ def run_window(h, dtype, usable, module, scale) -> None:
         k_cache, v_cache = rand(B, HKV, S, D), rand(B, HKV, S, D)
         cache_position = torch.arange(context, context + T, device=device)
         positions = cache_position.expand(B, T).contiguous()
-        first = context - window + 1  # the earliest slot any of the T queries sees
+        if rule == "window":
+            starts = cache_position - reach + 1  # each query's first slot
+        else:
+            starts = cache_position - cache_position % reach
+        first = int(starts[0])  # the earliest slot any of the T queries sees
         slots = torch.arange(first, context + T, device=device)[None, :]
-        mask = ((slots <= cache_position[:, None]) & (slots > cache_position[:, None] - window)).expand(B, 1, T, -1)
+        mask = ((slots <= cache_position[:, None]) & (slots >= starts[:, None])).expand(B, 1, T, -1)
 
-        def hf_sliding_window():
+        def hf_local():
             k_cache.index_copy_(2, cache_position, k)
             v_cache.index_copy_(2, cache_position, v)
             return sdpa_attention_forward(module, q, k_cache[:, :, first:context + T], v_cache[:, :, first:context + T],
                                           mask, scaling=scale)[0]
 
+        baseline = "hf_sliding_window" if rule == "window" else "hf_chunked"
+        kwargs = {rule: reach}
+        window, chunk = (reach, 0) if rule == "window" else (0, reach)
         candidates = {
-            "hf_sliding_window": hf_sliding_window,
-            "ours_auto": lambda: ops.kv_cache_attention(q, k, v, k_cache, v_cache, cache_position, window=window),
+            baseline: hf_local,
+            "ours_auto": lambda: ops.kv_cache_attention(q, k, v, k_cache, v_cache, cache_position, **kwargs),
         }
-        ring_k, ring_v = rand(B, HKV, window + RING_EXTRA, D), rand(B, HKV, window + RING_EXTRA, D)
+        ring_k, ring_v = rand(B, HKV, reach + RING_EXTRA, D), rand(B, HKV, reach + RING_EXTRA, D)
         if _extension.has_kernel("kv_cache_attention", "CUDA" if device.type == "cuda" else "CPU"):
-            candidates["ours_kernel"] = lambda: torch.ops.gptfast_kernels.kv_cache_attention(
-                q, k, v, k_cache, v_cache, positions, scale, window)
-            candidates["ours_ring_kernel"] = lambda: torch.ops.gptfast_kernels.kv_cache_attention(
-                q, k, v, ring_k, ring_v, positions, scale, window, 0.0, None, True)
+            op = torch.ops.gptfast_kernels.kv_cache_attention
+            candidates["ours_kernel"] = lambda: op(q, k, v, k_cache, v_cache, positions, scale, window, 0.0, None,
+                                                   False, 0, chunk)
+            candidates["ours_ring_kernel"] = lambda: op(q, k, v, ring_k, ring_v, positions, scale, window, 0.0, None,
+                                                        True, 0, chunk)
         if device.type == "cuda" and "triton" in usable:
             from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
             candidates["ours_triton_kernel"] = lambda: kv_cache_attention_triton(
-                q, k, v, k_cache, v_cache, positions, scale, window)
+                q, k, v, k_cache, v_cache, positions, scale, window, 0.0, None, False, 0, chunk)
             candidates["ours_ring_triton_kernel"] = lambda: kv_cache_attention_triton(
-                q, k, v, ring_k, ring_v, positions, scale, window, 0.0, None, True)
+                q, k, v, ring_k, ring_v, positions, scale, window, 0.0, None, True, 0, chunk)
         elem = q.element_size()
-        nbytes = 2 * B * HKV * (window + T - 1) * D * elem + 2 * B * HQ * T * D * elem
-        case = {"B": B, "T": T, "context": context, "S": S, "window": window, "dtype": str(dtype)[6:]}
-        h.compare("kv_cache_attention", case, candidates, baseline="hf_sliding_window", nbytes=nbytes,
+        nbytes = 2 * B * HKV * (context + T - first) * D * elem + 2 * B * HQ * T * D * elem
+        case = {"B": B, "T": T, "context": context, "S": S, rule.split("_")[0]: reach, "dtype": str(dtype)[6:]}
+        h.compare("kv_cache_attention", case, candidates, baseline=baseline, nbytes=nbytes,
                   graphed=("ours_kernel", "ours_triton_kernel", "ours_ring_kernel", "ours_ring_triton_kernel"))
         del q, k, v, k_cache, v_cache, ring_k, ring_v, mask

@@ -6,7 +6,9 @@ table records the attention module class (to check a model really has the struct
 where the config keeps the KV-head count and head size, the gated MLP class whose gate and up
 projections are fused into one int8 matmul, and config features we refuse. Sliding windows and
 attention soft-capping reach the kernel through the attention keywords each layer passes
-(``sliding_window``, ``softcap``), so they need no entry here.
+(``sliding_window``, ``softcap``), so they need no entry here. Two kinds of family do get forwards
+of ours, named by their entries: multi-head latent attention (``latent_attention``:
+models/latent_attention.py) and Llama 4 (``own_forwards``: models/llama4.py).
 """
 
 from __future__ import annotations

@@ -442,6 +442,15 @@ def dequantized_copy(model):
     return copy_
 
 
+def stepwise_logits(model, ids, cache, prompt: int):
+    """``ids``' first ``prompt`` columns in one forward through ``cache``, then one decode step per
+    further column -> the logits of every column, [B, T, V]."""
+    with torch.no_grad():
+        steps = [model(ids[:, :prompt], past_key_values=cache).logits]
+        steps += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(prompt, ids.shape[1])]
+    return torch.cat(steps, dim=1)
+
+
 def patched_copy(model, **kwargs):
     from gptfast_kernels import patch_model
 

@@ -30,18 +30,21 @@ import torch
 from torch import nn
 
 from gptfast_kernels.modules.int8_experts import HalvesGating, Int8Experts, quantize_expert_weights
+from gptfast_kernels.modules.static_kv_cache import attention_chunks
 
 ATTENTION_CLASS = "Llama4TextAttention"
 MOE_CLASS = "Llama4TextMoe"
-CHUNKED = "chunked_attention"  # the layer_types entry of chunked-attention layers
 
 
 def patch_llama4_(model: nn.Module, int8: bool) -> None:
-    """In place: the attention modules get ``attention_forward``; with ``int8`` every MoE block
+    """In place: the attention modules get ``attention_forward`` and their layer's chunk (the one the
+    StaticKVCache sizes chunked layers by: ``attention_chunks``); with ``int8`` every MoE block
     becomes an Int8Llama4Moe (after patch_model's int8 pass, which left its router float and made
     its shared expert int8)."""
+    chunks = attention_chunks(model.config)
     for module in model.modules():
         if type(module).__name__ == ATTENTION_CLASS:
+            module._gptfast_chunk = chunks[module.layer_idx]
             module.forward = types.MethodType(attention_forward, module)
     if int8:
         blocks = [(name, module) for name, module in model.named_modules() if type(module).__name__ == MOE_CLASS]
@@ -79,10 +82,9 @@ def attention_forward(self, hidden_states: torch.Tensor, position_embeddings, at
     if self.attn_temperature_tuning and not self.use_rope:
         scales = query_temperature(cache.step_positions(), self.floor_scale, self.attn_scale)
         query = (query * scales[..., None, None]).to(query.dtype)
-    chunked = self.config.layer_types[self.layer_idx] == CHUNKED
     attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
     out, _ = attend(self, query.transpose(1, 2), key.transpose(1, 2), value, None, scaling=self.scaling,
-                    attention_chunk_size=self.config.attention_chunk_size if chunked else None, **kwargs)
+                    attention_chunk_size=self._gptfast_chunk, **kwargs)
     return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 

@@ -11,7 +11,7 @@ import gptfast_kernels.models.attention as attention
 from gptfast_kernels import StaticKVCache
 from gptfast_kernels.models.llama4 import Int8Llama4Moe, query_temperature
 from gptfast_kernels.modules.int8_experts import Int8Experts
-from python_tests.tiny_models import CHUNK, dequantized_copy, patched_copy, tiny_model
+from python_tests.tiny_models import CHUNK, dequantized_copy, patched_copy, stepwise_logits, tiny_model
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -41,10 +41,7 @@ def test_decoding_across_chunks_equals_transformers(fused, monkeypatch):
     ids = torch.randint(2, 90, (2, 18), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = model(ids).logits
-        cache = StaticKVCache(patched.config, 2, 24)
-        steps = [patched(ids[:, :6], past_key_values=cache).logits]
-        steps += [patched(ids[:, t:t + 1], past_key_values=cache).logits for t in range(6, 18)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), want, **TOL)
+    torch.testing.assert_close(stepwise_logits(patched, ids, StaticKVCache(patched.config, 2, 24), 6), want, **TOL)
     assert seen == [CHUNK, None] * 13
 
 

@@ -14,9 +14,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, BertConfig, DynamicCa
 import gptfast_kernels.models.attention as attention
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels import Int8Linear, StaticKVCache, ops, patch_model
-from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, INDEX_POSITIONED, MOE, PARALLEL_HYBRID, SOFTCAPPED, WINDOW, WINDOWED,
-                                     WITH_SINKS, dequantized_copy, experts_per_token, patched_copy, ragged_prompts,
-                                     tiny_config, tiny_model)
+from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, INDEX_POSITIONED, MOE, PARALLEL_HYBRID,
+                                     SOFTCAPPED, WINDOW, WINDOWED, WITH_SINKS, dequantized_copy, experts_per_token,
+                                     patched_copy, ragged_prompts, stepwise_logits, tiny_config, tiny_model)
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -157,10 +157,7 @@ def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, mon
     ids = torch.randint(2, 90, (2, 18), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = model(ids).logits
-        cache = StaticKVCache(patched.config, 2, 24)
-        steps = [patched(ids[:, :6], past_key_values=cache).logits]
-        steps += [patched(ids[:, t:t + 1], past_key_values=cache).logits for t in range(6, 18)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), want, **TOL)
+    torch.testing.assert_close(stepwise_logits(patched, ids, StaticKVCache(patched.config, 2, 24), 6), want, **TOL)
     layer_types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * 2
     softcap = ATTENTION_SOFTCAP if family in SOFTCAPPED else None
     sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
@@ -273,10 +270,8 @@ def test_moe_experts_become_int8_and_decode_steps_match(family):
     ids = torch.randint(2, 90, (1, length + 4), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         want = rounded(ids).logits
-        cache = StaticKVCache(patched.config, 1, length + 4)
-        steps = [patched(ids[:, :length], past_key_values=cache).logits]
-        steps += [patched(ids[:, t:t + 1], past_key_values=cache).logits for t in range(length, length + 4)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), want, atol=1e-4, rtol=1e-4)
+    got = stepwise_logits(patched, ids, StaticKVCache(patched.config, 1, length + 4), length)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_experts_warning_only_for_experts_kept_float():

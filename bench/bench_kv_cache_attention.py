@@ -14,7 +14,9 @@ S = 4096, B = 1. GB/s counts the K/V our kernel reads (context + T slots per kv 
 out. "ours_auto" is the eager wrapper, whose position checks synchronise with the host;
 "ours_kernel" / "ours_triton_kernel" are the ops alone, as under torch.compile or CUDA graphs;
 on a GPU their "@graph" rows time them as CUDA-graph replays (no host launch work): the figures to
-hold against the bandwidth target.
+hold against the bandwidth target. The CPU rows also prefill a 512-token prompt into an empty cache,
+and run "ours_kernel" once more per other build of the CPU attention kernel this CPU runs
+("ours_kernel_avx2", "ours_kernel_baseline"; the row's "cpu_build" is the one the others use).
 
 Sliding-window rows (Mistral-7B-v0.1: the same heads, window 4096) decode far past the window.
 Their baseline, "hf_sliding_window", is transformers' sliding static-cache layer at its best: SDPA
@@ -54,6 +56,7 @@ TOKENS = (1, 5)  # decode, verification of k = 4 draft tokens
 # (B, T, context, S)
 CPU_CASES = [(B, T, 1024, 2048) for B in (1, 8) for T in TOKENS]
 CPU_QUICK_CASES = [(1, 1, 1024, 2048), (1, 5, 1024, 2048), (8, 1, 1024, 2048)]
+CPU_PREFILL_CASE = (1, 512, 0, 2048)  # a 512-token prompt into an empty cache
 ISSUE_CPU_CASE = (1, 1, 1024, 4096)  # target on CPU: decode at 25% fill
 GPU_CASES = [(B, T, ctx, 2 * ctx) for ctx in CONTEXTS for B in BATCHES for T in TOKENS]
 GPU_QUICK_CASES = [(B, T, 4096, 8192) for B in (1, 32) for T in TOKENS]
@@ -87,7 +90,7 @@ def run(h) -> None:
     if device.type == "cuda":
         cases = GPU_QUICK_CASES if h.quick else GPU_CASES
     else:
-        cases = (CPU_QUICK_CASES if h.quick else CPU_CASES) + [ISSUE_CPU_CASE]
+        cases = (CPU_QUICK_CASES if h.quick else CPU_CASES + [CPU_PREFILL_CASE]) + [ISSUE_CPU_CASE]
     if h.cases is not None and "full" not in h.cases:
         cases = []
     usable = _extension.usable_backends(device)
@@ -124,11 +127,12 @@ def run(h) -> None:
                     q, k, v, k_cache, v_cache, cache_position, backend="triton")
                 candidates["ours_triton_kernel"] = lambda: kv_cache_attention_triton(
                     q, k, v, k_cache, v_cache, positions, scale)
+        add_other_cpu_builds(candidates, device)
         elem = q.element_size()
         nbytes = 2 * B * HKV * (context + T) * D * elem + 2 * B * HQ * T * D * elem
         case = {"B": B, "T": T, "context": context, "S": S, "fill": round(context / S, 2),
                 "dtype": str(dtype)[6:], "issue_target": (B, T, context, S) == ISSUE_CPU_CASE
-                and device.type == "cpu"}
+                and device.type == "cpu", **cpu_build(device)}
         # the kernels alone also as CUDA-graph replays, as a compiled decode step runs them (the
         # baseline stays eager: transformers' attention path is not checked for host syncs)
         h.compare("kv_cache_attention", case, candidates, baseline="hf_static_cache", nbytes=nbytes,
@@ -182,6 +186,31 @@ def run_latent(h, dtype) -> None:
         h.compare("kv_cache_attention", case, candidates, baseline="ours_kernel_separate_values", nbytes=nbytes,
                   graphed=tuple(candidates))
         del q, k, k_cache, v_cache
+
+
+def cpu_build(device) -> dict:
+    """The CPU attention kernel's build that "ours_kernel" and "ours_auto" run, for the row."""
+    if device.type != "cpu" or not hasattr(torch.ops.gptfast_kernels, "_cpu_attention_isa"):
+        return {}
+    return {"cpu_build": torch.ops.gptfast_kernels._cpu_attention_isa()}
+
+
+def add_other_cpu_builds(candidates: dict, device) -> None:
+    """On a CPU, "ours_kernel" again with each other build of the attention kernel this CPU runs
+    ("ours_kernel_avx2", "ours_kernel_baseline"; csrc/cpu/): the same bits, side by side in speed."""
+    if device.type != "cpu" or "ours_kernel" not in candidates:
+        return
+    select = torch.ops.gptfast_kernels._cpu_attention_isa
+    kernel = candidates["ours_kernel"]
+    for isa in torch.ops.gptfast_kernels._cpu_attention_isas()[1:]:
+        def with_build(isa=isa):
+            before = select(isa)
+            try:
+                return kernel()
+            finally:
+                select(before)
+
+        candidates[f"ours_kernel_{isa}"] = with_build
 
 
 def run_local(h, dtype, usable, module, scale, rule: str) -> None:
@@ -241,9 +270,11 @@ def run_local(h, dtype, usable, module, scale, rule: str) -> None:
                 q, k, v, k_cache, v_cache, positions, scale, window, 0.0, None, False, 0, chunk)
             candidates["ours_ring_triton_kernel"] = lambda: kv_cache_attention_triton(
                 q, k, v, ring_k, ring_v, positions, scale, window, 0.0, None, True, 0, chunk)
+        add_other_cpu_builds(candidates, device)
         elem = q.element_size()
         nbytes = 2 * B * HKV * (context + T - first) * D * elem + 2 * B * HQ * T * D * elem
-        case = {"B": B, "T": T, "context": context, "S": S, rule.split("_")[0]: reach, "dtype": str(dtype)[6:]}
+        case = {"B": B, "T": T, "context": context, "S": S, rule.split("_")[0]: reach, "dtype": str(dtype)[6:],
+                **cpu_build(device)}
         h.compare("kv_cache_attention", case, candidates, baseline=baseline, nbytes=nbytes,
                   graphed=("ours_kernel", "ours_triton_kernel", "ours_ring_kernel", "ours_ring_triton_kernel"))
         del q, k, v, k_cache, v_cache, ring_k, ring_v, mask

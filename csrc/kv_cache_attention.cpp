@@ -11,34 +11,40 @@
 // With sinks [Hq] (GPT-OSS), head h's softmax has one more logit, sinks[h], attending to nothing.
 // With ring = true the caches are ring buffers (a sliding-window layer's, S >= window slots, or a
 // chunked layer's, S >= chunk_size): position p lives in slot p % S, for the scatter and for every
-// read; positions may exceed S. first_slot always takes absolute positions, so chunk starts stay
+// read; positions may exceed S. the first position a query sees always comes from absolute positions, so chunk starts stay
 // p - p % C whatever slot p lands in.
 // With value_dim = Dv > 0 the values are in the keys: slot s's value is k_cache[b, h, s, :Dv] (multi-
 // head latent attention, whose keys are [latent, rope part] and whose values the latent alone); v and
 // v_cache are then empty and unused, only k is written, and out is [B, Hq, T, Dv].
 //
 // Each query reads only slots first..position, never the whole preallocated cache. The scatter runs
-// first (one parallel pass), then the attention, parallel over (batch, kv head, query token);
-// each work item computes the whole head group of G = Hq / Hkv query heads, so a key / value row
-// is loaded once per group and reused G times (GQA / MQA). Online softmax over blocks of
-// SLOT_BLOCK slots, accumulated in float32 whatever the cache dtype.
+// first (one parallel pass), then the attention, parallel over (batch, kv head, run of query
+// tokens); each work item computes the whole head group of G = Hq / Hkv query heads for its tokens,
+// so a key / value row is loaded once and reused by every query of the item (GQA / MQA, and the
+// k + 1 tokens of a verification). Online softmax over blocks of SLOT_BLOCK positions, accumulated in
+// float32 whatever the cache dtype. The attention itself is csrc/cpu/kv_cache_attention_kernel.h,
+// built once per instruction set (baseline, AVX2, AVX-512F) and chosen at run time by the CPU.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
+#include "cpu/kv_cache_attention_cpu.h"
 
 namespace gptfast_kernels {
 namespace {
 
-// Slots scored per online-softmax step: scores for a block of slots are computed first, then the
-// running max / sum are corrected once per block instead of once per slot.
-constexpr int64_t SLOT_BLOCK = 64;
-// Work items (query token x kv head) per parallel_for task; decode has few items, prefill many.
-constexpr int64_t ATTENTION_GRAIN = 1;
+// Query rows (heads x tokens) per work item at most: every row of an item shares each block of key /
+// value rows read from memory; past a few dozen rows the item's scratch (queries, accumulators,
+// scores) outgrows the L2 it shares the blocks through, and prefill needs many items to spread.
+constexpr int64_t MAX_ROWS_PER_ITEM = 64;
 // Largest head dim any backend supports: multi-head latent attention runs as multi-query attention
 // over latents of kv_lora_rank + qk_rope_head_dim = 512 + 64 = 576 (DeepSeek-V2 / V3, Kimi-K2,
 // GLM-4.7-Flash). The CPU kernel's buffers are sized at run time; the CUDA kernels size shared
@@ -50,14 +56,6 @@ struct Strides4 {
   explicit Strides4(const at::Tensor& x) : b(x.stride(0)), h(x.stride(1)), t(x.stride(2)), d(x.stride(3)) {}
   int64_t at(int64_t ib, int64_t ih, int64_t it) const { return ib * b + ih * h + it * t; }
 };
-
-template <typename scalar_t>
-inline float dot_f32(const float* a, const scalar_t* b, int64_t D) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < D; ++d) acc += a[d] * static_cast<float>(b[d]);
-  return acc;
-}
 
 // The slot holding position pos (>= 0): pos itself, or pos % S in a ring buffer.
 inline int64_t slot_of(int64_t pos, int64_t S, bool ring) { return ring ? pos % S : pos; }
@@ -89,11 +87,71 @@ void scatter_new_tokens(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
   });
 }
 
-// First position a query at `pos` (>= 0) sees: the window's start, its chunk's start, or 0 with
-// neither (window == chunk == 0; the two never come together). Without ring also its first slot.
-inline int64_t first_slot(int64_t pos, int64_t window, int64_t chunk) {
-  if (window > 0) return std::max<int64_t>(0, pos - window + 1);
-  return chunk > 0 ? pos - pos % chunk : 0;
+// The CPU attention kernel builds (kv_cache_attention_cpu.h), the best the CPU runs first.
+struct AttentionBuild {
+  const char* name;
+  cpu::AttendRowsFn fn;
+  bool (*supported)();
+};
+bool always() { return true; }
+#if defined(__x86_64__) && defined(__GNUC__)
+bool has_avx2() { return __builtin_cpu_supports("avx2"); }
+bool has_avx512f() { return __builtin_cpu_supports("avx512f"); }
+constexpr AttentionBuild ATTENTION_BUILDS[] = {
+    {"avx512", &cpu::attend_rows_avx512, &has_avx512f},
+    {"avx2", &cpu::attend_rows_avx2, &has_avx2},
+    {"baseline", &cpu::attend_rows_baseline, &always},
+};
+#else
+constexpr AttentionBuild ATTENTION_BUILDS[] = {{"baseline", &cpu::attend_rows_baseline, &always}};
+#endif
+constexpr int64_t NUM_ATTENTION_BUILDS = sizeof(ATTENTION_BUILDS) / sizeof(ATTENTION_BUILDS[0]);
+
+// Index of a supported build by name, or -1.
+int64_t find_attention_build(const std::string& name) {
+  for (int64_t i = 0; i < NUM_ATTENTION_BUILDS; ++i) {
+    if (name == ATTENTION_BUILDS[i].name && ATTENTION_BUILDS[i].supported()) return i;
+  }
+  return -1;
+}
+
+std::string supported_attention_builds() {
+  std::string names;
+  for (const AttentionBuild& build : ATTENTION_BUILDS) {
+    if (build.supported()) names += (names.empty() ? "" : ", ") + std::string(build.name);
+  }
+  return names;
+}
+
+// The build in use: GPTFAST_KERNELS_CPU_ISA names one (an error if this CPU lacks it), else the best
+// this CPU runs. _cpu_attention_isa changes it (tests run every build).
+std::atomic<int64_t>& attention_build() {
+  static std::atomic<int64_t> chosen([] {
+    const char* forced = std::getenv("GPTFAST_KERNELS_CPU_ISA");
+    if (forced != nullptr && forced[0] != '\0') {
+      const int64_t i = find_attention_build(forced);
+      TORCH_CHECK(i >= 0, "GPTFAST_KERNELS_CPU_ISA=", forced, " is not a kernel build this CPU runs; it runs: ",
+                  supported_attention_builds());
+      return i;
+    }
+    for (int64_t i = 0; i < NUM_ATTENTION_BUILDS; ++i) {
+      if (ATTENTION_BUILDS[i].supported()) return i;
+    }
+    return NUM_ATTENTION_BUILDS - 1;
+  }());
+  return chosen;
+}
+
+// Tokens per work item: all of a row's tokens (each key / value block read once for all of them),
+// unless fewer items than threads would leave threads idle, and at most MAX_ROWS_PER_ITEM rows.
+int64_t tokens_per_item(int64_t B, int64_t Hkv, int64_t T, int64_t G) {
+  int64_t tokens = T;
+  const int64_t heads = B * Hkv, threads = at::get_num_threads();
+  if (heads < threads) {
+    const int64_t pieces = std::min(T, (threads + heads - 1) / heads);
+    tokens = (T + pieces - 1) / pieces;
+  }
+  return std::max<int64_t>(1, std::min(tokens, MAX_ROWS_PER_ITEM / G));
 }
 
 // values: v_cache, or k_cache itself with values in keys (its rows' first Dv numbers; Dv = out's
@@ -102,86 +160,41 @@ template <typename scalar_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& values, const int64_t* positions,
             double scale, int64_t window, int64_t chunk, double softcap, const float* sinks, bool ring,
             at::Tensor& out) {
-  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Dv = out.size(3);
-  const int64_t Hkv = k_cache.size(1), S = k_cache.size(2), G = Hq / Hkv;
-  const Strides4 qs(q);
-  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vc = values.data_ptr<scalar_t>();  // rows of D numbers either way
+  cpu::AttendArgs args{};
+  args.q = q.data_ptr();
+  args.q_stride_b = q.stride(0), args.q_stride_h = q.stride(1), args.q_stride_t = q.stride(2);
+  args.q_stride_d = q.stride(3);
+  args.keys = k_cache.data_ptr();
+  args.values = values.data_ptr();  // rows of D numbers either way
+  args.positions = positions;
+  args.sinks = sinks;
+  args.Hq = q.size(1), args.Hkv = k_cache.size(1), args.T = q.size(2), args.D = q.size(3);
+  args.Dv = out.size(3), args.S = k_cache.size(2), args.G = args.Hq / args.Hkv;
+  args.window = window, args.chunk = chunk;
+  args.scale = static_cast<float>(scale), args.softcap = static_cast<float>(softcap);
+  args.ring = ring;
+  args.elem = std::is_same_v<scalar_t, float>      ? cpu::Elem::F32
+              : std::is_same_v<scalar_t, at::Half> ? cpu::Elem::F16
+                                                   : cpu::Elem::BF16;
+  const cpu::AttendRowsFn attend_rows = ATTENTION_BUILDS[attention_build().load()].fn;
+  const int64_t B = q.size(0), Hkv = args.Hkv, T = args.T, G = args.G, Dv = args.Dv;
+  const int64_t tokens = tokens_per_item(B, Hkv, T, G), pieces = (T + tokens - 1) / tokens;
   scalar_t* o_ptr = out.data_ptr<scalar_t>();  // contiguous [B, Hq, T, Dv]
-  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
-  at::parallel_for(0, B * Hkv * T, ATTENTION_GRAIN, [&](int64_t begin, int64_t end) {
-    // Per-task scratch: the group's scaled queries, accumulators, running max / sum, block scores.
-    std::vector<float> qf(G * D), acc(G * Dv), row_max(G), row_sum(G), scores(G * SLOT_BLOCK);
-    std::vector<int64_t> row_offset(SLOT_BLOCK);  // a block's K / V rows in the head's buffers
+  at::parallel_for(0, B * Hkv * pieces, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = G * tokens;
+    std::vector<float> scratch(cpu::scratch_floats(rows, args.D, Dv)), result(rows * Dv);
+    std::vector<int64_t> int_scratch(cpu::scratch_ints(rows));
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item % T, h = (item / T) % Hkv, b = item / (T * Hkv);
-      const int64_t pos = positions[b * T + t];
-      if (pos < 0) {  // padding query: zero output
-        for (int64_t g = 0; g < G; ++g) {
-          scalar_t* o = o_ptr + ((b * Hq + h * G + g) * T + t) * Dv;
-          std::fill(o, o + Dv, static_cast<scalar_t>(0.f));
-        }
-        continue;
-      }
+      const int64_t piece = item % pieces, h = (item / pieces) % Hkv, b = item / (pieces * Hkv);
+      const int64_t t0 = piece * tokens, t1 = std::min(T, t0 + tokens), n = t1 - t0;
+      attend_rows(args, b, h, t0, t1, result.data(), scratch.data(), int_scratch.data());
       for (int64_t g = 0; g < G; ++g) {
-        const scalar_t* qrow = q_ptr + qs.at(b, h * G + g, t);
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qrow[d * qs.d]) * fscale;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t g = 0; g < G; ++g) {  // a sink is a first slot of weight e^sink and value 0
-        row_max[g] = sinks ? sinks[h * G + g] : -std::numeric_limits<float>::infinity();
-        row_sum[g] = sinks ? 1.f : 0.f;
-      }
-      const scalar_t* k_head = kc + (b * Hkv + h) * S * D;
-      const scalar_t* v_head = vc + (b * Hkv + h) * S * D;
-      const int64_t length = pos + 1;  // positions first..pos inclusive
-      for (int64_t s0 = first_slot(pos, window, chunk); s0 < length; s0 += SLOT_BLOCK) {
-        const int64_t n = std::min(SLOT_BLOCK, length - s0);
-        // slots of positions s0 .. s0 + n - 1: one remainder per block in a ring, wrapping after
-        for (int64_t j = 0, slot = slot_of(s0, S, ring); j < n; ++j, slot = slot + 1 == S ? 0 : slot + 1) {
-          row_offset[j] = slot * D;
+        for (int64_t tt = 0; tt < n; ++tt) {
+          const float* src = result.data() + (g * n + tt) * Dv;
+          scalar_t* dst = o_ptr + ((b * args.Hq + h * G + g) * T + t0 + tt) * Dv;
+          for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(src[d]);
         }
-        for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* krow = k_head + row_offset[j];
-          for (int64_t g = 0; g < G; ++g) scores[g * SLOT_BLOCK + j] = dot_f32(qf.data() + g * D, krow, D);
-        }
-        if (cap > 0.f) {
-          for (int64_t g = 0; g < G; ++g)
-            for (int64_t j = 0; j < n; ++j) {
-              float& score = scores[g * SLOT_BLOCK + j];
-              score = cap * std::tanh(score / cap);
-            }
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float* sc = scores.data() + g * SLOT_BLOCK;
-          float block_max = sc[0];
-          for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sc[j]);
-          const float new_max = std::max(row_max[g], block_max);
-          const float correction = std::exp(row_max[g] - new_max);  // exp(-inf) = 0 on the first block
-          row_max[g] = new_max;
-          float block_sum = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            sc[j] = std::exp(sc[j] - new_max);
-            block_sum += sc[j];
-          }
-          row_sum[g] = row_sum[g] * correction + block_sum;
-          float* a = acc.data() + g * Dv;
-#pragma omp simd
-          for (int64_t d = 0; d < Dv; ++d) a[d] *= correction;
-          for (int64_t j = 0; j < n; ++j) {
-            const scalar_t* vrow = v_head + row_offset[j];
-            const float p = sc[j];
-#pragma omp simd
-            for (int64_t d = 0; d < Dv; ++d) a[d] += p * static_cast<float>(vrow[d]);
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        scalar_t* o = o_ptr + ((b * Hq + h * G + g) * T + t) * Dv;
-        const float inv = 1.f / row_sum[g];
-        for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<scalar_t>(acc[g * Dv + d] * inv);
       }
     }
   });
@@ -288,7 +301,7 @@ int64_t check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k
 // q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] contiguous (written in
 // place); positions [B, T] int64 contiguous, -1 = padding -> out [B, Hq, T, D] contiguous. With
 // value_dim > 0: v, v_cache empty, values in k_cache's first value_dim numbers, out [B, Hq, T, value_dim].
-// chunk_size > 0: chunked attention (see first_slot).
+// chunk_size > 0: chunked attention (see first_position in cpu/kv_cache_attention_kernel.h).
 at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
                                   double scale, int64_t window, double softcap,
@@ -322,6 +335,34 @@ TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
   m.def("kv_cache_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor positions, float scale, int window=0, float softcap=0.0, Tensor? sinks=None, bool ring=False, "
         "int value_dim=0, int chunk_size=0) -> Tensor");
+}
+
+// Which build of the CPU attention kernel runs (kv_cache_attention_cpu.h): with isa = "" the one in
+// use; with a name ("baseline", "avx2", "avx512") switches to it. Returns the one in use before the
+// call. Meant for tests and benchmarks, which run every build this CPU supports.
+std::string cpu_attention_isa(const std::string& isa) {
+  const std::string before = ATTENTION_BUILDS[attention_build().load()].name;
+  if (!isa.empty()) {
+    const int64_t i = find_attention_build(isa);
+    TORCH_CHECK(i >= 0, "_cpu_attention_isa: isa must be one this CPU runs (", supported_attention_builds(),
+                "), got '", isa, "'");
+    attention_build().store(i);
+  }
+  return before;
+}
+
+// The builds this CPU runs, best first.
+std::vector<std::string> cpu_attention_isas() {
+  std::vector<std::string> names;
+  for (const AttentionBuild& build : ATTENTION_BUILDS) {
+    if (build.supported()) names.emplace_back(build.name);
+  }
+  return names;
+}
+
+TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
+  m.def("_cpu_attention_isa(str isa=\"\") -> str", &cpu_attention_isa);
+  m.def("_cpu_attention_isas() -> str[]", &cpu_attention_isas);
 }
 
 TORCH_LIBRARY_IMPL(gptfast_kernels, CPU, m) {

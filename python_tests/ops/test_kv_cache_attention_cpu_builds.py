@@ -1,0 +1,187 @@
+"""kv_cache_attention's CPU kernel is built once per instruction set (baseline, AVX2, AVX-512F;
+csrc/cpu/) and the best one the CPU runs is taken. Every build this CPU runs must give the same bits
+(the other test files check the default build against the reference), a query row must come out the
+same whichever work item computes it (decode, verification, prefill, any thread count), and the
+16-bit caches must be read exactly (subnormal, huge and signed-zero float16 values).
+GPTFAST_KERNELS_CPU_ISA picks a build for the whole process; _cpu_attention_isa switches it."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from gptfast_kernels import _extension, ops
+from python_tests.ops.test_kv_cache_attention import ERROR_FLOOR, make_case
+
+pytestmark = pytest.mark.skipif(not _extension.has_kernel("kv_cache_attention", "CPU"),
+                                reason="extension not built")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _builds():
+    return list(torch.ops.gptfast_kernels._cpu_attention_isas())
+
+
+def _with_build(isa, fn):
+    before = torch.ops.gptfast_kernels._cpu_attention_isa(isa)
+    try:
+        return fn()
+    finally:
+        torch.ops.gptfast_kernels._cpu_attention_isa(before)
+
+
+# (T, D, S, start, options): decode / verification / prefill; head dims with and without a tail past
+# the 16-lane dot products and the 4-register value columns; windows, chunks, rings, softcap,
+# sinks, values in keys (multi-head latent attention's 576 = 512 + 64).
+CASES = {
+    "decode": (1, 128, 96, 70, {}),
+    "verify-d80": (5, 80, 64, 40, {}),
+    "prefill-d20": (37, 20, 48, 0, {}),
+    "window-softcap": (5, 64, 96, 60, {"window": 24, "softcap": 30.0}),
+    "chunk": (6, 32, 96, 61, {"chunk_size": 16}),
+    "ring-window": (5, 32, 40, 190, {"window": 20, "ring": True}),
+    "sinks": (3, 48, 64, 30, {"sinks": True}),
+    "values-in-keys": (4, 576, 48, 20, {"value_dim": 512}),
+}
+
+
+def _run_case(name, dtype):
+    T, D, S, start, options = CASES[name]
+    B, Hq, Hkv = 2, 4, 2
+    options = dict(options)
+    positions = torch.stack([torch.arange(start, start + T), torch.arange(start // 2, start // 2 + T)])
+    if not options.get("ring"):
+        positions = positions.clamp(max=S - 1)
+    q, k, v, k_cache, v_cache, positions = make_case(B, Hq, Hkv, T, D, S, positions, dtype, seed=3)
+    if options.pop("sinks", False):
+        options["sinks"] = torch.linspace(-1.0, 2.0, Hq)
+    if options.get("value_dim"):
+        v, v_cache = None, None
+
+    def run(backend):
+        kc, vc = k_cache.clone(), None if v_cache is None else v_cache.clone()
+        return ops.kv_cache_attention(q, k, v, kc, vc, positions, backend=backend, **options)
+
+    return run
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_build_gives_the_same_bits(case, dtype):
+    run = _run_case(case, dtype)
+    outs = {isa: _with_build(isa, lambda: run("cpu")) for isa in _builds()}
+    want = run("reference")
+    first = next(iter(outs.values()))
+    assert torch.isfinite(first).all()
+    error = (first.double() - want.double()).abs().max().item()
+    assert error <= ERROR_FLOOR[dtype] * 5, f"{case}: error {error} against the reference"
+    for isa, out in outs.items():
+        torch.testing.assert_close(out, first, atol=0, rtol=0, msg=lambda m: f"build {isa}: {m}")
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+def test_each_build_matches_the_reference_on_ragged_rows(isa):
+    if isa not in _builds():
+        pytest.skip(f"this CPU does not run the {isa} build")
+    B, Hq, Hkv, T, D, S = 3, 8, 2, 7, 80, 64
+    positions = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [-1, -1, 0, 1, 2, 3, 4], [40, 3, 17, -1, 22, 9, 30]])
+    for dtype in DTYPES:
+        q, k, v, k_cache, v_cache, positions = make_case(B, Hq, Hkv, T, D, S, positions, dtype, seed=5)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        got = _with_build(isa, lambda: ops.kv_cache_attention(q, k, v, kc, vc, positions, backend="cpu"))
+        want = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend="reference")
+        torch.testing.assert_close(kc, k_cache, atol=0, rtol=0)
+        assert torch.all(got[1, :, :2] == 0) and torch.all(got[2, :, 3] == 0)
+        error = (got.double() - want.double()).abs().max().item()
+        assert error <= ERROR_FLOOR[dtype] * 5, f"{dtype}: error {error}"
+
+
+@pytest.mark.parametrize("window", [None, 37], ids=["full", "window"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_row_is_the_same_in_any_work_item(dtype, window):
+    """One kv head of one row, so that with several threads the kernel splits the tokens across work
+    items: a verification of 9 tokens, the same tokens one decode step at a time, and one thread
+    against four must agree to the bit. With a window each token's first position differs, so an item
+    that started its blocks at its earliest position would sum a row differently per item."""
+    B, Hq, Hkv, T, D, S = 1, 3, 1, 9, 48, 200
+    positions = torch.arange(150, 150 + T).unsqueeze(0)
+    q, k, v, k_cache, v_cache, positions = make_case(B, Hq, Hkv, T, D, S, positions, dtype, seed=7)
+    threads = torch.get_num_threads()
+
+    def verify(num_threads):
+        torch.set_num_threads(num_threads)
+        try:
+            return ops.kv_cache_attention(q, k, v, k_cache.clone(), v_cache.clone(), positions, window=window,
+                                          backend="cpu")
+        finally:
+            torch.set_num_threads(threads)
+
+    together = verify(1)
+    torch.testing.assert_close(verify(4), together, atol=0, rtol=0)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    for t in range(T):
+        step = ops.kv_cache_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], kc, vc,
+                                      positions[:, t:t + 1], window=window, backend="cpu")
+        torch.testing.assert_close(step, together[:, :, t:t + 1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+def test_special_half_values_are_read_exactly(isa):
+    """With all-zero queries attention is the plain mean of the values seen; float16 values that are
+    subnormal, near the largest finite, or negative zero must be converted exactly (a mean of a few
+    float16 numbers is exact in float32 here)."""
+    if isa not in _builds():
+        pytest.skip(f"this CPU does not run the {isa} build")
+    B, Hq, Hkv, T, D, S = 1, 2, 1, 1, 40, 8
+    specials = torch.tensor([6e-8, -6e-8, 3e-5, -0.0, 65504.0, -65504.0, 1.0, 2.0 ** -14], dtype=torch.float16)
+    v_cache = specials[torch.arange(S * D).remainder(len(specials))].reshape(B, Hkv, S, D)
+    v_cache = v_cache.roll(1, dims=-2).contiguous()
+    k_cache = torch.zeros(B, Hkv, S, D, dtype=torch.float16)
+    q = torch.zeros(B, Hq, T, D, dtype=torch.float16)
+    k, v = k_cache[:, :, :1].clone(), v_cache[:, :, 1:2].clone()  # slot 1 rewritten with itself
+    positions = torch.tensor([[1]])
+    got = _with_build(isa, lambda: ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend="cpu"))
+    want = v_cache[:, :, :2].float().mean(dim=2, keepdim=True).expand(B, Hq, T, D)
+    assert torch.equal(got.float(), want.half().float())
+
+
+def test_choosing_a_build_by_name():
+    builds = _builds()
+    assert builds[-1] == "baseline" and len(set(builds)) == len(builds)
+    in_use = torch.ops.gptfast_kernels._cpu_attention_isa()
+    assert in_use == builds[0]  # the best one by default (no GPTFAST_KERNELS_CPU_ISA in the tests)
+    assert torch.ops.gptfast_kernels._cpu_attention_isa("baseline") == in_use
+    try:
+        assert torch.ops.gptfast_kernels._cpu_attention_isa() == "baseline"
+        with pytest.raises(RuntimeError, match="isa must be one this CPU runs"):
+            torch.ops.gptfast_kernels._cpu_attention_isa("avx9000")
+        assert torch.ops.gptfast_kernels._cpu_attention_isa() == "baseline"
+    finally:
+        torch.ops.gptfast_kernels._cpu_attention_isa(in_use)
+
+
+def _in_subprocess(isa, code):
+    env = dict(os.environ, GPTFAST_KERNELS_CPU_ISA=isa)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_environment_variable_picks_the_build():
+    code = textwrap.dedent("""
+        import torch, gptfast_kernels
+        from gptfast_kernels import ops
+        q = torch.randn(1, 2, 1, 16)
+        k = torch.randn(1, 1, 1, 16)
+        cache = torch.zeros(1, 1, 4, 16)
+        ops.kv_cache_attention(q, k, k, cache, cache.clone(), torch.tensor([[0]]), backend="cpu")
+        print(torch.ops.gptfast_kernels._cpu_attention_isa())
+    """)
+    done = _in_subprocess("baseline", code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "baseline"
+    done = _in_subprocess("avx9000", code)
+    assert done.returncode != 0
+    assert "GPTFAST_KERNELS_CPU_ISA=avx9000 is not a kernel build this CPU runs" in done.stderr

@@ -95,7 +95,7 @@ struct AttentionBuild {
 };
 bool always() { return true; }
 #if defined(__x86_64__) && defined(__GNUC__)
-bool has_avx2() { return __builtin_cpu_supports("avx2"); }
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 bool has_avx512f() { return __builtin_cpu_supports("avx512f"); }
 constexpr AttentionBuild ATTENTION_BUILDS[] = {
     {"avx512", &cpu::attend_rows_avx512, &has_avx512f},
@@ -142,16 +142,33 @@ std::atomic<int64_t>& attention_build() {
   return chosen;
 }
 
-// Tokens per work item: all of a row's tokens (each key / value block read once for all of them),
-// unless fewer items than threads would leave threads idle, and at most MAX_ROWS_PER_ITEM rows.
-int64_t tokens_per_item(int64_t B, int64_t Hkv, int64_t T, int64_t G) {
-  int64_t tokens = T;
-  const int64_t heads = B * Hkv, threads = at::get_num_threads();
-  if (heads < threads) {
-    const int64_t pieces = std::min(T, (threads + heads - 1) / heads);
-    tokens = (T + pieces - 1) / pieces;
+// A work item: one batch row, one kv head, a range of its group's query heads and a run of tokens.
+// By default all of a row's tokens (each key / value block is read once for all of them) and as many
+// heads as fit in MAX_ROWS_PER_ITEM rows; when that leaves threads idle, shorter runs of tokens,
+// then fewer heads (multi-query attention, e.g. latent attention's 128 heads on one kv head).
+struct WorkSplit {
+  int64_t heads, tokens;  // per item
+  int64_t head_pieces, token_pieces;
+};
+
+WorkSplit split_work(int64_t B, int64_t Hkv, int64_t T, int64_t G) {
+  const auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
+  WorkSplit w{};
+  w.heads = std::min(G, MAX_ROWS_PER_ITEM);
+  w.tokens = std::clamp<int64_t>(MAX_ROWS_PER_ITEM / w.heads, 1, std::max<int64_t>(T, 1));
+  w.head_pieces = ceil_div(G, w.heads), w.token_pieces = ceil_div(T, w.tokens);
+  const int64_t threads = at::get_num_threads(), rows_heads = B * Hkv;
+  if (rows_heads * w.head_pieces * w.token_pieces < threads && T > w.token_pieces) {
+    w.token_pieces = std::min(T, ceil_div(threads, rows_heads * w.head_pieces));
+    w.tokens = ceil_div(T, w.token_pieces);
+    w.token_pieces = ceil_div(T, w.tokens);
   }
-  return std::max<int64_t>(1, std::min(tokens, MAX_ROWS_PER_ITEM / G));
+  if (rows_heads * w.head_pieces * w.token_pieces < threads && G > w.head_pieces) {
+    w.head_pieces = std::min(G, ceil_div(threads, rows_heads * w.token_pieces));
+    w.heads = ceil_div(G, w.head_pieces);
+    w.head_pieces = ceil_div(G, w.heads);
+  }
+  return w;
 }
 
 // values: v_cache, or k_cache itself with values in keys (its rows' first Dv numbers; Dv = out's
@@ -178,21 +195,23 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& va
                                                    : cpu::Elem::BF16;
   const cpu::AttendRowsFn attend_rows = ATTENTION_BUILDS[attention_build().load()].fn;
   const int64_t B = q.size(0), Hkv = args.Hkv, T = args.T, G = args.G, Dv = args.Dv;
-  const int64_t tokens = tokens_per_item(B, Hkv, T, G), pieces = (T + tokens - 1) / tokens;
+  const WorkSplit split = split_work(B, Hkv, T, G);
+  const int64_t pieces = split.head_pieces * split.token_pieces;
   scalar_t* o_ptr = out.data_ptr<scalar_t>();  // contiguous [B, Hq, T, Dv]
 
   at::parallel_for(0, B * Hkv * pieces, 1, [&](int64_t begin, int64_t end) {
-    const int64_t rows = G * tokens;
+    const int64_t rows = split.heads * split.tokens;
     std::vector<float> scratch(cpu::scratch_floats(rows, args.D, Dv)), result(rows * Dv);
     std::vector<int64_t> int_scratch(cpu::scratch_ints(rows));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t piece = item % pieces, h = (item / pieces) % Hkv, b = item / (pieces * Hkv);
-      const int64_t t0 = piece * tokens, t1 = std::min(T, t0 + tokens), n = t1 - t0;
-      attend_rows(args, b, h, t0, t1, result.data(), scratch.data(), int_scratch.data());
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t tt = 0; tt < n; ++tt) {
-          const float* src = result.data() + (g * n + tt) * Dv;
-          scalar_t* dst = o_ptr + ((b * args.Hq + h * G + g) * T + t0 + tt) * Dv;
+      const int64_t g0 = piece / split.token_pieces * split.heads, g1 = std::min(G, g0 + split.heads);
+      const int64_t t0 = piece % split.token_pieces * split.tokens, t1 = std::min(T, t0 + split.tokens);
+      attend_rows(args, b, h, g0, g1, t0, t1, result.data(), scratch.data(), int_scratch.data());
+      for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const float* src = result.data() + ((g - g0) * (t1 - t0) + t - t0) * Dv;
+          scalar_t* dst = o_ptr + ((b * args.Hq + h * G + g) * T + t) * Dv;
           for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(src[d]);
         }
       }

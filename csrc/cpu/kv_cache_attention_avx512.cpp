@@ -5,5 +5,6 @@
 #pragma GCC target("avx512f")
 #endif
 #define GPTFAST_ATTEND_ROWS attend_rows_avx512
+#define GPTFAST_FMA 1
 #define GPTFAST_NATIVE_LANES 16
 #include "kv_cache_attention_kernel.h"

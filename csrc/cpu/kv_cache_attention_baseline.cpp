@@ -2,5 +2,6 @@
 // for (on x86-64: SSE2); runs on any CPU.
 // kv_cache_attention.cpp chooses among the builds at run time (cpu_attention_isa).
 #define GPTFAST_ATTEND_ROWS attend_rows_baseline
+#define GPTFAST_FMA 0
 #define GPTFAST_NATIVE_LANES 4
 #include "kv_cache_attention_kernel.h"

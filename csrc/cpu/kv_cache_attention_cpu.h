@@ -46,16 +46,20 @@ static constexpr int64_t scratch_floats(int64_t rows, int64_t D, int64_t Dv) {
 // first and last position.
 static constexpr int64_t scratch_ints(int64_t rows) { return 3 * SLOT_BLOCK + 2 * rows; }
 
-// Attends query tokens t0 .. t1 - 1 of batch row b with the G query heads of kv head h, reading the
-// cache (already written) once for all of them. out: [G, t1 - t0, Dv] float32, zeros for padding
-// queries; scratch sized by scratch_floats / scratch_ints for G * (t1 - t0) rows.
-using AttendRowsFn = void (*)(const AttendArgs& args, int64_t b, int64_t h, int64_t t0, int64_t t1, float* out,
-                              float* scratch, int64_t* int_scratch);
+// Attends query tokens t0 .. t1 - 1 of batch row b with query heads g0 .. g1 - 1 of kv head h's group,
+// reading the cache (already written) once for all of them. out: [g1 - g0, t1 - t0, Dv] float32,
+// zeros for padding queries; scratch sized by scratch_floats / scratch_ints for (g1 - g0) x (t1 - t0)
+// rows.
+using AttendRowsFn = void (*)(const AttendArgs& args, int64_t b, int64_t h, int64_t g0, int64_t g1, int64_t t0,
+                              int64_t t1, float* out, float* scratch, int64_t* int_scratch);
 
 // One per instruction set; kv_cache_attention.cpp picks among them.
-void attend_rows_baseline(const AttendArgs&, int64_t, int64_t, int64_t, int64_t, float*, float*, int64_t*);
-void attend_rows_avx2(const AttendArgs&, int64_t, int64_t, int64_t, int64_t, float*, float*, int64_t*);
-void attend_rows_avx512(const AttendArgs&, int64_t, int64_t, int64_t, int64_t, float*, float*, int64_t*);
+void attend_rows_baseline(const AttendArgs&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*,
+                          int64_t*);
+void attend_rows_avx2(const AttendArgs&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*,
+                      int64_t*);
+void attend_rows_avx512(const AttendArgs&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*,
+                        int64_t*);
 
 }  // namespace cpu
 }  // namespace gptfast_kernels

@@ -4,18 +4,23 @@
 // GPTFAST_NATIVE_LANES the floats per register (16, 8, 4).
 //
 // Every operation is lane-wise, or a dot product summed as if over 16 lanes whatever the register
-// width (lane l takes d = l, l + 16, ... in order, then a fixed tree), and floating-point contraction
-// is off (setup.py: -ffp-contract=off). So all builds give the same bits, and a query row's result
-// does not depend on which other rows share its work item (blocks of SLOT_BLOCK positions are aligned
-// to absolute positions, kv_cache_attention_cpu.h).
+// width (lane l takes d = l, l + 16, ... in order, then a fixed tree), multiply-adds are explicit
+// (fused where the build's CPUs have FMA) and the compiler contracts nothing else (setup.py:
+// -ffp-contract=off). So the AVX2 and AVX-512 builds give the same bits (the baseline's unfused
+// products round differently, within float32 rounding), and a query row's result does not depend on
+// which other rows share its work item (blocks of SLOT_BLOCK positions are aligned to absolute
+// positions, kv_cache_attention_cpu.h).
 //
 // Only C headers and internal linkage here (see kv_cache_attention_cpu.h for why).
 #include <stdint.h>
+#if GPTFAST_FMA
+#include <immintrin.h>  // intrinsics are gnu_inline: never emitted out of line, so safe here
+#endif
 
 #include "kv_cache_attention_cpu.h"
 
-#if !defined(GPTFAST_ATTEND_ROWS) || !defined(GPTFAST_NATIVE_LANES)
-#error "define GPTFAST_ATTEND_ROWS and GPTFAST_NATIVE_LANES before including kv_cache_attention_kernel.h"
+#if !defined(GPTFAST_ATTEND_ROWS) || !defined(GPTFAST_NATIVE_LANES) || !defined(GPTFAST_FMA)
+#error "define GPTFAST_ATTEND_ROWS, GPTFAST_NATIVE_LANES and GPTFAST_FMA before including kv_cache_attention_kernel.h"
 #endif
 
 namespace gptfast_kernels {
@@ -35,6 +40,21 @@ typedef uint16_t vhalf __attribute__((vector_size(LANES * 2)));
 
 GPTFAST_INLINE vfloat splat(float x) { return vfloat{} + x; }
 GPTFAST_INLINE vuint usplat(uint32_t x) { return vuint{} + x; }
+
+// a * b + c: one fused multiply-add in the builds for CPUs that have it (GPTFAST_FMA: AVX2, AVX-512),
+// a product and a sum in the baseline build.
+#if GPTFAST_FMA && GPTFAST_NATIVE_LANES == 16
+GPTFAST_INLINE vfloat mul_add(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+#elif GPTFAST_FMA && GPTFAST_NATIVE_LANES == 8
+GPTFAST_INLINE vfloat mul_add(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+#else
+GPTFAST_INLINE vfloat mul_add(vfloat a, vfloat b, vfloat c) { return a * b + c; }
+#endif
+#if GPTFAST_FMA
+GPTFAST_INLINE float mul_add(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+#else
+GPTFAST_INLINE float mul_add(float a, float b, float c) { return a * b + c; }
+#endif
 
 GPTFAST_INLINE vfloat load_floats(const float* p) {
   vfloat x;
@@ -161,10 +181,12 @@ GPTFAST_INLINE float dot1(const float* q, const void* keys, int64_t row, int64_t
   vfloat acc[PARTS] = {};
   int64_t d = 0;
   for (; d + DOT_LANES <= D; d += DOT_LANES) {
-    for (int64_t i = 0; i < PARTS; ++i) acc[i] += load_floats(q + d + i * LANES) * loadv<E>(keys, row + d + i * LANES);
+    for (int64_t i = 0; i < PARTS; ++i) {
+      acc[i] = mul_add(load_floats(q + d + i * LANES), loadv<E>(keys, row + d + i * LANES), acc[i]);
+    }
   }
   float s = dot_sum(acc);
-  for (; d < D; ++d) s += q[d] * load1<E>(keys, row + d);
+  for (; d < D; ++d) s = mul_add(q[d], load1<E>(keys, row + d), s);
   return s;
 }
 // Four key rows at once (independent sums, q loaded once); each equals dot1's result.
@@ -175,13 +197,13 @@ GPTFAST_INLINE void dot4(const float* q, const void* keys, const int64_t* rows, 
   for (; d + DOT_LANES <= D; d += DOT_LANES) {
     for (int64_t i = 0; i < PARTS; ++i) {
       const vfloat qv = load_floats(q + d + i * LANES);
-      for (int k = 0; k < 4; ++k) acc[k][i] += qv * loadv<E>(keys, rows[k] + d + i * LANES);
+      for (int k = 0; k < 4; ++k) acc[k][i] = mul_add(qv, loadv<E>(keys, rows[k] + d + i * LANES), acc[k][i]);
     }
   }
   float s[4];
   for (int k = 0; k < 4; ++k) s[k] = dot_sum(acc[k]);
   for (; d < D; ++d) {
-    for (int k = 0; k < 4; ++k) s[k] += q[d] * load1<E>(keys, rows[k] + d);
+    for (int k = 0; k < 4; ++k) s[k] = mul_add(q[d], load1<E>(keys, rows[k] + d), s[k]);
   }
   for (int k = 0; k < 4; ++k) out[k] = s[k];
 }
@@ -198,10 +220,10 @@ GPTFAST_INLINE void accumulate_values(float* acc, float correction, const float*
     for (int64_t j = j0; j < j1; ++j) {
       const vfloat pj = splat(p[j]);
       const int64_t row = rows[j] + d;
-      a0 += pj * loadv<E>(values, row);
-      a1 += pj * loadv<E>(values, row + LANES);
-      a2 += pj * loadv<E>(values, row + 2 * LANES);
-      a3 += pj * loadv<E>(values, row + 3 * LANES);
+      a0 = mul_add(pj, loadv<E>(values, row), a0);
+      a1 = mul_add(pj, loadv<E>(values, row + LANES), a1);
+      a2 = mul_add(pj, loadv<E>(values, row + 2 * LANES), a2);
+      a3 = mul_add(pj, loadv<E>(values, row + 3 * LANES), a3);
     }
     store_floats(acc + d, a0);
     store_floats(acc + d + LANES, a1);
@@ -210,12 +232,12 @@ GPTFAST_INLINE void accumulate_values(float* acc, float correction, const float*
   }
   for (; d + LANES <= Dv; d += LANES) {
     vfloat a = load_floats(acc + d) * correction;
-    for (int64_t j = j0; j < j1; ++j) a += splat(p[j]) * loadv<E>(values, rows[j] + d);
+    for (int64_t j = j0; j < j1; ++j) a = mul_add(splat(p[j]), loadv<E>(values, rows[j] + d), a);
     store_floats(acc + d, a);
   }
   for (; d < Dv; ++d) {
     float a = acc[d] * correction;
-    for (int64_t j = j0; j < j1; ++j) a += p[j] * load1<E>(values, rows[j] + d);
+    for (int64_t j = j0; j < j1; ++j) a = mul_add(p[j], load1<E>(values, rows[j] + d), a);
     acc[d] = a;
   }
 }
@@ -269,10 +291,10 @@ GPTFAST_INLINE void attend_block(const AttendArgs& a, int64_t s0, int64_t n, int
 }
 
 template <Elem E>
-void attend_rows_impl(const AttendArgs& a, int64_t b, int64_t h, int64_t t0, int64_t t1, float* out,
-                      float* scratch, int64_t* int_scratch) {
-  const int64_t G = a.G, D = a.D, Dv = a.Dv, tokens = t1 - t0, R = G * tokens;
-  float* q = scratch;             // [R, D] scaled queries; row r = g * tokens + (t - t0), out's order
+void attend_rows_impl(const AttendArgs& a, int64_t b, int64_t h, int64_t g0, int64_t g1, int64_t t0, int64_t t1,
+                      float* out, float* scratch, int64_t* int_scratch) {
+  const int64_t D = a.D, Dv = a.Dv, heads = g1 - g0, tokens = t1 - t0, R = heads * tokens;
+  float* q = scratch;             // [R, D] scaled queries; row r = (g - g0) * tokens + (t - t0), out's order
   float* acc = q + R * D;         // [R, Dv]
   float* row_max = acc + R * Dv;  // [R]
   float* row_sum = row_max + R;   // [R]
@@ -293,11 +315,11 @@ void attend_rows_impl(const AttendArgs& a, int64_t b, int64_t h, int64_t t0, int
       lowest = lo < lowest ? lo : lowest;
       highest = pos > highest ? pos : highest;
     }
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = g * tokens + tt;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t r = (g - g0) * tokens + tt;
       first[r] = lo;
       last[r] = pos;
-      const int64_t head = h * G + g;
+      const int64_t head = h * a.G + g;
       const int64_t base = b * a.q_stride_b + head * a.q_stride_h + (t0 + tt) * a.q_stride_t;
       for (int64_t d = 0; d < D; ++d) q[r * D + d] = load1<E>(a.q, base + d * a.q_stride_d) * a.scale;
       for (int64_t d = 0; d < Dv; ++d) acc[r * Dv + d] = 0.f;
@@ -349,12 +371,12 @@ void attend_rows_impl(const AttendArgs& a, int64_t b, int64_t h, int64_t t0, int
 
 }  // namespace
 
-void GPTFAST_ATTEND_ROWS(const AttendArgs& args, int64_t b, int64_t h, int64_t t0, int64_t t1, float* out,
-                         float* scratch, int64_t* int_scratch) {
+void GPTFAST_ATTEND_ROWS(const AttendArgs& args, int64_t b, int64_t h, int64_t g0, int64_t g1, int64_t t0,
+                         int64_t t1, float* out, float* scratch, int64_t* int_scratch) {
   switch (args.elem) {
-    case Elem::F32: return attend_rows_impl<Elem::F32>(args, b, h, t0, t1, out, scratch, int_scratch);
-    case Elem::F16: return attend_rows_impl<Elem::F16>(args, b, h, t0, t1, out, scratch, int_scratch);
-    case Elem::BF16: return attend_rows_impl<Elem::BF16>(args, b, h, t0, t1, out, scratch, int_scratch);
+    case Elem::F32: return attend_rows_impl<Elem::F32>(args, b, h, g0, g1, t0, t1, out, scratch, int_scratch);
+    case Elem::F16: return attend_rows_impl<Elem::F16>(args, b, h, g0, g1, t0, t1, out, scratch, int_scratch);
+    case Elem::BF16: return attend_rows_impl<Elem::BF16>(args, b, h, g0, g1, t0, t1, out, scratch, int_scratch);
   }
 }
 

@@ -140,7 +140,7 @@ GPTFAST_INLINE float dot_sum(vfloat* parts) {
 // e^x in float32 to about 2 ulp: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts)
 // and e^r by its Taylor polynomial of degree 7 (|r| <= ln 2 / 2). Below -86.6 it returns 0 (e^-86.6
 // is 2e-38; here x is a score minus the running maximum, and -inf on a row's first block), above
-// 88.72 +inf, NaN for NaN. The scalar overload runs the same operations, for the same bits.
+// 88.72 +inf, NaN for NaN.
 constexpr float EXP_LOW = -86.6f, EXP_HIGH = 88.72f;
 constexpr float ROUNDER = 12582912.f;  // 1.5 * 2^23: adding it rounds |y| < 2^22 to an integer
 constexpr float LOG2E = 1.44269504088896341f, LN2_HIGH = 0.693145751953125f, LN2_LOW = 1.428606765330187e-06f;
@@ -161,19 +161,8 @@ GPTFAST_INLINE vfloat exp_lanes(vfloat x) {
   const vfloat y = p * half_scale * 2.f;
   return x < low ? splat(0.f) : (x > high ? splat(__builtin_inff()) : y);
 }
-GPTFAST_INLINE float exp1(float x) {
-  float xc = x < EXP_LOW ? EXP_LOW : x;
-  xc = xc > EXP_HIGH ? EXP_HIGH : xc;
-  const float t = xc * LOG2E + ROUNDER;
-  const float n = t - ROUNDER;
-  float r = xc - n * LN2_HIGH;
-  r = r - n * LN2_LOW;
-  float p = r * INV_FACTORIALS[7] + INV_FACTORIALS[6];
-  for (int i = 5; i >= 0; --i) p = p * r + INV_FACTORIALS[i];
-  const float half_scale = bits_to_float((float_to_bits(t) - float_to_bits(ROUNDER) + 126u) << 23);
-  const float y = p * half_scale * 2.f;
-  return x < EXP_LOW ? 0.f : (x > EXP_HIGH ? __builtin_inff() : y);
-}
+// One number through the same lanes: the same bits as exp_lanes gives it.
+GPTFAST_INLINE float exp1(float x) { return exp_lanes(splat(x))[0]; }
 
 // q . key row, q already float: 16 dot-product lanes (dot_sum), then the tail in order.
 template <Elem E>

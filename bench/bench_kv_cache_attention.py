@@ -190,9 +190,9 @@ def run_latent(h, dtype) -> None:
 
 def cpu_build(device) -> dict:
     """The CPU attention kernel's build that "ours_kernel" and "ours_auto" run, for the row."""
-    if device.type != "cpu" or not hasattr(torch.ops.gptfast_kernels, "_cpu_attention_isa"):
+    if device.type != "cpu" or not hasattr(torch.ops.gptfast_kernels, "_cpu_isa"):
         return {}
-    return {"cpu_build": torch.ops.gptfast_kernels._cpu_attention_isa()}
+    return {"cpu_build": torch.ops.gptfast_kernels._cpu_isa()}
 
 
 def add_other_cpu_builds(candidates: dict, device) -> None:
@@ -200,9 +200,9 @@ def add_other_cpu_builds(candidates: dict, device) -> None:
     ("ours_kernel_avx2", "ours_kernel_baseline"; csrc/cpu/): the same bits, side by side in speed."""
     if device.type != "cpu" or "ours_kernel" not in candidates:
         return
-    select = torch.ops.gptfast_kernels._cpu_attention_isa
+    select = torch.ops.gptfast_kernels._cpu_isa
     kernel = candidates["ours_kernel"]
-    for isa in torch.ops.gptfast_kernels._cpu_attention_isas()[1:]:
+    for isa in torch.ops.gptfast_kernels._cpu_isas()[1:]:
         def with_build(isa=isa):
             before = select(isa)
             try:

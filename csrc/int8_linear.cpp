@@ -3,8 +3,8 @@
 //   y[m, n] = (sum_k x[m, k] * qweight[n, k]) * scales[n] + bias[n], accumulated in float32.
 //
 // Decode (M <= GEMV_MAX_ROWS): a GEMV kernel that streams each int8 weight row once, widens it to
-// float32 in registers (AVX2 + FMA when the CPU has them) and reuses it for up to
-// GEMV_ROW_BLOCK rows of x; with 4+ rows, two weight rows at a time so each x load feeds two
+// float32 in registers (AVX-512 for 1-3 rows, AVX2 + FMA, or scalar: cpu_isa(), common.h) and
+// reuses it for up to GEMV_ROW_BLOCK rows of x; with 4+ rows, two weight rows at a time so each x load feeds two
 // FMAs (1.35-1.6x at M = 4..16 on the 2-core EPYC); multithreaded over output features. The
 // weight bytes dominate, so reading 1 byte instead of 4 per weight is the speed-up over a float32
 // GEMV.
@@ -24,6 +24,8 @@ constexpr int64_t GEMV_ROW_BLOCK = 4;
 // 2-core AVX2 EPYC, K = N = 4096, caches flushed, GEMV vs GEMM ms: M = 17 4.7 vs 12.0, 40 10.6 vs
 // 13.9, 64 15.8 vs 18.1, 96 24.4 vs 24.0, 128 33.0 vs 29.5 (the paired-row GEMV moved it from ~16).
 constexpr int64_t GEMV_MAX_ROWS = 64;
+// Weight rows the AVX-512 GEMV (1..3 rows of x) reads at once: each x vector feeds 4 FMA chains.
+constexpr int64_t AVX512_WEIGHT_ROWS = 4;
 // Output features per at::parallel_for work item in the GEMV kernel.
 constexpr int64_t GEMV_GRAIN_N = 64;
 // Weight rows dequantised per GEMM call in the prefill path (256 x 4096 fp32 = 4 MiB, L3-resident).
@@ -110,16 +112,31 @@ __attribute__((target("avx2,fma"))) void gemv_pair_avx2(const float* x, int64_t 
   }
 }
 
-bool cpu_has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
+// out[i] = dot(x[:], w[i * K:][:K]) for W_ROWS consecutive weight rows and one row of x, 16 weights per
+// AVX-512 step: at decode sizes the AVX2 loop is bound by widening int8 to float (one shuffle-port
+// op per 8 weights), and here each x load feeds W_ROWS independent FMA chains.
+template <int W_ROWS>
+__attribute__((target("avx512f"))) void gemv_rows_avx512(const float* x, const int8_t* w, int64_t K, float* out) {
+  __m512 acc[W_ROWS];
+  for (int i = 0; i < W_ROWS; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + k);
+    for (int i = 0; i < W_ROWS; ++i) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * K + k));
+      acc[i] = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), acc[i]);
+    }
+  }
+  for (int i = 0; i < W_ROWS; ++i) out[i] = _mm512_reduce_add_ps(acc[i]) + scalar_dot_tail<1>(x, w + i * K, k, K);
 }
+
+bool use_avx2() { return cpu_isa() >= CpuIsa::avx2; }
 #endif
 
 template <int ROWS>
 void gemv_block(const float* x, int64_t ldx, const int8_t* w, int64_t K, float* out) {
 #ifdef GPTFAST_HAVE_AVX2_PATH
-  if (cpu_has_avx2_fma()) return gemv_block_avx2<ROWS>(x, ldx, w, K, out);
+  if (use_avx2()) return gemv_block_avx2<ROWS>(x, ldx, w, K, out);
 #endif
   gemv_block_scalar<ROWS>(x, ldx, w, K, out);
 }
@@ -160,8 +177,18 @@ void gemv(const at::Tensor& x_f32, const at::Tensor& qweight, const Epilogue& ep
   at::parallel_for(0, N, GEMV_GRAIN_N, [&](int64_t n_begin, int64_t n_end) {
     int64_t n = n_begin;
 #ifdef GPTFAST_HAVE_AVX2_PATH
+    // Fewer rows than a block: AVX-512, four weight rows at a time for each row of x.
+    if (M < GEMV_ROW_BLOCK && cpu_isa() == CpuIsa::avx512) {
+      float partial[AVX512_WEIGHT_ROWS];
+      for (; n + AVX512_WEIGHT_ROWS <= n_end; n += AVX512_WEIGHT_ROWS) {
+        for (int64_t m = 0; m < M; ++m) {
+          gemv_rows_avx512<AVX512_WEIGHT_ROWS>(x + m * K, w + n * K, K, partial);
+          for (int64_t i = 0; i < AVX512_WEIGHT_ROWS; ++i) y[m * N + n + i] = epilogue(partial[i], n + i);
+        }
+      }
+    }
     // With a full block of rows, two weight rows at a time (see gemv_pair_avx2).
-    if (M >= GEMV_ROW_BLOCK && cpu_has_avx2_fma()) {
+    if (M >= GEMV_ROW_BLOCK && use_avx2()) {
       float partial0[GEMV_ROW_BLOCK], partial1[GEMV_ROW_BLOCK];
       for (; n + 1 < n_end; n += 2) {
         const int8_t* w0 = w + n * K;

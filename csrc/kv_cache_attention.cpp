@@ -23,15 +23,12 @@
 // so a key / value row is loaded once and reused by every query of the item (GQA / MQA, and the
 // k + 1 tokens of a verification). Online softmax over blocks of SLOT_BLOCK positions, accumulated in
 // float32 whatever the cache dtype. The attention itself is csrc/cpu/kv_cache_attention_kernel.h,
-// built once per instruction set (baseline, AVX2, AVX-512F) and chosen at run time by the CPU.
+// built once per instruction set (baseline, AVX2, AVX-512F), the one cpu_isa() names (common.h).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -87,59 +84,15 @@ void scatter_new_tokens(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
   });
 }
 
-// The CPU attention kernel builds (kv_cache_attention_cpu.h), the best the CPU runs first.
-struct AttentionBuild {
-  const char* name;
-  cpu::AttendRowsFn fn;
-  bool (*supported)();
-};
-bool always() { return true; }
+// The CPU attention kernel's builds (kv_cache_attention_cpu.h), by CpuIsa.
+cpu::AttendRowsFn attention_build() {
+  switch (cpu_isa()) {
 #if defined(__x86_64__) && defined(__GNUC__)
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-bool has_avx512f() { return __builtin_cpu_supports("avx512f"); }
-constexpr AttentionBuild ATTENTION_BUILDS[] = {
-    {"avx512", &cpu::attend_rows_avx512, &has_avx512f},
-    {"avx2", &cpu::attend_rows_avx2, &has_avx2},
-    {"baseline", &cpu::attend_rows_baseline, &always},
-};
-#else
-constexpr AttentionBuild ATTENTION_BUILDS[] = {{"baseline", &cpu::attend_rows_baseline, &always}};
+    case CpuIsa::avx512: return &cpu::attend_rows_avx512;
+    case CpuIsa::avx2: return &cpu::attend_rows_avx2;
 #endif
-constexpr int64_t NUM_ATTENTION_BUILDS = sizeof(ATTENTION_BUILDS) / sizeof(ATTENTION_BUILDS[0]);
-
-// Index of a supported build by name, or -1.
-int64_t find_attention_build(const std::string& name) {
-  for (int64_t i = 0; i < NUM_ATTENTION_BUILDS; ++i) {
-    if (name == ATTENTION_BUILDS[i].name && ATTENTION_BUILDS[i].supported()) return i;
+    default: return &cpu::attend_rows_baseline;
   }
-  return -1;
-}
-
-std::string supported_attention_builds() {
-  std::string names;
-  for (const AttentionBuild& build : ATTENTION_BUILDS) {
-    if (build.supported()) names += (names.empty() ? "" : ", ") + std::string(build.name);
-  }
-  return names;
-}
-
-// The build in use: GPTFAST_KERNELS_CPU_ISA names one (an error if this CPU lacks it), else the best
-// this CPU runs. _cpu_attention_isa changes it (tests run every build).
-std::atomic<int64_t>& attention_build() {
-  static std::atomic<int64_t> chosen([] {
-    const char* forced = std::getenv("GPTFAST_KERNELS_CPU_ISA");
-    if (forced != nullptr && forced[0] != '\0') {
-      const int64_t i = find_attention_build(forced);
-      TORCH_CHECK(i >= 0, "GPTFAST_KERNELS_CPU_ISA=", forced, " is not a kernel build this CPU runs; it runs: ",
-                  supported_attention_builds());
-      return i;
-    }
-    for (int64_t i = 0; i < NUM_ATTENTION_BUILDS; ++i) {
-      if (ATTENTION_BUILDS[i].supported()) return i;
-    }
-    return NUM_ATTENTION_BUILDS - 1;
-  }());
-  return chosen;
 }
 
 // A work item: one batch row, one kv head, a range of its group's query heads and a run of tokens.
@@ -193,7 +146,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& va
   args.elem = std::is_same_v<scalar_t, float>      ? cpu::Elem::F32
               : std::is_same_v<scalar_t, at::Half> ? cpu::Elem::F16
                                                    : cpu::Elem::BF16;
-  const cpu::AttendRowsFn attend_rows = ATTENTION_BUILDS[attention_build().load()].fn;
+  const cpu::AttendRowsFn attend_rows = attention_build();
   const int64_t B = q.size(0), Hkv = args.Hkv, T = args.T, G = args.G, Dv = args.Dv;
   const WorkSplit split = split_work(B, Hkv, T, G);
   const int64_t pieces = split.head_pieces * split.token_pieces;
@@ -354,34 +307,6 @@ TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
   m.def("kv_cache_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor positions, float scale, int window=0, float softcap=0.0, Tensor? sinks=None, bool ring=False, "
         "int value_dim=0, int chunk_size=0) -> Tensor");
-}
-
-// Which build of the CPU attention kernel runs (kv_cache_attention_cpu.h): with isa = "" the one in
-// use; with a name ("baseline", "avx2", "avx512") switches to it. Returns the one in use before the
-// call. Meant for tests and benchmarks, which run every build this CPU supports.
-std::string cpu_attention_isa(const std::string& isa) {
-  const std::string before = ATTENTION_BUILDS[attention_build().load()].name;
-  if (!isa.empty()) {
-    const int64_t i = find_attention_build(isa);
-    TORCH_CHECK(i >= 0, "_cpu_attention_isa: isa must be one this CPU runs (", supported_attention_builds(),
-                "), got '", isa, "'");
-    attention_build().store(i);
-  }
-  return before;
-}
-
-// The builds this CPU runs, best first.
-std::vector<std::string> cpu_attention_isas() {
-  std::vector<std::string> names;
-  for (const AttentionBuild& build : ATTENTION_BUILDS) {
-    if (build.supported()) names.emplace_back(build.name);
-  }
-  return names;
-}
-
-TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
-  m.def("_cpu_attention_isa(str isa=\"\") -> str", &cpu_attention_isa);
-  m.def("_cpu_attention_isas() -> str[]", &cpu_attention_isas);
 }
 
 TORCH_LIBRARY_IMPL(gptfast_kernels, CPU, m) {

@@ -1,10 +1,11 @@
-"""kv_cache_attention's CPU kernel is built once per instruction set (baseline, AVX2, AVX-512F;
-csrc/cpu/) and the best one the CPU runs is taken. Every build this CPU runs must match the
+"""The CPU kernels run the instruction set GPTFAST_KERNELS_CPU_ISA names, else the best the CPU runs
+(baseline, AVX2 + FMA, AVX-512F; _cpu_isa switches it in-process). kv_cache_attention's CPU kernel is
+built once per instruction set (csrc/cpu/); int8_linear's GEMV has a path per instruction set. Every build this CPU runs must match the
 reference (the other test files check the default build in depth); the AVX2 and AVX-512 builds, whose
 multiply-adds are both fused, must give the same bits; a query row must come out the same whichever
 work item computes it (decode, verification, prefill, any thread count); and the 16-bit caches must
 be read exactly (subnormal, huge and signed-zero float16 values).
-GPTFAST_KERNELS_CPU_ISA picks a build for the whole process; _cpu_attention_isa switches it."""
+The int8 GEMV's paths must each match the reference."""
 
 import os
 import subprocess
@@ -24,15 +25,15 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _builds():
-    return list(torch.ops.gptfast_kernels._cpu_attention_isas())
+    return list(torch.ops.gptfast_kernels._cpu_isas())
 
 
 def _with_build(isa, fn):
-    before = torch.ops.gptfast_kernels._cpu_attention_isa(isa)
+    before = torch.ops.gptfast_kernels._cpu_isa(isa)
     try:
         return fn()
     finally:
-        torch.ops.gptfast_kernels._cpu_attention_isa(before)
+        torch.ops.gptfast_kernels._cpu_isa(before)
 
 
 # (T, D, S, start, options): decode / verification / prefill; head dims with and without a tail past
@@ -157,16 +158,16 @@ def test_special_half_values_are_read_exactly(isa):
 def test_choosing_a_build_by_name():
     builds = _builds()
     assert builds[-1] == "baseline" and len(set(builds)) == len(builds)
-    in_use = torch.ops.gptfast_kernels._cpu_attention_isa()
+    in_use = torch.ops.gptfast_kernels._cpu_isa()
     assert in_use == (os.environ.get("GPTFAST_KERNELS_CPU_ISA") or builds[0])  # the best one by default
-    assert torch.ops.gptfast_kernels._cpu_attention_isa("baseline") == in_use
+    assert torch.ops.gptfast_kernels._cpu_isa("baseline") == in_use
     try:
-        assert torch.ops.gptfast_kernels._cpu_attention_isa() == "baseline"
-        with pytest.raises(RuntimeError, match="isa must be one this CPU runs"):
-            torch.ops.gptfast_kernels._cpu_attention_isa("avx9000")
-        assert torch.ops.gptfast_kernels._cpu_attention_isa() == "baseline"
+        assert torch.ops.gptfast_kernels._cpu_isa() == "baseline"
+        with pytest.raises(RuntimeError, match="_cpu_isa: isa must be one this CPU runs"):
+            torch.ops.gptfast_kernels._cpu_isa("avx9000")
+        assert torch.ops.gptfast_kernels._cpu_isa() == "baseline"
     finally:
-        torch.ops.gptfast_kernels._cpu_attention_isa(in_use)
+        torch.ops.gptfast_kernels._cpu_isa(in_use)
 
 
 def _in_subprocess(isa, code):
@@ -182,11 +183,28 @@ def test_the_environment_variable_picks_the_build():
         k = torch.randn(1, 1, 1, 16)
         cache = torch.zeros(1, 1, 4, 16)
         ops.kv_cache_attention(q, k, k, cache, cache.clone(), torch.tensor([[0]]), backend="cpu")
-        print(torch.ops.gptfast_kernels._cpu_attention_isa())
+        print(torch.ops.gptfast_kernels._cpu_isa())
     """)
     done = _in_subprocess("baseline", code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "baseline"
     done = _in_subprocess("avx9000", code)
     assert done.returncode != 0
-    assert "GPTFAST_KERNELS_CPU_ISA=avx9000 is not a kernel build this CPU runs" in done.stderr
+    assert "GPTFAST_KERNELS_CPU_ISA=avx9000 is not an instruction set this CPU runs" in done.stderr
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+def test_int8_linear_paths_match_the_reference(isa):
+    """int8_linear's GEMV per instruction set (AVX-512 takes 1-3 rows of x, four weight rows at a
+    time): K with a tail past the 16- and 32-weight steps, N not a multiple of 4, bias, 1-5 rows."""
+    if isa not in _builds():
+        pytest.skip(f"this CPU does not run the {isa} build")
+    g = torch.Generator().manual_seed(13)
+    for M, N, K in [(1, 4098, 775), (2, 37, 64), (3, 6, 33), (1, 5, 15), (5, 67, 300)]:
+        x = torch.randn(M, K, generator=g)
+        qweight = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        scales = torch.rand(N, generator=g) / 64
+        bias = torch.randn(N, generator=g)
+        got = _with_build(isa, lambda: ops.int8_linear(x, qweight, scales, bias, backend="cpu"))
+        want = ops.int8_linear(x, qweight, scales, bias, backend="reference")
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"M={M} N={N} K={K}: {m}")

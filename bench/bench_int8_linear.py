@@ -7,6 +7,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from bench.harness import add_cpu_isa_rows, cpu_isa_of_row
 from gptfast_kernels import ops
 
 # decode (1), batched decode (4, 8, 16), speculative verification with k = 4 at B = 1 and 8 (5, 40), prefill
@@ -43,9 +44,10 @@ def run(h) -> None:
                 candidates["ours_cuda" + suffix] = lambda: ops.int8_linear(x, qweight, scales, backend="cuda")
                 candidates["ours_triton"] = lambda: ops.int8_linear(x, qweight, scales,
                                                                     backend="triton")
+            add_cpu_isa_rows(candidates, device, "ours_auto")
             # minimum bytes: int8 weights + scales + activations in + out
             nbytes = N * K + 4 * N + x.element_size() * M * (K + N)
             # as a decode step runs them: in a CUDA graph, without the host's launch work
             graphed = tuple(name for name in candidates if name != "torch._weight_int8pack_mm")
-            h.compare("int8_linear", {"M": M, "N": N, "K": K, "dtype": str(dtype)[6:]},
+            h.compare("int8_linear", {"M": M, "N": N, "K": K, "dtype": str(dtype)[6:], **cpu_isa_of_row(device)},
                       candidates, baseline=f"F.linear_{str(dtype)[6:]}", nbytes=nbytes, graphed=graphed)

@@ -15,8 +15,8 @@ out. "ours_auto" is the eager wrapper, whose position checks synchronise with th
 "ours_kernel" / "ours_triton_kernel" are the ops alone, as under torch.compile or CUDA graphs;
 on a GPU their "@graph" rows time them as CUDA-graph replays (no host launch work): the figures to
 hold against the bandwidth target. The CPU rows also prefill a 512-token prompt into an empty cache,
-and run "ours_kernel" once more per other build of the CPU attention kernel this CPU runs
-("ours_kernel_avx2", "ours_kernel_baseline"; the row's "cpu_build" is the one the others use).
+and run "ours_kernel" once more per other instruction set this CPU runs ("ours_kernel_avx2",
+"ours_kernel_baseline"; the row's "cpu_isa" is the one the others use).
 
 Sliding-window rows (Mistral-7B-v0.1: the same heads, window 4096) decode far past the window.
 Their baseline, "hf_sliding_window", is transformers' sliding static-cache layer at its best: SDPA
@@ -47,6 +47,7 @@ import types
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from bench.harness import add_cpu_isa_rows, cpu_isa_of_row
 from gptfast_kernels import _extension, ops
 
 HQ, HKV, D = 32, 8, 128  # Llama-3-8B
@@ -127,12 +128,12 @@ def run(h) -> None:
                     q, k, v, k_cache, v_cache, cache_position, backend="triton")
                 candidates["ours_triton_kernel"] = lambda: kv_cache_attention_triton(
                     q, k, v, k_cache, v_cache, positions, scale)
-        add_other_cpu_builds(candidates, device)
+        add_cpu_isa_rows(candidates, device, "ours_kernel")
         elem = q.element_size()
         nbytes = 2 * B * HKV * (context + T) * D * elem + 2 * B * HQ * T * D * elem
         case = {"B": B, "T": T, "context": context, "S": S, "fill": round(context / S, 2),
                 "dtype": str(dtype)[6:], "issue_target": (B, T, context, S) == ISSUE_CPU_CASE
-                and device.type == "cpu", **cpu_build(device)}
+                and device.type == "cpu", **cpu_isa_of_row(device)}
         # the kernels alone also as CUDA-graph replays, as a compiled decode step runs them (the
         # baseline stays eager: transformers' attention path is not checked for host syncs)
         h.compare("kv_cache_attention", case, candidates, baseline="hf_static_cache", nbytes=nbytes,
@@ -186,31 +187,6 @@ def run_latent(h, dtype) -> None:
         h.compare("kv_cache_attention", case, candidates, baseline="ours_kernel_separate_values", nbytes=nbytes,
                   graphed=tuple(candidates))
         del q, k, k_cache, v_cache
-
-
-def cpu_build(device) -> dict:
-    """The CPU attention kernel's build that "ours_kernel" and "ours_auto" run, for the row."""
-    if device.type != "cpu" or not hasattr(torch.ops.gptfast_kernels, "_cpu_isa"):
-        return {}
-    return {"cpu_build": torch.ops.gptfast_kernels._cpu_isa()}
-
-
-def add_other_cpu_builds(candidates: dict, device) -> None:
-    """On a CPU, "ours_kernel" again with each other build of the attention kernel this CPU runs
-    ("ours_kernel_avx2", "ours_kernel_baseline"; csrc/cpu/): the same bits, side by side in speed."""
-    if device.type != "cpu" or "ours_kernel" not in candidates:
-        return
-    select = torch.ops.gptfast_kernels._cpu_isa
-    kernel = candidates["ours_kernel"]
-    for isa in torch.ops.gptfast_kernels._cpu_isas()[1:]:
-        def with_build(isa=isa):
-            before = select(isa)
-            try:
-                return kernel()
-            finally:
-                select(before)
-
-        candidates[f"ours_kernel_{isa}"] = with_build
 
 
 def run_local(h, dtype, usable, module, scale, rule: str) -> None:
@@ -270,11 +246,11 @@ def run_local(h, dtype, usable, module, scale, rule: str) -> None:
                 q, k, v, k_cache, v_cache, positions, scale, window, 0.0, None, False, 0, chunk)
             candidates["ours_ring_triton_kernel"] = lambda: kv_cache_attention_triton(
                 q, k, v, ring_k, ring_v, positions, scale, window, 0.0, None, True, 0, chunk)
-        add_other_cpu_builds(candidates, device)
+        add_cpu_isa_rows(candidates, device, "ours_kernel")
         elem = q.element_size()
         nbytes = 2 * B * HKV * (context + T - first) * D * elem + 2 * B * HQ * T * D * elem
         case = {"B": B, "T": T, "context": context, "S": S, rule.split("_")[0]: reach, "dtype": str(dtype)[6:],
-                **cpu_build(device)}
+                **cpu_isa_of_row(device)}
         h.compare("kv_cache_attention", case, candidates, baseline=baseline, nbytes=nbytes,
                   graphed=("ours_kernel", "ours_triton_kernel", "ours_ring_kernel", "ours_ring_triton_kernel"))
         del q, k, v, k_cache, v_cache, ring_k, ring_v, mask

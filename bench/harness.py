@@ -206,6 +206,31 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 
 @dataclass
+def cpu_isa_of_row(device: torch.device) -> dict:
+    """On a CPU, the instruction set the CPU kernels run (``_cpu_isa``), for the row."""
+    if device.type != "cpu" or not hasattr(torch.ops.gptfast_kernels, "_cpu_isa"):
+        return {}
+    return {"cpu_isa": torch.ops.gptfast_kernels._cpu_isa()}
+
+
+def add_cpu_isa_rows(candidates: dict, device: torch.device, name: str) -> None:
+    """On a CPU, candidate ``name`` again under each other instruction set this CPU runs
+    (``name``_avx2, ``name``_baseline: csrc/cpu_isa.cpp), side by side in speed."""
+    if device.type != "cpu" or name not in candidates or not hasattr(torch.ops.gptfast_kernels, "_cpu_isas"):
+        return
+    select = torch.ops.gptfast_kernels._cpu_isa
+    fn = candidates[name]
+    for isa in torch.ops.gptfast_kernels._cpu_isas()[1:]:
+        def with_isa(isa=isa):
+            before = select(isa)
+            try:
+                return fn()
+            finally:
+                select(before)
+
+        candidates[f"{name}_{isa}"] = with_isa
+
+
 class Harness:
     device: torch.device
     quick: bool = False

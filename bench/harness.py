@@ -205,7 +205,6 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (median_ms * 1e-3) / 1e9
 
 
-@dataclass
 def cpu_isa_of_row(device: torch.device) -> dict:
     """On a CPU, the instruction set the CPU kernels run (``_cpu_isa``), for the row."""
     if device.type != "cpu" or not hasattr(torch.ops.gptfast_kernels, "_cpu_isa"):
@@ -231,6 +230,7 @@ def add_cpu_isa_rows(candidates: dict, device: torch.device, name: str) -> None:
         candidates[f"{name}_{isa}"] = with_isa
 
 
+@dataclass
 class Harness:
     device: torch.device
     quick: bool = False

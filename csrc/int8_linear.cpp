@@ -3,8 +3,8 @@
 //   y[m, n] = (sum_k x[m, k] * qweight[n, k]) * scales[n] + bias[n], accumulated in float32.
 //
 // Decode (M <= GEMV_MAX_ROWS): a GEMV kernel that streams each int8 weight row once, widens it to
-// float32 in registers (AVX-512 for 1-3 rows, AVX2 + FMA, or scalar: cpu_isa(), common.h) and
-// reuses it for up to GEMV_ROW_BLOCK rows of x; with 4+ rows, two weight rows at a time so each x load feeds two
+// float32 in registers (AVX-512 or AVX2 + FMA, else scalar: cpu_isa(), common.h) and reuses it
+// for up to GEMV_ROW_BLOCK rows of x; with 4+ rows, two weight rows at a time so each x load feeds two
 // FMAs (1.35-1.6x at M = 4..16 on the 2-core EPYC); multithreaded over output features. The
 // weight bytes dominate, so reading 1 byte instead of 4 per weight is the speed-up over a float32
 // GEMV.
@@ -112,6 +112,11 @@ __attribute__((target("avx2,fma"))) void gemv_pair_avx2(const float* x, int64_t 
   }
 }
 
+// 16 int8 weights widened to 16 floats.
+__attribute__((target("avx512f"))) inline __m512 load16_int8_as_float(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+
 // out[i] = dot(x[:], w[i * K:][:K]) for W_ROWS consecutive weight rows and one row of x, 16 weights per
 // AVX-512 step: at decode sizes the AVX2 loop is bound by widening int8 to float (one shuffle-port
 // op per 8 weights), and here each x load feeds W_ROWS independent FMA chains.
@@ -122,12 +127,30 @@ __attribute__((target("avx512f"))) void gemv_rows_avx512(const float* x, const i
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     const __m512 xv = _mm512_loadu_ps(x + k);
-    for (int i = 0; i < W_ROWS; ++i) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * K + k));
-      acc[i] = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), acc[i]);
-    }
+    for (int i = 0; i < W_ROWS; ++i) acc[i] = _mm512_fmadd_ps(xv, load16_int8_as_float(w + i * K + k), acc[i]);
   }
   for (int i = 0; i < W_ROWS; ++i) out[i] = _mm512_reduce_add_ps(acc[i]) + scalar_dot_tail<1>(x, w + i * K, k, K);
+}
+
+// gemv_pair_avx2 at 16 weights per step: 4+ rows of x are bound by FMAs and int8 widening, not bytes.
+template <int ROWS>
+__attribute__((target("avx512f"))) void gemv_pair_avx512(const float* x, int64_t ldx, const int8_t* w0,
+                                                          const int8_t* w1, int64_t K, float* out0, float* out1) {
+  __m512 acc0[ROWS], acc1[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 wf0 = load16_int8_as_float(w0 + k), wf1 = load16_int8_as_float(w1 + k);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
+      acc0[r] = _mm512_fmadd_ps(xv, wf0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(xv, wf1, acc1[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    out0[r] = _mm512_reduce_add_ps(acc0[r]) + scalar_dot_tail<ROWS>(x + r * ldx, w0, k, K);
+    out1[r] = _mm512_reduce_add_ps(acc1[r]) + scalar_dot_tail<ROWS>(x + r * ldx, w1, k, K);
+  }
 }
 
 bool use_avx2() { return cpu_isa() >= CpuIsa::avx2; }
@@ -194,7 +217,11 @@ void gemv(const at::Tensor& x_f32, const at::Tensor& qweight, const Epilogue& ep
         const int8_t* w0 = w + n * K;
         int64_t m = 0;
         for (; m + GEMV_ROW_BLOCK <= M; m += GEMV_ROW_BLOCK) {
-          gemv_pair_avx2<GEMV_ROW_BLOCK>(x + m * K, K, w0, w0 + K, K, partial0, partial1);
+          if (cpu_isa() == CpuIsa::avx512) {
+            gemv_pair_avx512<GEMV_ROW_BLOCK>(x + m * K, K, w0, w0 + K, K, partial0, partial1);
+          } else {
+            gemv_pair_avx2<GEMV_ROW_BLOCK>(x + m * K, K, w0, w0 + K, K, partial0, partial1);
+          }
           for (int64_t r = 0; r < GEMV_ROW_BLOCK; ++r) {
             y[(m + r) * N + n] = epilogue(partial0[r], n);
             y[(m + r) * N + n + 1] = epilogue(partial1[r], n + 1);

@@ -33,7 +33,7 @@ def cmd_info(_args) -> int:
     print(f"compiled        cpu={_extension.extension_loaded()} cuda={_extension.cuda_compiled()}")
     if _extension.extension_loaded() and hasattr(torch.ops.gptfast_kernels, "_cpu_isas"):
         builds = torch.ops.gptfast_kernels._cpu_isas()
-        print(f"cpu attention   {torch.ops.gptfast_kernels._cpu_isa()} build "
+        print(f"cpu kernels     {torch.ops.gptfast_kernels._cpu_isa()} "
               f"(this CPU runs: {', '.join(builds)}; GPTFAST_KERNELS_CPU_ISA picks one)")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     print(f"GPU             {gpu}")

@@ -152,14 +152,12 @@ __attribute__((target("avx512f"))) void gemv_pair_avx512(const float* x, int64_t
     out1[r] = _mm512_reduce_add_ps(acc1[r]) + scalar_dot_tail<ROWS>(x + r * ldx, w1, k, K);
   }
 }
-
-bool use_avx2() { return cpu_isa() >= CpuIsa::avx2; }
 #endif
 
 template <int ROWS>
-void gemv_block(const float* x, int64_t ldx, const int8_t* w, int64_t K, float* out) {
+void gemv_block(CpuIsa isa, const float* x, int64_t ldx, const int8_t* w, int64_t K, float* out) {
 #ifdef GPTFAST_HAVE_AVX2_PATH
-  if (use_avx2()) return gemv_block_avx2<ROWS>(x, ldx, w, K, out);
+  if (isa >= CpuIsa::avx2) return gemv_block_avx2<ROWS>(x, ldx, w, K, out);
 #endif
   gemv_block_scalar<ROWS>(x, ldx, w, K, out);
 }
@@ -172,18 +170,18 @@ struct Epilogue {
 };
 
 // y[m, n] for rows m_begin .. M of x [M, K] and one weight row w_row (output feature n), in blocks
-// of up to GEMV_ROW_BLOCK rows.
-void gemv_rows(const float* x, int64_t M, int64_t K, int64_t m_begin, const int8_t* w_row, int64_t n,
-               int64_t N, const Epilogue& epilogue, float* y) {
+// of up to GEMV_ROW_BLOCK rows, on instruction set isa's path.
+void gemv_rows(CpuIsa isa, const float* x, int64_t M, int64_t K, int64_t m_begin, const int8_t* w_row,
+               int64_t n, int64_t N, const Epilogue& epilogue, float* y) {
   float partial[GEMV_ROW_BLOCK];
   for (int64_t m = m_begin; m < M; m += GEMV_ROW_BLOCK) {
     const int64_t rows = std::min<int64_t>(GEMV_ROW_BLOCK, M - m);
     const float* x_rows = x + m * K;
     switch (rows) {
-      case 4: gemv_block<4>(x_rows, K, w_row, K, partial); break;
-      case 3: gemv_block<3>(x_rows, K, w_row, K, partial); break;
-      case 2: gemv_block<2>(x_rows, K, w_row, K, partial); break;
-      default: gemv_block<1>(x_rows, K, w_row, K, partial); break;
+      case 4: gemv_block<4>(isa, x_rows, K, w_row, K, partial); break;
+      case 3: gemv_block<3>(isa, x_rows, K, w_row, K, partial); break;
+      case 2: gemv_block<2>(isa, x_rows, K, w_row, K, partial); break;
+      default: gemv_block<1>(isa, x_rows, K, w_row, K, partial); break;
     }
     for (int64_t r = 0; r < rows; ++r) y[(m + r) * N + n] = epilogue(partial[r], n);
   }
@@ -197,11 +195,12 @@ void gemv(const at::Tensor& x_f32, const at::Tensor& qweight, const Epilogue& ep
   const float* x = x_f32.data_ptr<float>();
   const int8_t* w = qweight.data_ptr<int8_t>();
   float* y = y_f32.data_ptr<float>();
+  const CpuIsa isa = cpu_isa();  // once per call: every output feature takes the same path
   at::parallel_for(0, N, GEMV_GRAIN_N, [&](int64_t n_begin, int64_t n_end) {
     int64_t n = n_begin;
 #ifdef GPTFAST_HAVE_AVX2_PATH
     // Fewer rows than a block: AVX-512, four weight rows at a time for each row of x.
-    if (M < GEMV_ROW_BLOCK && cpu_isa() == CpuIsa::avx512) {
+    if (M < GEMV_ROW_BLOCK && isa == CpuIsa::avx512) {
       float partial[AVX512_WEIGHT_ROWS];
       for (; n + AVX512_WEIGHT_ROWS <= n_end; n += AVX512_WEIGHT_ROWS) {
         for (int64_t m = 0; m < M; ++m) {
@@ -211,13 +210,13 @@ void gemv(const at::Tensor& x_f32, const at::Tensor& qweight, const Epilogue& ep
       }
     }
     // With a full block of rows, two weight rows at a time (see gemv_pair_avx2).
-    if (M >= GEMV_ROW_BLOCK && use_avx2()) {
+    if (M >= GEMV_ROW_BLOCK && isa >= CpuIsa::avx2) {
       float partial0[GEMV_ROW_BLOCK], partial1[GEMV_ROW_BLOCK];
       for (; n + 1 < n_end; n += 2) {
         const int8_t* w0 = w + n * K;
         int64_t m = 0;
         for (; m + GEMV_ROW_BLOCK <= M; m += GEMV_ROW_BLOCK) {
-          if (cpu_isa() == CpuIsa::avx512) {
+          if (isa == CpuIsa::avx512) {
             gemv_pair_avx512<GEMV_ROW_BLOCK>(x + m * K, K, w0, w0 + K, K, partial0, partial1);
           } else {
             gemv_pair_avx2<GEMV_ROW_BLOCK>(x + m * K, K, w0, w0 + K, K, partial0, partial1);
@@ -227,12 +226,12 @@ void gemv(const at::Tensor& x_f32, const at::Tensor& qweight, const Epilogue& ep
             y[(m + r) * N + n + 1] = epilogue(partial1[r], n + 1);
           }
         }
-        gemv_rows(x, M, K, m, w0, n, N, epilogue, y);  // the last M % GEMV_ROW_BLOCK rows
-        gemv_rows(x, M, K, m, w0 + K, n + 1, N, epilogue, y);
+        gemv_rows(isa, x, M, K, m, w0, n, N, epilogue, y);  // the last M % GEMV_ROW_BLOCK rows
+        gemv_rows(isa, x, M, K, m, w0 + K, n + 1, N, epilogue, y);
       }
     }
 #endif
-    for (; n < n_end; ++n) gemv_rows(x, M, K, 0, w + n * K, n, N, epilogue, y);
+    for (; n < n_end; ++n) gemv_rows(isa, x, M, K, 0, w + n * K, n, N, epilogue, y);
   });
 }
 

@@ -11,8 +11,8 @@
 // With sinks [Hq] (GPT-OSS), head h's softmax has one more logit, sinks[h], attending to nothing.
 // With ring = true the caches are ring buffers (a sliding-window layer's, S >= window slots, or a
 // chunked layer's, S >= chunk_size): position p lives in slot p % S, for the scatter and for every
-// read; positions may exceed S. the first position a query sees always comes from absolute positions, so chunk starts stay
-// p - p % C whatever slot p lands in.
+// read; positions may exceed S. A query's first visible position always comes from absolute
+// positions, so chunk starts stay p - p % C whatever slot p lands in.
 // With value_dim = Dv > 0 the values are in the keys: slot s's value is k_cache[b, h, s, :Dv] (multi-
 // head latent attention, whose keys are [latent, rope part] and whose values the latent alone); v and
 // v_cache are then empty and unused, only k is written, and out is [B, Hq, T, Dv].

@@ -164,43 +164,42 @@ GPTFAST_INLINE vfloat exp_lanes(vfloat x) {
 // One number through the same lanes: the same bits as exp_lanes gives it.
 GPTFAST_INLINE float exp1(float x) { return exp_lanes(splat(x))[0]; }
 
-// q . key row, q already float: 16 dot-product lanes (dot_sum), then the tail in order.
-template <Elem E>
-GPTFAST_INLINE float dot1(const float* q, const void* keys, int64_t row, int64_t D) {
+// q . key row (float32, 16-bit caches converted per block first): 16 dot-product lanes (dot_sum),
+// then the tail in order.
+GPTFAST_INLINE float dot1(const float* q, const float* keys, int64_t row, int64_t D) {
   vfloat acc[PARTS] = {};
   int64_t d = 0;
   for (; d + DOT_LANES <= D; d += DOT_LANES) {
     for (int64_t i = 0; i < PARTS; ++i) {
-      acc[i] = mul_add(load_floats(q + d + i * LANES), loadv<E>(keys, row + d + i * LANES), acc[i]);
+      acc[i] = mul_add(load_floats(q + d + i * LANES), load_floats(keys + row + d + i * LANES), acc[i]);
     }
   }
   float s = dot_sum(acc);
-  for (; d < D; ++d) s = mul_add(q[d], load1<E>(keys, row + d), s);
+  for (; d < D; ++d) s = mul_add(q[d], keys[row + d], s);
   return s;
 }
+
 // Four key rows at once (independent sums, q loaded once); each equals dot1's result.
-template <Elem E>
-GPTFAST_INLINE void dot4(const float* q, const void* keys, const int64_t* rows, int64_t D, float* out) {
+GPTFAST_INLINE void dot4(const float* q, const float* keys, const int64_t* rows, int64_t D, float* out) {
   vfloat acc[4][PARTS] = {};
   int64_t d = 0;
   for (; d + DOT_LANES <= D; d += DOT_LANES) {
     for (int64_t i = 0; i < PARTS; ++i) {
       const vfloat qv = load_floats(q + d + i * LANES);
-      for (int k = 0; k < 4; ++k) acc[k][i] = mul_add(qv, loadv<E>(keys, rows[k] + d + i * LANES), acc[k][i]);
+      for (int k = 0; k < 4; ++k) acc[k][i] = mul_add(qv, load_floats(keys + rows[k] + d + i * LANES), acc[k][i]);
     }
   }
   float s[4];
   for (int k = 0; k < 4; ++k) s[k] = dot_sum(acc[k]);
   for (; d < D; ++d) {
-    for (int k = 0; k < 4; ++k) s[k] = mul_add(q[d], load1<E>(keys, rows[k] + d), s[k]);
+    for (int k = 0; k < 4; ++k) s[k] = mul_add(q[d], keys[rows[k] + d], s[k]);
   }
   for (int k = 0; k < 4; ++k) out[k] = s[k];
 }
 
 // acc[0..Dv) = acc * correction + sum_j p[j] * value row j, j = j0 .. j1 - 1 in order; the
 // accumulators of 4 registers' columns stay in registers across the block's rows.
-template <Elem E>
-GPTFAST_INLINE void accumulate_values(float* acc, float correction, const float* p, const void* values,
+GPTFAST_INLINE void accumulate_values(float* acc, float correction, const float* p, const float* values,
                                       const int64_t* rows, int64_t j0, int64_t j1, int64_t Dv) {
   int64_t d = 0;
   for (; d + 4 * LANES <= Dv; d += 4 * LANES) {
@@ -209,10 +208,10 @@ GPTFAST_INLINE void accumulate_values(float* acc, float correction, const float*
     for (int64_t j = j0; j < j1; ++j) {
       const vfloat pj = splat(p[j]);
       const int64_t row = rows[j] + d;
-      a0 = mul_add(pj, loadv<E>(values, row), a0);
-      a1 = mul_add(pj, loadv<E>(values, row + LANES), a1);
-      a2 = mul_add(pj, loadv<E>(values, row + 2 * LANES), a2);
-      a3 = mul_add(pj, loadv<E>(values, row + 3 * LANES), a3);
+      a0 = mul_add(pj, load_floats(values + row), a0);
+      a1 = mul_add(pj, load_floats(values + row + LANES), a1);
+      a2 = mul_add(pj, load_floats(values + row + 2 * LANES), a2);
+      a3 = mul_add(pj, load_floats(values + row + 3 * LANES), a3);
     }
     store_floats(acc + d, a0);
     store_floats(acc + d + LANES, a1);
@@ -221,12 +220,12 @@ GPTFAST_INLINE void accumulate_values(float* acc, float correction, const float*
   }
   for (; d + LANES <= Dv; d += LANES) {
     vfloat a = load_floats(acc + d) * correction;
-    for (int64_t j = j0; j < j1; ++j) a = mul_add(splat(p[j]), loadv<E>(values, rows[j] + d), a);
+    for (int64_t j = j0; j < j1; ++j) a = mul_add(splat(p[j]), load_floats(values + rows[j] + d), a);
     store_floats(acc + d, a);
   }
   for (; d < Dv; ++d) {
     float a = acc[d] * correction;
-    for (int64_t j = j0; j < j1; ++j) a = mul_add(p[j], load1<E>(values, rows[j] + d), a);
+    for (int64_t j = j0; j < j1; ++j) a = mul_add(p[j], values[rows[j] + d], a);
     acc[d] = a;
   }
 }
@@ -260,8 +259,8 @@ GPTFAST_INLINE void attend_block(const AttendArgs& a, int64_t s0, int64_t n, int
     float* p = scores + r * SLOT_BLOCK;
     const float* qr = q + r * D;
     int64_t j = j0;
-    for (; j + 4 <= j1; j += 4) dot4<Elem::F32>(qr, keys, key_rows + j, D, p + j);
-    for (; j < j1; ++j) p[j] = dot1<Elem::F32>(qr, keys, key_rows[j], D);
+    for (; j + 4 <= j1; j += 4) dot4(qr, keys, key_rows + j, D, p + j);
+    for (; j < j1; ++j) p[j] = dot1(qr, keys, key_rows[j], D);
     if (a.softcap > 0.f) {
       for (j = j0; j < j1; ++j) p[j] = a.softcap * __builtin_tanhf(p[j] / a.softcap);
     }
@@ -275,7 +274,7 @@ GPTFAST_INLINE void attend_block(const AttendArgs& a, int64_t s0, int64_t n, int
     float block_sum = 0.f;
     for (j = j0; j < j1; ++j) block_sum += p[j];
     row_sum[r] = row_sum[r] * correction + block_sum;
-    accumulate_values<Elem::F32>(acc + r * Dv, correction, p, values, value_rows, j0, j1, Dv);
+    accumulate_values(acc + r * Dv, correction, p, values, value_rows, j0, j1, Dv);
   }
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -440,6 +441,19 @@ def dequantized_copy(model):
             first.data = rounded_experts(first.data, transposed)
             module.down_proj.data = rounded_experts(module.down_proj.data, transposed)
     return copy_
+
+
+def record_caches(monkeypatch, module: str) -> list:
+    """Makes the generation module ``module``'s ``cache_for`` ("gptfast_kernels.generation.speculative",
+    ...) append every cache it allocates to the returned list. (By module object: the package's
+    ``generate`` attribute is the function, not its module.)"""
+    from gptfast_kernels.generation import forward
+
+    caches = []
+    cache_for = forward.cache_for
+    monkeypatch.setattr(sys.modules[module], "cache_for",
+                        lambda *args, **kwargs: caches.append(cache_for(*args, **kwargs)) or caches[-1])
+    return caches
 
 
 def stepwise_logits(model, ids, cache, prompt: int):

@@ -3,8 +3,6 @@ one and of what size, that their calls reach the kernel as ring=True with the ch
 through them (prompts in chunks, decode, speculative rounds that roll back) gives the tokens of
 full-length caches and of transformers, and the crop limits."""
 
-import sys
-
 import pytest
 import torch
 
@@ -12,7 +10,8 @@ from gptfast_kernels import StaticKVCache, generate, speculative_generate
 from gptfast_kernels.generation import forward
 from gptfast_kernels.models import attention
 from gptfast_kernels.modules.static_kv_cache import StaticKVLayer, attention_chunks
-from python_tests.tiny_models import CHUNK, hf_greedy, patched_copy, ragged_prompts, tiny_config, tiny_model
+from python_tests.tiny_models import (CHUNK, hf_greedy, patched_copy, ragged_prompts, record_caches, tiny_config,
+                                      tiny_model)
 
 FAMILY = "llama4_text"  # layers alternate: chunked (chunks of CHUNK), full
 NEW = 12
@@ -80,11 +79,7 @@ def test_generate_through_chunked_rings_equals_transformers(monkeypatch):
     patched = patched_copy(model, int8=False)
     ids = torch.randint(2, 90, (2, 9), generator=torch.Generator().manual_seed(5))
     monkeypatch.setattr(forward, "PREFILL_CHUNK", 3)
-    caches = []
-    cache_for = forward.cache_for
-    # (the module: the package's ``generate`` is the function)
-    monkeypatch.setattr(sys.modules["gptfast_kernels.generation.generate"], "cache_for",
-                        lambda *args, **kwargs: caches.append(cache_for(*args, **kwargs)) or caches[-1])
+    caches = record_caches(monkeypatch, "gptfast_kernels.generation.generate")
     got = generate(patched, ids, max_new_tokens=NEW, eos_token_id=[]).sequences
     assert [_ring_layers(cache) for cache in caches] == [[0]]
     assert torch.equal(got, hf_greedy(model, ids, torch.ones_like(ids), NEW, eos_token_id=None))
@@ -99,10 +94,7 @@ def test_speculative_rounds_roll_back_inside_chunked_rings(monkeypatch):
     ids, mask = ragged_prompts(3, 7, "left")
     want = generate(target, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
     monkeypatch.setattr(forward, "PREFILL_CHUNK", 1)
-    caches = []
-    cache_for = forward.cache_for
-    monkeypatch.setattr("gptfast_kernels.generation.speculative.cache_for",
-                        lambda *args, **kwargs: caches.append(cache_for(*args, **kwargs)) or caches[-1])
+    caches = record_caches(monkeypatch, "gptfast_kernels.generation.speculative")
     out = speculative_generate(target, draft, ids, mask, max_new_tokens=NEW, speculate_k=3, eos_token_id=[])
     assert torch.equal(out.sequences, want)
     assert out.num_accepted.sum() < out.num_proposed.sum()  # rounds were rejected, so rolled back

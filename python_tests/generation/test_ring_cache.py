@@ -10,7 +10,7 @@ from gptfast_kernels.generation import forward
 from gptfast_kernels.models import attention
 from gptfast_kernels.modules.static_kv_cache import sliding_windows
 from python_tests.tiny_models import (HYBRID, WINDOW, WINDOWED, hf_greedy, patched_copy, ragged_prompts,
-                                      tiny_config, tiny_model)
+                                      record_caches, tiny_config, tiny_model)
 
 NEW = 12
 # (tiny_config skips a family this transformers lacks, or that gptfast_kernels supports only later)
@@ -92,10 +92,7 @@ def test_speculative_and_prompt_lookup_rounds_roll_back_inside_the_ring(family, 
     ids, mask = ragged_prompts(3, 7, "left")
     want = hf_greedy(model, ids, mask, NEW, eos_token_id=None)
     monkeypatch.setattr(forward, "PREFILL_CHUNK", 1)
-    caches = []
-    cache_for = forward.cache_for
-    monkeypatch.setattr("gptfast_kernels.generation.speculative.cache_for",
-                        lambda *args, **kwargs: caches.append(cache_for(*args, **kwargs)) or caches[-1])
+    caches = record_caches(monkeypatch, "gptfast_kernels.generation.speculative")
     out = speculative_generate(target, draft, ids, mask, max_new_tokens=NEW, speculate_k=3, eos_token_id=[])
     assert torch.equal(out.sequences, want)
     assert out.num_accepted.sum() < out.num_proposed.sum()  # rounds were rejected, so rolled back

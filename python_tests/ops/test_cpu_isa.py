@@ -1,7 +1,8 @@
 """The CPU kernels run the instruction set GPTFAST_KERNELS_CPU_ISA names, else the best the CPU runs
 (baseline, AVX2 + FMA, AVX-512F; _cpu_isa switches it in-process). kv_cache_attention's CPU kernel is
-built once per instruction set (csrc/cpu/); int8_linear's GEMV has a path per instruction set. Every build this CPU runs must match the
-reference (the other test files check the default build in depth); the AVX2 and AVX-512 builds, whose
+built once per instruction set (csrc/cpu/); int8_linear's GEMV has a path per instruction set. Every
+build this CPU runs must match the reference (the other test files check the default build in depth);
+the AVX2 and AVX-512 builds, whose
 multiply-adds are both fused, must give the same bits; a query row must come out the same whichever
 work item computes it (decode, verification, prefill, any thread count); and the 16-bit caches must
 be read exactly (subnormal, huge and signed-zero float16 values).

@@ -14,7 +14,7 @@ import torch
 from gptfast_kernels import _extension, ops
 from gptfast_kernels.ops import reference
 from python_tests.ops.test_kv_cache_attention import (BACKENDS, DTYPES, ERROR_FLOOR, TRITON_BACKENDS,
-                                                      _contiguous_positions, _is_interpreter,
+                                                      _contiguous_positions, _is_interpreter, check_compiled_fullgraph,
                                                       check_unseen_slots_are_never_read, make_case)
 
 ALL_BACKENDS = BACKENDS + [pytest.param("reference", "cpu", id="reference")]
@@ -251,17 +251,7 @@ def test_opcheck_triton(backend, device):
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
 def test_torch_compile_fullgraph(backend, device):
-    q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, 1, 16, 12, [[3], [10]], device=device)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    want = ops.kv_cache_attention(q, k, v, want_k, want_v, positions, chunk_size=4, backend=backend)
-
-    @torch.compile(fullgraph=True)
-    def step(q, k, v, k_cache, v_cache, positions):
-        return ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, chunk_size=4, backend=backend) * 2
-
-    got = step(q, k, v, k_cache, v_cache, positions)
-    torch.testing.assert_close(got, want * 2)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    check_compiled_fullgraph(backend, *make_case(2, 4, 2, 1, 16, 12, [[3], [10]], device=device), chunk_size=4)
 
 
 GPU_BACKENDS = [p for p in BACKENDS if p.id in ("cuda", "triton-cuda")]

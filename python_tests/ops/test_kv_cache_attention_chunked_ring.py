@@ -15,7 +15,7 @@ import torch
 from gptfast_kernels import _extension, ops
 from gptfast_kernels.ops import reference
 from python_tests.ops.test_kv_cache_attention import (BACKENDS, DTYPES, ERROR_FLOOR, _contiguous_positions,
-                                                      _is_interpreter, make_case)
+                                                      _is_interpreter, check_compiled_fullgraph, make_case)
 from python_tests.ops.test_kv_cache_attention_chunked import masked_attention
 from python_tests.ops.test_kv_cache_attention_ring import _run_sequence
 
@@ -206,18 +206,8 @@ def test_cpu_entry_checks_chunked_ring_itself():
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
 def test_torch_compile_fullgraph(backend, device):
-    q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, 1, 16, 6, [[13], [40]], device=device)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    want = ops.kv_cache_attention(q, k, v, want_k, want_v, positions, chunk_size=4, ring=True, backend=backend)
-
-    @torch.compile(fullgraph=True)
-    def step(q, k, v, k_cache, v_cache, positions):
-        return ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, chunk_size=4, ring=True,
-                                      backend=backend) * 2
-
-    got = step(q, k, v, k_cache, v_cache, positions)
-    torch.testing.assert_close(got, want * 2)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    case = make_case(2, 4, 2, 1, 16, 6, [[13], [40]], device=device)
+    check_compiled_fullgraph(backend, *case, chunk_size=4, ring=True)
 
 
 GPU_BACKENDS = [p for p in BACKENDS if p.id in ("cuda", "triton-cuda")]

@@ -11,8 +11,8 @@ import torch
 from gptfast_kernels import _extension, ops
 from gptfast_kernels.ops import reference
 from python_tests.backends import kernel_backends
-from python_tests.ops.test_kv_cache_attention import (DTYPES, ERROR_FLOOR, _attention_in_dtype,
-                                                      _contiguous_positions, _is_interpreter, make_case)
+from python_tests.ops.test_kv_cache_attention import (DTYPES, ERROR_FLOOR, _attention_in_dtype, _contiguous_positions,
+                                                      _is_interpreter, check_compiled_fullgraph, make_case)
 
 BACKENDS = kernel_backends("kv_cache_attention")
 ALL_BACKENDS = BACKENDS + [pytest.param("reference", "cpu", id="reference")]
@@ -158,13 +158,4 @@ def test_opcheck_triton(backend, device):
 @pytest.mark.parametrize("backend, device", BACKENDS)
 def test_torch_compile_fullgraph(backend, device):
     q, k, _, k_cache, _, positions = make_case(2, 8, 1, 1, 72, 16, [[4], [9]], device=device, seed=27)
-    eager_cache = k_cache.clone()
-    want = ops.kv_cache_attention(q, k, None, eager_cache, None, positions, value_dim=64, backend=backend)
-
-    @torch.compile(fullgraph=True)
-    def step(q, k, cache, positions):
-        return ops.kv_cache_attention(q, k, None, cache, None, positions, value_dim=64, backend=backend) * 2
-
-    got = step(q, k, k_cache, positions)
-    torch.testing.assert_close(got, want * 2)
-    assert torch.equal(k_cache, eager_cache)
+    check_compiled_fullgraph(backend, q, k, None, k_cache, None, positions, value_dim=64)

@@ -10,7 +10,8 @@ import torch
 from gptfast_kernels import _extension, ops
 from python_tests.ops.test_kv_cache_attention import (BACKENDS, DTYPES, TRITON_BACKENDS, _contiguous_positions,
                                                       _is_interpreter, check_against_reference,
-                                                      check_unseen_slots_are_never_read, make_case)
+                                                      check_compiled_fullgraph, check_unseen_slots_are_never_read,
+                                                      make_case)
 
 # (B, Hq, Hkv, T, D, S, starts, window): windows shorter than the rows' positions, so each query
 # sees a strict suffix; the decode row at 290 with window 40 leaves most of a 300-slot cache unread
@@ -151,18 +152,8 @@ def test_opcheck_triton_with_window_and_softcap(backend, device):
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
 def test_torch_compile_fullgraph_with_window_and_softcap(backend, device):
-    q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, 1, 16, 12, [[3], [10]], device=device)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    want = ops.kv_cache_attention(q, k, v, want_k, want_v, positions, window=4, softcap=2.0, backend=backend)
-
-    @torch.compile(fullgraph=True)
-    def step(q, k, v, k_cache, v_cache, positions):
-        return ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, window=4, softcap=2.0,
-                                      backend=backend) * 2
-
-    got = step(q, k, v, k_cache, v_cache, positions)
-    torch.testing.assert_close(got, want * 2)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    case = make_case(2, 4, 2, 1, 16, 12, [[3], [10]], device=device)
+    check_compiled_fullgraph(backend, *case, window=4, softcap=2.0)
 
 
 GPU_BACKENDS = [p for p in BACKENDS if p.id in ("cuda", "triton-cuda")]

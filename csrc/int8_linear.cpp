@@ -2,28 +2,41 @@
 //
 //   y[m, n] = (sum_k x[m, k] * qweight[n, k]) * scales[n] + bias[n], accumulated in float32.
 //
-// Decode (M <= GEMV_MAX_ROWS): a GEMV kernel that streams each int8 weight row once, widens it to
-// float32 in registers (AVX-512 or AVX2 + FMA, else scalar: cpu_isa(), common.h) and reuses it
-// for up to GEMV_ROW_BLOCK rows of x; with 4+ rows, two weight rows at a time so each x load feeds two
-// FMAs (1.35-1.6x at M = 4..16 on the 2-core EPYC); multithreaded over output features. The
-// weight bytes dominate, so reading 1 byte instead of 4 per weight is the speed-up over a float32
-// GEMV.
-// Prefill (M > GEMV_MAX_ROWS): compute-bound, so dequantise PREFILL_TILE_N weight rows at a time
-// to float32 and hand each tile to the BLAS GEMM.
+// Three paths, by rows of x and the CPU's instruction set (cpu_isa(), common.h):
+// - Few rows (decode): a GEMV that streams each int8 weight row once, widens it to float32 in
+//   registers (AVX-512 or AVX2 + FMA, else scalar) and reuses it for up to GEMV_ROW_BLOCK rows of x;
+//   with 4+ rows, two weight rows at a time so each x load feeds two FMAs; multithreaded over output
+//   features. The weight bytes dominate, so reading 1 byte instead of 4 per weight is the speed-up
+//   over a float32 GEMV.
+// - From GEMM_MIN_ROWS_AVX512 / _AVX2 rows (batched decode, verification, prefill): the packed GEMM
+//   of csrc/cpu/int8_gemm_kernel.h, which widens each weight once per call instead of once per 4 rows
+//   of x, and is multiply-add bound like a float32 BLAS GEMM.
+// - Otherwise above GEMV_MAX_ROWS (the baseline build, and AVX2 prefill): dequantise PREFILL_TILE_N
+//   weight rows at a time to float32 and hand each tile to the BLAS GEMM.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <memory>
+
 #include "common.h"
+#include "cpu/int8_gemm_cpu.h"
 
 namespace gptfast_kernels {
 namespace {
 
 // Rows of x that share one widened weight vector (4 accumulators x 8 lanes fit in 16 ymm registers).
 constexpr int64_t GEMV_ROW_BLOCK = 4;
-// Largest M served by the GEMV kernel; above it the dequantise-and-GEMM path wins. Measured on the
-// 2-core AVX2 EPYC, K = N = 4096, caches flushed, GEMV vs GEMM ms: M = 17 4.7 vs 12.0, 40 10.6 vs
-// 13.9, 64 15.8 vs 18.1, 96 24.4 vs 24.0, 128 33.0 vs 29.5 (the paired-row GEMV moved it from ~16).
+// Largest M served by the GEMV kernel or the AVX2 packed GEMM; above it the dequantise-and-GEMM path
+// wins. Measured on the 2-core AVX2 EPYC, K = N = 4096, caches flushed, GEMV vs GEMM ms: M = 17 4.7
+// vs 12.0, 40 10.6 vs 13.9, 64 15.8 vs 18.1, 96 24.4 vs 24.0, 128 33.0 vs 29.5 (the paired-row GEMV
+// moved it from ~16).
 constexpr int64_t GEMV_MAX_ROWS = 64;
+// Fewest rows of x the packed GEMM takes. Measured on the 2-core Sapphire Rapids VM, caches flushed,
+// GEMV vs GEMM ms at 4096 x 4096 / 4096 x 14336: AVX-512 M = 3 1.53 vs 1.45 / 4.61 vs 4.99, 4 1.32 vs
+// 1.33 / 4.46 vs 4.45, 5 1.85 vs 1.45 / 6.25 vs 4.82, 8 2.24 vs 1.87 / 7.05 vs 5.98; AVX2 M = 8 3.04
+// vs 3.94, 12 4.32 vs 4.30, 16 5.56 vs 5.17, 40 13.8 vs 10.2 (4096 x 4096).
+constexpr int64_t GEMM_MIN_ROWS_AVX512 = 5;
+constexpr int64_t GEMM_MIN_ROWS_AVX2 = 16;
 // Weight rows the AVX-512 GEMV (1..3 rows of x) reads at once: each x vector feeds 4 FMA chains.
 constexpr int64_t AVX512_WEIGHT_ROWS = 4;
 // Output features per at::parallel_for work item in the GEMV kernel.
@@ -190,12 +203,12 @@ void gemv_rows(CpuIsa isa, const float* x, int64_t M, int64_t K, int64_t m_begin
 // y_f32 [M, N] = (x_f32 [M, K] @ qweight^T) * scales + bias, the scale and bias applied as each
 // dot product is stored (no passes over y afterwards: at decode sizes those cost as much as the
 // dot products).
-void gemv(const at::Tensor& x_f32, const at::Tensor& qweight, const Epilogue& epilogue, at::Tensor& y_f32) {
+void gemv(CpuIsa isa, const at::Tensor& x_f32, const at::Tensor& qweight, const Epilogue& epilogue,
+          at::Tensor& y_f32) {
   const int64_t M = x_f32.size(0), K = x_f32.size(1), N = qweight.size(0);
   const float* x = x_f32.data_ptr<float>();
   const int8_t* w = qweight.data_ptr<int8_t>();
   float* y = y_f32.data_ptr<float>();
-  const CpuIsa isa = cpu_isa();  // once per call: every output feature takes the same path
   at::parallel_for(0, N, GEMV_GRAIN_N, [&](int64_t n_begin, int64_t n_end) {
     int64_t n = n_begin;
 #ifdef GPTFAST_HAVE_AVX2_PATH
@@ -233,6 +246,43 @@ void gemv(const at::Tensor& x_f32, const at::Tensor& qweight, const Epilogue& ep
 #endif
     for (; n < n_end; ++n) gemv_rows(isa, x, M, K, 0, w + n * K, n, N, epilogue, y);
   });
+}
+
+// The packed GEMM's build for M rows of x on instruction set isa, if it should take them: the AVX-512
+// build needs AVX-512BW too (its byte transposes), else the AVX2 one serves an AVX-512F CPU.
+enum class GemmBuild { none, avx2, avx512 };
+GemmBuild gemm_build(CpuIsa isa, int64_t M) {
+  static const bool has_avx512bw = __builtin_cpu_supports("avx512bw");
+  if (isa == CpuIsa::avx512 && has_avx512bw) return M >= GEMM_MIN_ROWS_AVX512 ? GemmBuild::avx512 : GemmBuild::none;
+  if (isa >= CpuIsa::avx2) return M >= GEMM_MIN_ROWS_AVX2 && M <= GEMV_MAX_ROWS ? GemmBuild::avx2 : GemmBuild::none;
+  return GemmBuild::none;
+}
+
+// (x_f32 [M, K] @ qweight^T) * scales + bias through the packed GEMM (csrc/cpu/int8_gemm_kernel.h),
+// parallel over panels of output features, as [M, N] float32 (a view of whole panels' columns when N
+// is not a multiple of the panel). K > 0.
+at::Tensor gemm_packed(GemmBuild build, const at::Tensor& x_f32, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& bias_f32) {
+  const int64_t M = x_f32.size(0), K = x_f32.size(1), N = qweight.size(0);
+  const bool avx512 = build == GemmBuild::avx512;
+  const int64_t panel = avx512 ? cpu::INT8_GEMM_PANEL_AVX512 : cpu::INT8_GEMM_PANEL_AVX2;
+  const cpu::Int8GemmPanelsFn panels_fn = avx512 ? &cpu::int8_gemm_panels_avx512 : &cpu::int8_gemm_panels_avx2;
+  const int64_t rows = avx512 ? cpu::INT8_GEMM_ROWS_AVX512 : cpu::INT8_GEMM_ROWS_AVX2;
+  const int64_t blocks = (M + rows - 1) / rows;
+  // x in blocks of `rows` rows, each [K][rows]: a tile's numbers at one k are adjacent (one stream,
+  // not `rows` rows K apart, which share L1 sets when K * 4 is a multiple of 4 KiB)
+  const at::Tensor x_blocks = at::constant_pad_nd(x_f32, {0, 0, 0, blocks * rows - M})
+                                  .view({blocks, rows, K}).transpose(1, 2).contiguous();
+  const int64_t panels = (N + panel - 1) / panel;
+  at::Tensor y_f32 = at::empty({M, panels * panel}, x_f32.options());
+  const cpu::Int8GemmArgs args{x_blocks.data_ptr<float>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                               bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, y_f32.data_ptr<float>(),
+                               M, N, K, panels * panel};
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    const auto scratch = std::make_unique<float[]>(cpu::int8_gemm_scratch_floats());
+    panels_fn(args, p0, p1, scratch.get());
+  });
+  return panels * panel == N ? y_f32 : y_f32.narrow(1, 0, N);
 }
 
 void gemm_unscaled(const at::Tensor& x_f32, const at::Tensor& qweight, at::Tensor& y_f32) {
@@ -275,11 +325,17 @@ at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   check_int8_linear_inputs(x, qweight, scales, bias);
   const int64_t M = x.size(0), N = qweight.size(0);
   at::Tensor x_f32 = x.to(at::kFloat).contiguous();
+  const CpuIsa isa = cpu_isa();  // once per call: every output feature takes the same path
+  const GemmBuild build = gemm_build(isa, M);
+  if (build != GemmBuild::none && N > 0 && x.size(1) > 0) {
+    const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
+    return gemm_packed(build, x_f32, qweight, scales, bias_f32).to(x.scalar_type()).contiguous();
+  }
   at::Tensor y_f32 = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M <= GEMV_MAX_ROWS) {
     const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
     const Epilogue epilogue{scales.data_ptr<float>(), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr};
-    if (M > 0 && N > 0) gemv(x_f32, qweight, epilogue, y_f32);
+    if (M > 0 && N > 0) gemv(isa, x_f32, qweight, epilogue, y_f32);
   } else {
     gemm_unscaled(x_f32, qweight, y_f32);
     y_f32.mul_(scales);

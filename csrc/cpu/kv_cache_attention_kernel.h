@@ -13,13 +13,11 @@
 //
 // Only C headers and internal linkage here (see kv_cache_attention_cpu.h for why).
 #include <stdint.h>
-#if GPTFAST_FMA
-#include <immintrin.h>  // intrinsics are gnu_inline: never emitted out of line, so safe here
-#endif
 
 #include "kv_cache_attention_cpu.h"
+#include "simd.h"
 
-#if !defined(GPTFAST_ATTEND_ROWS) || !defined(GPTFAST_NATIVE_LANES) || !defined(GPTFAST_FMA)
+#if !defined(GPTFAST_ATTEND_ROWS)
 #error "define GPTFAST_ATTEND_ROWS, GPTFAST_NATIVE_LANES and GPTFAST_FMA before including kv_cache_attention_kernel.h"
 #endif
 
@@ -27,41 +25,10 @@ namespace gptfast_kernels {
 namespace cpu {
 namespace {
 
-#define GPTFAST_INLINE inline __attribute__((always_inline))
-
-constexpr int64_t LANES = GPTFAST_NATIVE_LANES;  // floats per register
 constexpr int64_t DOT_LANES = 16;                 // lanes a dot product is summed over, in any build
 constexpr int64_t PARTS = DOT_LANES / LANES;      // registers per 16 dot-product lanes
 static_assert(PARTS * LANES == DOT_LANES, "GPTFAST_NATIVE_LANES must divide 16");
-typedef float vfloat __attribute__((vector_size(LANES * 4)));
-typedef uint32_t vuint __attribute__((vector_size(LANES * 4)));
-typedef int32_t vint __attribute__((vector_size(LANES * 4)));
 typedef uint16_t vhalf __attribute__((vector_size(LANES * 2)));
-
-GPTFAST_INLINE vfloat splat(float x) { return vfloat{} + x; }
-GPTFAST_INLINE vuint usplat(uint32_t x) { return vuint{} + x; }
-
-// a * b + c: one fused multiply-add in the builds for CPUs that have it (GPTFAST_FMA: AVX2, AVX-512),
-// a product and a sum in the baseline build.
-#if GPTFAST_FMA && GPTFAST_NATIVE_LANES == 16
-GPTFAST_INLINE vfloat mul_add(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
-#elif GPTFAST_FMA && GPTFAST_NATIVE_LANES == 8
-GPTFAST_INLINE vfloat mul_add(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
-#else
-GPTFAST_INLINE vfloat mul_add(vfloat a, vfloat b, vfloat c) { return a * b + c; }
-#endif
-#if GPTFAST_FMA
-GPTFAST_INLINE float mul_add(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-#else
-GPTFAST_INLINE float mul_add(float a, float b, float c) { return a * b + c; }
-#endif
-
-GPTFAST_INLINE vfloat load_floats(const float* p) {
-  vfloat x;
-  __builtin_memcpy(&x, p, sizeof(x));
-  return x;
-}
-GPTFAST_INLINE void store_floats(float* p, vfloat x) { __builtin_memcpy(p, &x, sizeof(x)); }
 
 GPTFAST_INLINE float bits_to_float(uint32_t w) {
   float f;

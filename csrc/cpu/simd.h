@@ -1,0 +1,72 @@
+// Float vectors of the register width for the CPU kernels compiled once per instruction set
+// (kv_cache_attention_kernel.h, int8_gemm_kernel.h): the including file sets a `#pragma GCC target`
+// and defines GPTFAST_NATIVE_LANES (floats per register: 16, 8, 4) and GPTFAST_FMA (1 where the
+// build's CPUs fuse multiply-adds).
+//
+// Only C headers and internal linkage here: an inline function with external linkage would be
+// compiled once per instruction set and, as a weak symbol, the linker could keep the AVX-512 copy
+// for every caller.
+#pragma once
+
+#include <stdint.h>
+#if GPTFAST_FMA
+#include <immintrin.h>  // intrinsics are gnu_inline: never emitted out of line, so safe here
+#endif
+
+#if !defined(GPTFAST_NATIVE_LANES) || !defined(GPTFAST_FMA)
+#error "define GPTFAST_NATIVE_LANES and GPTFAST_FMA before including simd.h"
+#endif
+
+namespace gptfast_kernels {
+namespace cpu {
+namespace {
+
+#define GPTFAST_INLINE inline __attribute__((always_inline))
+
+constexpr int64_t LANES = GPTFAST_NATIVE_LANES;  // floats per register
+typedef float vfloat __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vuint __attribute__((vector_size(LANES * 4)));
+typedef int32_t vint __attribute__((vector_size(LANES * 4)));
+
+GPTFAST_INLINE vfloat splat(float x) { return vfloat{} + x; }
+GPTFAST_INLINE vuint usplat(uint32_t x) { return vuint{} + x; }
+
+// *p in every lane, read straight into the register (splat adds it to zeros first, which the
+// compiler may not drop: -0 + 0 is +0).
+#if GPTFAST_FMA && GPTFAST_NATIVE_LANES == 16
+GPTFAST_INLINE vfloat broadcast(const float* p) { return _mm512_set1_ps(*p); }
+#elif GPTFAST_FMA && GPTFAST_NATIVE_LANES == 8
+GPTFAST_INLINE vfloat broadcast(const float* p) { return _mm256_set1_ps(*p); }
+#else
+GPTFAST_INLINE vfloat broadcast(const float* p) {
+  vfloat v;
+  for (int64_t l = 0; l < LANES; ++l) v[l] = *p;
+  return v;
+}
+#endif
+
+// a * b + c: one fused multiply-add in the builds for CPUs that have it (GPTFAST_FMA: AVX2, AVX-512),
+// a product and a sum in the baseline build. Nothing else is fused (setup.py: -ffp-contract=off).
+#if GPTFAST_FMA && GPTFAST_NATIVE_LANES == 16
+GPTFAST_INLINE vfloat mul_add(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+#elif GPTFAST_FMA && GPTFAST_NATIVE_LANES == 8
+GPTFAST_INLINE vfloat mul_add(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+#else
+GPTFAST_INLINE vfloat mul_add(vfloat a, vfloat b, vfloat c) { return a * b + c; }
+#endif
+#if GPTFAST_FMA
+GPTFAST_INLINE float mul_add(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+#else
+GPTFAST_INLINE float mul_add(float a, float b, float c) { return a * b + c; }
+#endif
+
+GPTFAST_INLINE vfloat load_floats(const float* p) {
+  vfloat x;
+  __builtin_memcpy(&x, p, sizeof(x));
+  return x;
+}
+GPTFAST_INLINE void store_floats(float* p, vfloat x) { __builtin_memcpy(p, &x, sizeof(x)); }
+
+}  // namespace
+}  // namespace cpu
+}  // namespace gptfast_kernels

@@ -42,6 +42,9 @@ CpuIsa cpu_isa();
 // (defined in int8_linear.cpp); bias must be in x's dtype.
 void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                               const std::optional<at::Tensor>& bias);
+// int8_linear's CPU kernel (int8_linear.cpp), which int8_expert_linear's runs on each expert's rows.
+at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& bias);
 
 // kv_cache_attention's shape / dtype / device / contiguity checks, shared by the CPU and CUDA
 // entry points (defined in kv_cache_attention.cpp). Position values are checked by each backend.

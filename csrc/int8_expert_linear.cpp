@@ -5,21 +5,16 @@
 //             (float32 sums; bias optional, [E, N] in x's dtype)
 //   y[p, :] = 0 where experts[p] is outside [0, E) (-1: padding)
 //
-// Rows are grouped by expert first (a counting sort of the P ids), then the work is parallel over
-// (expert, block of outputs): each weight row is read once and applied to every row routed to its
-// expert while it is in cache, and experts no row chose are never read.
-#include <ATen/Parallel.h>
-
-#include <algorithm>
+// Rows are grouped by expert (a counting sort of the P ids) and each chosen expert's rows go through
+// int8_linear's CPU kernel as one matrix: its GEMV for a few rows (decode), its packed GEMM for more
+// (verification, prompts), on the CPU's instruction set. Experts no row chose are never read, and a
+// row's result is what int8_linear gives it with its expert's weight.
 #include <vector>
 
 #include "common.h"
 
 namespace gptfast_kernels {
 namespace {
-
-// Output features per parallel work item: enough weight rows (64 x K bytes) to amortise the task.
-constexpr int64_t N_BLOCK = 64;
 
 void expert_rows(const int64_t* experts, int64_t P, int64_t E, std::vector<int64_t>& offsets,
                  std::vector<int64_t>& rows) {
@@ -31,39 +26,6 @@ void expert_rows(const int64_t* experts, int64_t P, int64_t E, std::vector<int64
   std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
   for (int64_t p = 0; p < P; ++p)
     if (experts[p] >= 0 && experts[p] < E) rows[next[experts[p]]++] = p;
-}
-
-template <typename scalar_t>
-void expert_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                   const int64_t* experts, const scalar_t* bias, at::Tensor& y) {
-  const int64_t P = x.size(0), K = x.size(1), E = qweight.size(0), N = qweight.size(1);
-  std::vector<int64_t> offsets, rows;
-  expert_rows(experts, P, E, offsets, rows);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // converted once, read once per weight row
-  const float* x_ptr = xf.data_ptr<float>();
-  const int8_t* w_ptr = qweight.data_ptr<int8_t>();
-  const float* s_ptr = scales.data_ptr<float>();
-  scalar_t* y_ptr = y.data_ptr<scalar_t>();
-  const int64_t n_blocks = (N + N_BLOCK - 1) / N_BLOCK;
-  at::parallel_for(0, E * n_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = item / n_blocks, n0 = (item % n_blocks) * N_BLOCK;
-      if (offsets[e] == offsets[e + 1]) continue;  // no row chose this expert: its weight is not read
-      for (int64_t n = n0; n < std::min(N, n0 + N_BLOCK); ++n) {
-        const int8_t* w = w_ptr + (e * N + n) * K;
-        const float scale = s_ptr[e * N + n];
-        const float shift = bias != nullptr ? static_cast<float>(bias[e * N + n]) : 0.f;
-        for (int64_t i = offsets[e]; i < offsets[e + 1]; ++i) {
-          const int64_t p = rows[i];
-          const float* xr = x_ptr + p * K;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t k = 0; k < K; ++k) acc += xr[k] * static_cast<float>(w[k]);
-          y_ptr[p * N + n] = static_cast<scalar_t>(acc * scale + shift);
-        }
-      }
-    }
-  });
 }
 
 }  // namespace
@@ -106,10 +68,15 @@ at::Tensor int8_expert_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
   check_int8_expert_linear_inputs(x, qweight, scales, experts, bias);
   at::Tensor y = at::zeros({x.size(0), qweight.size(1)}, x.options());  // rows of no expert stay 0
   if (y.numel() == 0) return y;
-  GPTFAST_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "int8_expert_linear_cpu", [&] {
-    expert_linear<scalar_t>(x, qweight, scales, experts.data_ptr<int64_t>(),
-                            bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, y);
-  });
+  std::vector<int64_t> offsets, rows;
+  expert_rows(experts.data_ptr<int64_t>(), x.size(0), qweight.size(0), offsets, rows);
+  const at::Tensor row_ids = at::tensor(rows, experts.options());
+  for (int64_t e = 0; e < qweight.size(0); ++e) {
+    if (offsets[e] == offsets[e + 1]) continue;
+    const at::Tensor ids = row_ids.slice(0, offsets[e], offsets[e + 1]);
+    const std::optional<at::Tensor> expert_bias = bias.has_value() ? std::optional<at::Tensor>((*bias)[e]) : std::nullopt;
+    y.index_copy_(0, ids, int8_linear_cpu(x.index_select(0, ids), qweight[e], scales[e], expert_bias));
+  }
   return y;
 }
 

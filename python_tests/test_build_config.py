@@ -5,6 +5,9 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import subprocess
+import sys
+import tarfile
 
 import pytest
 
@@ -29,3 +32,21 @@ def test_sm80_and_newer_build(arch_list):
 def test_older_architectures_are_refused_by_name(arch_list, culprit):
     with pytest.raises(RuntimeError, match=f"TORCH_CUDA_ARCH_LIST.*8.0 or newer.*{re.escape(culprit)}"):
         _setup_function("_check_cuda_archs")(arch_list)
+
+
+def test_the_source_distribution_carries_every_csrc_file(tmp_path):
+    """An sdist must build the extension: every tracked file under csrc/, headers included (setuptools
+    adds only the .cpp / .cu files setup.py lists; MANIFEST.in adds the rest)."""
+    root = SETUP.parent
+    listed = subprocess.run(["git", "ls-files", "csrc"], cwd=root, capture_output=True, text=True)
+    if listed.returncode != 0 or not listed.stdout.strip():
+        pytest.skip("not a git checkout: the tracked csrc files are unknown")
+    built = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--formats=gztar", "--dist-dir", str(tmp_path)],
+                           cwd=root, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    [archive] = tmp_path.glob("*.tar.gz")
+    with tarfile.open(archive) as tar:
+        packed = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    missing = sorted(set(listed.stdout.split()) - packed)
+    assert not missing, f"the sdist lacks {missing}"
+    assert {"setup.py", "pyproject.toml", "README.md"} <= packed

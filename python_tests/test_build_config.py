@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -36,17 +37,23 @@ def test_older_architectures_are_refused_by_name(arch_list, culprit):
 
 def test_the_source_distribution_carries_every_csrc_file(tmp_path):
     """An sdist must build the extension: every tracked file under csrc/, headers included (setuptools
-    adds only the .cpp / .cu files setup.py lists; MANIFEST.in adds the rest)."""
+    adds only the .cpp / .cu files setup.py lists; MANIFEST.in adds the rest). Built from a copy of
+    the tracked files: setuptools would also pack whatever an old egg-info's SOURCES.txt lists."""
     root = SETUP.parent
-    listed = subprocess.run(["git", "ls-files", "csrc"], cwd=root, capture_output=True, text=True)
+    listed = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
     if listed.returncode != 0 or not listed.stdout.strip():
-        pytest.skip("not a git checkout: the tracked csrc files are unknown")
-    built = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--formats=gztar", "--dist-dir", str(tmp_path)],
-                           cwd=root, capture_output=True, text=True)
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    tracked = [name for name in listed.stdout.splitlines() if (root / name).is_file()]
+    source = tmp_path / "source"
+    for name in tracked:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, source / name)
+    built = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--formats=gztar", "--dist-dir",
+                            str(tmp_path / "dist")], cwd=source, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
-    [archive] = tmp_path.glob("*.tar.gz")
+    [archive] = (tmp_path / "dist").glob("*.tar.gz")
     with tarfile.open(archive) as tar:
         packed = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
-    missing = sorted(set(listed.stdout.split()) - packed)
+    missing = sorted(name for name in tracked if name.startswith("csrc/") and name not in packed)
     assert not missing, f"the sdist lacks {missing}"
     assert {"setup.py", "pyproject.toml", "README.md"} <= packed

@@ -42,9 +42,18 @@ CpuIsa cpu_isa();
 // (defined in int8_linear.cpp); bias must be in x's dtype.
 void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                               const std::optional<at::Tensor>& bias);
-// int8_linear's CPU kernel (int8_linear.cpp), which int8_expert_linear's runs on each expert's rows.
+// int8_linear's CPU kernel and its parts that int8_expert_linear's runs per expert (int8_linear.cpp):
+// - the op itself, which takes an expert with many rows;
+// - int8_linear_cpu_gemv_rows(isa): the most rows of x int8_linear runs through its GEMV on isa
+//   (more take the packed GEMM or the dequantise path);
+// - int8_gemv_cpu: that GEMV on raw arrays, y[m * ldy + n] = (x[m] . w[n]) * scales[n] + bias[n] (bias
+//   may be null) for the M rows of x [M, K] and features n_begin .. n_end - 1 of w [N, K], with the
+//   bits int8_linear gives them however N is split.
 at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                            const std::optional<at::Tensor>& bias);
+int64_t int8_linear_cpu_gemv_rows(CpuIsa isa);
+void int8_gemv_cpu(CpuIsa isa, const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales,
+                   const float* bias, float* y, int64_t ldy, int64_t n_begin, int64_t n_end);
 
 // kv_cache_attention's shape / dtype / device / contiguity checks, shared by the CPU and CUDA
 // entry points (defined in kv_cache_attention.cpp). Position values are checked by each backend.

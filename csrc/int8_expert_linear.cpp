@@ -5,16 +5,26 @@
 //             (float32 sums; bias optional, [E, N] in x's dtype)
 //   y[p, :] = 0 where experts[p] is outside [0, E) (-1: padding)
 //
-// Rows are grouped by expert (a counting sort of the P ids) and each chosen expert's rows go through
-// int8_linear's CPU kernel as one matrix: its GEMV for a few rows (decode), its packed GEMM for more
-// (verification, prompts), on the CPU's instruction set. Experts no row chose are never read, and a
-// row's result is what int8_linear gives it with its expert's weight.
+// Rows are grouped by expert (a counting sort of the P ids), and each chosen expert's rows go through
+// int8_linear's CPU kernel as one matrix, on the CPU's instruction set: experts with a few rows
+// (decode; multi-head latent attention's heads) through its GEMV, all of them in one parallel loop
+// over (expert, block of outputs) so that each weight row is read once for all its expert's rows;
+// experts with more rows (verification, prompts) through the op itself, i.e. its packed GEMM.
+// Experts no row chose are never read, and a row's result is what int8_linear gives it with its
+// expert's weight.
+#include <ATen/Parallel.h>
+
+#include <cstring>
 #include <vector>
 
 #include "common.h"
 
 namespace gptfast_kernels {
 namespace {
+
+// Output features per parallel work item of the few-row experts: enough weight rows (64 x K bytes)
+// to amortise the task.
+constexpr int64_t N_BLOCK = 64;
 
 void expert_rows(const int64_t* experts, int64_t P, int64_t E, std::vector<int64_t>& offsets,
                  std::vector<int64_t>& rows) {
@@ -26,6 +36,45 @@ void expert_rows(const int64_t* experts, int64_t P, int64_t E, std::vector<int64
   std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
   for (int64_t p = 0; p < P; ++p)
     if (experts[p] >= 0 && experts[p] < E) rows[next[experts[p]]++] = p;
+}
+
+// y's rows of the experts with 1 .. max_rows rows, through int8_linear's GEMV: per work item (expert,
+// block of N_BLOCK outputs) the expert's rows are gathered, multiplied and scattered.
+template <typename scalar_t>
+void few_row_experts(CpuIsa isa, int64_t max_rows, const at::Tensor& x, const at::Tensor& qweight,
+                     const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                     const std::vector<int64_t>& offsets, const std::vector<int64_t>& rows, at::Tensor& y) {
+  const int64_t E = qweight.size(0), N = qweight.size(1), K = qweight.size(2);
+  std::vector<int64_t> chosen;
+  for (int64_t e = 0; e < E; ++e) {
+    if (offsets[e + 1] > offsets[e] && offsets[e + 1] - offsets[e] <= max_rows) chosen.push_back(e);
+  }
+  if (chosen.empty()) return;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
+  const float* x_ptr = xf.data_ptr<float>();
+  const int8_t* w_ptr = qweight.data_ptr<int8_t>();
+  const float* s_ptr = scales.data_ptr<float>();
+  const float* b_ptr = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+  scalar_t* y_ptr = y.data_ptr<scalar_t>();
+  const int64_t n_blocks = (N + N_BLOCK - 1) / N_BLOCK;
+  at::parallel_for(0, static_cast<int64_t>(chosen.size()) * n_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x_rows(max_rows * K), y_rows(max_rows * N_BLOCK);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = chosen[item / n_blocks], n0 = (item % n_blocks) * N_BLOCK;
+      const int64_t width = std::min(N_BLOCK, N - n0), first = offsets[e], count = offsets[e + 1] - first;
+      for (int64_t i = 0; i < count; ++i) {
+        std::memcpy(x_rows.data() + i * K, x_ptr + rows[first + i] * K, K * sizeof(float));
+      }
+      const int64_t feature = e * N + n0;  // the block's first weight row, scale and bias
+      int8_gemv_cpu(isa, x_rows.data(), count, K, w_ptr + feature * K, s_ptr + feature,
+                    b_ptr != nullptr ? b_ptr + feature : nullptr, y_rows.data(), width, 0, width);
+      for (int64_t i = 0; i < count; ++i) {
+        scalar_t* out = y_ptr + rows[first + i] * N + n0;
+        for (int64_t j = 0; j < width; ++j) out[j] = static_cast<scalar_t>(y_rows[i * width + j]);
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -70,9 +119,14 @@ at::Tensor int8_expert_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
   if (y.numel() == 0) return y;
   std::vector<int64_t> offsets, rows;
   expert_rows(experts.data_ptr<int64_t>(), x.size(0), qweight.size(0), offsets, rows);
+  const CpuIsa isa = cpu_isa();
+  const int64_t gemv_rows = int8_linear_cpu_gemv_rows(isa);
+  GPTFAST_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "int8_expert_linear_cpu", [&] {
+    few_row_experts<scalar_t>(isa, gemv_rows, x, qweight, scales, bias, offsets, rows, y);
+  });
   const at::Tensor row_ids = at::tensor(rows, experts.options());
   for (int64_t e = 0; e < qweight.size(0); ++e) {
-    if (offsets[e] == offsets[e + 1]) continue;
+    if (offsets[e + 1] - offsets[e] <= gemv_rows) continue;  // none, or done above
     const at::Tensor ids = row_ids.slice(0, offsets[e], offsets[e + 1]);
     const std::optional<at::Tensor> expert_bias = bias.has_value() ? std::optional<at::Tensor>((*bias)[e]) : std::nullopt;
     y.index_copy_(0, ids, int8_linear_cpu(x.index_select(0, ids), qweight[e], scales[e], expert_bias));

@@ -191,10 +191,10 @@ struct Epilogue {
   float operator()(float dot, int64_t n) const { return dot * scales[n] + (bias ? bias[n] : 0.f); }
 };
 
-// y[m, n] for rows m_begin .. M of x [M, K] and one weight row w_row (output feature n), in blocks
-// of up to GEMV_ROW_BLOCK rows, on instruction set isa's path.
+// y[m, n] (rows ldy apart) for rows m_begin .. M of x [M, K] and one weight row w_row (output
+// feature n), in blocks of up to GEMV_ROW_BLOCK rows, on instruction set isa's path.
 void gemv_rows(CpuIsa isa, const float* x, int64_t M, int64_t K, int64_t m_begin, const int8_t* w_row,
-               int64_t n, int64_t N, const Epilogue& epilogue, float* y) {
+               int64_t n, const Epilogue& epilogue, float* y, int64_t ldy) {
   float partial[GEMV_ROW_BLOCK];
   for (int64_t m = m_begin; m < M; m += GEMV_ROW_BLOCK) {
     const int64_t rows = std::min<int64_t>(GEMV_ROW_BLOCK, M - m);
@@ -205,8 +205,59 @@ void gemv_rows(CpuIsa isa, const float* x, int64_t M, int64_t K, int64_t m_begin
       case 2: gemv_block<2>(isa, x_rows, K, w_row, K, partial); break;
       default: gemv_block<1>(isa, x_rows, K, w_row, K, partial); break;
     }
-    for (int64_t r = 0; r < rows; ++r) y[(m + r) * N + n] = epilogue(partial[r], n);
+    for (int64_t r = 0; r < rows; ++r) y[(m + r) * ldy + n] = epilogue(partial[r], n);
   }
+}
+
+// y[m, n] (rows ldy apart) = (x[m, :] . w[n, :]) * scale + bias for the M rows of x [M, K] and
+// output features n_begin .. n_end - 1 (w: all N weight rows, K apart). Each output feature takes
+// the same arithmetic wherever the range starts or ends (a last odd weight row runs through the
+// paired or grouped kernel too), so results do not depend on how N is split among threads.
+void gemv_range(CpuIsa isa, const float* x, int64_t M, int64_t K, const int8_t* w, const Epilogue& epilogue,
+                float* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+#ifdef GPTFAST_HAVE_AVX2_PATH
+  // Fewer rows than a block: AVX-512, four weight rows at a time for each row of x, then one.
+  if (M < GEMV_ROW_BLOCK && isa == CpuIsa::avx512) {
+    float partial[AVX512_WEIGHT_ROWS];
+    for (; n < n_end; n += AVX512_WEIGHT_ROWS) {
+      const int64_t group = std::min(AVX512_WEIGHT_ROWS, n_end - n);
+      for (int64_t m = 0; m < M; ++m) {
+        if (group == AVX512_WEIGHT_ROWS) {
+          gemv_rows_avx512<AVX512_WEIGHT_ROWS>(x + m * K, w + n * K, K, partial);
+        } else {
+          for (int64_t i = 0; i < group; ++i) gemv_rows_avx512<1>(x + m * K, w + (n + i) * K, K, partial + i);
+        }
+        for (int64_t i = 0; i < group; ++i) y[m * ldy + n + i] = epilogue(partial[i], n + i);
+      }
+    }
+  }
+  // With a full block of rows, two weight rows at a time (see gemv_pair_avx2); an odd last one as
+  // both rows of a pair.
+  if (M >= GEMV_ROW_BLOCK && isa >= CpuIsa::avx2) {
+    float partial0[GEMV_ROW_BLOCK], partial1[GEMV_ROW_BLOCK];
+    for (; n < n_end; n += 2) {
+      const bool pair = n + 1 < n_end;
+      const int8_t* w0 = w + n * K;
+      const int8_t* w1 = pair ? w0 + K : w0;
+      int64_t m = 0;
+      for (; m + GEMV_ROW_BLOCK <= M; m += GEMV_ROW_BLOCK) {
+        if (isa == CpuIsa::avx512) {
+          gemv_pair_avx512<GEMV_ROW_BLOCK>(x + m * K, K, w0, w1, K, partial0, partial1);
+        } else {
+          gemv_pair_avx2<GEMV_ROW_BLOCK>(x + m * K, K, w0, w1, K, partial0, partial1);
+        }
+        for (int64_t r = 0; r < GEMV_ROW_BLOCK; ++r) {
+          y[(m + r) * ldy + n] = epilogue(partial0[r], n);
+          if (pair) y[(m + r) * ldy + n + 1] = epilogue(partial1[r], n + 1);
+        }
+      }
+      gemv_rows(isa, x, M, K, m, w0, n, epilogue, y, ldy);  // the last M % GEMV_ROW_BLOCK rows
+      if (pair) gemv_rows(isa, x, M, K, m, w1, n + 1, epilogue, y, ldy);
+    }
+  }
+#endif
+  for (; n < n_end; ++n) gemv_rows(isa, x, M, K, 0, w + n * K, n, epilogue, y, ldy);
 }
 
 // y_f32 [M, N] = (x_f32 [M, K] @ qweight^T) * scales + bias, the scale and bias applied as each
@@ -219,41 +270,7 @@ void gemv(CpuIsa isa, const at::Tensor& x_f32, const at::Tensor& qweight, const 
   const int8_t* w = qweight.data_ptr<int8_t>();
   float* y = y_f32.data_ptr<float>();
   at::parallel_for(0, N, GEMV_GRAIN_N, [&](int64_t n_begin, int64_t n_end) {
-    int64_t n = n_begin;
-#ifdef GPTFAST_HAVE_AVX2_PATH
-    // Fewer rows than a block: AVX-512, four weight rows at a time for each row of x.
-    if (M < GEMV_ROW_BLOCK && isa == CpuIsa::avx512) {
-      float partial[AVX512_WEIGHT_ROWS];
-      for (; n + AVX512_WEIGHT_ROWS <= n_end; n += AVX512_WEIGHT_ROWS) {
-        for (int64_t m = 0; m < M; ++m) {
-          gemv_rows_avx512<AVX512_WEIGHT_ROWS>(x + m * K, w + n * K, K, partial);
-          for (int64_t i = 0; i < AVX512_WEIGHT_ROWS; ++i) y[m * N + n + i] = epilogue(partial[i], n + i);
-        }
-      }
-    }
-    // With a full block of rows, two weight rows at a time (see gemv_pair_avx2).
-    if (M >= GEMV_ROW_BLOCK && isa >= CpuIsa::avx2) {
-      float partial0[GEMV_ROW_BLOCK], partial1[GEMV_ROW_BLOCK];
-      for (; n + 1 < n_end; n += 2) {
-        const int8_t* w0 = w + n * K;
-        int64_t m = 0;
-        for (; m + GEMV_ROW_BLOCK <= M; m += GEMV_ROW_BLOCK) {
-          if (isa == CpuIsa::avx512) {
-            gemv_pair_avx512<GEMV_ROW_BLOCK>(x + m * K, K, w0, w0 + K, K, partial0, partial1);
-          } else {
-            gemv_pair_avx2<GEMV_ROW_BLOCK>(x + m * K, K, w0, w0 + K, K, partial0, partial1);
-          }
-          for (int64_t r = 0; r < GEMV_ROW_BLOCK; ++r) {
-            y[(m + r) * N + n] = epilogue(partial0[r], n);
-            y[(m + r) * N + n + 1] = epilogue(partial1[r], n + 1);
-          }
-        }
-        gemv_rows(isa, x, M, K, m, w0, n, N, epilogue, y);  // the last M % GEMV_ROW_BLOCK rows
-        gemv_rows(isa, x, M, K, m, w0 + K, n + 1, N, epilogue, y);
-      }
-    }
-#endif
-    for (; n < n_end; ++n) gemv_rows(isa, x, M, K, 0, w + n * K, n, N, epilogue, y);
+    gemv_range(isa, x, M, K, w, epilogue, y, N, n_begin, n_end);
   });
 }
 
@@ -304,6 +321,17 @@ void gemm_unscaled(const at::Tensor& x_f32, const at::Tensor& qweight, at::Tenso
 }
 
 }  // namespace
+
+int64_t int8_linear_cpu_gemv_rows(CpuIsa isa) {
+  int64_t rows = 0;
+  while (rows < GEMV_MAX_ROWS && gemm_build(isa, rows + 1) == GemmBuild::none) ++rows;
+  return rows;
+}
+
+void int8_gemv_cpu(CpuIsa isa, const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales,
+                   const float* bias, float* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+  gemv_range(isa, x, M, K, w, Epilogue{scales, bias}, y, ldy, n_begin, n_end);
+}
 
 void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                               const std::optional<at::Tensor>& bias) {

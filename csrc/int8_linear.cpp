@@ -285,8 +285,9 @@ GemmBuild gemm_build(CpuIsa isa, int64_t M) {
 }
 
 // (x_f32 [M, K] @ qweight^T) * scales + bias through the packed GEMM (csrc/cpu/int8_gemm_kernel.h),
-// parallel over panels of output features, as [M, N] float32 (a view of whole panels' columns when N
-// is not a multiple of the panel). K > 0.
+// as [M, N] float32 (a view of whole panels' columns when N is not a multiple of the panel), K > 0.
+// Parallel over panels of output features, and over blocks of rows of x too when there are fewer
+// panels than threads (each part then widens its panels' weights again).
 at::Tensor gemm_packed(GemmBuild build, const at::Tensor& x_f32, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& bias_f32) {
   const int64_t M = x_f32.size(0), K = x_f32.size(1), N = qweight.size(0);
@@ -304,9 +305,15 @@ at::Tensor gemm_packed(GemmBuild build, const at::Tensor& x_f32, const at::Tenso
   const cpu::Int8GemmArgs args{x_blocks.data_ptr<float>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
                                bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, y_f32.data_ptr<float>(),
                                M, N, K, panels * panel};
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = panels >= threads ? 1 : std::min(blocks, (threads + panels - 1) / panels);
+  at::parallel_for(0, panels * parts, 1, [&](int64_t begin, int64_t end) {
     const auto scratch = std::make_unique<float[]>(cpu::int8_gemm_scratch_floats());
-    panels_fn(args, p0, p1, scratch.get());
+    if (parts == 1) return panels_fn(args, begin, end, 0, blocks, scratch.get());
+    for (int64_t item = begin; item < end; ++item) {  // (panel, part of the row blocks)
+      const int64_t p = item / parts, part = item % parts;
+      panels_fn(args, p, p + 1, part * blocks / parts, (part + 1) * blocks / parts, scratch.get());
+    }
   });
   return panels * panel == N ? y_f32 : y_f32.narrow(1, 0, N);
 }

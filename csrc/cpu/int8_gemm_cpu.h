@@ -35,14 +35,16 @@ constexpr int64_t INT8_GEMM_PACK_BYTES = 16 * 1024;
 // Floats of scratch a call needs: one packed block.
 static constexpr int64_t int8_gemm_scratch_floats() { return INT8_GEMM_PACK_BYTES / 4; }
 
-// y[:, p * panel .. (p + 1) * panel) for panels p0 .. p1 - 1 (K > 0):
+// y[m, p * panel .. (p + 1) * panel) for panels p0 .. p1 - 1 and the rows m of x's blocks
+// b0 .. b1 - 1 (rows b0 * ROWS .. min(M, b1 * ROWS) - 1), K > 0:
 //   y[m, n] = (sum_k x[m, k] * w[n, k]) * scales[n] + bias[n],
 // each sum one multiply-add chain over k in order, so a row's result does not depend on M, on the
-// rows beside it or on how the panels are split among threads.
-using Int8GemmPanelsFn = void (*)(const Int8GemmArgs& args, int64_t p0, int64_t p1, float* scratch);
+// rows beside it or on how panels and rows are split among threads.
+using Int8GemmPanelsFn = void (*)(const Int8GemmArgs& args, int64_t p0, int64_t p1, int64_t b0, int64_t b1,
+                                  float* scratch);
 
-void int8_gemm_panels_avx2(const Int8GemmArgs&, int64_t, int64_t, float*);
-void int8_gemm_panels_avx512(const Int8GemmArgs&, int64_t, int64_t, float*);
+void int8_gemm_panels_avx2(const Int8GemmArgs&, int64_t, int64_t, int64_t, int64_t, float*);
+void int8_gemm_panels_avx512(const Int8GemmArgs&, int64_t, int64_t, int64_t, int64_t, float*);
 
 }  // namespace cpu
 }  // namespace gptfast_kernels

@@ -178,7 +178,9 @@ GPTFAST_INLINE void tile_of(int rows, int64_t kc, const float* x, const float* p
 
 }  // namespace
 
-void GPTFAST_INT8_GEMM_PANELS(const Int8GemmArgs& a, int64_t p0, int64_t p1, float* scratch) {
+void GPTFAST_INT8_GEMM_PANELS(const Int8GemmArgs& a, int64_t p0, int64_t p1, int64_t b0, int64_t b1,
+                              float* scratch) {
+  const int64_t m_end = b1 * ROWS < a.M ? b1 * ROWS : a.M;
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * PANEL;
     const int64_t n_valid = a.N - n0 < PANEL ? a.N - n0 : PANEL;
@@ -192,8 +194,8 @@ void GPTFAST_INT8_GEMM_PANELS(const Int8GemmArgs& a, int64_t p0, int64_t p1, flo
       pack_block(a.w + n0 * a.K, a.K, n_valid, k0, kc, scratch);
       const bool first = k0 == 0, last = k0 + kc == a.K;
       const TileEnd end{last ? scale : nullptr, last && a.bias != nullptr ? bias : nullptr};
-      for (int64_t m0 = 0; m0 < a.M; m0 += ROWS) {
-        const int rows = static_cast<int>(a.M - m0 < ROWS ? a.M - m0 : ROWS);
+      for (int64_t m0 = b0 * ROWS; m0 < m_end; m0 += ROWS) {
+        const int rows = static_cast<int>(m_end - m0 < ROWS ? m_end - m0 : ROWS);
         tile_of<ROWS>(rows, kc, a.x + (m0 * a.K + k0 * ROWS), scratch, a.y + m0 * a.ldy + n0, a.ldy, first, end);
       }
     }

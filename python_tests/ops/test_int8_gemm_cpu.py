@@ -91,3 +91,23 @@ def test_empty_dimensions(isa):
     assert torch.equal(y, bias.expand(20, 9))
     x, qweight, scales, bias = _case(20, 0, 8, torch.float32)
     assert _with_build(isa, lambda: ops.int8_linear(x, qweight, scales, bias, backend="cpu")).shape == (20, 0)
+
+
+@pytest.mark.parametrize("isa", FUSED_BUILDS)
+def test_fewer_panels_than_threads_split_the_rows(isa):
+    """N = 10: one panel of output features, so two threads take half of x's row blocks each (and
+    widen the panel's weights each); the bits equal one thread's, the values the reference."""
+    _skip_unless_runs(isa)
+    x, qweight, scales, bias = _case(60, 10, 300, torch.float32, seed=3)
+    call = lambda: _with_build(isa, lambda: torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        split = call()
+        torch.set_num_threads(1)
+        whole = call()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, whole)
+    want = reference.int8_linear(x.double(), qweight, scales, bias.double())
+    torch.testing.assert_close(split.double(), want, atol=1e-4 * 300 ** 0.5, rtol=1e-5)

@@ -4,10 +4,11 @@
 //
 // Three paths, by rows of x and the CPU's instruction set (cpu_isa(), common.h):
 // - Few rows (decode): a GEMV that streams each int8 weight row once, widens it to float32 in
-//   registers (AVX-512 or AVX2 + FMA, else scalar) and reuses it for up to GEMV_ROW_BLOCK rows of x;
-//   with 4+ rows, two weight rows at a time so each x load feeds two FMAs; multithreaded over output
-//   features. The weight bytes dominate, so reading 1 byte instead of 4 per weight is the speed-up
-//   over a float32 GEMV.
+//   registers (AVX-512 or AVX2 + FMA, else the build's own vectors through omp simd) and reuses it
+//   for up to GEMV_ROW_BLOCK rows of x; with 4+ rows, two weight rows at a time so each x load feeds
+//   two FMAs; multithreaded over output features, each feature's arithmetic the same whatever range
+//   of features a thread takes. The weight bytes dominate, so reading 1 byte instead of 4 per weight
+//   is the speed-up over a float32 GEMV.
 // - From GEMM_MIN_ROWS_AVX512 / _AVX2 rows (batched decode, verification, prefill): the packed GEMM
 //   of csrc/cpu/int8_gemm_kernel.h, which widens each weight once per call instead of once per 4 rows
 //   of x, and is multiply-add bound like a float32 BLAS GEMM.

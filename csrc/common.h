@@ -43,7 +43,9 @@ CpuIsa cpu_isa();
 void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                               const std::optional<at::Tensor>& bias);
 // int8_linear's CPU kernel and its parts that int8_expert_linear's runs per expert (int8_linear.cpp):
-// - the op itself, which takes an expert with many rows;
+// - the op itself, and int8_linear_cpu_many: the op on several matrices at once (xs[i] @ qweights[i]^T
+//   * scales[i] + biases[i]), those its packed GEMM takes in one parallel loop, each result as
+//   int8_linear_cpu gives it (experts with many rows);
 // - int8_linear_cpu_gemv_rows(isa): the most rows of x int8_linear runs through its GEMV on isa
 //   (more take the packed GEMM or the dequantise path);
 // - int8_gemv_cpu: that GEMV on raw arrays, y[m * ldy + n] = (x[m] . w[n]) * scales[n] + bias[n] (bias
@@ -51,6 +53,9 @@ void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, co
 //   bits int8_linear gives them however N is split.
 at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                            const std::optional<at::Tensor>& bias);
+std::vector<at::Tensor> int8_linear_cpu_many(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& qweights,
+                                             const std::vector<at::Tensor>& scales,
+                                             const std::vector<std::optional<at::Tensor>>& biases);
 int64_t int8_linear_cpu_gemv_rows(CpuIsa isa);
 void int8_gemv_cpu(CpuIsa isa, const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales,
                    const float* bias, float* y, int64_t ldy, int64_t n_begin, int64_t n_end);

@@ -9,7 +9,8 @@
 // int8_linear's CPU kernel as one matrix, on the CPU's instruction set: experts with a few rows
 // (decode; multi-head latent attention's heads) through its GEMV, all of them in one parallel loop
 // over (expert, block of outputs) so that each weight row is read once for all its expert's rows;
-// experts with more rows (verification, prompts) through the op itself, i.e. its packed GEMM.
+// experts with more rows (verification, prompts) through the op itself, i.e. its packed GEMM, all of
+// them in one parallel loop too.
 // Experts no row chose are never read, and a row's result is what int8_linear gives it with its
 // expert's weight.
 #include <ATen/Parallel.h>
@@ -125,12 +126,18 @@ at::Tensor int8_expert_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
     few_row_experts<scalar_t>(isa, gemv_rows, x, qweight, scales, bias, offsets, rows, y);
   });
   const at::Tensor row_ids = at::tensor(rows, experts.options());
+  std::vector<at::Tensor> ids, xs, qweights, expert_scales;
+  std::vector<std::optional<at::Tensor>> biases;
   for (int64_t e = 0; e < qweight.size(0); ++e) {
     if (offsets[e + 1] - offsets[e] <= gemv_rows) continue;  // none, or done above
-    const at::Tensor ids = row_ids.slice(0, offsets[e], offsets[e + 1]);
-    const std::optional<at::Tensor> expert_bias = bias.has_value() ? std::optional<at::Tensor>((*bias)[e]) : std::nullopt;
-    y.index_copy_(0, ids, int8_linear_cpu(x.index_select(0, ids), qweight[e], scales[e], expert_bias));
+    ids.push_back(row_ids.slice(0, offsets[e], offsets[e + 1]));
+    xs.push_back(x.index_select(0, ids.back()));
+    qweights.push_back(qweight[e]);
+    expert_scales.push_back(scales[e]);
+    biases.push_back(bias.has_value() ? std::optional<at::Tensor>((*bias)[e]) : std::nullopt);
   }
+  const std::vector<at::Tensor> outs = int8_linear_cpu_many(xs, qweights, expert_scales, biases);
+  for (size_t i = 0; i < outs.size(); ++i) y.index_copy_(0, ids[i], outs[i]);
   return y;
 }
 

@@ -17,7 +17,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <memory>
+#include <vector>
 
 #include "common.h"
 #include "cpu/int8_gemm_cpu.h"
@@ -285,38 +287,63 @@ GemmBuild gemm_build(CpuIsa isa, int64_t M) {
   return GemmBuild::none;
 }
 
-// (x_f32 [M, K] @ qweight^T) * scales + bias through the packed GEMM (csrc/cpu/int8_gemm_kernel.h),
-// as [M, N] float32 (a view of whole panels' columns when N is not a multiple of the panel), K > 0.
-// Parallel over panels of output features, and over blocks of rows of x too when there are fewer
-// panels than threads (each part then widens its panels' weights again).
-at::Tensor gemm_packed(GemmBuild build, const at::Tensor& x_f32, const at::Tensor& qweight, const at::Tensor& scales,
-                       const at::Tensor& bias_f32) {
-  const int64_t M = x_f32.size(0), K = x_f32.size(1), N = qweight.size(0);
+// One product y = (x_f32 [M, K] @ w [N, K]^T) * scales + bias for the packed GEMM
+// (csrc/cpu/int8_gemm_kernel.h), K > 0: x copied into the tiles' blocks of rows, y [M, whole panels]
+// float32. w, scales and bias (or null) must outlive run_packed.
+struct PackedProduct {
+  at::Tensor x_blocks, y, bias_f32;
+  cpu::Int8GemmArgs args;
+  int64_t panels, blocks;
+
+  // [M, N] float32: y, or a view of it without the last panel's padding.
+  at::Tensor result() const { return y.size(1) == args.N ? y : y.narrow(1, 0, args.N); }
+};
+
+PackedProduct packed_product(GemmBuild build, const at::Tensor& x_f32, const int8_t* w, const float* scales,
+                             const std::optional<at::Tensor>& bias, int64_t N) {
   const bool avx512 = build == GemmBuild::avx512;
   const int64_t panel = avx512 ? cpu::INT8_GEMM_PANEL_AVX512 : cpu::INT8_GEMM_PANEL_AVX2;
-  const cpu::Int8GemmPanelsFn panels_fn = avx512 ? &cpu::int8_gemm_panels_avx512 : &cpu::int8_gemm_panels_avx2;
   const int64_t rows = avx512 ? cpu::INT8_GEMM_ROWS_AVX512 : cpu::INT8_GEMM_ROWS_AVX2;
-  const int64_t blocks = (M + rows - 1) / rows;
+  const int64_t M = x_f32.size(0), K = x_f32.size(1);
+  PackedProduct product;
+  product.blocks = (M + rows - 1) / rows;
+  product.panels = (N + panel - 1) / panel;
   // x in blocks of `rows` rows, each [K][rows]: a tile's numbers at one k are adjacent (one stream,
   // not `rows` rows K apart, which share L1 sets when K * 4 is a multiple of 4 KiB)
-  const at::Tensor x_blocks = at::constant_pad_nd(x_f32, {0, 0, 0, blocks * rows - M})
-                                  .view({blocks, rows, K}).transpose(1, 2).contiguous();
-  const int64_t panels = (N + panel - 1) / panel;
-  at::Tensor y_f32 = at::empty({M, panels * panel}, x_f32.options());
-  const cpu::Int8GemmArgs args{x_blocks.data_ptr<float>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                               bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, y_f32.data_ptr<float>(),
-                               M, N, K, panels * panel};
+  product.x_blocks = at::constant_pad_nd(x_f32, {0, 0, 0, product.blocks * rows - M})
+                         .view({product.blocks, rows, K}).transpose(1, 2).contiguous();
+  product.y = at::empty({M, product.panels * panel}, x_f32.options());
+  product.bias_f32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  product.args = cpu::Int8GemmArgs{product.x_blocks.data_ptr<float>(), w, scales,
+                                   product.bias_f32.defined() ? product.bias_f32.data_ptr<float>() : nullptr,
+                                   product.y.data_ptr<float>(), M, N, K, product.panels * panel};
+  return product;
+}
+
+// Every product's panels of output features in one parallel loop; with fewer panels in all than
+// threads, each product's blocks of rows of x are split among threads too (each part then widens its
+// panels' weights again). The split changes no bits.
+void run_packed(GemmBuild build, const std::vector<PackedProduct>& products) {
+  const cpu::Int8GemmPanelsFn panels_fn =
+      build == GemmBuild::avx512 ? &cpu::int8_gemm_panels_avx512 : &cpu::int8_gemm_panels_avx2;
   const int64_t threads = at::get_num_threads();
-  const int64_t parts = panels >= threads ? 1 : std::min(blocks, (threads + panels - 1) / panels);
-  at::parallel_for(0, panels * parts, 1, [&](int64_t begin, int64_t end) {
+  int64_t all_panels = 0;
+  for (const PackedProduct& product : products) all_panels += product.panels;
+  std::vector<int64_t> parts, first_item{0};  // per product: row parts, and its first work item
+  for (const PackedProduct& product : products) {
+    parts.push_back(all_panels >= threads ? 1 : std::min(product.blocks, (threads + all_panels - 1) / all_panels));
+    first_item.push_back(first_item.back() + product.panels * parts.back());
+  }
+  at::parallel_for(0, first_item.back(), 1, [&](int64_t begin, int64_t end) {
     const auto scratch = std::make_unique<float[]>(cpu::int8_gemm_scratch_floats());
-    if (parts == 1) return panels_fn(args, begin, end, 0, blocks, scratch.get());
-    for (int64_t item = begin; item < end; ++item) {  // (panel, part of the row blocks)
-      const int64_t p = item / parts, part = item % parts;
-      panels_fn(args, p, p + 1, part * blocks / parts, (part + 1) * blocks / parts, scratch.get());
+    size_t i = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
+    for (int64_t item = begin; item < end; ++item) {  // (product i, panel, part of its row blocks)
+      while (item >= first_item[i + 1]) ++i;
+      const int64_t local = item - first_item[i], p = local / parts[i], part = local % parts[i];
+      const int64_t blocks = products[i].blocks;
+      panels_fn(products[i].args, p, p + 1, part * blocks / parts[i], (part + 1) * blocks / parts[i], scratch.get());
     }
   });
-  return panels * panel == N ? y_f32 : y_f32.narrow(1, 0, N);
 }
 
 void gemm_unscaled(const at::Tensor& x_f32, const at::Tensor& qweight, at::Tensor& y_f32) {
@@ -329,6 +356,38 @@ void gemm_unscaled(const at::Tensor& x_f32, const at::Tensor& qweight, at::Tenso
 }
 
 }  // namespace
+
+std::vector<at::Tensor> int8_linear_cpu_many(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& qweights,
+                                             const std::vector<at::Tensor>& scales,
+                                             const std::vector<std::optional<at::Tensor>>& biases) {
+  TORCH_CHECK(xs.size() == qweights.size() && xs.size() == scales.size() && xs.size() == biases.size(),
+              "int8_linear_cpu_many: one qweight, scales and bias per x");
+  const CpuIsa isa = cpu_isa();
+  std::vector<at::Tensor> results(xs.size());
+  std::vector<PackedProduct> products;
+  std::vector<size_t> product_of;  // which result each product is
+  std::vector<at::Tensor> x_f32s;
+  GemmBuild build = GemmBuild::none;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    check_int8_linear_inputs(xs[i], qweights[i], scales[i], biases[i]);
+    const int64_t M = xs[i].size(0), N = qweights[i].size(0), K = xs[i].size(1);
+    const GemmBuild own = gemm_build(isa, M);
+    if (own == GemmBuild::none || N == 0 || K == 0) {
+      results[i] = int8_linear_cpu(xs[i], qweights[i], scales[i], biases[i]);
+      continue;
+    }
+    build = own;  // the same for every M the GEMM takes on this isa
+    x_f32s.push_back(xs[i].to(at::kFloat).contiguous());
+    products.push_back(packed_product(own, x_f32s.back(), qweights[i].data_ptr<int8_t>(),
+                                      scales[i].data_ptr<float>(), biases[i], N));
+    product_of.push_back(i);
+  }
+  if (!products.empty()) run_packed(build, products);
+  for (size_t j = 0; j < products.size(); ++j) {
+    results[product_of[j]] = products[j].result().to(xs[product_of[j]].scalar_type()).contiguous();
+  }
+  return results;
+}
 
 int64_t int8_linear_cpu_gemv_rows(CpuIsa isa) {
   int64_t rows = 0;
@@ -373,8 +432,10 @@ at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   const CpuIsa isa = cpu_isa();  // once per call: every output feature takes the same path
   const GemmBuild build = gemm_build(isa, M);
   if (build != GemmBuild::none && N > 0 && x.size(1) > 0) {
-    const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
-    return gemm_packed(build, x_f32, qweight, scales, bias_f32).to(x.scalar_type()).contiguous();
+    const std::vector<PackedProduct> product{
+        packed_product(build, x_f32, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, N)};
+    run_packed(build, product);
+    return product[0].result().to(x.scalar_type()).contiguous();
   }
   at::Tensor y_f32 = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M <= GEMV_MAX_ROWS) {

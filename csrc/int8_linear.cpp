@@ -289,7 +289,7 @@ GemmBuild gemm_build(CpuIsa isa, int64_t M) {
 
 // One product y = (x_f32 [M, K] @ w [N, K]^T) * scales + bias for the packed GEMM
 // (csrc/cpu/int8_gemm_kernel.h), K > 0: x copied into the tiles' blocks of rows, y [M, whole panels]
-// float32. w, scales and bias (or null) must outlive run_packed.
+// float32 (bias converted and held here). w and scales must outlive run_packed.
 struct PackedProduct {
   at::Tensor x_blocks, y, bias_f32;
   cpu::Int8GemmArgs args;
@@ -355,6 +355,25 @@ void gemm_unscaled(const at::Tensor& x_f32, const at::Tensor& qweight, at::Tenso
   }
 }
 
+// The GEMV and dequantise-and-GEMM paths (the packed GEMM's products go through run_packed):
+// inputs already checked, y in x's dtype.
+at::Tensor int8_linear_unpacked(CpuIsa isa, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                const std::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), N = qweight.size(0);
+  const at::Tensor x_f32 = x.to(at::kFloat).contiguous();
+  at::Tensor y_f32 = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M <= GEMV_MAX_ROWS) {
+    const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
+    const Epilogue epilogue{scales.data_ptr<float>(), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr};
+    if (M > 0 && N > 0) gemv(isa, x_f32, qweight, epilogue, y_f32);
+  } else {
+    gemm_unscaled(x_f32, qweight, y_f32);
+    y_f32.mul_(scales);
+    if (bias.has_value()) y_f32.add_(bias->to(at::kFloat));
+  }
+  return y_f32.to(x.scalar_type());
+}
+
 }  // namespace
 
 std::vector<at::Tensor> int8_linear_cpu_many(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& qweights,
@@ -362,23 +381,21 @@ std::vector<at::Tensor> int8_linear_cpu_many(const std::vector<at::Tensor>& xs, 
                                              const std::vector<std::optional<at::Tensor>>& biases) {
   TORCH_CHECK(xs.size() == qweights.size() && xs.size() == scales.size() && xs.size() == biases.size(),
               "int8_linear_cpu_many: one qweight, scales and bias per x");
-  const CpuIsa isa = cpu_isa();
+  const CpuIsa isa = cpu_isa();  // once per call: every product and output feature takes the same path
   std::vector<at::Tensor> results(xs.size());
   std::vector<PackedProduct> products;
   std::vector<size_t> product_of;  // which result each product is
-  std::vector<at::Tensor> x_f32s;
   GemmBuild build = GemmBuild::none;
   for (size_t i = 0; i < xs.size(); ++i) {
     check_int8_linear_inputs(xs[i], qweights[i], scales[i], biases[i]);
     const int64_t M = xs[i].size(0), N = qweights[i].size(0), K = xs[i].size(1);
     const GemmBuild own = gemm_build(isa, M);
     if (own == GemmBuild::none || N == 0 || K == 0) {
-      results[i] = int8_linear_cpu(xs[i], qweights[i], scales[i], biases[i]);
+      results[i] = int8_linear_unpacked(isa, xs[i], qweights[i], scales[i], biases[i]);
       continue;
     }
     build = own;  // the same for every M the GEMM takes on this isa
-    x_f32s.push_back(xs[i].to(at::kFloat).contiguous());
-    products.push_back(packed_product(own, x_f32s.back(), qweights[i].data_ptr<int8_t>(),
+    products.push_back(packed_product(own, xs[i].to(at::kFloat), qweights[i].data_ptr<int8_t>(),
                                       scales[i].data_ptr<float>(), biases[i], N));
     product_of.push_back(i);
   }
@@ -426,28 +443,7 @@ void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, co
 // none, all contiguous and on the CPU -> [M, N] in x's dtype.
 at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                            const std::optional<at::Tensor>& bias) {
-  check_int8_linear_inputs(x, qweight, scales, bias);
-  const int64_t M = x.size(0), N = qweight.size(0);
-  at::Tensor x_f32 = x.to(at::kFloat).contiguous();
-  const CpuIsa isa = cpu_isa();  // once per call: every output feature takes the same path
-  const GemmBuild build = gemm_build(isa, M);
-  if (build != GemmBuild::none && N > 0 && x.size(1) > 0) {
-    const std::vector<PackedProduct> product{
-        packed_product(build, x_f32, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, N)};
-    run_packed(build, product);
-    return product[0].result().to(x.scalar_type()).contiguous();
-  }
-  at::Tensor y_f32 = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M <= GEMV_MAX_ROWS) {
-    const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
-    const Epilogue epilogue{scales.data_ptr<float>(), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr};
-    if (M > 0 && N > 0) gemv(isa, x_f32, qweight, epilogue, y_f32);
-  } else {
-    gemm_unscaled(x_f32, qweight, y_f32);
-    y_f32.mul_(scales);
-    if (bias.has_value()) y_f32.add_(bias->to(at::kFloat));
-  }
-  return y_f32.to(x.scalar_type());
+  return int8_linear_cpu_many({x}, {qweight}, {scales}, {bias})[0];
 }
 
 // Symmetric per-output-channel quantisation, written with ATen ops so it serves every device.

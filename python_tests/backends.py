@@ -40,3 +40,32 @@ def kernel_backends(op: str) -> list:
 
 
 requires_cuda = pytest.mark.skipif(not _HAS_GPU, reason="requires CUDA")
+
+
+def cpu_builds() -> list[str]:
+    """The CPU kernels' instruction sets this CPU runs, best first (csrc/cpu_isa.cpp)."""
+    return list(torch.ops.gptfast_kernels._cpu_isas())
+
+
+def skip_unless_cpu_build(isa: str) -> None:
+    if isa not in cpu_builds():
+        pytest.skip(f"this CPU does not run the {isa} build")
+
+
+def with_cpu_build(isa: str, fn):
+    """fn() with the CPU kernels on instruction set ``isa``, the previous choice restored after."""
+    before = torch.ops.gptfast_kernels._cpu_isa(isa)
+    try:
+        return fn()
+    finally:
+        torch.ops.gptfast_kernels._cpu_isa(before)
+
+
+def with_threads(count: int, fn):
+    """fn() with ``count`` intra-op threads, the previous count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)

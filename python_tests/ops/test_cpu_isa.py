@@ -17,24 +17,13 @@ import pytest
 import torch
 
 from gptfast_kernels import _extension, ops
+from python_tests.backends import cpu_builds, skip_unless_cpu_build, with_cpu_build, with_threads
 from python_tests.ops.test_kv_cache_attention import ERROR_FLOOR, make_case
 
 pytestmark = pytest.mark.skipif(not _extension.has_kernel("kv_cache_attention", "CPU"),
                                 reason="extension not built")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _builds():
-    return list(torch.ops.gptfast_kernels._cpu_isas())
-
-
-def _with_build(isa, fn):
-    before = torch.ops.gptfast_kernels._cpu_isa(isa)
-    try:
-        return fn()
-    finally:
-        torch.ops.gptfast_kernels._cpu_isa(before)
 
 
 # (T, D, S, start, options): decode / verification / prefill; head dims with and without a tail past
@@ -79,7 +68,7 @@ FUSED_BUILDS = ("avx512", "avx2")  # fused multiply-adds, the same bits
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_build_matches_the_reference_and_fused_builds_agree_to_the_bit(case, dtype):
     run = _run_case(case, dtype)
-    outs = {isa: _with_build(isa, lambda: run("cpu")) for isa in _builds()}
+    outs = {isa: with_cpu_build(isa, lambda: run("cpu")) for isa in cpu_builds()}
     want = run("reference").double()
     for isa, out in outs.items():
         assert torch.isfinite(out).all(), isa
@@ -92,14 +81,13 @@ def test_every_build_matches_the_reference_and_fused_builds_agree_to_the_bit(cas
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_each_build_matches_the_reference_on_ragged_rows(isa):
-    if isa not in _builds():
-        pytest.skip(f"this CPU does not run the {isa} build")
+    skip_unless_cpu_build(isa)
     B, Hq, Hkv, T, D, S = 3, 8, 2, 7, 80, 64
     positions = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [-1, -1, 0, 1, 2, 3, 4], [40, 3, 17, -1, 22, 9, 30]])
     for dtype in DTYPES:
         q, k, v, k_cache, v_cache, positions = make_case(B, Hq, Hkv, T, D, S, positions, dtype, seed=5)
         kc, vc = k_cache.clone(), v_cache.clone()
-        got = _with_build(isa, lambda: ops.kv_cache_attention(q, k, v, kc, vc, positions, backend="cpu"))
+        got = with_cpu_build(isa, lambda: ops.kv_cache_attention(q, k, v, kc, vc, positions, backend="cpu"))
         want = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend="reference")
         torch.testing.assert_close(kc, k_cache, atol=0, rtol=0)
         assert torch.all(got[1, :, :2] == 0) and torch.all(got[2, :, 3] == 0)
@@ -117,15 +105,10 @@ def test_a_row_is_the_same_in_any_work_item(dtype, window):
     B, Hq, Hkv, T, D, S = 1, 3, 1, 9, 48, 200
     positions = torch.arange(150, 150 + T).unsqueeze(0)
     q, k, v, k_cache, v_cache, positions = make_case(B, Hq, Hkv, T, D, S, positions, dtype, seed=7)
-    threads = torch.get_num_threads()
 
     def verify(num_threads):
-        torch.set_num_threads(num_threads)
-        try:
-            return ops.kv_cache_attention(q, k, v, k_cache.clone(), v_cache.clone(), positions, window=window,
-                                          backend="cpu")
-        finally:
-            torch.set_num_threads(threads)
+        return with_threads(num_threads, lambda: ops.kv_cache_attention(
+            q, k, v, k_cache.clone(), v_cache.clone(), positions, window=window, backend="cpu"))
 
     together = verify(1)
     torch.testing.assert_close(verify(4), together, atol=0, rtol=0)
@@ -141,8 +124,7 @@ def test_special_half_values_are_read_exactly(isa):
     """With all-zero queries attention is the plain mean of the values seen; float16 values that are
     subnormal, near the largest finite, or negative zero must be converted exactly (a mean of a few
     float16 numbers is exact in float32 here)."""
-    if isa not in _builds():
-        pytest.skip(f"this CPU does not run the {isa} build")
+    skip_unless_cpu_build(isa)
     B, Hq, Hkv, T, D, S = 1, 2, 1, 1, 40, 8
     specials = torch.tensor([6e-8, -6e-8, 3e-5, -0.0, 65504.0, -65504.0, 1.0, 2.0 ** -14], dtype=torch.float16)
     v_cache = specials[torch.arange(S * D).remainder(len(specials))].reshape(B, Hkv, S, D)
@@ -151,13 +133,13 @@ def test_special_half_values_are_read_exactly(isa):
     q = torch.zeros(B, Hq, T, D, dtype=torch.float16)
     k, v = k_cache[:, :, :1].clone(), v_cache[:, :, 1:2].clone()  # slot 1 rewritten with itself
     positions = torch.tensor([[1]])
-    got = _with_build(isa, lambda: ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend="cpu"))
+    got = with_cpu_build(isa, lambda: ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend="cpu"))
     want = v_cache[:, :, :2].float().mean(dim=2, keepdim=True).expand(B, Hq, T, D)
     assert torch.equal(got.float(), want.half().float())
 
 
 def test_choosing_a_build_by_name():
-    builds = _builds()
+    builds = cpu_builds()
     assert builds[-1] == "baseline" and len(set(builds)) == len(builds)
     in_use = torch.ops.gptfast_kernels._cpu_isa()
     assert in_use == (os.environ.get("GPTFAST_KERNELS_CPU_ISA") or builds[0])  # the best one by default
@@ -198,14 +180,13 @@ def test_the_environment_variable_picks_the_build():
 def test_int8_linear_paths_match_the_reference(isa):
     """int8_linear's GEMV per instruction set (AVX-512 takes 1-3 rows of x, four weight rows at a
     time): K with a tail past the 16- and 32-weight steps, N not a multiple of 4, bias, 1-5 rows."""
-    if isa not in _builds():
-        pytest.skip(f"this CPU does not run the {isa} build")
+    skip_unless_cpu_build(isa)
     g = torch.Generator().manual_seed(13)
     for M, N, K in [(1, 4098, 775), (2, 37, 64), (3, 6, 33), (1, 5, 15), (5, 67, 300)]:
         x = torch.randn(M, K, generator=g)
         qweight = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
         scales = torch.rand(N, generator=g) / 64
         bias = torch.randn(N, generator=g)
-        got = _with_build(isa, lambda: ops.int8_linear(x, qweight, scales, bias, backend="cpu"))
+        got = with_cpu_build(isa, lambda: ops.int8_linear(x, qweight, scales, bias, backend="cpu"))
         want = ops.int8_linear(x, qweight, scales, bias, backend="reference")
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"M={M} N={N} K={K}: {m}")

@@ -7,7 +7,7 @@ import torch
 
 from gptfast_kernels import _extension, ops
 from gptfast_kernels.ops import reference
-from python_tests.backends import kernel_backends
+from python_tests.backends import kernel_backends, skip_unless_cpu_build, with_cpu_build
 
 BACKENDS = kernel_backends("int8_expert_linear")
 TRITON_BACKENDS = [p for p in BACKENDS if p.id.startswith("triton")]
@@ -140,20 +140,16 @@ def test_cpu_kernel_checks_shapes_when_called_directly():
 def test_cpu_rows_equal_int8_linear_with_their_experts_weight(isa, dtype):
     """The CPU kernel runs int8_linear's on each expert's rows: its GEMV for an expert with 1-4 rows,
     its packed GEMM for one with 40 (AVX2 / AVX-512), so each row gets the same bits as int8_linear."""
-    if isa not in torch.ops.gptfast_kernels._cpu_isas():
-        pytest.skip(f"this CPU does not run the {isa} build")
+    skip_unless_cpu_build(isa)
     experts = [2] * 40 + [0, 5, 5, 0, 1, 5, -1, 7]
     x, qweight, scales, ids = make_case(len(experts), 8, 70, 100, experts, dtype)
     bias = torch.randn(8, 70).to(dtype)
-    before = torch.ops.gptfast_kernels._cpu_isa(isa)
-    try:
-        got = torch.ops.gptfast_kernels.int8_expert_linear(x, qweight, scales, ids, bias)
-        for e in range(8):
-            rows = (ids == e).nonzero().squeeze(1)
-            want = torch.ops.gptfast_kernels.int8_linear(x[rows], qweight[e], scales[e], bias[e])
-            assert torch.equal(got[rows], want), f"expert {e}"
-    finally:
-        torch.ops.gptfast_kernels._cpu_isa(before)
+    got = with_cpu_build(isa, lambda: torch.ops.gptfast_kernels.int8_expert_linear(x, qweight, scales, ids, bias))
+    for e in range(8):
+        rows = (ids == e).nonzero().squeeze(1)
+        want = with_cpu_build(isa, lambda: torch.ops.gptfast_kernels.int8_linear(x[rows], qweight[e], scales[e],
+                                                                                  bias[e]))
+        assert torch.equal(got[rows], want), f"expert {e}"
     assert not got[ids == -1].any()  # padding
 
 

@@ -9,7 +9,7 @@ import torch
 
 from gptfast_kernels import _extension, ops
 from gptfast_kernels.ops import reference
-from python_tests.ops.test_cpu_isa import _builds, _with_build
+from python_tests.backends import skip_unless_cpu_build, with_cpu_build, with_threads
 
 pytestmark = pytest.mark.skipif(not _extension.has_kernel("int8_linear", "CPU"), reason="extension not built")
 
@@ -26,11 +26,6 @@ DTYPES = [
 SHAPES = [(16, 37, 33), (17, 16, 300), (29, 70, 129), (40, 5, 64), (25, 100, 777), (64, 33, 1), (100, 40, 257)]
 
 
-def _skip_unless_runs(isa):
-    if isa not in _builds():
-        pytest.skip(f"this CPU does not run the {isa} build")
-
-
 def _case(M, N, K, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).to(dtype)
@@ -44,10 +39,10 @@ def _case(M, N, K, dtype, seed=0):
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
 @pytest.mark.parametrize("M, N, K", SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
 def test_each_build_matches_the_reference(isa, dtype, atol, rtol, M, N, K):
-    _skip_unless_runs(isa)
+    skip_unless_cpu_build(isa)
     x, qweight, scales, bias = _case(M, N, K, dtype)
     for b in (bias, None):
-        got = _with_build(isa, lambda: torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, b))
+        got = with_cpu_build(isa, lambda: torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, b))
         want = reference.int8_linear(x.double(), qweight, scales, None if b is None else b.double())
         assert got.dtype == dtype and got.shape == (M, N) and got.is_contiguous()
         # float32 sums of up to 777 products of |q| <= 127: scale the tolerance with sqrt(K)
@@ -56,28 +51,23 @@ def test_each_build_matches_the_reference(isa, dtype, atol, rtol, M, N, K):
 
 @pytest.mark.parametrize("isa", FUSED_BUILDS)
 def test_a_row_is_the_same_whatever_rows_and_threads_share_the_call(isa):
-    _skip_unless_runs(isa)
+    skip_unless_cpu_build(isa)
     x, qweight, scales, bias = _case(40, 77, 300, torch.float32, seed=1)
-    call = lambda rows: _with_build(isa, lambda: ops.int8_linear(rows, qweight, scales, bias, backend="cpu"))
+    call = lambda rows: with_cpu_build(isa, lambda: ops.int8_linear(rows, qweight, scales, bias, backend="cpu"))
     whole = call(x)
     assert torch.equal(call(x[7:23]), whole[7:23])   # 16 rows: another tile split
     assert torch.equal(call(x[21:40]), whole[21:40])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(call(x), whole)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(with_threads(1, lambda: call(x)), whole)
 
 
 def test_the_avx512_and_avx2_builds_give_the_same_bits():
     """Both are a fused multiply-add chain over k in order per output, then * scale + bias; the GEMV
     they take below 5 / 16 rows sums differently, so equal bits also show both ran the GEMM."""
     for isa in FUSED_BUILDS:
-        _skip_unless_runs(isa)
+        skip_unless_cpu_build(isa)
     for M, N, K in [(16, 37, 33), (29, 70, 129), (64, 33, 300)]:
         x, qweight, scales, bias = _case(M, N, K, torch.float32, seed=2)
-        got = {isa: _with_build(isa, lambda: ops.int8_linear(x, qweight, scales, bias, backend="cpu"))
+        got = {isa: with_cpu_build(isa, lambda: ops.int8_linear(x, qweight, scales, bias, backend="cpu"))
                for isa in FUSED_BUILDS}
         assert torch.equal(got["avx512"], got["avx2"]), f"M={M} N={N} K={K}"
 
@@ -85,29 +75,22 @@ def test_the_avx512_and_avx2_builds_give_the_same_bits():
 @pytest.mark.parametrize("isa", FUSED_BUILDS)
 def test_empty_dimensions(isa):
     """The op itself (the Python wrapper refuses K = 0): K = 0 gives the bias; N = 0 an empty result."""
-    _skip_unless_runs(isa)
+    skip_unless_cpu_build(isa)
     x, qweight, scales, bias = _case(20, 9, 0, torch.float32)
-    y = _with_build(isa, lambda: torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias))
+    y = with_cpu_build(isa, lambda: torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias))
     assert torch.equal(y, bias.expand(20, 9))
     x, qweight, scales, bias = _case(20, 0, 8, torch.float32)
-    assert _with_build(isa, lambda: ops.int8_linear(x, qweight, scales, bias, backend="cpu")).shape == (20, 0)
+    assert with_cpu_build(isa, lambda: ops.int8_linear(x, qweight, scales, bias, backend="cpu")).shape == (20, 0)
 
 
 @pytest.mark.parametrize("isa", FUSED_BUILDS)
 def test_fewer_panels_than_threads_split_the_rows(isa):
     """N = 10: one panel of output features, so two threads take half of x's row blocks each (and
     widen the panel's weights each); the bits equal one thread's, the values the reference."""
-    _skip_unless_runs(isa)
+    skip_unless_cpu_build(isa)
     x, qweight, scales, bias = _case(60, 10, 300, torch.float32, seed=3)
-    call = lambda: _with_build(isa, lambda: torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        split = call()
-        torch.set_num_threads(1)
-        whole = call()
-    finally:
-        torch.set_num_threads(threads)
+    call = lambda: with_cpu_build(isa, lambda: torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias))
+    split, whole = with_threads(2, call), with_threads(1, call)
     assert torch.equal(split, whole)
     want = reference.int8_linear(x.double(), qweight, scales, bias.double())
     torch.testing.assert_close(split.double(), want, atol=1e-4 * 300 ** 0.5, rtol=1e-5)

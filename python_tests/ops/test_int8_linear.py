@@ -9,7 +9,7 @@ import torch
 
 from gptfast_kernels import _extension, ops
 from gptfast_kernels.ops import reference
-from python_tests.backends import kernel_backends
+from python_tests.backends import kernel_backends, skip_unless_cpu_build, with_cpu_build, with_threads
 
 DTYPES = [
     pytest.param(torch.float32, 1e-3, 1e-4, id="fp32"),
@@ -284,20 +284,11 @@ def test_cpu_results_do_not_depend_on_the_thread_count(isa):
     """The GEMV gives each output feature the same arithmetic wherever a thread's range of features
     starts or ends (an odd last weight row too), and the packed GEMM's outputs are single chains: one
     thread and two give the same bits for N = 70, whose halves are 35 features (odd, not a multiple of 4)."""
-    if isa not in torch.ops.gptfast_kernels._cpu_isas():
-        pytest.skip(f"this CPU does not run the {isa} build")
+    skip_unless_cpu_build(isa)
     g = torch.Generator().manual_seed(5)
     qweight = torch.randint(-127, 128, (70, 200), generator=g, dtype=torch.int8)
     scales, bias = torch.rand(70, generator=g) / 64, torch.randn(70, generator=g)
-    before, threads = torch.ops.gptfast_kernels._cpu_isa(isa), torch.get_num_threads()
-    try:
-        for M in (1, 3, 4, 7, 16, 40):
-            x = torch.randn(M, 200, generator=g)
-            torch.set_num_threads(2)
-            two = torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias)
-            torch.set_num_threads(1)
-            one = torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias)
-            assert torch.equal(one, two), f"M={M}"
-    finally:
-        torch.ops.gptfast_kernels._cpu_isa(before)
-        torch.set_num_threads(threads)
+    for M in (1, 3, 4, 7, 16, 40):
+        x = torch.randn(M, 200, generator=g)
+        call = lambda: with_cpu_build(isa, lambda: torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, bias))
+        assert torch.equal(with_threads(1, call), with_threads(2, call)), f"M={M}"

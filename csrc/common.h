@@ -32,10 +32,10 @@
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace gptfast_kernels {
-// The instruction set the CPU kernels run (the attention kernel's build, csrc/cpu/, and the int8
-// GEMV's path): GPTFAST_KERNELS_CPU_ISA names one (an error if this CPU lacks it), else the best this
-// CPU runs; the private op _cpu_isa switches it. Defined in cpu_isa.cpp.
-enum class CpuIsa : int64_t { baseline = 0, avx2 = 1, avx512 = 2 };  // avx2 includes FMA
+// The instruction set the CPU kernels run (their builds in csrc/cpu/): GPTFAST_KERNELS_CPU_ISA names
+// one (an error if this CPU lacks it), else the best this CPU runs; the private op _cpu_isa switches
+// it. Defined in cpu_isa.cpp.
+enum class CpuIsa : int64_t { baseline = 0, avx2 = 1, avx512 = 2 };  // avx2: + FMA; avx512: F + BW
 CpuIsa cpu_isa();
 
 // int8_linear's shape / dtype / device / contiguity checks, shared by the CPU and CUDA entry points

@@ -15,7 +15,8 @@ constexpr const char* ISA_NAMES[] = {"baseline", "avx2", "avx512"};  // by CpuIs
 bool supported(CpuIsa isa) {
 #if defined(__x86_64__) && defined(__GNUC__)
   switch (isa) {
-    case CpuIsa::avx512: return __builtin_cpu_supports("avx512f");
+    // BW as well as F: the int8 kernels' byte transposes use it, and every AVX-512 CPU but the Xeon Phi has it
+    case CpuIsa::avx512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
     case CpuIsa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case CpuIsa::baseline: return true;
   }

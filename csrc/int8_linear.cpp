@@ -2,287 +2,70 @@
 //
 //   y[m, n] = (sum_k x[m, k] * qweight[n, k]) * scales[n] + bias[n], accumulated in float32.
 //
-// Three paths, by rows of x and the CPU's instruction set (cpu_isa(), common.h):
-// - Few rows (decode): a GEMV that streams each int8 weight row once, widens it to float32 in
-//   registers (AVX-512 or AVX2 + FMA, else the build's own vectors through omp simd) and reuses it
-//   for up to GEMV_ROW_BLOCK rows of x; with 4+ rows, two weight rows at a time so each x load feeds
-//   two FMAs; multithreaded over output features, each feature's arithmetic the same whatever range
-//   of features a thread takes. The weight bytes dominate, so reading 1 byte instead of 4 per weight
-//   is the speed-up over a float32 GEMV.
+// Three paths, by rows of x and the CPU's instruction set (cpu_isa(), common.h), each kernel compiled
+// once per instruction set (csrc/cpu/int8_linear_{avx512,avx2,baseline}.cpp):
+// - Few rows (decode): the GEMV of csrc/cpu/int8_gemv_kernel.h, which streams each int8 weight row once
+//   and widens it in registers for a block of rows of x; multithreaded over output features.
 // - From GEMM_MIN_ROWS_AVX512 / _AVX2 rows (batched decode, verification, prefill): the packed GEMM
-//   of csrc/cpu/int8_gemm_kernel.h, which widens each weight once per call instead of once per 4 rows
-//   of x, and is multiply-add bound like a float32 BLAS GEMM.
+//   of csrc/cpu/int8_gemm_kernel.h, which widens each weight once per call instead of once per block
+//   of rows, and is multiply-add bound like a float32 BLAS GEMM.
 // - Otherwise above GEMV_MAX_ROWS (the baseline build, and AVX2 prefill): dequantise PREFILL_TILE_N
 //   weight rows at a time to float32 and hand each tile to the BLAS GEMM.
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <memory>
 #include <vector>
 
 #include "common.h"
-#include "cpu/int8_gemm_cpu.h"
+#include "cpu/int8_linear_cpu.h"
 
 namespace gptfast_kernels {
 namespace {
 
-// Rows of x that share one widened weight vector (4 accumulators x 8 lanes fit in 16 ymm registers).
-constexpr int64_t GEMV_ROW_BLOCK = 4;
 // Largest M served by the GEMV kernel or the AVX2 packed GEMM; above it the dequantise-and-GEMM path
 // wins. Measured on the 2-core AVX2 EPYC, K = N = 4096, caches flushed, GEMV vs GEMM ms: M = 17 4.7
 // vs 12.0, 40 10.6 vs 13.9, 64 15.8 vs 18.1, 96 24.4 vs 24.0, 128 33.0 vs 29.5 (the paired-row GEMV
 // moved it from ~16).
 constexpr int64_t GEMV_MAX_ROWS = 64;
 // Fewest rows of x the packed GEMM takes. Measured on the 2-core Sapphire Rapids VM, caches flushed,
-// GEMV vs GEMM ms at 4096 x 4096 / 4096 x 14336: AVX-512 M = 3 1.53 vs 1.45 / 4.61 vs 4.99, 4 1.32 vs
-// 1.33 / 4.46 vs 4.45, 5 1.85 vs 1.45 / 6.25 vs 4.82, 8 2.24 vs 1.87 / 7.05 vs 5.98; AVX2 M = 8 3.04
-// vs 3.94, 12 4.32 vs 4.30, 16 5.56 vs 5.17, 40 13.8 vs 10.2 (4096 x 4096).
-constexpr int64_t GEMM_MIN_ROWS_AVX512 = 5;
+// GEMV vs GEMM ms at 4096 x 4096 / 14336 x 4096 / 4096 x 14336: AVX-512 M = 5 1.18 vs 1.75 / 3.91 vs
+// 5.74 / 3.57 vs 5.78, 12 2.15 vs 2.67 / 7.12 vs 8.72 / 6.42 vs 8.97, 16 2.78 vs 3.13 / 10.1 vs 10.3 /
+// 8.66 vs 10.5, 20 3.41 vs 3.44 / 12.3 vs 11.5 / 10.8 vs 12.1, 24 4.13 vs 3.88 / 14.7 vs 13.1 / 13.1
+// vs 13.5; AVX2 M = 12 4.04 vs 4.08 / 14.2 vs 14.5 / 13.9 vs 13.7, 16 5.36 vs 5.17 / 18.9 vs 18.0 /
+// 18.5 vs 17.6, 24 7.97 vs 6.73 (the GEMV's blocks of 4 x 4 weights on AVX-512, 4 x 2 on AVX2).
+constexpr int64_t GEMM_MIN_ROWS_AVX512 = 17;
 constexpr int64_t GEMM_MIN_ROWS_AVX2 = 16;
-// Weight rows the AVX-512 GEMV (1..3 rows of x) reads at once: each x vector feeds 4 FMA chains.
-constexpr int64_t AVX512_WEIGHT_ROWS = 4;
 // Output features per at::parallel_for work item in the GEMV kernel.
 constexpr int64_t GEMV_GRAIN_N = 64;
 // Weight rows dequantised per GEMM call in the prefill path (256 x 4096 fp32 = 4 MiB, L3-resident).
 constexpr int64_t PREFILL_TILE_N = 256;
 
-template <int ROWS>
-float scalar_dot_tail(const float* x, const int8_t* w, int64_t k_begin, int64_t K) {
-  float acc = 0.f;
-  for (int64_t k = k_begin; k < K; ++k) acc += x[k] * static_cast<float>(w[k]);
-  return acc;
-}
-
-// The baseline path's dot products, vectorised for the build's own registers (SSE2 on x86-64; 3-4x
-// the plain loop). Not the vector paths' tails: SSE code called from AVX code with the upper halves
-// of the registers in use runs several times slower on Intel CPUs.
-template <int ROWS>
-void gemv_block_scalar(const float* x, int64_t ldx, const int8_t* w, int64_t K, float* out) {
-  for (int r = 0; r < ROWS; ++r) {
-    const float* xr = x + r * ldx;
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t k = 0; k < K; ++k) acc += xr[k] * static_cast<float>(w[k]);
-    out[r] = acc;
+// The GEMV's build (csrc/cpu/int8_gemv_kernel.h) for instruction set isa.
+cpu::Int8GemvFn gemv_build(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::avx512: return &cpu::int8_gemv_avx512;
+    case CpuIsa::avx2: return &cpu::int8_gemv_avx2;
+    default: return &cpu::int8_gemv_baseline;
   }
-}
-
-#if defined(__x86_64__) || defined(_M_X64)
-#define GPTFAST_HAVE_AVX2_PATH 1
-
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
-
-// 8 int8 weights widened to 8 floats. Loading 8 bytes straight into vpmovsxbd (instead of 16 bytes
-// and a byte shift for the upper half) saves a shuffle uop, and shuffles are what bound this loop.
-__attribute__((target("avx2,fma"))) inline __m256 load8_int8_as_float(const int8_t* w) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
-}
-
-// out[r] = dot(x[r, :], w[:]) for ROWS rows of x. Each FMA chain has a latency of ~4-5 cycles,
-// so the loop keeps at least ACC_CHAINS independent accumulators in flight: one row alone gets
-// four chains over 32 weights per step, several rows get two chains each over 16 weights.
-template <int ROWS>
-__attribute__((target("avx2,fma"))) void gemv_block_avx2(const float* x, int64_t ldx,
-                                                          const int8_t* w, int64_t K, float* out) {
-  constexpr int CHAINS = ROWS == 1 ? 4 : 2;
-  constexpr int STEP = 8 * CHAINS;
-  __m256 acc[ROWS][CHAINS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < CHAINS; ++c) acc[r][c] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + STEP <= K; k += STEP) {
-    __m256 wf[CHAINS];
-    for (int c = 0; c < CHAINS; ++c) wf[c] = load8_int8_as_float(w + k + 8 * c);
-    for (int r = 0; r < ROWS; ++r) {
-      const float* xr = x + r * ldx + k;
-      for (int c = 0; c < CHAINS; ++c)
-        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * c), wf[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    __m256 total = acc[r][0];
-    for (int c = 1; c < CHAINS; ++c) total = _mm256_add_ps(total, acc[r][c]);
-    out[r] = hsum256(total) + scalar_dot_tail<ROWS>(x + r * ldx, w, k, K);
-  }
-}
-
-// out0[r] = dot(x[r, :], w0[:]), out1[r] = dot(x[r, :], w1[:]) for ROWS rows of x: each x vector
-// loaded serves two weight rows (2 x ROWS independent FMA chains), so loads no longer outnumber
-// FMAs once there are several rows.
-template <int ROWS>
-__attribute__((target("avx2,fma"))) void gemv_pair_avx2(const float* x, int64_t ldx, const int8_t* w0,
-                                                         const int8_t* w1, int64_t K, float* out0, float* out1) {
-  __m256 acc0[ROWS], acc1[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    const __m256 wf0 = load8_int8_as_float(w0 + k), wf1 = load8_int8_as_float(w1 + k);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
-      acc0[r] = _mm256_fmadd_ps(xv, wf0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(xv, wf1, acc1[r]);
-    }
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    out0[r] = hsum256(acc0[r]) + scalar_dot_tail<ROWS>(x + r * ldx, w0, k, K);
-    out1[r] = hsum256(acc1[r]) + scalar_dot_tail<ROWS>(x + r * ldx, w1, k, K);
-  }
-}
-
-// 16 int8 weights widened to 16 floats.
-__attribute__((target("avx512f"))) inline __m512 load16_int8_as_float(const int8_t* w) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-}
-
-// out[i] = dot(x[:], w[i * K:][:K]) for W_ROWS consecutive weight rows and one row of x, 16 weights per
-// AVX-512 step: at decode sizes the AVX2 loop is bound by widening int8 to float (one shuffle-port
-// op per 8 weights), and here each x load feeds W_ROWS independent FMA chains.
-template <int W_ROWS>
-__attribute__((target("avx512f"))) void gemv_rows_avx512(const float* x, const int8_t* w, int64_t K, float* out) {
-  __m512 acc[W_ROWS];
-  for (int i = 0; i < W_ROWS; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + k);
-    for (int i = 0; i < W_ROWS; ++i) acc[i] = _mm512_fmadd_ps(xv, load16_int8_as_float(w + i * K + k), acc[i]);
-  }
-  for (int i = 0; i < W_ROWS; ++i) out[i] = _mm512_reduce_add_ps(acc[i]) + scalar_dot_tail<1>(x, w + i * K, k, K);
-}
-
-// gemv_pair_avx2 at 16 weights per step: 4+ rows of x are bound by FMAs and int8 widening, not bytes.
-template <int ROWS>
-__attribute__((target("avx512f"))) void gemv_pair_avx512(const float* x, int64_t ldx, const int8_t* w0,
-                                                          const int8_t* w1, int64_t K, float* out0, float* out1) {
-  __m512 acc0[ROWS], acc1[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 wf0 = load16_int8_as_float(w0 + k), wf1 = load16_int8_as_float(w1 + k);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
-      acc0[r] = _mm512_fmadd_ps(xv, wf0, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(xv, wf1, acc1[r]);
-    }
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    out0[r] = _mm512_reduce_add_ps(acc0[r]) + scalar_dot_tail<ROWS>(x + r * ldx, w0, k, K);
-    out1[r] = _mm512_reduce_add_ps(acc1[r]) + scalar_dot_tail<ROWS>(x + r * ldx, w1, k, K);
-  }
-}
-#endif
-
-template <int ROWS>
-void gemv_block(CpuIsa isa, const float* x, int64_t ldx, const int8_t* w, int64_t K, float* out) {
-#ifdef GPTFAST_HAVE_AVX2_PATH
-  if (isa >= CpuIsa::avx2) return gemv_block_avx2<ROWS>(x, ldx, w, K, out);
-#endif
-  gemv_block_scalar<ROWS>(x, ldx, w, K, out);
-}
-
-// The GEMV's epilogue: output feature n's scale and bias (none: bias == nullptr) applied to a dot product.
-struct Epilogue {
-  const float* scales;
-  const float* bias;
-  float operator()(float dot, int64_t n) const { return dot * scales[n] + (bias ? bias[n] : 0.f); }
-};
-
-// y[m, n] (rows ldy apart) for rows m_begin .. M of x [M, K] and one weight row w_row (output
-// feature n), in blocks of up to GEMV_ROW_BLOCK rows, on instruction set isa's path.
-void gemv_rows(CpuIsa isa, const float* x, int64_t M, int64_t K, int64_t m_begin, const int8_t* w_row,
-               int64_t n, const Epilogue& epilogue, float* y, int64_t ldy) {
-  float partial[GEMV_ROW_BLOCK];
-  for (int64_t m = m_begin; m < M; m += GEMV_ROW_BLOCK) {
-    const int64_t rows = std::min<int64_t>(GEMV_ROW_BLOCK, M - m);
-    const float* x_rows = x + m * K;
-    switch (rows) {
-      case 4: gemv_block<4>(isa, x_rows, K, w_row, K, partial); break;
-      case 3: gemv_block<3>(isa, x_rows, K, w_row, K, partial); break;
-      case 2: gemv_block<2>(isa, x_rows, K, w_row, K, partial); break;
-      default: gemv_block<1>(isa, x_rows, K, w_row, K, partial); break;
-    }
-    for (int64_t r = 0; r < rows; ++r) y[(m + r) * ldy + n] = epilogue(partial[r], n);
-  }
-}
-
-// y[m, n] (rows ldy apart) = (x[m, :] . w[n, :]) * scale + bias for the M rows of x [M, K] and
-// output features n_begin .. n_end - 1 (w: all N weight rows, K apart). Each output feature takes
-// the same arithmetic wherever the range starts or ends (a last odd weight row runs through the
-// paired or grouped kernel too), so results do not depend on how N is split among threads.
-void gemv_range(CpuIsa isa, const float* x, int64_t M, int64_t K, const int8_t* w, const Epilogue& epilogue,
-                float* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
-  int64_t n = n_begin;
-#ifdef GPTFAST_HAVE_AVX2_PATH
-  // Fewer rows than a block: AVX-512, four weight rows at a time for each row of x, then one.
-  if (M < GEMV_ROW_BLOCK && isa == CpuIsa::avx512) {
-    float partial[AVX512_WEIGHT_ROWS];
-    for (; n < n_end; n += AVX512_WEIGHT_ROWS) {
-      const int64_t group = std::min(AVX512_WEIGHT_ROWS, n_end - n);
-      for (int64_t m = 0; m < M; ++m) {
-        if (group == AVX512_WEIGHT_ROWS) {
-          gemv_rows_avx512<AVX512_WEIGHT_ROWS>(x + m * K, w + n * K, K, partial);
-        } else {
-          for (int64_t i = 0; i < group; ++i) gemv_rows_avx512<1>(x + m * K, w + (n + i) * K, K, partial + i);
-        }
-        for (int64_t i = 0; i < group; ++i) y[m * ldy + n + i] = epilogue(partial[i], n + i);
-      }
-    }
-  }
-  // With a full block of rows, two weight rows at a time (see gemv_pair_avx2); an odd last one as
-  // both rows of a pair.
-  if (M >= GEMV_ROW_BLOCK && isa >= CpuIsa::avx2) {
-    float partial0[GEMV_ROW_BLOCK], partial1[GEMV_ROW_BLOCK];
-    for (; n < n_end; n += 2) {
-      const bool pair = n + 1 < n_end;
-      const int8_t* w0 = w + n * K;
-      const int8_t* w1 = pair ? w0 + K : w0;
-      int64_t m = 0;
-      for (; m + GEMV_ROW_BLOCK <= M; m += GEMV_ROW_BLOCK) {
-        if (isa == CpuIsa::avx512) {
-          gemv_pair_avx512<GEMV_ROW_BLOCK>(x + m * K, K, w0, w1, K, partial0, partial1);
-        } else {
-          gemv_pair_avx2<GEMV_ROW_BLOCK>(x + m * K, K, w0, w1, K, partial0, partial1);
-        }
-        for (int64_t r = 0; r < GEMV_ROW_BLOCK; ++r) {
-          y[(m + r) * ldy + n] = epilogue(partial0[r], n);
-          if (pair) y[(m + r) * ldy + n + 1] = epilogue(partial1[r], n + 1);
-        }
-      }
-      gemv_rows(isa, x, M, K, m, w0, n, epilogue, y, ldy);  // the last M % GEMV_ROW_BLOCK rows
-      if (pair) gemv_rows(isa, x, M, K, m, w1, n + 1, epilogue, y, ldy);
-    }
-  }
-#endif
-  for (; n < n_end; ++n) gemv_rows(isa, x, M, K, 0, w + n * K, n, epilogue, y, ldy);
 }
 
 // y_f32 [M, N] = (x_f32 [M, K] @ qweight^T) * scales + bias, the scale and bias applied as each
 // dot product is stored (no passes over y afterwards: at decode sizes those cost as much as the
 // dot products).
-void gemv(CpuIsa isa, const at::Tensor& x_f32, const at::Tensor& qweight, const Epilogue& epilogue,
+void gemv(CpuIsa isa, const at::Tensor& x_f32, const at::Tensor& qweight, const float* scales, const float* bias,
           at::Tensor& y_f32) {
-  const int64_t M = x_f32.size(0), K = x_f32.size(1), N = qweight.size(0);
-  const float* x = x_f32.data_ptr<float>();
-  const int8_t* w = qweight.data_ptr<int8_t>();
-  float* y = y_f32.data_ptr<float>();
-  at::parallel_for(0, N, GEMV_GRAIN_N, [&](int64_t n_begin, int64_t n_end) {
-    gemv_range(isa, x, M, K, w, epilogue, y, N, n_begin, n_end);
-  });
+  const cpu::Int8GemvArgs args{x_f32.data_ptr<float>(), qweight.data_ptr<int8_t>(), scales, bias,
+                               y_f32.data_ptr<float>(), x_f32.size(0), x_f32.size(1), qweight.size(0)};
+  const cpu::Int8GemvFn gemv_fn = gemv_build(isa);
+  at::parallel_for(0, qweight.size(0), GEMV_GRAIN_N,
+                   [&](int64_t n_begin, int64_t n_end) { gemv_fn(args, n_begin, n_end); });
 }
 
-// The packed GEMM's build for M rows of x on instruction set isa, if it should take them: the AVX-512
-// build needs AVX-512BW too (its byte transposes), else the AVX2 one serves an AVX-512F CPU.
+// The packed GEMM's build for M rows of x on instruction set isa, if it should take them.
 enum class GemmBuild { none, avx2, avx512 };
 GemmBuild gemm_build(CpuIsa isa, int64_t M) {
-  static const bool has_avx512bw = __builtin_cpu_supports("avx512bw");
-  if (isa == CpuIsa::avx512 && has_avx512bw) return M >= GEMM_MIN_ROWS_AVX512 ? GemmBuild::avx512 : GemmBuild::none;
+  if (isa == CpuIsa::avx512) return M >= GEMM_MIN_ROWS_AVX512 ? GemmBuild::avx512 : GemmBuild::none;
   if (isa >= CpuIsa::avx2) return M >= GEMM_MIN_ROWS_AVX2 && M <= GEMV_MAX_ROWS ? GemmBuild::avx2 : GemmBuild::none;
   return GemmBuild::none;
 }
@@ -364,8 +147,10 @@ at::Tensor int8_linear_unpacked(CpuIsa isa, const at::Tensor& x, const at::Tenso
   at::Tensor y_f32 = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M <= GEMV_MAX_ROWS) {
     const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
-    const Epilogue epilogue{scales.data_ptr<float>(), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr};
-    if (M > 0 && N > 0) gemv(isa, x_f32, qweight, epilogue, y_f32);
+    if (M > 0 && N > 0) {
+      gemv(isa, x_f32, qweight, scales.data_ptr<float>(), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
+           y_f32);
+    }
   } else {
     gemm_unscaled(x_f32, qweight, y_f32);
     y_f32.mul_(scales);
@@ -414,7 +199,7 @@ int64_t int8_linear_cpu_gemv_rows(CpuIsa isa) {
 
 void int8_gemv_cpu(CpuIsa isa, const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales,
                    const float* bias, float* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
-  gemv_range(isa, x, M, K, w, Epilogue{scales, bias}, y, ldy, n_begin, n_end);
+  gemv_build(isa)(cpu::Int8GemvArgs{x, w, scales, bias, y, M, K, ldy}, n_begin, n_end);
 }
 
 void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,

@@ -23,7 +23,7 @@
 // so a key / value row is loaded once and reused by every query of the item (GQA / MQA, and the
 // k + 1 tokens of a verification). Online softmax over blocks of SLOT_BLOCK positions, accumulated in
 // float32 whatever the cache dtype. The attention itself is csrc/cpu/kv_cache_attention_kernel.h,
-// built once per instruction set (baseline, AVX2, AVX-512F), the one cpu_isa() names (common.h).
+// built once per instruction set (baseline, AVX2, AVX-512), the one cpu_isa() names (common.h).
 #include <ATen/Parallel.h>
 
 #include <algorithm>

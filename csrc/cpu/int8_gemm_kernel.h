@@ -1,5 +1,5 @@
 // int8_linear's GEMM for more than a few rows of x, written once over GCC vectors of the CPU's width
-// and compiled per instruction set: int8_gemm_{avx2,avx512}.cpp set a target and include this file
+// and compiled per instruction set: int8_linear_{avx2,avx512}.cpp set a target and include this file
 // with GPTFAST_INT8_GEMM_PANELS naming the function to define, GPTFAST_INT8_GEMM_ROWS the rows of x
 // per tile and GPTFAST_INT8_GEMM_TRANSPOSE_BYTES the register width of the packing's byte transposes.
 //
@@ -18,7 +18,7 @@
 // Only C headers and internal linkage here (see simd.h for why).
 #include <stdint.h>
 
-#include "int8_gemm_cpu.h"
+#include "int8_linear_cpu.h"
 #include "simd.h"
 
 #if !defined(GPTFAST_INT8_GEMM_PANELS) || !defined(GPTFAST_INT8_GEMM_ROWS) || \
@@ -40,19 +40,7 @@ static_assert(PANEL % T_ROWS == 0 && BLOCK_K % T_COLS == 0, "packing works in wh
 
 typedef int8_t vbytes __attribute__((vector_size(T_COLS)));  // T_COLS weights of one feature
 
-// LANES int8 weights at p as floats (sign-extended, then converted: exact). GCC 12 makes scalar code
-// of __builtin_convertvector from int8, so the sign extension is an intrinsic: the masked form, as
-// the plain one starts from _mm512_undefined_epi32, which GCC warns is used uninitialized.
-#if GPTFAST_NATIVE_LANES == 16
-GPTFAST_INLINE vfloat widen(const int8_t* p) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return __builtin_convertvector((vint)_mm512_maskz_cvtepi8_epi32(static_cast<__mmask16>(0xFFFF), bytes), vfloat);
-}
-#elif GPTFAST_NATIVE_LANES == 8
-GPTFAST_INLINE vfloat widen(const int8_t* p) {
-  return __builtin_convertvector((vint)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), vfloat);
-}
-#else
+#if GPTFAST_NATIVE_LANES != 8 && GPTFAST_NATIVE_LANES != 16
 #error "int8_gemm_kernel.h is built for AVX2 (8 lanes) and AVX-512 (16 lanes)"
 #endif
 

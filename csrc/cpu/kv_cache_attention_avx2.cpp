@@ -1,5 +1,5 @@
 // kv_cache_attention's CPU attention kernel for AVX2 and FMA (x86-64 since Haswell and Zen), taken
-// when the CPU has them but not AVX-512F.
+// when the CPU has them but not AVX-512F + BW.
 // kv_cache_attention.cpp chooses among the builds at run time (cpu_isa(), common.h).
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("avx2,fma")

@@ -1,5 +1,5 @@
 // Float vectors of the register width for the CPU kernels compiled once per instruction set
-// (kv_cache_attention_kernel.h, int8_gemm_kernel.h): the including file sets a `#pragma GCC target`
+// (kv_cache_attention_kernel.h, int8_gemv_kernel.h, int8_gemm_kernel.h): the including file sets a `#pragma GCC target`
 // and defines GPTFAST_NATIVE_LANES (floats per register: 16, 8, 4) and GPTFAST_FMA (1 where the
 // build's CPUs fuse multiply-adds).
 //
@@ -59,6 +59,43 @@ GPTFAST_INLINE float mul_add(float a, float b, float c) { return __builtin_fmaf(
 #else
 GPTFAST_INLINE float mul_add(float a, float b, float c) { return a * b + c; }
 #endif
+
+// LANES int8 weights at p as floats (sign-extended, then converted: exact). GCC 12 makes scalar code
+// of __builtin_convertvector from int8, so the sign extension is an intrinsic where there is one (the
+// masked AVX-512 form: the plain one starts from _mm512_undefined_epi32, which GCC warns is used
+// uninitialized), and in the baseline build each byte is unpacked to the top of its lane and shifted
+// down (SSE2 has no byte sign extension).
+#if GPTFAST_FMA && GPTFAST_NATIVE_LANES == 16
+GPTFAST_INLINE vfloat widen(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return __builtin_convertvector((vint)_mm512_maskz_cvtepi8_epi32(static_cast<__mmask16>(0xFFFF), bytes), vfloat);
+}
+#elif GPTFAST_FMA && GPTFAST_NATIVE_LANES == 8
+GPTFAST_INLINE vfloat widen(const int8_t* p) {
+  return __builtin_convertvector((vint)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), vfloat);
+}
+#elif GPTFAST_NATIVE_LANES == 4
+GPTFAST_INLINE vfloat widen(const int8_t* p) {
+  typedef int8_t vbytes16 __attribute__((vector_size(16)));
+  typedef int16_t vshorts8 __attribute__((vector_size(16)));
+  uint32_t word;
+  __builtin_memcpy(&word, p, 4);
+  const vbytes16 bytes = (vbytes16)(vuint{word, 0, 0, 0});  // movd
+  const vbytes16 pairs = __builtin_shufflevector(bytes, bytes, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const vshorts8 quads = __builtin_shufflevector((vshorts8)pairs, (vshorts8)pairs, 0, 0, 1, 1, 2, 2, 3, 3);
+  return __builtin_convertvector((vint)quads >> 24, vfloat);
+}
+#endif
+
+// The sum of v's lanes, added pairwise (halves, then quarters, ...): the same order in every build of
+// a width.
+GPTFAST_INLINE float reduce_add(vfloat v) {
+  float lanes[LANES];
+  __builtin_memcpy(lanes, &v, sizeof(v));
+  for (int64_t width = LANES / 2; width > 0; width /= 2)
+    for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0];
+}
 
 GPTFAST_INLINE vfloat load_floats(const float* p) {
   vfloat x;

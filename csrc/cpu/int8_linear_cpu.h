@@ -1,6 +1,7 @@
-// What int8_linear.cpp hands the packed int8 GEMM, which is compiled once per instruction set that
-// has it (int8_gemm_kernel.h, included by int8_gemm_{avx2,avx512}.cpp) and chosen at run time
-// (cpu_isa(), common.h).
+// What int8_linear.cpp hands its CPU kernels, which are compiled once per instruction set
+// (int8_linear_{avx512,avx2,baseline}.cpp) and chosen at run time (cpu_isa(), common.h): the GEMV
+// for a few rows of x (int8_gemv_kernel.h, every build) and the packed GEMM for more
+// (int8_gemm_kernel.h, the AVX2 and AVX-512 builds).
 //
 // Included under those files' `#pragma GCC target`: plain types, constants and functions of internal
 // linkage only (see simd.h).
@@ -45,6 +46,25 @@ using Int8GemmPanelsFn = void (*)(const Int8GemmArgs& args, int64_t p0, int64_t 
 
 void int8_gemm_panels_avx2(const Int8GemmArgs&, int64_t, int64_t, int64_t, int64_t, float*);
 void int8_gemm_panels_avx512(const Int8GemmArgs&, int64_t, int64_t, int64_t, int64_t, float*);
+
+struct Int8GemvArgs {
+  const float* x;       // [M, K], contiguous
+  const int8_t* w;      // [N, K], contiguous
+  const float* scales;  // [N]
+  const float* bias;    // [N] or null
+  float* y;             // [M, ldy]
+  int64_t M, K, ldy;
+};
+
+// y[m, n] = (sum_k x[m, k] * w[n, k]) * scales[n] + bias[n] for every row m of x and the features
+// n_begin .. n_end - 1. Each sum is LANES multiply-add chains over k in order, added pairwise, then the
+// last K % LANES products in order: a result does not depend on M, on the rows or features beside it,
+// or on how the features are split among threads.
+using Int8GemvFn = void (*)(const Int8GemvArgs& args, int64_t n_begin, int64_t n_end);
+
+void int8_gemv_baseline(const Int8GemvArgs&, int64_t, int64_t);
+void int8_gemv_avx2(const Int8GemvArgs&, int64_t, int64_t);
+void int8_gemv_avx512(const Int8GemvArgs&, int64_t, int64_t);
 
 }  // namespace cpu
 }  // namespace gptfast_kernels

@@ -39,10 +39,23 @@ void expert_rows(const int64_t* experts, int64_t P, int64_t E, std::vector<int64
     if (experts[p] >= 0 && experts[p] < E) rows[next[experts[p]]++] = p;
 }
 
+// x's rows in the order of `rows` (by expert), as float32 [rows.size(), K]: one copy up front instead of
+// one per work item, and no ATen dispatches but the conversion (a no-op for float32 x).
+at::Tensor sorted_rows(const at::Tensor& x, const std::vector<int64_t>& rows) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t K = x.size(1);
+  at::Tensor sorted = at::empty({static_cast<int64_t>(rows.size()), K}, xf.options());
+  const float* src = xf.data_ptr<float>();
+  float* dst = sorted.data_ptr<float>();
+  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(dst + i * K, src + rows[i] * K, K * sizeof(float));
+  return sorted;
+}
+
 // y's rows of the experts with 1 .. max_rows rows, through int8_linear's GEMV: per work item (expert,
-// block of N_BLOCK outputs) the expert's rows are gathered, multiplied and scattered.
+// block of N_BLOCK outputs) the expert's rows of x_sorted (x's rows in expert order, float32) are
+// multiplied and the results scattered.
 template <typename scalar_t>
-void few_row_experts(CpuIsa isa, int64_t max_rows, const at::Tensor& x, const at::Tensor& qweight,
+void few_row_experts(CpuIsa isa, int64_t max_rows, const at::Tensor& x_sorted, const at::Tensor& qweight,
                      const at::Tensor& scales, const std::optional<at::Tensor>& bias,
                      const std::vector<int64_t>& offsets, const std::vector<int64_t>& rows, at::Tensor& y) {
   const int64_t E = qweight.size(0), N = qweight.size(1), K = qweight.size(2);
@@ -51,24 +64,20 @@ void few_row_experts(CpuIsa isa, int64_t max_rows, const at::Tensor& x, const at
     if (offsets[e + 1] > offsets[e] && offsets[e + 1] - offsets[e] <= max_rows) chosen.push_back(e);
   }
   if (chosen.empty()) return;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
-  const float* x_ptr = xf.data_ptr<float>();
+  const float* x_ptr = x_sorted.data_ptr<float>();
   const int8_t* w_ptr = qweight.data_ptr<int8_t>();
   const float* s_ptr = scales.data_ptr<float>();
   const float* b_ptr = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   scalar_t* y_ptr = y.data_ptr<scalar_t>();
   const int64_t n_blocks = (N + N_BLOCK - 1) / N_BLOCK;
   at::parallel_for(0, static_cast<int64_t>(chosen.size()) * n_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x_rows(max_rows * K), y_rows(max_rows * N_BLOCK);
+    std::vector<float> y_rows(max_rows * N_BLOCK);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t e = chosen[item / n_blocks], n0 = (item % n_blocks) * N_BLOCK;
       const int64_t width = std::min(N_BLOCK, N - n0), first = offsets[e], count = offsets[e + 1] - first;
-      for (int64_t i = 0; i < count; ++i) {
-        std::memcpy(x_rows.data() + i * K, x_ptr + rows[first + i] * K, K * sizeof(float));
-      }
       const int64_t feature = e * N + n0;  // the block's first weight row, scale and bias
-      int8_gemv_cpu(isa, x_rows.data(), count, K, w_ptr + feature * K, s_ptr + feature,
+      int8_gemv_cpu(isa, x_ptr + first * K, count, K, w_ptr + feature * K, s_ptr + feature,
                     b_ptr != nullptr ? b_ptr + feature : nullptr, y_rows.data(), width, 0, width);
       for (int64_t i = 0; i < count; ++i) {
         scalar_t* out = y_ptr + rows[first + i] * N + n0;
@@ -122,22 +131,23 @@ at::Tensor int8_expert_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
   expert_rows(experts.data_ptr<int64_t>(), x.size(0), qweight.size(0), offsets, rows);
   const CpuIsa isa = cpu_isa();
   const int64_t gemv_rows = int8_linear_cpu_gemv_rows(isa);
-  GPTFAST_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "int8_expert_linear_cpu", [&] {
-    few_row_experts<scalar_t>(isa, gemv_rows, x, qweight, scales, bias, offsets, rows, y);
-  });
   const at::Tensor row_ids = at::tensor(rows, experts.options());
+  const at::Tensor x_sorted = sorted_rows(x, rows);
+  GPTFAST_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "int8_expert_linear_cpu", [&] {
+    few_row_experts<scalar_t>(isa, gemv_rows, x_sorted, qweight, scales, bias, offsets, rows, y);
+  });
   std::vector<at::Tensor> ids, xs, qweights, expert_scales;
   std::vector<std::optional<at::Tensor>> biases;
   for (int64_t e = 0; e < qweight.size(0); ++e) {
     if (offsets[e + 1] - offsets[e] <= gemv_rows) continue;  // none, or done above
     ids.push_back(row_ids.slice(0, offsets[e], offsets[e + 1]));
-    xs.push_back(x.index_select(0, ids.back()));
+    xs.push_back(x_sorted.slice(0, offsets[e], offsets[e + 1]));
     qweights.push_back(qweight[e]);
     expert_scales.push_back(scales[e]);
-    biases.push_back(bias.has_value() ? std::optional<at::Tensor>((*bias)[e]) : std::nullopt);
+    biases.push_back(bias.has_value() ? std::optional<at::Tensor>((*bias)[e].to(at::kFloat)) : std::nullopt);
   }
   const std::vector<at::Tensor> outs = int8_linear_cpu_many(xs, qweights, expert_scales, biases);
-  for (size_t i = 0; i < outs.size(); ++i) y.index_copy_(0, ids[i], outs[i]);
+  for (size_t i = 0; i < outs.size(); ++i) y.index_copy_(0, ids[i], outs[i].to(y.scalar_type()));
   return y;
 }
 

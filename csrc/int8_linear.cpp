@@ -29,12 +29,13 @@ namespace {
 // moved it from ~16).
 constexpr int64_t GEMV_MAX_ROWS = 64;
 // Fewest rows of x the packed GEMM takes. Measured on the 2-core Sapphire Rapids VM, caches flushed,
-// GEMV vs GEMM ms at 4096 x 4096 / 14336 x 4096 / 4096 x 14336: AVX-512 M = 5 1.18 vs 1.75 / 3.91 vs
-// 5.74 / 3.57 vs 5.78, 12 2.15 vs 2.67 / 7.12 vs 8.72 / 6.42 vs 8.97, 16 2.78 vs 3.13 / 10.1 vs 10.3 /
-// 8.66 vs 10.5, 20 3.41 vs 3.44 / 12.3 vs 11.5 / 10.8 vs 12.1, 24 4.13 vs 3.88 / 14.7 vs 13.1 / 13.1
-// vs 13.5; AVX2 M = 12 4.04 vs 4.08 / 14.2 vs 14.5 / 13.9 vs 13.7, 16 5.36 vs 5.17 / 18.9 vs 18.0 /
-// 18.5 vs 17.6, 24 7.97 vs 6.73 (the GEMV's blocks of 4 x 4 weights on AVX-512, 4 x 2 on AVX2).
-constexpr int64_t GEMM_MIN_ROWS_AVX512 = 17;
+// GEMV (blocks of 4 x 4 weights on AVX-512, 4 x 2 on AVX2) vs GEMM ms, two runs 10 % apart:
+// - AVX-512 at 4096 x 4096: M = 5 1.16-1.18 vs 1.36-1.75, 8 1.49-1.57 vs 1.72-2.07, 12 2.15-2.16 vs
+//   2.18-2.67, 16 2.78-2.87 vs 2.65-3.13, 24 4.13 vs 3.88; at 14336 x 4096: 12 7.12 vs 8.72, 16 10.1
+//   vs 10.3, 20 12.3 vs 11.5; at 2048 x 512 (an expert): 5 0.14 vs 0.17, 8 0.17 vs 0.17, 12 0.24 vs
+//   0.20, 16 0.30 vs 0.24.
+// - AVX2 at 4096 x 4096: M = 12 4.04 vs 4.08, 16 5.36 vs 5.17, 24 7.97 vs 6.73.
+constexpr int64_t GEMM_MIN_ROWS_AVX512 = 12;
 constexpr int64_t GEMM_MIN_ROWS_AVX2 = 16;
 // Output features per at::parallel_for work item in the GEMV kernel.
 constexpr int64_t GEMV_GRAIN_N = 64;

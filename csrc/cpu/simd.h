@@ -87,14 +87,25 @@ GPTFAST_INLINE vfloat widen(const int8_t* p) {
 }
 #endif
 
-// The sum of v's lanes, added pairwise (halves, then quarters, ...): the same order in every build of
-// a width.
+// The sum of v's lanes, added pairwise: lane l + lane l + LANES / 2, then the same over the halved
+// vector, down to one lane. The same order in every build of a width, and vector adds on the way.
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef float vfloat4 __attribute__((vector_size(16)));
+typedef float vfloat2 __attribute__((vector_size(8)));
 GPTFAST_INLINE float reduce_add(vfloat v) {
-  float lanes[LANES];
-  __builtin_memcpy(lanes, &v, sizeof(v));
-  for (int64_t width = LANES / 2; width > 0; width /= 2)
-    for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  return lanes[0];
+#if GPTFAST_NATIVE_LANES == 16
+  const vfloat8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#elif GPTFAST_NATIVE_LANES == 8
+  const vfloat8 v8 = v;
+#endif
+#if GPTFAST_NATIVE_LANES >= 8
+  const vfloat4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) + __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+#else
+  const vfloat4 v4 = v;
+#endif
+  const vfloat2 v2 = __builtin_shufflevector(v4, v4, 0, 1) + __builtin_shufflevector(v4, v4, 2, 3);
+  return v2[0] + v2[1];
 }
 
 GPTFAST_INLINE vfloat load_floats(const float* p) {

@@ -1,4 +1,4 @@
-"""int8_linear's packed CPU GEMM (csrc/cpu/int8_gemm_kernel.h): the AVX-512 build takes 17+ rows of x,
+"""int8_linear's packed CPU GEMM (csrc/cpu/int8_gemm_kernel.h): the AVX-512 build takes 12+ rows of x,
 the AVX2 build 16-64. Each build must match the reference on ragged shapes (panels of 32 / 16
 features and tiles of 12 / 6 rows with tails, K blocks of 128 / 256 with tails, K = 1); each output
 is one multiply-add chain over k in order, so a row's result must not depend on the rows beside it or
@@ -62,7 +62,7 @@ def test_a_row_is_the_same_whatever_rows_and_threads_share_the_call(isa):
 
 def test_the_avx512_and_avx2_builds_give_the_same_bits():
     """Both are a fused multiply-add chain over k in order per output, then * scale + bias; the GEMV
-    they take below 17 / 16 rows sums differently, so equal bits also show both ran the GEMM."""
+    they take below 12 / 16 rows sums differently, so equal bits also show both ran the GEMM."""
     for isa in FUSED_BUILDS:
         skip_unless_cpu_build(isa)
     for M, N, K in [(18, 37, 33), (29, 70, 129), (64, 33, 300)]:

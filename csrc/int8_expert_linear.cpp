@@ -26,6 +26,8 @@ namespace {
 // Output features per parallel work item of the few-row experts: enough weight rows (64 x K bytes)
 // to amortise the task.
 constexpr int64_t N_BLOCK = 64;
+// Rows of x per work item of the gather into expert order: decode's few rows stay on one thread.
+constexpr int64_t GATHER_GRAIN_ROWS = 64;
 
 void expert_rows(const int64_t* experts, int64_t P, int64_t E, std::vector<int64_t>& offsets,
                  std::vector<int64_t>& rows) {
@@ -47,7 +49,9 @@ at::Tensor sorted_rows(const at::Tensor& x, const std::vector<int64_t>& rows) {
   at::Tensor sorted = at::empty({static_cast<int64_t>(rows.size()), K}, xf.options());
   const float* src = xf.data_ptr<float>();
   float* dst = sorted.data_ptr<float>();
-  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(dst + i * K, src + rows[i] * K, K * sizeof(float));
+  at::parallel_for(0, static_cast<int64_t>(rows.size()), GATHER_GRAIN_ROWS, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) std::memcpy(dst + i * K, src + rows[i] * K, K * sizeof(float));
+  });
   return sorted;
 }
 

@@ -43,6 +43,16 @@ def dense_then_sparse(layers: int) -> list[str]:
     return ["dense" if i == 0 and layers > 1 else "sparse" for i in range(layers)]
 
 
+def gemma4_layers(layers: int) -> dict:
+    """Gemma 4's attention: local / global layers, the global ones with their own head dim and kv heads and
+    keys as values; at least 4 layers, the last half attending over the keys and values of the last earlier
+    layer of its type (with double-wide MLPs)."""
+    layers = max(layers, 4)
+    return dict(num_hidden_layers=layers, sliding_window=WINDOW, layer_types=alternating_layers(layers),
+                global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                num_kv_shared_layers=layers // 2, use_double_wide_mlp=True)
+
+
 # Families whose tiny config is the model type's defaults at these sizes plus a few overrides (each a
 # function of the layer count): what sets the family apart is in the override's comment.
 AUTO_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -176,16 +186,12 @@ AUTO_CONFIGS = {
                                           layer_types=alternating_layers(layers)),
     "afmoe": lambda layers: dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1,
                                  num_dense_layers=1, sliding_window=WINDOW, layer_types=alternating_layers(layers)),
-    # local / global layers, the global ones with their own head dim and kv heads and keys as values; at least
-    # 4 layers, the last half attending over the keys and values of the last earlier layer of its type (with
-    # double-wide MLPs); per-layer embeddings; experts beside the MLP with a router of its own
-    "gemma4_text": lambda layers: dict(num_hidden_layers=max(layers, 4), sliding_window=WINDOW,
-                                       layer_types=alternating_layers(max(layers, 4)), global_head_dim=32,
-                                       num_global_key_value_heads=1, attention_k_eq_v=True,
-                                       num_kv_shared_layers=max(layers, 4) // 2,
-                                       use_double_wide_mlp=True, vocab_size_per_layer_input=VOCAB,
+    # Gemma 4: see gemma4_layers; Gemma 4 also with per-layer embeddings and experts beside the MLP with a
+    # router of its own; Gemma 4 unified's text decoder has neither
+    "gemma4_text": lambda layers: dict(**gemma4_layers(layers), vocab_size_per_layer_input=VOCAB,
                                        hidden_size_per_layer_input=8, enable_moe_block=True, num_experts=4,
                                        top_k_experts=2, moe_intermediate_size=32),
+    "gemma4_unified_text": gemma4_layers,
     # multi-head latent attention: DeepSeek-V3 and the families on its code (interleaved RoPE), layer 0 dense,
     # the others experts; DeepSeek-V2 with its complex RoPE and a full-rank query (q_proj); MiniCPM3 and
     # Youtu dense, MiniCPM3 with plain RoPE
@@ -341,7 +347,9 @@ LATENT = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "minicpm3", "yo
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
-            "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3", "gemma4_text")
+            "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3", "gemma4_text", "gemma4_unified_text")
+# families whose tiny configs' last 2 of 4 layers attend over the first 2's keys and values (Gemma 4)
+KV_SHARING = ("gemma4_text", "gemma4_unified_text")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
           "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1")

@@ -237,6 +237,10 @@ FAMILIES: dict[str, Family] = {
         Family("gemma4_text", "Gemma4TextAttention", "num_key_value_heads", "head_dim", "Gemma4TextMLP",
                experts_class="Gemma4TextExperts", float_linears=("*.router.proj",), supported_from="5.17",
                refused_flags=("use_bidirectional_attention=all",)),  # ("vision": for image tokens alone)
+        # Gemma 4 unified's text decoder: Gemma 4's attention, KV sharing and double-wide MLPs, without
+        # per-layer embeddings or experts
+        Family("gemma4_unified_text", "Gemma4UnifiedTextAttention", "num_key_value_heads", "head_dim",
+               "Gemma4UnifiedTextMLP", refused_flags=("use_bidirectional_attention=all",)),
         Family("cohere2", "Cohere2Attention", "num_key_value_heads", "head_dim", "Cohere2MLP"),
         Family("cwm", "CwmAttention", "num_key_value_heads", "head_dim", "CwmMLP"),
         Family("vaultgemma", "VaultGemmaAttention", "num_key_value_heads", "head_dim", "VaultGemmaMLP"),  # soft-caps

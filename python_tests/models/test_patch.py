@@ -14,9 +14,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, BertConfig, DynamicCa
 import gptfast_kernels.models.attention as attention
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels import Int8Linear, StaticKVCache, ops, patch_model
-from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, INDEX_POSITIONED, MOE, PARALLEL_HYBRID,
-                                     SOFTCAPPED, WINDOW, WINDOWED, WITH_SINKS, dequantized_copy, experts_per_token,
-                                     patched_copy, ragged_prompts, stepwise_logits, tiny_config, tiny_model)
+from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, INDEX_POSITIONED, KV_SHARING, MOE,
+                                     PARALLEL_HYBRID, SOFTCAPPED, WINDOW, WINDOWED, WITH_SINKS, dequantized_copy,
+                                     experts_per_token, patched_copy, ragged_prompts, stepwise_logits, tiny_config,
+                                     tiny_model)
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -103,9 +104,9 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
         layers = cache.attention_modules  # all 3, but for a hybrid model's recurrent layers
         # the tiny hybrids: recurrent, full, recurrent (LFM3: conv, sliding, full; Falcon-H1: both in each);
         # Gemma 4's has 4 layers, of which the last 2 attend over the first 2's keys and values
-        assert layers == (4 if family == "gemma4_text" else 3 if family not in HYBRID or family in PARALLEL_HYBRID
+        assert layers == (4 if family in KV_SHARING else 3 if family not in HYBRID or family in PARALLEL_HYBRID
                           else 2 if family == "lfm3" else 1)
-        assert len(cache.attention_layers) == (2 if family == "gemma4_text" else layers)
+        assert len(cache.attention_layers) == (2 if family in KV_SHARING else layers)
         patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
         assert len(calls) == layers
         patched(torch.tensor([[6]]), past_key_values=cache)
@@ -200,8 +201,9 @@ def test_kv_sharing_modes_of_configs_before_transformers_5_23():
         assert kv_sharing_modes(plain) == config.kv_sharing_modes
 
 
+@pytest.mark.parametrize("family", KV_SHARING)
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_kv_sharing_layers_attend_over_their_source_layers_buffers(fused, monkeypatch):
+def test_kv_sharing_layers_attend_over_their_source_layers_buffers(family, fused, monkeypatch):
     """Gemma 4's last layers reuse the keys and values of the last earlier layer of their type: the
     cache keeps no buffers for them, every one of their attention calls reads and writes its source
     layer's buffers, and logits match transformers, also where transformers runs those layers for the
@@ -214,7 +216,7 @@ def test_kv_sharing_layers_attend_over_their_source_layers_buffers(fused, monkey
         return real(chosen, q, k, v, k_cache, *args)
 
     monkeypatch.setattr(attention, "run_kv_cache_attention", recording)
-    model = tiny_model("gemma4_text", layers=4)
+    model = tiny_model(family, layers=4)
     assert [layer.self_attn.is_kv_shared_layer for layer in model.model.layers] == [False, False, True, True]
     patched = patched_copy(model, int8=False, fused_attention=fused)
     ids, mask = ragged_prompts(2, 9, "left")
@@ -306,9 +308,10 @@ def test_unsupported_model_names_supported_families():
     with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
         patch_model(bidirectional)
     # Gemma 4's: "all" refused, "vision" (both ways among image tokens, which a text model has none of) not
-    with pytest.raises(ValueError, match="gemma4_text models with use_bidirectional_attention='all'"):
-        family_of(tiny_config("gemma4_text", use_bidirectional_attention="all"))
-    assert family_of(tiny_config("gemma4_text", use_bidirectional_attention="vision")).model_type == "gemma4_text"
+    for family in KV_SHARING:
+        with pytest.raises(ValueError, match=f"{family} models with use_bidirectional_attention='all'"):
+            family_of(tiny_config(family, use_bidirectional_attention="all"))
+        assert family_of(tiny_config(family, use_bidirectional_attention="vision")).model_type == family
     # a multimodal wrapper of a supported text model (its image tokens attend both ways)
     with pytest.raises(ValueError, match="'gemma3' wraps a 'gemma3_text' text model"):
         family_of(Gemma3Config())

@@ -53,6 +53,7 @@ def test_patch_model_fuses_qkv_exactly(family):
     # Gemma 4's global layers have no v_proj (the keys are the values): q_proj and k_proj fuse; its shared
     # layers (q_proj alone) keep theirs
     ("gemma4_text", [[64, 32, 32], [128, 32], None, None]),
+    ("gemma4_unified_text", [[64, 32, 32], [128, 32], None, None]),
     # multi-head latent attention: the low-rank query's q_a_proj (or DeepSeek-V2's full q_proj, 4 heads x
     # 24) with kv_a_proj_with_mqa (latent 32 + rotary key 8)
     ("deepseek_v3", [[24, 40]] * 2), ("deepseek_v2", [[96, 40]] * 2)])

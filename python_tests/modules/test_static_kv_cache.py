@@ -8,7 +8,8 @@ from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from gptfast_kernels import StaticKVCache
 from gptfast_kernels.modules.static_kv_cache import NoCacheLayer, StaticKVLayer
-from python_tests.tiny_models import AUTO_CONFIGS, FAMILIES, HYBRID, LATENT, PARALLEL_HYBRID, tiny_config, tiny_model
+from python_tests.tiny_models import (AUTO_CONFIGS, FAMILIES, HYBRID, KV_SHARING, LATENT, PARALLEL_HYBRID, tiny_config,
+                                     tiny_model)
 
 GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwen3": (2, 2, 16),
             "gemma": (2, 1, 32), "gemma2": (2, 2, 16), "gemma3_text": (2, 2, 16), "olmo2": (2, 2, 16),
@@ -18,14 +19,14 @@ GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwe
             "gpt2": (2, 4, 16), "gpt_neox": (2, 4, 16), "mixtral": (2, 2, 16), "qwen2_moe": (2, 2, 8),
             "qwen3_moe": (2, 2, 16), "olmoe": (2, 2, 16), **{family: (2, 2, 16) for family in AUTO_CONFIGS},
             "opt": (2, 4, 16), "gpt_bigcode": (2, 1, 16), "persimmon": (2, 4, 16), "nemotron_h": (4, 2, 16),
-            "lfm3": (3, 2, 16), "dbrx": (2, 2, 16), "gemma4_text": (4, 2, 16),
+            "lfm3": (3, 2, 16), "dbrx": (2, 2, 16), **{family: (4, 2, 16) for family in KV_SHARING},
             # multi-head latent attention: one "kv head" of the latent (32) and rotary key (8), whose first
             # 32 numbers are the values (no value buffer)
             **{family: (2, 1, 40) for family in LATENT}}
 VALUE_DIM = {family: 32 for family in LATENT}
 # families whose layers differ: per layer (kv heads, head dim) of its buffers, None for a layer without
 # (Gemma 4's global layer 1 has its own; its layers 2 and 3 attend over layers 0's and 1's buffers)
-LAYER_GEOMETRY = {"gemma4_text": [(2, 16), (1, 32), None, None]}
+LAYER_GEOMETRY = {family: [(2, 16), (1, 32), None, None] for family in KV_SHARING}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -40,7 +41,7 @@ def test_buffers_follow_the_config(family):
     assert recurrent == want and cache.has_recurrent_layers == bool(recurrent)
     # Nemotron-H's MoE and MLP blocks are layers of their own (1 and 3 of its tiny config), with no cache
     cacheless = [i for i, layer in enumerate(cache.layers) if isinstance(layer, NoCacheLayer)]
-    assert cacheless == ([1, 3] if family == "nemotron_h" else [2, 3] if family == "gemma4_text" else [])
+    assert cacheless == ([1, 3] if family == "nemotron_h" else [2, 3] if family in KV_SHARING else [])
     both = len(recurrent) if family in PARALLEL_HYBRID else 0
     assert len(cache.attention_layers) == layers - len(recurrent) - len(cacheless) + both
     geometry = LAYER_GEOMETRY.get(family, [(kv_heads, head_dim)] * layers)
@@ -130,7 +131,7 @@ def test_crop_and_reset():
     assert cache.seq_lengths.tolist() == [4, 3, 1]
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox", "qwen3_5_text", "falcon_h1", "gemma4_text"])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "qwen3_5_text", "falcon_h1", *KV_SHARING])
 def test_unpatched_model_uses_it_like_a_static_cache(family):
     model = tiny_model(family)
     ids = torch.randint(2, 90, (2, 6))

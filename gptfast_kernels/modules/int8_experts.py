@@ -24,9 +24,11 @@ from gptfast_kernels.ops._dispatch import is_tracing
 from gptfast_kernels.ops.int8_expert_linear import int8_expert_linear
 from gptfast_kernels.ops.int8_linear import int8_linear, quantize_int8
 
-# (token, expert) rows above which an eager forward groups the rows by expert (one host sync) and
-# runs each expert's rows as one tiled int8_linear: the per-row kernel re-reads an expert's weights
+# (token, expert) rows above which an eager forward on a GPU groups the rows by expert (one host sync)
+# and runs each expert's rows as one tiled int8_linear: the per-row kernel re-reads an expert's weights
 # for every few rows routed to it, which only pays while the rows are few (decode, verification).
+# The CPU op groups the rows itself (int8_expert_linear.cpp), with the bits int8_linear gives each
+# expert's rows, so there the Python loop would only add host work.
 GROUPED_MIN_ROWS = 64
 
 
@@ -165,7 +167,7 @@ class Int8Experts(nn.Module):
     def run(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """rows [n, H], experts [n] (router ids, valid by construction: not checked) -> [n, H]: each
         row through its expert, unweighted."""
-        if rows.shape[0] >= GROUPED_MIN_ROWS and not is_tracing():
+        if rows.shape[0] >= GROUPED_MIN_ROWS and rows.device.type != "cpu" and not is_tracing():
             return self._grouped(rows, experts)
         gate_up = int8_expert_linear(rows, self.gate_up_qweight, self.gate_up_scales, experts, self.gate_up_bias,
                                      check_experts=False)
@@ -173,7 +175,7 @@ class Int8Experts(nn.Module):
                                   check_experts=False)
 
     def _grouped(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Eager prompt path: each chosen expert's rows through the tiled int8_linear kernels."""
+        """Eager prompt path on a GPU: each chosen expert's rows through the tiled int8_linear kernels."""
         out = rows.new_zeros(rows.shape[0], self.down_qweight.shape[1])
         order = experts.argsort()
         counts = torch.bincount(experts, minlength=self.num_experts).tolist()  # one host sync

@@ -243,9 +243,9 @@ def test_kv_sharing_layers_attend_over_their_source_layers_buffers(family, fused
 
 @pytest.mark.parametrize("family", MOE)
 def test_moe_experts_become_int8_and_decode_steps_match(family):
-    """Experts become Int8Experts, routers stay float; prefill (the grouped per-expert path above
-    GROUPED_MIN_ROWS rows) and decode steps (one int8_expert_linear row per chosen expert) both give
-    the rounded model's logits."""
+    """Experts become Int8Experts, routers stay float; prefill (above GROUPED_MIN_ROWS rows: the op's
+    own grouping by expert on the CPU) and decode steps (one int8_expert_linear row per chosen expert)
+    both give the rounded model's logits."""
     from gptfast_kernels.modules.int8_experts import GROUPED_MIN_ROWS, Int8Experts
 
     model = tiny_model(family)
@@ -274,6 +274,23 @@ def test_moe_experts_become_int8_and_decode_steps_match(family):
         want = rounded(ids).logits
     got = stepwise_logits(patched, ids, StaticKVCache(patched.config, 1, length + 4), length)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_prompt_path_equals_the_op_to_the_bit(dtype):
+    """Int8Experts._grouped (the GPU's eager prompt path: a Python loop of int8_linear per expert) and
+    the CPU op's own grouping give each row int8_linear's bits for its expert's rows, so on the CPU the
+    two agree exactly: experts with a few rows (the GEMV) and with many (the packed GEMM), one unused."""
+    from gptfast_kernels.modules.int8_experts import GROUPED_MIN_ROWS, Int8Experts
+
+    experts = next(m for m in patched_copy(tiny_model("mixtral"), int8=True).modules() if isinstance(m, Int8Experts))
+    g = torch.Generator().manual_seed(9)
+    ids = torch.cat([torch.zeros(GROUPED_MIN_ROWS, dtype=torch.long), torch.full((3,), 1), torch.full((20,), 2)])
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
+    rows = torch.randn(ids.numel(), experts.gate_up_qweight.shape[2], generator=g).to(dtype)
+    assert experts.num_experts > 3
+    with torch.no_grad():
+        assert torch.equal(experts._grouped(rows, ids), experts.run(rows, ids))
 
 
 def test_experts_warning_only_for_experts_kept_float():

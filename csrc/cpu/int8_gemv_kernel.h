@@ -5,8 +5,9 @@
 // The weight bytes dominate at decode sizes, so reading 1 byte per weight instead of 4 is the speed-up
 // over a float32 GEMV: each weight row is streamed once, widened to float32 in registers and reused
 // for a block of up to X_ROWS rows of x; several weight rows are read together so that each vector of
-// x loaded feeds several multiply-add chains. Past ~4 rows widening every weight again for each block
-// costs more than the packed GEMM's widening once (int8_gemm_kernel.h).
+// x loaded feeds several multiply-add chains. With many rows, widening every weight again for each
+// block costs more than the packed GEMM's widening once per call (int8_gemm_kernel.h; int8_linear.cpp
+// sets from how many rows).
 //
 // Each sum is LANES multiply-add chains over k in order, added pairwise (reduce_add, simd.h), then the
 // last K % LANES products in order, then * scale + bias; the blocks only group sums, so a result does

@@ -1,7 +1,7 @@
 // Float vectors of the register width for the CPU kernels compiled once per instruction set
-// (kv_cache_attention_kernel.h, int8_gemv_kernel.h, int8_gemm_kernel.h): the including file sets a `#pragma GCC target`
-// and defines GPTFAST_NATIVE_LANES (floats per register: 16, 8, 4) and GPTFAST_FMA (1 where the
-// build's CPUs fuse multiply-adds).
+// (kv_cache_attention_kernel.h, int8_gemv_kernel.h, int8_gemm_kernel.h): the including file sets a
+// `#pragma GCC target` and defines GPTFAST_NATIVE_LANES (floats per register: 16, 8, 4) and
+// GPTFAST_FMA (1 where the build's CPUs fuse multiply-adds).
 //
 // Only C headers and internal linkage here: an inline function with external linkage would be
 // compiled once per instruction set and, as a weak symbol, the linker could keep the AVX-512 copy

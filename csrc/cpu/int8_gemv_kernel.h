@@ -59,28 +59,27 @@ GPTFAST_INLINE void dot_tile(const float* x, const int8_t* w, int64_t K, float (
   }
 }
 
+// y for the XR rows of x from m0 and the WR features from n, each dot product scaled and biased.
+template <int XR, int WR>
+GPTFAST_INLINE void tile(const Int8GemvArgs& a, int64_t m0, int64_t n) {
+  float dots[XR][WR];
+  dot_tile<XR, WR>(a.x + m0 * a.K, a.w + n * a.K, a.K, dots);
+  for (int r = 0; r < XR; ++r) {
+    for (int j = 0; j < WR; ++j) {
+      const float bias = a.bias != nullptr ? a.bias[n + j] : 0.f;
+      a.y[(m0 + r) * a.ldy + n + j] = dots[r][j] * a.scales[n + j] + bias;
+    }
+  }
+}
+
 // y for the XR rows of x from m0 and the count <= W_ROWS features from n: weight_rows(XR) of them at
 // a time, then one.
 template <int XR>
 void x_block(const Int8GemvArgs& a, int64_t m0, int64_t n, int64_t count) {
   constexpr int WR = weight_rows(XR);
-  const float* x = a.x + m0 * a.K;
-  for (int64_t i = 0; i < count;) {
-    const int64_t feature = n + i;
-    float wide[XR][WR], one[XR][1];
-    const bool whole = count - i >= WR;
-    if (whole) dot_tile<XR, WR>(x, a.w + feature * a.K, a.K, wide);
-    else dot_tile<XR, 1>(x, a.w + feature * a.K, a.K, one);
-    const int64_t width = whole ? WR : 1;
-    for (int r = 0; r < XR; ++r) {
-      for (int64_t j = 0; j < width; ++j) {
-        const float dot = whole ? wide[r][j] : one[r][0];
-        const float bias = a.bias != nullptr ? a.bias[feature + j] : 0.f;
-        a.y[(m0 + r) * a.ldy + feature + j] = dot * a.scales[feature + j] + bias;
-      }
-    }
-    i += width;
-  }
+  int64_t i = 0;
+  for (; i + WR <= count; i += WR) tile<XR, WR>(a, m0, n + i);
+  for (; i < count; ++i) tile<XR, 1>(a, m0, n + i);
 }
 
 }  // namespace

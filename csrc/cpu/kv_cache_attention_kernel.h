@@ -82,26 +82,14 @@ GPTFAST_INLINE float load1(const void* base, int64_t i) {
   }
 }
 
-// Lanes l and l ^ step of one register, swapped.
-template <int64_t step>
-GPTFAST_INLINE vfloat swap_lanes(vfloat v) {
-  vint mask;
-  for (int64_t l = 0; l < LANES; ++l) mask[l] = static_cast<int32_t>(l ^ step);
-  return __builtin_shuffle(v, mask);
-}
-
 // The sum of 16 dot-product lanes held in PARTS registers (lane l = part l / LANES, lane l % LANES),
-// as the tree that adds lanes l and l ^ 8, then l ^ 4, l ^ 2, l ^ 1: the same bits at any width.
+// as the tree that adds lanes l and l + 8, then l + 4, l + 2, l + 1: the same bits at any width (the
+// steps across registers here, those within one in reduce_add, simd.h).
 GPTFAST_INLINE float dot_sum(vfloat* parts) {
-  for (int64_t half = PARTS / 2; half >= 1; half /= 2) {  // steps across registers
+  for (int64_t half = PARTS / 2; half >= 1; half /= 2) {
     for (int64_t i = 0; i < half; ++i) parts[i] += parts[i + half];
   }
-  vfloat v = parts[0];
-  if constexpr (LANES >= 16) v += swap_lanes<8>(v);  // steps within a register
-  if constexpr (LANES >= 8) v += swap_lanes<4>(v);
-  v += swap_lanes<2>(v);
-  v += swap_lanes<1>(v);
-  return v[0];
+  return reduce_add(parts[0]);
 }
 
 // e^x in float32 to about 2 ulp: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts)

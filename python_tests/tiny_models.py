@@ -192,6 +192,15 @@ AUTO_CONFIGS = {
                                        hidden_size_per_layer_input=8, enable_moe_block=True, num_experts=4,
                                        top_k_experts=2, moe_intermediate_size=32),
     "gemma4_unified_text": gemma4_layers,
+    # Gemma 3n: local / global layers, the last half attending over earlier layers' keys and values (as Gemma
+    # 4's), value norms, AltUp, LAuReL and per-layer embeddings; the first half's MLPs sparsify their gate
+    # (a Gaussian top-k)
+    "gemma3n_text": lambda layers: dict(num_hidden_layers=max(layers, 4), sliding_window=WINDOW,
+                                        layer_types=alternating_layers(max(layers, 4)),
+                                        num_kv_shared_layers=max(layers, 4) // 2, vocab_size_per_layer_input=VOCAB,
+                                        hidden_size_per_layer_input=8, laurel_rank=8,
+                                        activation_sparsity_pattern=[0.9] * (max(layers, 4) // 2)
+                                        + [0.0] * (max(layers, 4) - max(layers, 4) // 2)),
     # multi-head latent attention: DeepSeek-V3 and the families on its code (interleaved RoPE), layer 0 dense,
     # the others experts; DeepSeek-V2 with its complex RoPE and a full-rank query (q_proj); MiniCPM3 and
     # Youtu dense, MiniCPM3 with plain RoPE
@@ -347,9 +356,9 @@ LATENT = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "minicpm3", "yo
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
-            "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3", "gemma4_text", "gemma4_unified_text")
+            "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3", "gemma4_text", "gemma4_unified_text", "gemma3n_text")
 # families whose tiny configs' last 2 of 4 layers attend over the first 2's keys and values (Gemma 4)
-KV_SHARING = ("gemma4_text", "gemma4_unified_text")
+KV_SHARING = ("gemma4_text", "gemma4_unified_text", "gemma3n_text")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
           "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1")

@@ -76,7 +76,7 @@ class Family:
     # mixture of experts: the experts module class (names across transformers versions), int8 as Int8Experts
     experts_class: str | tuple[str, ...] | None = None
     # Linear layers that stay float with int8 (patterns as patch_model's int8_skip): routers built as
-    # nn.Linear whose model code reads their .weight
+    # nn.Linear whose model code reads their .weight, and small maps that mix whole hidden states (Gemma 3n)
     float_linears: tuple[str, ...] = ()
     # the first transformers release whose model code torch.compile traces with a StaticKVCache (None: all
     # that gptfast_kernels supports)
@@ -241,6 +241,11 @@ FAMILIES: dict[str, Family] = {
         # per-layer embeddings or experts
         Family("gemma4_unified_text", "Gemma4UnifiedTextAttention", "num_key_value_heads", "head_dim",
                "Gemma4UnifiedTextMLP", refused_flags=("use_bidirectional_attention=all",)),
+        # Gemma 3n's text decoder: Gemma 4's KV sharing, value norms, AltUp, LAuReL, per-layer embeddings, and
+        # MLPs whose gate is sparsified (a Gaussian top-k) in the first layers. AltUp's router and its
+        # coefficient maps (hidden x 4, 4 x 16, 4 x 4) stay float: they weight whole hidden-state streams
+        Family("gemma3n_text", "Gemma3nTextAttention", "num_key_value_heads", "head_dim", "Gemma3nTextMLP",
+               float_linears=("*.altup.*",)),
         Family("cohere2", "Cohere2Attention", "num_key_value_heads", "head_dim", "Cohere2MLP"),
         Family("cwm", "CwmAttention", "num_key_value_heads", "head_dim", "CwmMLP"),
         Family("vaultgemma", "VaultGemmaAttention", "num_key_value_heads", "head_dim", "VaultGemmaMLP"),  # soft-caps

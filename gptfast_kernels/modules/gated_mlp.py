@@ -9,26 +9,56 @@ from torch import nn
 from gptfast_kernels.modules.int8_linear import Int8Linear
 
 
+class GaussianTopK(nn.Module):
+    """Gemma 3n's activation sparsity: each row's values minus mean + std * Phi^-1(sparsity) over its
+    last dim, negatives zeroed (Phi: the standard normal's CDF), so about a fraction ``sparsity`` of a
+    Gaussian row becomes zero. The same operations, in the same dtypes, as transformers'
+    Gemma3nTextMLP._gaussian_topk."""
+
+    def __init__(self, sparsity: float):
+        super().__init__()
+        if not 0.0 < sparsity < 1.0:
+            raise ValueError(f"GaussianTopK: sparsity must be in (0, 1), got {sparsity!r}")
+        self.sparsity = float(sparsity)
+        # float32 as transformers computes it; rounded to the input's dtype per call, as there
+        multiplier = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(self.sparsity, dtype=torch.float32))
+        self.register_buffer("std_multiplier", multiplier, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        std = torch.std(x, dim=-1, keepdim=True, unbiased=False)
+        cutoff = torch.mean(x, dim=-1, keepdim=True) + std * self.std_multiplier.to(x.dtype)
+        return nn.functional.relu(x - cutoff)
+
+    def extra_repr(self) -> str:
+        return f"sparsity={self.sparsity}"
+
+
 class Int8GatedMLP(nn.Module):
     """down_proj(act_fn(gate) * up) with [gate | up] = gate_up_proj(x), the same function as the
-    transformers MLP it replaces. gate_up_proj: Int8Linear [2 * intermediate, hidden]."""
+    transformers MLP it replaces. gate_up_proj: Int8Linear [2 * intermediate, hidden]. ``sparsify``
+    (Gemma 3n's sparse layers: a GaussianTopK) goes over the gate before the activation."""
 
-    def __init__(self, gate_up_proj: Int8Linear, down_proj: nn.Module, act_fn: nn.Module):
+    def __init__(self, gate_up_proj: Int8Linear, down_proj: nn.Module, act_fn: nn.Module,
+                 sparsify: nn.Module | None = None):
         super().__init__()
         if gate_up_proj.out_features % 2:
             raise ValueError("Int8GatedMLP: gate_up_proj must have an even number of outputs (gate, up), "
                              f"got {gate_up_proj.out_features}")
-        self.gate_up_proj, self.down_proj, self.act_fn = gate_up_proj, down_proj, act_fn
+        self.gate_up_proj, self.down_proj, self.act_fn, self.sparsify = gate_up_proj, down_proj, act_fn, sparsify
         self.intermediate_size = gate_up_proj.out_features // 2
 
     @classmethod
     def from_mlp(cls, mlp: nn.Module) -> "Int8GatedMLP":
         # the activation is act_fn in most families' MLPs, activation_fn in Phi-3-derived ones (Llama 4's)
         act_fn = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn
-        return cls(Int8Linear.concat([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, act_fn)
+        sparsity = getattr(mlp, "activation_sparsity", 0.0)  # Gemma 3n's: 0.0 in its dense layers
+        sparsify = GaussianTopK(sparsity).to(mlp.gate_proj.scales.device) if sparsity > 0.0 else None
+        return cls(Int8Linear.concat([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, act_fn, sparsify)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        if self.sparsify is not None:
+            gate = self.sparsify(gate)
         return self.down_proj(self.act_fn(gate) * up)
 
 

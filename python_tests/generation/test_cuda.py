@@ -33,7 +33,7 @@ def test_greedy_equals_transformers(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text", "lfm2", "falcon_h1", "stablelm", "dbrx",
-                                    "gemma4_text", "deepseek_v3"])
+                                    "gemma4_text", "gemma3n_text", "deepseek_v3"])
 def test_compiled_cuda_graph_decode_equals_eager(family):
     """compile=True: torch.compile(fullgraph=True, mode="reduce-overhead") per step, so the decode
     step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse).

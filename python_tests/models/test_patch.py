@@ -325,7 +325,7 @@ def test_unsupported_model_names_supported_families():
     with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
         patch_model(bidirectional)
     # Gemma 4's: "all" refused, "vision" (both ways among image tokens, which a text model has none of) not
-    for family in KV_SHARING:
+    for family in ("gemma4_text", "gemma4_unified_text"):
         with pytest.raises(ValueError, match=f"{family} models with use_bidirectional_attention='all'"):
             family_of(tiny_config(family, use_bidirectional_attention="all"))
         assert family_of(tiny_config(family, use_bidirectional_attention="vision")).model_type == family

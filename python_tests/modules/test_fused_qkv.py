@@ -54,6 +54,8 @@ def test_patch_model_fuses_qkv_exactly(family):
     # layers (q_proj alone) keep theirs
     ("gemma4_text", [[64, 32, 32], [128, 32], None, None]),
     ("gemma4_unified_text", [[64, 32, 32], [128, 32], None, None]),
+    # Gemma 3n's layers all have q / k / v but for the shared ones (q_proj alone)
+    ("gemma3n_text", [[64, 32, 32], [64, 32, 32], None, None]),
     # multi-head latent attention: the low-rank query's q_a_proj (or DeepSeek-V2's full q_proj, 4 heads x
     # 24) with kv_a_proj_with_mqa (latent 32 + rotary key 8)
     ("deepseek_v3", [[24, 40]] * 2), ("deepseek_v2", [[96, 40]] * 2)])

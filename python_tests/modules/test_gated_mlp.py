@@ -75,3 +75,49 @@ def test_patching_twice_keeps_one_fusion():
     model = patched_copy(tiny_model("llama"), int8=True)
     patch_model(model, int8=True)
     assert sum(isinstance(m, Int8GatedMLP) for m in model.modules()) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gaussian_top_k_is_transformers_activation_sparsity(dtype):
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nTextMLP
+
+    from gptfast_kernels.modules.gated_mlp import GaussianTopK
+    from python_tests.tiny_models import tiny_config
+
+    mlp = Gemma3nTextMLP(tiny_config("gemma3n_text"), layer_idx=0)
+    assert mlp.activation_sparsity == 0.9
+    x = torch.randn(3, 7, 128, dtype=dtype)
+    sparse = GaussianTopK(0.9)(x)
+    assert torch.equal(sparse, mlp._gaussian_topk(x))
+    # about 90 % of a Gaussian row falls under the cutoff
+    assert 0.8 < (sparse == 0).float().mean() < 0.97
+    for bad in (0.0, 1.0, -0.5):
+        with pytest.raises(ValueError, match="sparsity"):
+            GaussianTopK(bad)
+
+
+def test_gemma3n_sparse_layers_fuse_with_their_gate_sparsified():
+    model = tiny_model("gemma3n_text")
+    patched = patched_copy(model, int8=True)
+    mlps = [layer.mlp for layer in patched.model.layers]
+    assert all(isinstance(mlp, Int8GatedMLP) for mlp in mlps)
+    # the tiny config's first half sparsifies (0.9), the rest not
+    assert [mlp.sparsify.sparsity if mlp.sparsify is not None else None for mlp in mlps] == [0.9, 0.9, None, None]
+    # AltUp's router and coefficient maps stay float (the family's float_linears), LAuReL's go int8
+    altup = patched.model.layers[0].altup
+    assert all(type(altup.get_submodule(name)) is nn.Linear
+               for name in ("modality_router", "prediction_coefs", "correction_coefs"))
+    assert isinstance(patched.model.layers[0].laurel.linear_left, Int8Linear)
+    for index in (0, 2):
+        fused, original = mlps[index], model.model.layers[index].mlp
+        # transformers' MLP running the fused module's int8 halves gives the same bits
+        halves = fused.gate_up_proj.qweight.chunk(2), fused.gate_up_proj.scales.chunk(2)
+        for name, qweight, scales in zip(("gate_proj", "up_proj"), halves[0], halves[1]):
+            part = Int8Linear(fused.gate_up_proj.in_features, fused.intermediate_size, bias=False)
+            part.qweight.copy_(qweight)
+            part.scales.copy_(scales)
+            setattr(original, name, part)
+        original.down_proj = fused.down_proj
+        x = torch.randn(2, 5, model.config.hidden_size)
+        with torch.no_grad():
+            assert torch.equal(fused(x), original(x))

@@ -25,8 +25,10 @@ GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwe
             **{family: (2, 1, 40) for family in LATENT}}
 VALUE_DIM = {family: 32 for family in LATENT}
 # families whose layers differ: per layer (kv heads, head dim) of its buffers, None for a layer without
-# (Gemma 4's global layer 1 has its own; its layers 2 and 3 attend over layers 0's and 1's buffers)
-LAYER_GEOMETRY = {family: [(2, 16), (1, 32), None, None] for family in KV_SHARING}
+# (Gemma 4's global layer 1 has its own; its layers 2 and 3 attend over layers 0's and 1's buffers, as Gemma
+# 3n's do)
+LAYER_GEOMETRY = {**{family: [(2, 16), (1, 32), None, None] for family in KV_SHARING},
+                  "gemma3n_text": [(2, 16), (2, 16), None, None]}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

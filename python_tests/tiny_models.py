@@ -217,6 +217,10 @@ AUTO_CONFIGS = {
                                        num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=CHUNK,
                                        no_rope_layers=[int(i % 2 == 0) for i in range(layers)], floor_scale=4,
                                        attn_scale=0.1),
+    # compressed convolutional attention (conv and value states in every layer, local / global), top-1 experts
+    # or a skip expert, an MLP router
+    "zaya": lambda layers: dict(num_experts=4, moe_intermediate_size=48, router_hidden_size=16, sliding_window=WINDOW,
+                                layer_types=["hybrid_sliding" if i % 2 == 0 else "hybrid" for i in range(layers)]),
     # attention sinks, local / global layers, experts that stay float
     "gpt_oss": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                    layer_types=alternating_layers(layers)),
@@ -230,6 +234,11 @@ OWN_DIMS_CONFIGS = {
     "persimmon": lambda layers: dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                      num_hidden_layers=layers, max_position_embeddings=256,
                                      partial_rotary_factor=0.5),  # q / k LayerNorms, partial rotary
+    # local (sliding_window = local_attention / 2) and global layers
+    "modernbert-decoder": lambda layers: dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                              num_hidden_layers=layers, max_position_embeddings=256,
+                                              local_attention=2 * WINDOW, layer_types=alternating_layers(layers),
+                                              cls_token_id=EOS, sep_token_id=EOS),
     # mixture of experts (w1 / v1 / w2 weights), clipped q / k / v, an nn.Linear router
     "dbrx": lambda layers: dict(d_model=64, n_heads=4, n_layers=layers, max_seq_len=256,
                                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
@@ -349,21 +358,22 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
        "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
-       "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe", "gemma4_text", "deepseek_v3",
+       "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe", "gemma4_text", "deepseek_v3", "zaya",
        "deepseek_v2", "glm4_moe_lite", "axk1", "llama4_text")
 # families with multi-head latent attention (their caches hold one latent per token)
 LATENT = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "minicpm3", "youtu")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
-            "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3", "gemma4_text", "gemma4_unified_text", "gemma3n_text")
+            "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3", "gemma4_text", "gemma4_unified_text", "gemma3n_text",
+            "modernbert-decoder", "zaya")
 # families whose tiny configs' last 2 of 4 layers attend over the first 2's keys and values (Gemma 4)
 KV_SHARING = ("gemma4_text", "gemma4_unified_text", "gemma3n_text")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
-          "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1")
+          "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "zaya")
 # hybrids whose layers run attention and a recurrent block side by side (every layer has both caches)
-PARALLEL_HYBRID = ("falcon_h1",)
+PARALLEL_HYBRID = ("falcon_h1", "zaya")
 # families whose tiny configs soft-cap attention scores (ATTENTION_SOFTCAP) or have attention sinks
 SOFTCAPPED = ("gemma2", "vaultgemma")
 WITH_SINKS = ("gpt_oss", "granitemoe_swa", "granite_swa", "flint")

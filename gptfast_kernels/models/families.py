@@ -158,8 +158,8 @@ class Family:
 # MoE blocks that are layers of their own), as transformers' configs name them
 RECURRENT = ("linear_attention", "mamba", "conv")
 CACHELESS = ("mlp", "moe")
-# and of layers running attention and a recurrent block side by side (Falcon-H1's)
-PARALLEL = ("hybrid",)
+# and of layers running attention and a recurrent block side by side (Falcon-H1's; ZAYA1's, some windowed)
+PARALLEL = ("hybrid", "hybrid_sliding")
 # the first transformers release whose hybrid models work on a StaticKVCache (tested: 5.17 and 5.23;
 # in 5.8 to 5.14 some read other state attributes, or restart a state on multi-token inputs)
 HYBRID_FROM = "5.17"
@@ -325,6 +325,11 @@ FAMILIES: dict[str, Family] = {
         # before the activation, so gate and up are not fused)
         Family("falcon_h1", "FalconH1Attention", "num_key_value_heads", "head_dim",
                recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+        # compressed convolutional attention (ZAYA1): q / k through a causal convolution, half of each value
+        # head from the token before, so every layer keeps keys / values and transformers' conv and
+        # recurrent states ("hybrid", "hybrid_sliding"); top-1 experts or a skip, routed by a float MLP
+        Family("zaya", "ZayaAttention", "num_key_value_heads", "head_dim", experts_class="ZayaExperts",
+               float_linears=("*.mlp.gate.*",), recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
         # learned positions; before 5.18 its model sizes a mask by the cache length (untraceable)
@@ -337,6 +342,8 @@ FAMILIES: dict[str, Family] = {
         Family("nemotron", "NemotronAttention", "num_key_value_heads", "head_dim", layers_drop_keywords=True,
                supported_from="5.13"),
         Family("gpt_neox", "GPTNeoXAttention", None, None),
+        # local (sliding-window) and global layers
+        Family("modernbert-decoder", "ModernBertDecoderAttention", None, None),
         # sparsemixer top-2 routing; its router subclasses nn.Linear with a forward of its own, which
         # int8 leaves float like every router
         Family("phimoe", "PhimoeAttention", "num_key_value_heads", None, experts_class="PhimoeExperts"),

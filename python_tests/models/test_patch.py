@@ -163,9 +163,10 @@ def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, mon
     softcap = ATTENTION_SOFTCAP if family in SOFTCAPPED else None
     sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
     assert sinks == (family in WITH_SINKS)
-    # (LFM3's convolution layers make no call)
-    want_calls = [(WINDOW if kind == "sliding_attention" else None, softcap, sinks) for kind in layer_types
-                  if kind in ("sliding_attention", "full_attention")]
+    # (LFM3's convolution layers make no call; ZAYA1's layers attend beside their convolution: "hybrid", windowed
+    # "hybrid_sliding")
+    want_calls = [(WINDOW if kind in ("sliding_attention", "hybrid_sliding") else None, softcap, sinks)
+                  for kind in layer_types if kind in ("sliding_attention", "full_attention", "hybrid", "hybrid_sliding")]
     assert seen[:len(want_calls)] == want_calls and len(seen) == 13 * len(want_calls)
 
 
@@ -181,6 +182,35 @@ def test_int8_logits_equal_the_model_with_dequantized_weights(family):
         want = rounded(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
         cache = StaticKVCache(patched.config, 2, 12)
         got = patched(ids, attention_mask=mask, past_key_values=cache).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
+
+
+def test_zaya_tokens_routed_to_the_skip_expert_get_no_expert_output():
+    """ZAYA1's router may pick an extra "skip" class, which transformers passes to the experts as expert 0
+    with weight 0: with int8 such tokens still get no expert output (logits as the int8-rounded model's)."""
+    model = tiny_model("zaya")
+    for module in model.modules():
+        if hasattr(module, "balancing_biases"):  # transformers starts the skip class at -1: never picked in
+            # the tiny model, whose router probabilities are all about 0.2; 0.005 makes some tokens pick it
+            module.balancing_biases[-1] = 0.005
+    skipped = []  # per router call: which tokens got the skip class (their weight is masked to 0)
+    hooks = [m.register_forward_hook(lambda module, args, out: skipped.append(out[1] == 0))
+             for m in model.modules() if type(m).__name__ == "ZayaRouter"]
+    ids, mask = ragged_prompts(2, 8, "left")
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    for hook in hooks:
+        hook.remove()
+    skipped = torch.cat(skipped)
+    assert 0 < int(skipped.sum()) < skipped.numel()  # some tokens skip the experts, not all
+    with torch.no_grad():
+        want = dequantized_copy(model)(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    patched = patched_copy(model, int8=True)
+    router = patched.model.layers[0].mlp.gate  # its projections stay float (the family's float_linears)
+    assert type(router.down_proj) is torch.nn.Linear and type(router.router_mlp.out_proj) is torch.nn.Linear
+    with torch.no_grad():
+        got = patched(ids, attention_mask=mask, past_key_values=StaticKVCache(patched.config, 2, 12)).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
 

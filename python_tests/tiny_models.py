@@ -208,6 +208,10 @@ AUTO_CONFIGS = {
     "deepseek_v2": lambda layers: {**MLA_DIMS, **MLA_EXPERTS, "first_k_dense_replace": 1, "q_lora_rank": None},
     "glm4_moe_lite": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS),
     "axk1": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS),
+    # Kimi Linear: linear-attention (KDA) layers first, then MLA layers without positions; layer 0 dense
+    "kimi_linear": lambda layers: {**MLA_DIMS, **MLA_EXPERTS, "num_local_experts": 4, "linear_head_dim": 16,
+                                   "linear_num_heads": 4, "layer_types": alternating_linear(layers),
+                                   "mlp_layer_types": dense_then_sparse(layers)},
     "minicpm3": lambda layers: dict(**MLA_DIMS),
     "youtu": lambda layers: dict(**MLA_DIMS),
     # Llama 4: layer 0 chunked attention with RoPE (chunks of CHUNK tokens, shorter than the tests'
@@ -359,9 +363,9 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
        "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
        "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe", "gemma4_text", "deepseek_v3", "zaya",
-       "deepseek_v2", "glm4_moe_lite", "axk1", "llama4_text")
+       "deepseek_v2", "glm4_moe_lite", "axk1", "llama4_text", "kimi_linear")
 # families with multi-head latent attention (their caches hold one latent per token)
-LATENT = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "minicpm3", "youtu")
+LATENT = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "minicpm3", "youtu", "kimi_linear")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
@@ -371,7 +375,7 @@ WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "
 KV_SHARING = ("gemma4_text", "gemma4_unified_text", "gemma3n_text")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
-          "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "zaya")
+          "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "zaya", "kimi_linear")
 # hybrids whose layers run attention and a recurrent block side by side (every layer has both caches)
 PARALLEL_HYBRID = ("falcon_h1", "zaya")
 # families whose tiny configs soft-cap attention scores (ATTENTION_SOFTCAP) or have attention sinks

@@ -42,7 +42,8 @@ from gptfast_kernels.ops.int8_expert_linear import int8_expert_linear
 # Family.latent_attention: how the family's code rotates q_rot / k_rot
 COMPLEX_ROPE = "complex"   # DeepSeek-V2: apply_rotary_emb(q, k, freqs_cis), position_embeddings complex
 COS_SIN_ROPE = "cos_sin"   # the others: apply_rotary_pos_emb(q, k, cos, sin), or its _interleave variant
-ROPES = (COMPLEX_ROPE, COS_SIN_ROPE)
+NO_ROPE = "none"           # Kimi Linear: MLA without positions (its linear-attention layers carry order)
+ROPES = (COMPLEX_ROPE, COS_SIN_ROPE, NO_ROPE)
 
 
 def latent_head_dim(config) -> int:
@@ -94,6 +95,8 @@ def _per_head(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, exper
 
 def _rotate(module, q_rot: torch.Tensor, k_rot: torch.Tensor, position_embeddings):
     """The family's own rotary embedding of q_rot [B, H, T, dr] and k_rot [B, 1, T, dr]."""
+    if module._gptfast_rope == NO_ROPE:
+        return q_rot, k_rot
     code = sys.modules[type(module).__module__]
     if module._gptfast_rope == COMPLEX_ROPE:
         return code.apply_rotary_emb(q_rot, k_rot, position_embeddings.to(q_rot.device))
@@ -110,7 +113,7 @@ def latent_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     cache = kwargs.get("gptfast_cache")
     if cache is None:
         return type(self).forward(self, hidden_states, *args, **kwargs)
-    if "position_embeddings" not in kwargs:
+    if "position_embeddings" not in kwargs and self._gptfast_rope != NO_ROPE:
         raise ValueError(f"patch_model: {type(self).__name__} was called without position_embeddings as a keyword")
     B, T = hidden_states.shape[:2]
     H, dn, dv, r = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
@@ -123,7 +126,7 @@ def latent_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     kv_nope, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([r, self.qk_rope_head_dim], dim=-1)
     kv_nope = self.kv_a_layernorm(kv_nope).view(B, 1, T, r)
     k_rot = k_rot.view(B, 1, T, self.qk_rope_head_dim)
-    q_rot, k_rot = _rotate(self, q_rot, k_rot, kwargs["position_embeddings"])
+    q_rot, k_rot = _rotate(self, q_rot, k_rot, kwargs.get("position_embeddings"))
     int8 = isinstance(self.kv_b_proj, Int8Linear)
     if int8:  # q_nope W_k per head: the key rows' scales scale q_nope's features (float32), then W_k^T in int8
         experts = self._gptfast_heads.repeat(B * T)  # rows (token, head) of both products

@@ -11,7 +11,7 @@ import transformers
 from transformers import DynamicCache
 
 from gptfast_kernels import Int8Linear, StaticKVCache, patch_model
-from python_tests.tiny_models import LATENT, MLA_DIMS, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import HYBRID, LATENT, MLA_DIMS, patched_copy, ragged_prompts, tiny_model
 
 R, DR = MLA_DIMS["kv_lora_rank"], MLA_DIMS["qk_rope_head_dim"]
 
@@ -21,26 +21,29 @@ def test_cache_holds_the_latent_transformers_caches(family):
     """Per token one row [c, k_rot]: transformers' DynamicCache keeps c (the normed latent) as the
     layer's keys and k_rot (the rotated shared key) as its values; ours keeps their concatenation as the
     keys, at each row's own positions (left padding: row 1 starts later), and no value buffer: the
-    kernel reads the values from the keys' first r numbers (c)."""
+    kernel reads the values from the keys' first r numbers (c). (Kimi Linear's layers 0 and 2 are
+    linear attention: recurrent states, no latents.)"""
     model = tiny_model(family)
     patched = patched_copy(model, int8=False)
     ids, mask = ragged_prompts(2, 7, "left")
     with torch.no_grad():
         cache = StaticKVCache(patched.config, 2, 10)
         patched(ids, attention_mask=mask, past_key_values=cache)
+        latent = [i for i, layer in enumerate(cache.layers) if any(layer is a for a in cache.attention_layers)]
+        assert latent == ([1] if family in HYBRID else list(range(len(cache.layers))))
         for row in range(2):
             real = ids[row:row + 1, mask[row].bool()]
             hf_cache = DynamicCache(config=model.config)
             model(real, past_key_values=hf_cache)
-            if hf_cache.layers[0].keys.shape[1] != 1:
+            if hf_cache.layers[latent[0]].keys.shape[1] != 1:
                 pytest.skip(f"transformers {transformers.__version__}'s {family} caches per-head keys and values, "
                             "not the latent")
-            for i, layer in enumerate(cache.layers):
+            for i in latent:
                 n = real.shape[1]
                 want = torch.cat([hf_cache.layers[i].keys, hf_cache.layers[i].values], dim=-1)[0, :, :n]
-                torch.testing.assert_close(layer.keys[row, :, :n], want, atol=2e-5, rtol=1e-4)
-    assert cache.geometry == ((1, R + DR, R),) * len(cache.layers)
-    assert all(layer.value_dim == R and layer.values.numel() == 0 for layer in cache.layers)
+                torch.testing.assert_close(cache.layers[i].keys[row, :, :n], want, atol=2e-5, rtol=1e-4)
+    assert [cache.geometry[i] for i in latent] == [(1, R + DR, R)] * len(latent)
+    assert all(layer.value_dim == R and layer.values.numel() == 0 for layer in cache.attention_layers)
 
 
 def test_kv_b_proj_is_int8_per_head_and_not_applied_per_step(monkeypatch):

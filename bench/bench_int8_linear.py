@@ -19,7 +19,7 @@ SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K): Llama-3-8B atte
 # against the default's figures (bench/gpu_run.sh, stage int8-kernels); its rows carry the choice in
 # their names.
 CUDA_KERNEL = os.environ.get("GPTFAST_INT8_CUDA_KERNEL", "")
-ROWS_OF_CASE = {"one_row": (1,), "multi_row": (4, 5, 8, 16)}
+ROWS_OF_CASE = {"one_row": (1,), "multi_row": (4, 5, 8, 16), "prefill": (256, 1024)}  # prefill: a long prompt too
 
 
 def run(h) -> None:

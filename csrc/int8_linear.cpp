@@ -6,11 +6,12 @@
 // once per instruction set (csrc/cpu/int8_linear_{avx512,avx2,baseline}.cpp):
 // - Few rows (decode): the GEMV of csrc/cpu/int8_gemv_kernel.h, which streams each int8 weight row once
 //   and widens it in registers for a block of rows of x; multithreaded over output features.
-// - From GEMM_MIN_ROWS_AVX512 / _AVX2 rows (batched decode, verification, prefill): the packed GEMM
-//   of csrc/cpu/int8_gemm_kernel.h, which widens each weight once per call instead of once per block
-//   of rows, and is multiply-add bound like a float32 BLAS GEMM.
-// - Otherwise above GEMV_MAX_ROWS (the baseline build, and AVX2 prefill): dequantise PREFILL_TILE_N
-//   weight rows at a time to float32 and hand each tile to the BLAS GEMM.
+// - From GEMM_MIN_ROWS_AVX512 / _AVX2 rows (batched decode, verification, short prefills): the packed
+//   GEMM of csrc/cpu/int8_gemm_kernel.h, which widens each weight once per call instead of once per
+//   block of rows, and is multiply-add bound like a float32 BLAS GEMM.
+// - Otherwise above GEMV_MAX_ROWS (the baseline build, AVX2 prefill, and AVX-512 prefill above
+//   GEMM_MAX_ROWS_AVX512): dequantise PREFILL_TILE_N weight rows at a time to float32 and hand each
+//   tile to the BLAS GEMM.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -37,6 +38,14 @@ constexpr int64_t GEMV_MAX_ROWS = 64;
 // - AVX2 at 4096 x 4096: M = 12 4.04 vs 4.08, 16 5.36 vs 5.17, 24 7.97 vs 6.73.
 constexpr int64_t GEMM_MIN_ROWS_AVX512 = 12;
 constexpr int64_t GEMM_MIN_ROWS_AVX2 = 16;
+// Most rows of x the AVX-512 packed GEMM takes: the packed GEMM blocks x by rows only, so every
+// panel of output features streams all of x again, and a long prompt's x outgrows the caches; the
+// BLAS GEMM over dequantised tiles (whose dequantisation costs about a tenth) then wins. Measured on
+// the 2-core Sapphire Rapids VM, packed vs dequantised tiles, ms (best of 3): 4096 x 4096 at M = 256
+// 31.9 vs 35.0, 384 53.5 vs 50.5, 512 68.2 vs 64.5, 1024 143 vs 125; 14336 x 4096: 256 107 vs 124,
+// 384 168 vs 173, 512 235 vs 230, 1024 515 vs 450; 4096 x 14336: 384 170 vs 171, 512 250 vs 228,
+// 1024 848 vs 442; 2048 x 2048: 256 8.2 vs 9.0, 512 18.5 vs 17.4, 1024 39.2 vs 32.4.
+constexpr int64_t GEMM_MAX_ROWS_AVX512 = 384;
 // Output features per at::parallel_for work item in the GEMV kernel.
 constexpr int64_t GEMV_GRAIN_N = 64;
 // Weight rows dequantised per GEMM call in the prefill path (256 x 4096 fp32 = 4 MiB, L3-resident).
@@ -66,7 +75,9 @@ void gemv(CpuIsa isa, const at::Tensor& x_f32, const at::Tensor& qweight, const 
 // The packed GEMM's build for M rows of x on instruction set isa, if it should take them.
 enum class GemmBuild { none, avx2, avx512 };
 GemmBuild gemm_build(CpuIsa isa, int64_t M) {
-  if (isa == CpuIsa::avx512) return M >= GEMM_MIN_ROWS_AVX512 ? GemmBuild::avx512 : GemmBuild::none;
+  if (isa == CpuIsa::avx512) {
+    return M >= GEMM_MIN_ROWS_AVX512 && M <= GEMM_MAX_ROWS_AVX512 ? GemmBuild::avx512 : GemmBuild::none;
+  }
   if (isa >= CpuIsa::avx2) return M >= GEMM_MIN_ROWS_AVX2 && M <= GEMV_MAX_ROWS ? GemmBuild::avx2 : GemmBuild::none;
   return GemmBuild::none;
 }
@@ -130,12 +141,19 @@ void run_packed(GemmBuild build, const std::vector<PackedProduct>& products) {
   });
 }
 
-void gemm_unscaled(const at::Tensor& x_f32, const at::Tensor& qweight, at::Tensor& y_f32) {
+// y_f32 [M, N] = (x_f32 @ qweight^T) * scales: PREFILL_TILE_N weight rows at a time dequantised into
+// one reused float32 tile, whose product the BLAS GEMM writes straight into y's columns, scaled while
+// they are still in cache.
+void gemm_tiled(const at::Tensor& x_f32, const at::Tensor& qweight, const at::Tensor& scales, at::Tensor& y_f32) {
   const int64_t N = qweight.size(0);
+  at::Tensor tile = at::empty({std::min(N, PREFILL_TILE_N), qweight.size(1)}, x_f32.options());
   for (int64_t n0 = 0; n0 < N; n0 += PREFILL_TILE_N) {
     const int64_t n1 = std::min(N, n0 + PREFILL_TILE_N);
-    const at::Tensor w_tile = qweight.slice(0, n0, n1).to(at::kFloat);
-    y_f32.slice(1, n0, n1).copy_(at::mm(x_f32, w_tile.t()));
+    at::Tensor w_tile = tile.narrow(0, 0, n1 - n0);
+    w_tile.copy_(qweight.slice(0, n0, n1));
+    at::Tensor y_columns = y_f32.slice(1, n0, n1);
+    at::mm_out(y_columns, x_f32, w_tile.t());
+    y_columns.mul_(scales.slice(0, n0, n1));
   }
 }
 
@@ -153,8 +171,7 @@ at::Tensor int8_linear_unpacked(CpuIsa isa, const at::Tensor& x, const at::Tenso
            y_f32);
     }
   } else {
-    gemm_unscaled(x_f32, qweight, y_f32);
-    y_f32.mul_(scales);
+    gemm_tiled(x_f32, qweight, scales, y_f32);
     if (bias.has_value()) y_f32.add_(bias->to(at::kFloat));
   }
   return y_f32.to(x.scalar_type());

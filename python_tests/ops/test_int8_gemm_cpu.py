@@ -1,5 +1,5 @@
-"""int8_linear's packed CPU GEMM (csrc/cpu/int8_gemm_kernel.h): the AVX-512 build takes 12+ rows of x,
-the AVX2 build 16-64. Each build must match the reference on ragged shapes (panels of 32 / 16
+"""int8_linear's packed CPU GEMM (csrc/cpu/int8_gemm_kernel.h): the AVX-512 build takes 12-384 rows of x,
+the AVX2 build 16-64 (more go through dequantised tiles and the BLAS GEMM). Each build must match the reference on ragged shapes (panels of 32 / 16
 features and tiles of 12 / 6 rows with tails, K blocks of 128 / 256 with tails, K = 1); each output
 is one multiply-add chain over k in order, so a row's result must not depend on the rows beside it or
 the thread count, and the two builds must give the same bits."""
@@ -22,8 +22,10 @@ DTYPES = [
 ]
 
 # (M, N, K): row tails of both tile heights, N short of a panel, past one and under a panel in all,
-# K blocks with a tail and K = 1; M = 100 (AVX-512's GEMM, AVX2's dequantise-and-GEMM path).
-SHAPES = [(18, 37, 33), (17, 16, 300), (29, 70, 129), (40, 5, 64), (25, 100, 777), (64, 33, 1), (100, 40, 257)]
+# K blocks with a tail and K = 1; M = 100 (AVX-512's GEMM, AVX2's dequantise-and-GEMM path); M = 400
+# (both builds' dequantise-and-GEMM path: two tiles of weight rows, the second short).
+SHAPES = [(18, 37, 33), (17, 16, 300), (29, 70, 129), (40, 5, 64), (25, 100, 777), (64, 33, 1), (100, 40, 257),
+          (400, 300, 70)]
 
 
 def _case(M, N, K, dtype, seed=0):

@@ -21,7 +21,10 @@ namespace gptfast_kernels {
 namespace {
 
 // Portable SIMD through the GCC/Clang vector extensions (SSE2 pairs on baseline x86-64, NEON on
-// arm64): 8 floats per step, converted to two 4 x float64 vectors for the sums.
+// arm64): 8 floats per step, converted to two 4 x float64 vectors for the sums. (GCC warns that a
+// 32-byte vector returned without AVX has another ABI than with it; these functions have internal
+// linkage and are always inlined, so no such value crosses a call boundary.)
+#pragma GCC diagnostic ignored "-Wpsabi"
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));

@@ -321,11 +321,11 @@ FAMILIES: dict[str, Family] = {
         # and sliding-window layers, a sigmoid gate per head on the attention output
         Family("lfm3", "Lfm3Attention", "num_key_value_heads", "head_dim", recurrent_layer_types=RECURRENT,
                supported_from=HYBRID_FROM),
-        # attention and Mamba-2 side by side in every layer; muP multipliers (its MLP's gate is scaled
-        # before the activation, so gate and up are not fused)
         # Kimi Delta Attention (linear) layers between MLA layers without positions (NoPE); experts
         Family("kimi_linear", "KimiLinearAttention", None, None, "KimiLinearMLP", experts_class="KimiLinearExperts",
                latent_attention="none", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+        # attention and Mamba-2 side by side in every layer; muP multipliers (its MLP's gate is scaled
+        # before the activation, so gate and up are not fused)
         Family("falcon_h1", "FalconH1Attention", "num_key_value_heads", "head_dim",
                recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         # compressed convolutional attention (ZAYA1): q / k through a causal convolution, half of each value

@@ -1,0 +1,219 @@
+"""The Triton kv_cache_attention decode / verification kernels (T <= DECODE_MAX_T): flash-decoding over
+splits of a row's slots with the scatter fused in, and the combine of the splits' partial outputs
+(kv_cache_attention.py has the design and launches them)."""
+
+import triton
+import triton.language as tl
+
+from gptfast_kernels.triton.kv_cache_attention_common import (LOG2E_, _clean_positions, _first_slots,
+                                                              _online_softmax_step, _online_softmax_step_split,
+                                                              _ring_slots, _scores, _scores_split, _span_start)
+
+
+@triton.jit
+def _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, CHUNK: tl.constexpr):
+    """Row b's T positions [BLOCK_T], the slots (ring: positions) [row_first, row_len) its queries
+    see (row_len = largest position + 1; row_first > 0 only with a window or chunks) and the slots
+    per split: the same in the attention and the combine kernel, a multiple of BLOCK_N."""
+    offs_t = tl.arange(0, BLOCK_T)
+    pos = _clean_positions(tl.load(Pos_ptr + b * T + offs_t, mask=offs_t < T, other=-1), S, RING)
+    row_len = tl.max(pos, axis=0) + 1
+    row_first = _span_start(pos, _first_slots(pos, window, CHUNK), row_len, S, RING)
+    split_len = tl.cdiv(tl.cdiv(row_len - row_first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return pos, row_first, row_len, tl.maximum(split_len, MIN_SPLIT_LEN)
+
+
+@triton.jit
+def _kv_cache_attention_decode_kernel(
+        Q_ptr, K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Out_ptr, OPart_ptr, LsePart_ptr,
+        qk_scale, cap_log2, scale_over_cap, window, T, S, D, G, Hq,
+        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+        stride_vb, stride_vh, stride_vt, stride_cb, stride_ch, stride_cs,
+        NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
+        FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_DT: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr):
+    # Ring: splits, tiles and the fused scatter's match work on positions, the cache on their slots.
+    # A row's span is at most S positions (row_first), so its splits own distinct slots.
+    # BLOCK_DT > 0 (D > MAX_BLOCK_D): head-dim columns BLOCK_D.. are a second block (the "_t" tensors).
+    # DV > 0: values in the keys (V_ptr / VC_ptr unused); the output holds the key tiles' first DV columns.
+    TAIL_VALUES: tl.constexpr = BLOCK_DT > 0 and (DV == 0 or DV > BLOCK_D)  # acc_t needed
+    split = tl.program_id(0)
+    h = (tl.program_id(1) // NUM_M_BLOCKS).to(tl.int64)  # h * stride_ch may pass 2^31
+    m_block = tl.program_id(1) % NUM_M_BLOCKS
+    b = tl.program_id(2).to(tl.int64)
+    pos_row, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN,
+                                                        BLOCK_N, BLOCK_T, RING, CHUNK)
+    start = row_first + split * split_len
+    if NUM_SPLITS > 1:
+        if start >= row_len:  # nothing of this row here: the combine kernel skips this split
+            return
+    end = tl.minimum(start + split_len, row_len)
+
+    # Rows of the tile: m = g * T + t for query head h * G + g and token t.
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < G * T
+    t_m = offs_m % T
+    hq_m = (h * G + offs_m // T).to(tl.int64)
+    pos_m = _clean_positions(tl.load(Pos_ptr + b * T + t_m, mask=row_ok, other=-1), S, RING)
+    first_m = _first_slots(pos_m, window, CHUNK)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    q = tl.load(Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
+                + offs_d[None, :], mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+    if BLOCK_DT > 0:
+        offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        mask_dt = offs_dt < D
+        q_t = tl.load(Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
+                      + offs_dt[None, :], mask=row_ok[:, None] & mask_dt[None, :], other=0.0)
+
+    # (in this order, that of the kernel before DV existed: computing the v pointers after both k
+    # pointers changes ptxas's register allocation, hence the SASS, of the DV = 0 kernels)
+    k_new_ptr = K_ptr + b * stride_kb + h * stride_kh
+    if DV == 0:  # values in v / v_cache
+        v_new_ptr = V_ptr + b * stride_vb + h * stride_vh
+    kc_ptr = KC_ptr + b * stride_cb + h * stride_ch
+    if DV == 0:
+        vc_ptr = VC_ptr + b * stride_cb + h * stride_ch
+    offs_t = tl.arange(0, BLOCK_T)
+    m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if HAS_SINKS and NUM_SPLITS == 1:  # with several splits the combine adds the sink, once
+        m_i = tl.where(row_ok, tl.load(Sinks_ptr + hq_m, mask=row_ok, other=0.0) * LOG2E_, m_i)
+        l_i = tl.where(row_ok, 1.0, l_i)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if TAIL_VALUES:
+        acc_t = tl.zeros((BLOCK_M, BLOCK_DT), dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_range = offs_n < end
+        # The token this call writes into each slot of the tile (-1: none); its K/V come from the
+        # inputs, so no program ever reads a cache slot that another program is writing.
+        t_src = tl.max(tl.where(offs_n[:, None] == pos_row[None, :], offs_t[None, :], -1), axis=1)
+        is_new = t_src >= 0
+        new_mask = is_new[:, None] & mask_d[None, :]
+        old_mask = (in_range & (t_src < 0))[:, None] & mask_d[None, :]
+        if RING:
+            cache_rows = _ring_slots(n0, S, BLOCK_N)[:, None].to(tl.int64) * stride_cs
+        else:
+            cache_rows = offs_n[:, None].to(tl.int64) * stride_cs
+        cache_offs = cache_rows + offs_d[None, :]
+        k_new = tl.load(k_new_ptr + t_src[:, None] * stride_kt + offs_d[None, :], mask=new_mask,
+                        other=0.0)
+        if DV == 0:
+            v_new = tl.load(v_new_ptr + t_src[:, None] * stride_vt + offs_d[None, :], mask=new_mask,
+                            other=0.0)
+        k = tl.where(new_mask, k_new, tl.load(kc_ptr + cache_offs, mask=old_mask, other=0.0))
+        if DV == 0:
+            v = tl.where(new_mask, v_new, tl.load(vc_ptr + cache_offs, mask=old_mask, other=0.0))
+        else:  # the key tile itself, new slots included: its columns from DV on never reach the output
+            v = k
+        # This program owns the tile's slots; of its query-row blocks, block 0 stores them.
+        tl.store(kc_ptr + cache_offs, k_new, mask=new_mask & (m_block == 0))
+        if DV == 0:
+            tl.store(vc_ptr + cache_offs, v_new, mask=new_mask & (m_block == 0))
+
+        if BLOCK_DT > 0:  # the same for the head dim's second block
+            new_mask = is_new[:, None] & mask_dt[None, :]
+            old_mask = (in_range & (t_src < 0))[:, None] & mask_dt[None, :]
+            cache_offs = cache_rows + offs_dt[None, :]
+            k_new = tl.load(k_new_ptr + t_src[:, None] * stride_kt + offs_dt[None, :], mask=new_mask, other=0.0)
+            if DV == 0:
+                v_new = tl.load(v_new_ptr + t_src[:, None] * stride_vt + offs_dt[None, :], mask=new_mask, other=0.0)
+            k_t = tl.where(new_mask, k_new, tl.load(kc_ptr + cache_offs, mask=old_mask, other=0.0))
+            if DV == 0:
+                v_t = tl.where(new_mask, v_new, tl.load(vc_ptr + cache_offs, mask=old_mask, other=0.0))
+            elif TAIL_VALUES:  # DV > BLOCK_D: the values reach into the tail
+                v_t = k_t
+            tl.store(kc_ptr + cache_offs, k_new, mask=new_mask & (m_block == 0))
+            if DV == 0:
+                tl.store(vc_ptr + cache_offs, v_new, mask=new_mask & (m_block == 0))
+            s = _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+        else:
+            s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+        allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])
+                   & in_range[None, :])
+        if TAIL_VALUES:
+            m_i, l_i, acc, acc_t = _online_softmax_step_split(s, allowed, v, v_t, m_i, l_i, acc, acc_t, FP32_DOT)
+        else:  # one value block (values in the keys with DV <= BLOCK_D: a tail only adds to the scores)
+            m_i, l_i, acc = _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_DOT)
+
+    rows = (b * Hq + hq_m) * T + t_m  # row of the [B, Hq, T] output
+    has_any = l_i > 0
+    norm = tl.where(has_any, l_i, 1.0)[:, None]
+    out = acc / norm
+    if DV > 0:  # output rows of DV columns
+        out_d, out_mask_d = DV, offs_d < DV
+        if TAIL_VALUES:
+            out_mask_dt = offs_dt < DV
+    else:
+        out_d, out_mask_d = D, mask_d
+        if TAIL_VALUES:
+            out_mask_dt = mask_dt
+    store_mask = row_ok[:, None] & out_mask_d[None, :]
+    if NUM_SPLITS == 1:  # padding rows (nothing allowed) get zeros
+        out_rows = Out_ptr + rows[:, None] * out_d
+    else:  # this split's float32 partial output, and its log2-sum-exp below
+        lse = tl.where(has_any, m_i + tl.math.log2(tl.where(has_any, l_i, 1.0)), -float("inf"))
+        part = rows * NUM_SPLITS + split
+        out_rows = OPart_ptr + part[:, None] * out_d
+    tl.store(out_rows + offs_d[None, :], out.to(out_rows.dtype.element_ty), mask=store_mask)
+    if TAIL_VALUES:
+        tl.store(out_rows + offs_dt[None, :], (acc_t / norm).to(out_rows.dtype.element_ty),
+                 mask=row_ok[:, None] & out_mask_dt[None, :])
+    if NUM_SPLITS > 1:
+        tl.store(LsePart_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _weighted_sum(row_ptrs, w, mask_s, offs_d, mask_d):
+    """sum_s w[s] * the columns offs_d (mask_d: < D) of rows row_ptrs [S, 1] where mask_s [S]
+    -> [len(offs_d)]."""
+    o = tl.load(row_ptrs + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    return tl.sum(w[:, None] * o, axis=0)
+
+
+@triton.jit
+def _kv_cache_attention_combine_kernel(
+        Pos_ptr, Sinks_ptr, OPart_ptr, LsePart_ptr, Out_ptr, window, T, S, D, Hq,
+        HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr, RING: tl.constexpr, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (b * Hq + hq) * T + t
+    b = row // (Hq * T)
+    _, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN, BLOCK_N,
+                                                  BLOCK_T, RING, CHUNK)
+    num_active = tl.cdiv(row_len - row_first, split_len)  # the splits the attention kernel wrote
+    offs_all = tl.arange(0, BLOCK_SPLITS)
+    lse_all = tl.load(LsePart_ptr + row * NUM_SPLITS + offs_all, mask=offs_all < num_active,
+                      other=-float("inf"))
+    lse_max = tl.max(lse_all, axis=0)
+    if HAS_SINKS:  # one more term of the denominator, with no value
+        sink = tl.load(Sinks_ptr + (row // T) % Hq) * LOG2E_
+        lse_max = tl.maximum(lse_max, sink)
+    lse_max = tl.where(lse_max == -float("inf"), 0.0, lse_max)  # padding query: all weights 0
+    total = tl.sum(tl.math.exp2(lse_all - lse_max), axis=0)
+    if HAS_SINKS:
+        total += tl.math.exp2(sink - lse_max)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if BLOCK_DT > 0:  # the head dim's second block (D > MAX_BLOCK_D)
+        offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        mask_dt = offs_dt < D
+        acc_t = tl.zeros((BLOCK_DT,), dtype=tl.float32)
+    for s0 in range(0, num_active, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < num_active
+        w = tl.math.exp2(tl.load(LsePart_ptr + row * NUM_SPLITS + offs_s, mask=mask_s,
+                                 other=-float("inf")) - lse_max)
+        part_rows = OPart_ptr + (row * NUM_SPLITS + offs_s[:, None]) * D
+        acc += _weighted_sum(part_rows, w, mask_s, offs_d, mask_d)
+        if BLOCK_DT > 0:
+            acc_t += _weighted_sum(part_rows, w, mask_s, offs_dt, mask_dt)
+    norm = tl.where(total > 0, total, 1.0)
+    out = acc / norm
+    tl.store(Out_ptr + row * D + offs_d, out.to(Out_ptr.dtype.element_ty), mask=mask_d)
+    if BLOCK_DT > 0:
+        tl.store(Out_ptr + row * D + offs_dt, (acc_t / norm).to(Out_ptr.dtype.element_ty), mask=mask_dt)

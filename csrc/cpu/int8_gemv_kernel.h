@@ -34,15 +34,14 @@ constexpr int X_ROWS = 4;
 // 16-register builds 2 x 4 or 4 x 2.
 constexpr int W_ROWS = 4;
 constexpr int weight_rows(int x_rows) { return LANES == 16 || x_rows <= 2 ? W_ROWS : W_ROWS / 2; }
-// Up to this K, each weight row's lines are prefetched one group of rows ahead (the next group's same
-// line: W_ROWS x K bytes on). A short row is only a few lines, too few for the hardware prefetcher to
-// lock on before the group moves on; one core then streamed its weights from DRAM at about 6 GB/s.
-// Measured on the 2-core Sapphire Rapids VM, weights from DRAM, one row of x: 768 x 768 / 2304 x 768
-// / 32000 x 768 at 10-11 / 11 / 11-13 GB/s before, 13-14 / 14-15 / 16 after; a decode step of the
-// 134M Llama's 49 products 9.5-9.6 ms before, 7.1-7.5 after (AVX2 build 10.5 / 8.3, baseline 17.5 /
-// 11.8). At K = 4096 (rows of 64 lines) prefetching 16 KiB ahead made 4096 x 4096 slower (15 against
-// 20 GB/s): longer rows keep the hardware's streams.
-constexpr int64_t PREFETCH_MAX_K = 2048;
+// Each weight row's lines are prefetched one group of rows ahead (the next group's same line, W_ROWS x
+// K bytes on), into every cache level (a non-temporal hint was slower: 13.7-16.4 GB/s below). A row
+// of K = 768 is only 12 lines, too few for the hardware prefetcher to lock on before the group moves
+// on. Measured on the 2-core Sapphire Rapids VM (its L3 is 260 MiB), one row of x, GB/s of int8
+// weights, no prefetch -> prefetch: from DRAM (500 MB of matrices) 768 x 768 11.0 -> 17.3, 2304 x 768
+// 11.8 -> 19.2, 768 x 2048 13.4 -> 20.5, 4096 x 4096 19.1 -> 25.2, 4096 x 14336 22.6 -> 26.4; from
+// L3 (6 x 4096 x 4096) 31.8 -> 41.8; the 134M Llama's 49 decode-step products (110 MB, L3) 9.5 ->
+// 3.5 ms; L2-resident matrices (the demo's) unchanged.
 constexpr int64_t PREFETCH_LINE = 64;  // bytes per cache line (x86-64; a guess elsewhere, and harmless)
 
 // dots[r][i] = x[r, :] . w[i, :] for XR rows of x and WR rows of w (both K apart).
@@ -51,11 +50,10 @@ GPTFAST_INLINE void dot_tile(const float* x, const int8_t* w, int64_t K, float (
   vfloat acc[XR][WR];
   for (int r = 0; r < XR; ++r)
     for (int i = 0; i < WR; ++i) acc[r][i] = vfloat{};
-  const bool prefetch = K <= PREFETCH_MAX_K;
   int64_t k = 0;
   for (; k + LANES <= K; k += LANES) {
-    if (prefetch && k % PREFETCH_LINE < LANES) {  // once per line of each row: the next group's same line
-      for (int i = 0; i < WR; ++i) __builtin_prefetch(w + (WR + i) * K + k, 0, 0);
+    if (k % PREFETCH_LINE < LANES) {  // once per line of each row: the next group's same line
+      for (int i = 0; i < WR; ++i) __builtin_prefetch(w + (WR + i) * K + k, 0, 3);
     }
     vfloat wf[WR];
     for (int i = 0; i < WR; ++i) wf[i] = widen(w + i * K + k);

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import glob
 import json
 import os
 import platform
@@ -28,10 +29,28 @@ CPU_MIN_REPEATS = 10
 CPU_MIN_SECONDS = 0.5
 CPU_MAX_REPEATS = 50  # each repeat also pays a cache flush
 # Bytes written between timed CPU calls so that inputs do not stay cache-resident (as do_bench
-# flushes the GPU's L2): twice the 32 MiB L3 of the CI machine's EPYC. Without it a 16 MB int8
-# weight matrix is read from L3 and "beats" DRAM copy bandwidth.
-CPU_FLUSH_BYTES = 64 << 20
+# flushes the GPU's L2): twice the machine's largest cache, at least twice the 32 MiB L3 of the AVX2
+# EPYC these benchmarks first ran on. Without it a 16 MB int8 weight matrix is read from L3 and
+# "beats" DRAM copy bandwidth; the Sapphire Rapids VM's L3 is 260 MiB, past a fixed 64 MiB flush.
+CPU_MIN_FLUSH_BYTES = 64 << 20
 _cpu_flush_buffer: torch.Tensor | None = None
+
+
+def largest_cpu_cache_bytes() -> int:
+    """The largest cache of CPU 0 as Linux's sysfs lists it (0 where it cannot be read)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=0)
+
+
+CPU_FLUSH_BYTES = max(CPU_MIN_FLUSH_BYTES, 2 * largest_cpu_cache_bytes())
 # GPU: as triton.testing.do_bench (25 ms of warm-up, about 100 ms of timed calls), but with a
 # read-only L2 flush (see _flush_gpu_l2) of 256 MB, five times an H100's or H200's 50 MB L2.
 GPU_WARMUP_MS, GPU_REP_MS = 25.0, 100.0

@@ -134,3 +134,19 @@ def test_compare_records_a_candidate_that_cannot_be_captured(fake_cuda, monkeypa
     assert [row["impl"] for row in timed] == ["base", "syncs"]
     assert [(row["impl"], row["not_timed"]) for row in h.rows if "not_timed" in row] == [
         ("syncs@graph", "not capturable: operation not permitted when stream is capturing")]
+
+
+def test_cpu_flush_covers_the_largest_cache_sysfs_lists(tmp_path, monkeypatch):
+    """The CPU flush is sized from the largest cache in sysfs ("266240K": the Sapphire Rapids VM's
+    260 MiB L3), skipping entries it cannot read."""
+    from bench import harness
+
+    files = []
+    for name, text in [("index0", "48K\n"), ("index2", "2048K\n"), ("index3", "266240K\n"), ("index4", "n/a\n")]:
+        path = tmp_path / name
+        path.write_text(text)
+        files.append(str(path))
+    monkeypatch.setattr(harness.glob, "glob", lambda pattern: files)
+    assert harness.largest_cpu_cache_bytes() == 266240 << 10
+    monkeypatch.setattr(harness.glob, "glob", lambda pattern: [])
+    assert harness.largest_cpu_cache_bytes() == 0

@@ -41,7 +41,7 @@ constexpr int weight_rows(int x_rows) { return LANES == 16 || x_rows <= 2 ? W_RO
 // weights, no prefetch -> prefetch: from DRAM (500 MB of matrices) 768 x 768 11.0 -> 17.3, 2304 x 768
 // 11.8 -> 19.2, 768 x 2048 13.4 -> 20.5, 4096 x 4096 19.1 -> 25.2, 4096 x 14336 22.6 -> 26.4; from
 // L3 (6 x 4096 x 4096) 31.8 -> 41.8; the 134M Llama's 49 decode-step products (110 MB, L3) 9.5 ->
-// 3.5 ms; L2-resident matrices (the demo's) unchanged.
+// 3.1 ms; L2-resident matrices (the demo's) unchanged.
 constexpr int64_t PREFETCH_LINE = 64;  // bytes per cache line (x86-64; a guess elsewhere, and harmless)
 
 // dots[r][i] = x[r, :] . w[i, :] for XR rows of x and WR rows of w (both K apart).

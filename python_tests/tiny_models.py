@@ -43,14 +43,28 @@ def dense_then_sparse(layers: int) -> list[str]:
     return ["dense" if i == 0 and layers > 1 else "sparse" for i in range(layers)]
 
 
-def gemma4_layers(layers: int) -> dict:
-    """Gemma 4's attention: local / global layers, the global ones with their own head dim and kv heads and
-    keys as values; at least 4 layers, the last half attending over the keys and values of the last earlier
-    layer of its type (with double-wide MLPs)."""
+def kv_sharing_layers(layers: int) -> dict:
+    """Local / global layers, at least 4, the last half attending over the keys and values of the last
+    earlier layer of its type (Gemma 4, Gemma 3n)."""
     layers = max(layers, 4)
     return dict(num_hidden_layers=layers, sliding_window=WINDOW, layer_types=alternating_layers(layers),
-                global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
-                num_kv_shared_layers=layers // 2, use_double_wide_mlp=True)
+                num_kv_shared_layers=layers // 2)
+
+
+def gemma4_layers(layers: int) -> dict:
+    """Gemma 4's attention: kv_sharing_layers, the global ones with their own head dim and kv heads and keys
+    as values (with double-wide MLPs)."""
+    return dict(**kv_sharing_layers(layers), global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                use_double_wide_mlp=True)
+
+
+def gemma3n_layers(layers: int) -> dict:
+    """Gemma 3n's: kv_sharing_layers with per-layer embeddings, AltUp and LAuReL; the first half's MLPs
+    sparsify their gate (0.9)."""
+    shared = kv_sharing_layers(layers)
+    sparse = shared["num_hidden_layers"] // 2
+    return dict(**shared, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, laurel_rank=8,
+                activation_sparsity_pattern=[0.9] * sparse + [0.0] * (shared["num_hidden_layers"] - sparse))
 
 
 # Families whose tiny config is the model type's defaults at these sizes plus a few overrides (each a
@@ -195,12 +209,7 @@ AUTO_CONFIGS = {
     # Gemma 3n: local / global layers, the last half attending over earlier layers' keys and values (as Gemma
     # 4's), value norms, AltUp, LAuReL and per-layer embeddings; the first half's MLPs sparsify their gate
     # (a Gaussian top-k)
-    "gemma3n_text": lambda layers: dict(num_hidden_layers=max(layers, 4), sliding_window=WINDOW,
-                                        layer_types=alternating_layers(max(layers, 4)),
-                                        num_kv_shared_layers=max(layers, 4) // 2, vocab_size_per_layer_input=VOCAB,
-                                        hidden_size_per_layer_input=8, laurel_rank=8,
-                                        activation_sparsity_pattern=[0.9] * (max(layers, 4) // 2)
-                                        + [0.0] * (max(layers, 4) - max(layers, 4) // 2)),
+    "gemma3n_text": gemma3n_layers,
     # multi-head latent attention: DeepSeek-V3 and the families on its code (interleaved RoPE), layer 0 dense,
     # the others experts; DeepSeek-V2 with its complex RoPE and a full-rank query (q_proj); MiniCPM3 and
     # Youtu dense, MiniCPM3 with plain RoPE
@@ -369,8 +378,8 @@ LATENT = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "minicpm3", "yo
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
-            "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3", "gemma4_text", "gemma4_unified_text", "gemma3n_text",
-            "modernbert-decoder", "zaya")
+            "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3", "gemma4_text", "gemma4_unified_text",
+            "gemma3n_text", "modernbert-decoder", "zaya")
 # families whose tiny configs' last 2 of 4 layers attend over the first 2's keys and values (Gemma 4)
 KV_SHARING = ("gemma4_text", "gemma4_unified_text", "gemma3n_text")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)

@@ -160,6 +160,8 @@ RECURRENT = ("linear_attention", "mamba", "conv")
 CACHELESS = ("mlp", "moe")
 # and of layers running attention and a recurrent block side by side (Falcon-H1's; ZAYA1's, some windowed)
 PARALLEL = ("hybrid", "hybrid_sliding")
+# and of layers attending through the config's sliding_window
+SLIDING = ("sliding_attention", "hybrid_sliding")
 # the first transformers release whose hybrid models work on a StaticKVCache (tested: 5.17 and 5.23;
 # in 5.8 to 5.14 some read other state attributes, or restart a state on multi-token inputs)
 HYBRID_FROM = "5.17"

@@ -37,10 +37,10 @@ def layer_geometry(config) -> list[tuple[int, ...]]:
 
 def sliding_windows(config) -> list[int | None]:
     """Per decoder layer: its sliding window, or None for a layer attending to every position. As
-    transformers reads a config: the ``layer_types`` named "sliding_attention" (ZAYA1's
+    transformers reads a config: the ``layer_types`` in families.SLIDING ("sliding_attention", ZAYA1's
     "hybrid_sliding") have the config's ``sliding_window``; without layer types every layer has it
     (Mistral, Phi-3, StarCoder2)."""
-    from gptfast_kernels.models.families import layer_types
+    from gptfast_kernels.models.families import SLIDING, layer_types
 
     config = config.get_text_config(decoder=True)
     window = getattr(config, "sliding_window", None)
@@ -48,7 +48,7 @@ def sliding_windows(config) -> list[int | None]:
         return [None] * config.num_hidden_layers
     if getattr(config, "layer_types", None) is None:
         return [window] * config.num_hidden_layers
-    return [window if kind in ("sliding_attention", "hybrid_sliding") else None for kind in layer_types(config)]
+    return [window if kind in SLIDING else None for kind in layer_types(config)]
 
 
 # The layer_types entry of a chunked-attention layer (Llama 4's; models/llama4.py passes it the chunk).

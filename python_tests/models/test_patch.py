@@ -12,7 +12,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, BertConfig, DynamicCache, Gemma3Config
 
 import gptfast_kernels.models.attention as attention
-from gptfast_kernels.models.families import family_of
+from gptfast_kernels.models.families import PARALLEL, SLIDING, family_of
 from gptfast_kernels import Int8Linear, StaticKVCache, ops, patch_model
 from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, INDEX_POSITIONED, KV_SHARING, MOE,
                                      PARALLEL_HYBRID, SOFTCAPPED, WINDOW, WINDOWED, WITH_SINKS, dequantized_copy,
@@ -165,8 +165,8 @@ def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, mon
     assert sinks == (family in WITH_SINKS)
     # (LFM3's convolution layers make no call; ZAYA1's layers attend beside their convolution: "hybrid", windowed
     # "hybrid_sliding")
-    want_calls = [(WINDOW if kind in ("sliding_attention", "hybrid_sliding") else None, softcap, sinks)
-                  for kind in layer_types if kind in ("sliding_attention", "full_attention", "hybrid", "hybrid_sliding")]
+    want_calls = [(WINDOW if kind in SLIDING else None, softcap, sinks)
+                  for kind in layer_types if kind in (*SLIDING, "full_attention", *PARALLEL)]
     assert seen[:len(want_calls)] == want_calls and len(seen) == 13 * len(want_calls)
 
 
@@ -198,14 +198,15 @@ def test_zaya_tokens_routed_to_the_skip_expert_get_no_expert_output():
     hooks = [m.register_forward_hook(lambda module, args, out: skipped.append(out[1] == 0))
              for m in model.modules() if type(m).__name__ == "ZayaRouter"]
     ids, mask = ragged_prompts(2, 8, "left")
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
-        want = model(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        model(ids, attention_mask=mask, position_ids=positions)
     for hook in hooks:
         hook.remove()
     skipped = torch.cat(skipped)
     assert 0 < int(skipped.sum()) < skipped.numel()  # some tokens skip the experts, not all
     with torch.no_grad():
-        want = dequantized_copy(model)(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        want = dequantized_copy(model)(ids, attention_mask=mask, position_ids=positions).logits
     patched = patched_copy(model, int8=True)
     router = patched.model.layers[0].mlp.gate  # its projections stay float (the family's float_linears)
     assert type(router.down_proj) is torch.nn.Linear and type(router.router_mlp.out_proj) is torch.nn.Linear

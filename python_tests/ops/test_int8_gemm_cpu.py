@@ -1,8 +1,8 @@
 """int8_linear's packed CPU GEMM (csrc/cpu/int8_gemm_kernel.h): the AVX-512 build takes 12-384 rows of x,
-the AVX2 build 16-64 (more go through dequantised tiles and the BLAS GEMM). Each build must match the reference on ragged shapes (panels of 32 / 16
-features and tiles of 12 / 6 rows with tails, K blocks of 128 / 256 with tails, K = 1); each output
-is one multiply-add chain over k in order, so a row's result must not depend on the rows beside it or
-the thread count, and the two builds must give the same bits."""
+the AVX2 build 16-64 (more go through dequantised tiles and the BLAS GEMM). Each build must match the
+reference on ragged shapes (panels of 32 / 16 features and tiles of 12 / 6 rows with tails, K blocks of
+128 / 256 with tails, K = 1); each output is one multiply-add chain over k in order, so a row's result
+must not depend on the rows beside it or the thread count, and the two builds must give the same bits."""
 
 import pytest
 import torch

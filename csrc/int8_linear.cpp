@@ -141,10 +141,11 @@ void run_packed(GemmBuild build, const std::vector<PackedProduct>& products) {
   });
 }
 
-// y_f32 [M, N] = (x_f32 @ qweight^T) * scales: PREFILL_TILE_N weight rows at a time dequantised into
-// one reused float32 tile, whose product the BLAS GEMM writes straight into y's columns, scaled while
-// they are still in cache.
-void gemm_tiled(const at::Tensor& x_f32, const at::Tensor& qweight, const at::Tensor& scales, at::Tensor& y_f32) {
+// y_f32 [M, N] = (x_f32 @ qweight^T) * scales + bias_f32 (undefined: none): PREFILL_TILE_N weight rows
+// at a time dequantised into one reused float32 tile, whose product the BLAS GEMM writes straight into
+// y's columns, scaled and biased while they are still in cache.
+void gemm_tiled(const at::Tensor& x_f32, const at::Tensor& qweight, const at::Tensor& scales,
+                const at::Tensor& bias_f32, at::Tensor& y_f32) {
   const int64_t N = qweight.size(0);
   at::Tensor tile = at::empty({std::min(N, PREFILL_TILE_N), qweight.size(1)}, x_f32.options());
   for (int64_t n0 = 0; n0 < N; n0 += PREFILL_TILE_N) {
@@ -154,6 +155,7 @@ void gemm_tiled(const at::Tensor& x_f32, const at::Tensor& qweight, const at::Te
     at::Tensor y_columns = y_f32.slice(1, n0, n1);
     at::mm_out(y_columns, x_f32, w_tile.t());
     y_columns.mul_(scales.slice(0, n0, n1));
+    if (bias_f32.defined()) y_columns.add_(bias_f32.slice(0, n0, n1));
   }
 }
 
@@ -163,16 +165,15 @@ at::Tensor int8_linear_unpacked(CpuIsa isa, const at::Tensor& x, const at::Tenso
                                 const std::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), N = qweight.size(0);
   const at::Tensor x_f32 = x.to(at::kFloat).contiguous();
+  const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
   at::Tensor y_f32 = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M <= GEMV_MAX_ROWS) {
-    const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
     if (M > 0 && N > 0) {
       gemv(isa, x_f32, qweight, scales.data_ptr<float>(), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
            y_f32);
     }
   } else {
-    gemm_tiled(x_f32, qweight, scales, y_f32);
-    if (bias.has_value()) y_f32.add_(bias->to(at::kFloat));
+    gemm_tiled(x_f32, qweight, scales, bias_f32, y_f32);
   }
   return y_f32.to(x.scalar_type());
 }

@@ -119,69 +119,123 @@ GPTFAST_INLINE vfloat exp_lanes(vfloat x) {
 // One number through the same lanes: the same bits as exp_lanes gives it.
 GPTFAST_INLINE float exp1(float x) { return exp_lanes(splat(x))[0]; }
 
-// q . key row (float32, 16-bit caches converted per block first): 16 dot-product lanes (dot_sum),
-// then the tail in order.
-GPTFAST_INLINE float dot1(const float* q, const float* keys, int64_t row, int64_t D) {
+// The key and value rows the block functions below read are of element type KE: float32 (a float32
+// cache, or a block of a 16-bit cache converted first) or the 16-bit cache itself, widened as it is
+// read (exact either way, so the same bits).
+
+// q . key row: 16 dot-product lanes (dot_sum), then the tail in order.
+template <Elem KE>
+GPTFAST_INLINE float dot1(const float* q, const void* keys, int64_t row, int64_t D) {
   vfloat acc[PARTS] = {};
   int64_t d = 0;
   for (; d + DOT_LANES <= D; d += DOT_LANES) {
     for (int64_t i = 0; i < PARTS; ++i) {
-      acc[i] = mul_add(load_floats(q + d + i * LANES), load_floats(keys + row + d + i * LANES), acc[i]);
+      acc[i] = mul_add(load_floats(q + d + i * LANES), loadv<KE>(keys, row + d + i * LANES), acc[i]);
     }
   }
   float s = dot_sum(acc);
-  for (; d < D; ++d) s = mul_add(q[d], keys[row + d], s);
+  for (; d < D; ++d) s = mul_add(q[d], load1<KE>(keys, row + d), s);
   return s;
 }
 
-// Four key rows at once (independent sums, q loaded once); each equals dot1's result.
-GPTFAST_INLINE void dot4(const float* q, const float* keys, const int64_t* rows, int64_t D, float* out) {
-  vfloat acc[4][PARTS] = {};
-  int64_t d = 0;
-  for (; d + DOT_LANES <= D; d += DOT_LANES) {
-    for (int64_t i = 0; i < PARTS; ++i) {
-      const vfloat qv = load_floats(q + d + i * LANES);
-      for (int k = 0; k < 4; ++k) acc[k][i] = mul_add(qv, load_floats(keys + rows[k] + d + i * LANES), acc[k][i]);
+// The dots of RB query rows with KB = LANES / RB key rows, each equal to dot1's: one register per dot
+// and part, so LANES independent multiply-adds fill the FMA units, each q and key register serves
+// several dots, and the 16-lane sums are reduced all at once (reduce_add_each, simd.h). A part's lanes
+// take their d in dot1's order whatever the other parts do, so each part's loop runs whole before the
+// next's (half the registers of the narrower builds), and the parts are added as dot_sum adds them:
+// (0 + 2) + (1 + 3), 0 + 1, or the one part. out[rr][kk]: row rr's dot with key kk.
+template <Elem KE, int64_t RB>
+GPTFAST_INLINE void dot_rows(const float* const* q, const void* keys, const int64_t* rows, int64_t D,
+                             float* const* out) {
+  constexpr int64_t KB = LANES / RB;
+  const int64_t D16 = D - D % DOT_LANES;
+  vfloat part_sums[PARTS > 1 ? 2 : 1][LANES];
+  for (int64_t i = 0; i < PARTS; ++i) {
+    vfloat acc[LANES] = {};
+    for (int64_t d = i * LANES; d < D16; d += DOT_LANES) {
+      vfloat qv[RB];
+      for (int64_t rr = 0; rr < RB; ++rr) qv[rr] = load_floats(q[rr] + d);
+      for (int64_t kk = 0; kk < KB; ++kk) {
+        const vfloat kv = loadv<KE>(keys, rows[kk] + d);
+        for (int64_t rr = 0; rr < RB; ++rr) acc[rr * KB + kk] = mul_add(qv[rr], kv, acc[rr * KB + kk]);
+      }
+    }
+    for (int64_t k = 0; k < LANES; ++k) part_sums[i % 2][k] = i < 2 ? acc[k] : part_sums[i % 2][k] + acc[k];
+  }
+  if constexpr (PARTS > 1) {
+    for (int64_t k = 0; k < LANES; ++k) part_sums[0][k] += part_sums[1][k];
+  }
+  float s[LANES];
+  store_floats(s, reduce_add_each(part_sums[0]));
+  for (int64_t d = D16; d < D; ++d) {
+    for (int64_t rr = 0; rr < RB; ++rr) {
+      for (int64_t kk = 0; kk < KB; ++kk) {
+        s[rr * KB + kk] = mul_add(q[rr][d], load1<KE>(keys, rows[kk] + d), s[rr * KB + kk]);
+      }
     }
   }
-  float s[4];
-  for (int k = 0; k < 4; ++k) s[k] = dot_sum(acc[k]);
-  for (; d < D; ++d) {
-    for (int k = 0; k < 4; ++k) s[k] = mul_add(q[d], keys[rows[k] + d], s[k]);
+  for (int64_t rr = 0; rr < RB; ++rr) {
+    for (int64_t kk = 0; kk < KB; ++kk) out[rr][kk] = s[rr * KB + kk];
   }
-  for (int k = 0; k < 4; ++k) out[k] = s[k];
 }
 
-// acc[0..Dv) = acc * correction + sum_j p[j] * value row j, j = j0 .. j1 - 1 in order; the
-// accumulators of 4 registers' columns stay in registers across the block's rows.
-GPTFAST_INLINE void accumulate_values(float* acc, float correction, const float* p, const float* values,
-                                      const int64_t* rows, int64_t j0, int64_t j1, int64_t Dv) {
+// Scores p[rr][j] = q[rr] . key j for j0 <= j < j1 and RB rows: dot_rows over KB keys at a time, then
+// one key at a time.
+template <Elem KE, int64_t RB>
+GPTFAST_INLINE void score_rows(const float* const* q, const void* keys, const int64_t* rows, int64_t j0, int64_t j1,
+                               int64_t D, float* const* p) {
+  constexpr int64_t KB = LANES / RB;
+  int64_t j = j0;
+  for (; j + KB <= j1; j += KB) {
+    float* out[RB];
+    for (int64_t rr = 0; rr < RB; ++rr) out[rr] = p[rr] + j;
+    dot_rows<KE, RB>(q, keys, rows + j, D, out);
+  }
+  for (; j < j1; ++j) {
+    for (int64_t rr = 0; rr < RB; ++rr) p[rr][j] = dot1<KE>(q[rr], keys, rows[j], D);
+  }
+}
+
+// acc[rr][0..Dv) = acc[rr] * correction[rr] + sum_j p[rr][j] * value row j, j = j0 .. j1 - 1 in order,
+// for RB rows that read the same positions; VB registers of columns per row stay in registers across
+// the block's rows (RB x VB accumulators: 16 in the AVX-512 build, at most 8 in the others, which
+// have 16 registers in all), each value register loaded once for the RB rows.
+template <Elem KE, int64_t RB>
+GPTFAST_INLINE void accumulate_values(float* const* acc, const float* correction, const float* const* p,
+                                      const void* values, const int64_t* rows, int64_t j0, int64_t j1, int64_t Dv) {
+  constexpr int64_t VB = RB == 4 && LANES < 16 ? 2 : 4;
   int64_t d = 0;
-  for (; d + 4 * LANES <= Dv; d += 4 * LANES) {
-    vfloat a0 = load_floats(acc + d) * correction, a1 = load_floats(acc + d + LANES) * correction;
-    vfloat a2 = load_floats(acc + d + 2 * LANES) * correction, a3 = load_floats(acc + d + 3 * LANES) * correction;
-    for (int64_t j = j0; j < j1; ++j) {
-      const vfloat pj = splat(p[j]);
-      const int64_t row = rows[j] + d;
-      a0 = mul_add(pj, load_floats(values + row), a0);
-      a1 = mul_add(pj, load_floats(values + row + LANES), a1);
-      a2 = mul_add(pj, load_floats(values + row + 2 * LANES), a2);
-      a3 = mul_add(pj, load_floats(values + row + 3 * LANES), a3);
+  for (; d + VB * LANES <= Dv; d += VB * LANES) {
+    vfloat a[RB][VB];
+    for (int64_t rr = 0; rr < RB; ++rr) {
+      for (int64_t v = 0; v < VB; ++v) a[rr][v] = load_floats(acc[rr] + d + v * LANES) * correction[rr];
     }
-    store_floats(acc + d, a0);
-    store_floats(acc + d + LANES, a1);
-    store_floats(acc + d + 2 * LANES, a2);
-    store_floats(acc + d + 3 * LANES, a3);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t row = rows[j] + d;
+      vfloat x[VB];
+      for (int64_t v = 0; v < VB; ++v) x[v] = loadv<KE>(values, row + v * LANES);
+      for (int64_t rr = 0; rr < RB; ++rr) {
+        const vfloat pj = broadcast(p[rr] + j);
+        for (int64_t v = 0; v < VB; ++v) a[rr][v] = mul_add(pj, x[v], a[rr][v]);
+      }
+    }
+    for (int64_t rr = 0; rr < RB; ++rr) {
+      for (int64_t v = 0; v < VB; ++v) store_floats(acc[rr] + d + v * LANES, a[rr][v]);
+    }
   }
   for (; d + LANES <= Dv; d += LANES) {
-    vfloat a = load_floats(acc + d) * correction;
-    for (int64_t j = j0; j < j1; ++j) a = mul_add(splat(p[j]), load_floats(values + rows[j] + d), a);
-    store_floats(acc + d, a);
+    for (int64_t rr = 0; rr < RB; ++rr) {
+      vfloat a = load_floats(acc[rr] + d) * correction[rr];
+      for (int64_t j = j0; j < j1; ++j) a = mul_add(broadcast(p[rr] + j), loadv<KE>(values, rows[j] + d), a);
+      store_floats(acc[rr] + d, a);
+    }
   }
   for (; d < Dv; ++d) {
-    float a = acc[d] * correction;
-    for (int64_t j = j0; j < j1; ++j) a = mul_add(p[j], values[rows[j] + d], a);
-    acc[d] = a;
+    for (int64_t rr = 0; rr < RB; ++rr) {
+      float a = acc[rr][d] * correction[rr];
+      for (int64_t j = j0; j < j1; ++j) a = mul_add(p[rr][j], load1<KE>(values, rows[j] + d), a);
+      acc[rr][d] = a;
+    }
   }
 }
 
@@ -199,37 +253,133 @@ GPTFAST_INLINE void to_floats(const void* cache, int64_t row, int64_t count, flo
   for (; d < count; ++d) x[d] = load1<E>(cache, row + d);
 }
 
-// One block of positions s0 .. s0 + n - 1 for every query row that reads some of them: scores, the
-// online-softmax update and the value sum. Keys and values are float32 rows at the given offsets
-// (the cache itself, or a block converted from a 16-bit cache).
+// Query rows scored, and summed over values, together at most: LANES dots of 16 lanes (dot_rows), and
+// 4 registers of value columns for each of them (accumulate_values).
+constexpr int64_t GROUP_ROWS = 4;
+static_assert(GROUP_ROWS == 4, "score_group and attend_block split a group as 4, or 2 + 1");
+
+// The block's slots [j0, j1) query row r reads (empty where it reads none).
+struct SlotRange {
+  int64_t j0, j1;
+};
+GPTFAST_INLINE SlotRange slot_range(const int64_t* first, const int64_t* last, int64_t r, int64_t s0, int64_t n) {
+  return {first[r] - s0 > 0 ? first[r] - s0 : 0, last[r] + 1 - s0 < n ? last[r] + 1 - s0 : n};
+}
+
+// Scores of up to 4 rows at once (rows[0 .. count)) over every slot any of them reads: a row's
+// scores outside its own range come from key rows the block holds, and are never read.
+template <Elem KE>
+GPTFAST_INLINE void score_group(const float* q, const void* keys, const int64_t* key_rows, int64_t D, float* scores,
+                                const int64_t* rows, int64_t count, int64_t j0, int64_t j1) {
+  const float* qs[GROUP_ROWS];
+  float* ps[GROUP_ROWS];
+  for (int64_t i = 0; i < count; ++i) {
+    qs[i] = q + rows[i] * D;
+    ps[i] = scores + rows[i] * SLOT_BLOCK;
+  }
+  if (count == 4) return score_rows<KE, 4>(qs, keys, key_rows, j0, j1, D, ps);
+  int64_t i = 0;
+  if (count >= 2) {
+    score_rows<KE, 2>(qs, keys, key_rows, j0, j1, D, ps);
+    i = 2;
+  }
+  if (i < count) score_rows<KE, 1>(qs + i, keys, key_rows, j0, j1, D, ps + i);
+}
+
+// The online-softmax step of `count` rows over their scores p[i][j0, j1): softcap, the new running
+// max, p = e^(p - max), the running sum; correction[i]: the factor row i's accumulated values are
+// scaled by. The max is taken lane-wise (exact in any order: a NaN score makes the row NaN whichever
+// max it picks, and a max of -0 or +0 gives the same exponentials), the sums add p[j0], p[j0 + 1], ...
+// in order, the rows' sums interleaved so that their additions overlap.
+GPTFAST_INLINE void softmax_step(const AttendArgs& a, float* const* p, int64_t count, int64_t j0, int64_t j1,
+                                 float* row_max, float* row_sum, float* correction) {
+  float block_sum[GROUP_ROWS];
+  for (int64_t i = 0; i < count; ++i) {
+    float* pi = p[i];
+    int64_t j;
+    if (a.softcap > 0.f) {
+      for (j = j0; j < j1; ++j) pi[j] = a.softcap * __builtin_tanhf(pi[j] / a.softcap);
+    }
+    float block_max = pi[j0];
+    j = j0 + 1;
+    if (j + LANES <= j1) {
+      vfloat m = load_floats(pi + j);
+      for (j += LANES; j + LANES <= j1; j += LANES) {
+        const vfloat x = load_floats(pi + j);
+        m = x > m ? x : m;
+      }
+      for (int64_t l = 0; l < LANES; ++l) block_max = m[l] > block_max ? m[l] : block_max;
+    }
+    for (; j < j1; ++j) block_max = pi[j] > block_max ? pi[j] : block_max;
+    const float new_max = block_max > row_max[i] ? block_max : row_max[i];
+    correction[i] = exp1(row_max[i] - new_max);  // 0 on the first block (max was -inf)
+    row_max[i] = new_max;
+    for (j = j0; j + LANES <= j1; j += LANES) store_floats(pi + j, exp_lanes(load_floats(pi + j) - new_max));
+    for (; j < j1; ++j) pi[j] = exp1(pi[j] - new_max);
+    block_sum[i] = 0.f;
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    for (int64_t i = 0; i < count; ++i) block_sum[i] += p[i][j];
+  }
+  for (int64_t i = 0; i < count; ++i) row_sum[i] = row_sum[i] * correction[i] + block_sum[i];
+}
+
+// One block of positions s0 .. s0 + n - 1 for every query row that reads some of them: scores (up to
+// 4 rows at once), the online-softmax update and the value sum (up to 4 rows that read the same
+// slots at once: decode's heads of a group, and prefill's rows on blocks below the diagonal). Keys and
+// values are rows of KE at the given offsets (the cache itself, or a block of a 16-bit cache converted
+// to float32). Each row's operations and their order are the same however rows are grouped.
+template <Elem KE>
 GPTFAST_INLINE void attend_block(const AttendArgs& a, int64_t s0, int64_t n, int64_t R, const int64_t* first,
                                  const int64_t* last, const float* q, float* acc, float* row_max, float* row_sum,
-                                 float* scores, const float* keys, const int64_t* key_rows, const float* values,
+                                 float* scores, const void* keys, const int64_t* key_rows, const void* values,
                                  const int64_t* value_rows) {
   const int64_t D = a.D, Dv = a.Dv;
+  int64_t group[GROUP_ROWS], count = 0, lo = n, hi = 0;
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t j0 = first[r] - s0 > 0 ? first[r] - s0 : 0;
-    const int64_t j1 = last[r] + 1 - s0 < n ? last[r] + 1 - s0 : n;
-    if (j0 >= j1) continue;
-    float* p = scores + r * SLOT_BLOCK;
-    const float* qr = q + r * D;
-    int64_t j = j0;
-    for (; j + 4 <= j1; j += 4) dot4(qr, keys, key_rows + j, D, p + j);
-    for (; j < j1; ++j) p[j] = dot1(qr, keys, key_rows[j], D);
-    if (a.softcap > 0.f) {
-      for (j = j0; j < j1; ++j) p[j] = a.softcap * __builtin_tanhf(p[j] / a.softcap);
+    const SlotRange range = slot_range(first, last, r, s0, n);
+    if (range.j0 >= range.j1) continue;
+    group[count++] = r;
+    lo = range.j0 < lo ? range.j0 : lo;
+    hi = range.j1 > hi ? range.j1 : hi;
+    if (count == GROUP_ROWS) {
+      score_group<KE>(q, keys, key_rows, D, scores, group, count, lo, hi);
+      count = 0, lo = n, hi = 0;
     }
-    float block_max = p[j0];
-    for (j = j0 + 1; j < j1; ++j) block_max = p[j] > block_max ? p[j] : block_max;
-    const float new_max = block_max > row_max[r] ? block_max : row_max[r];
-    const float correction = exp1(row_max[r] - new_max);  // 0 on the first block (max was -inf)
-    row_max[r] = new_max;
-    for (j = j0; j + LANES <= j1; j += LANES) store_floats(p + j, exp_lanes(load_floats(p + j) - new_max));
-    for (; j < j1; ++j) p[j] = exp1(p[j] - new_max);
-    float block_sum = 0.f;
-    for (j = j0; j < j1; ++j) block_sum += p[j];
-    row_sum[r] = row_sum[r] * correction + block_sum;
-    accumulate_values(acc + r * Dv, correction, p, values, value_rows, j0, j1, Dv);
+  }
+  if (count > 0) score_group<KE>(q, keys, key_rows, D, scores, group, count, lo, hi);
+
+  for (int64_t r = 0; r < R;) {
+    const SlotRange range = slot_range(first, last, r, s0, n);
+    if (range.j0 >= range.j1) {
+      ++r;
+      continue;
+    }
+    count = 1;
+    while (count < GROUP_ROWS && r + count < R) {
+      const SlotRange next = slot_range(first, last, r + count, s0, n);
+      if (next.j0 != range.j0 || next.j1 != range.j1) break;
+      ++count;
+    }
+    float correction[GROUP_ROWS], *accs[GROUP_ROWS], *ps[GROUP_ROWS];
+    for (int64_t i = 0; i < count; ++i) {
+      accs[i] = acc + (r + i) * Dv;
+      ps[i] = scores + (r + i) * SLOT_BLOCK;
+    }
+    softmax_step(a, ps, count, range.j0, range.j1, row_max + r, row_sum + r, correction);
+    if (count == 4) {
+      accumulate_values<KE, 4>(accs, correction, ps, values, value_rows, range.j0, range.j1, Dv);
+    } else {
+      int64_t i = 0;
+      if (count >= 2) {
+        accumulate_values<KE, 2>(accs, correction, ps, values, value_rows, range.j0, range.j1, Dv);
+        i = 2;
+      }
+      if (i < count) {
+        accumulate_values<KE, 1>(accs + i, correction + i, ps + i, values, value_rows, range.j0, range.j1, Dv);
+      }
+    }
+    r += count;
   }
 }
 
@@ -288,19 +438,21 @@ void attend_rows_impl(const AttendArgs& a, int64_t b, int64_t h, int64_t g0, int
     for (int64_t j = 0, slot = a.ring ? s0 % a.S : s0; j < n; ++j, slot = slot + 1 == a.S ? 0 : slot + 1) {
       key_rows[j] = head_row + slot * a.D;
     }
-    if constexpr (E == Elem::F32) {
-      attend_block(a, s0, n, R, first, last, q, acc, row_max, row_sum, scores, static_cast<const float*>(a.keys),
-                   key_rows, static_cast<const float*>(a.values), key_rows);
+    if (E == Elem::F32 || R <= GROUP_ROWS) {
+      // float32, or one group of rows (score_group, attend_block): the cache rows are read as they are
+      attend_block<E>(a, s0, n, R, first, last, q, acc, row_max, row_sum, scores, a.keys, key_rows, a.values,
+                      key_rows);
     } else {
-      // 16-bit caches: the rows read are converted to float once here, not once per query row
+      // 16-bit caches read by several groups of rows: the rows read are converted to float once here,
+      // not once per group
       for (int64_t j = used_lo; j < used_hi; ++j) {
         to_floats<E>(a.keys, key_rows[j], D, key_block + j * D);
         if (!values_in_keys) to_floats<E>(a.values, key_rows[j], Dv, value_block + j * Dv);
         block_key_rows[j] = j * D;
         block_value_rows[j] = values_in_keys ? j * D : j * Dv;
       }
-      attend_block(a, s0, n, R, first, last, q, acc, row_max, row_sum, scores, key_block, block_key_rows,
-                   values_in_keys ? key_block : value_block, block_value_rows);
+      attend_block<Elem::F32>(a, s0, n, R, first, last, q, acc, row_max, row_sum, scores, key_block,
+                              block_key_rows, values_in_keys ? key_block : value_block, block_value_rows);
     }
   }
 

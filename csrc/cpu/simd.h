@@ -37,6 +37,11 @@ GPTFAST_INLINE vuint usplat(uint32_t x) { return vuint{} + x; }
 GPTFAST_INLINE vfloat broadcast(const float* p) { return _mm512_set1_ps(*p); }
 #elif GPTFAST_FMA && GPTFAST_NATIVE_LANES == 8
 GPTFAST_INLINE vfloat broadcast(const float* p) { return _mm256_set1_ps(*p); }
+#elif GPTFAST_NATIVE_LANES == 4
+GPTFAST_INLINE vfloat broadcast(const float* p) {  // one shuffle (a loop of lane stores made four)
+  const vfloat x = {*p, 0.f, 0.f, 0.f};
+  return __builtin_shufflevector(x, x, 0, 0, 0, 0);
+}
 #else
 GPTFAST_INLINE vfloat broadcast(const float* p) {
   vfloat v;
@@ -106,6 +111,44 @@ GPTFAST_INLINE float reduce_add(vfloat v) {
 #endif
   const vfloat2 v2 = __builtin_shufflevector(v4, v4, 0, 1) + __builtin_shufflevector(v4, v4, 2, 3);
   return v2[0] + v2[1];
+}
+
+// reduce_add of LANES vectors at once, transposed: lane k of the result is reduce_add(v[k]), the same
+// pairs added in the same order, so the same bits. Each step folds two vectors whose lanes hold groups
+// of W partial sums (one group per original vector) into one with twice the groups of half the width:
+// a group's lane m is added to its lane m + W / 2, as reduce_add does; x's groups come first, then y's,
+// so the groups stay in v's order. LANES / 2 + LANES / 4 + ... + 1 adds, each of two shuffles.
+constexpr int64_t fold_source(int64_t W, int64_t high, int64_t i) {
+  const int64_t group = i / (W / 2), groups = LANES / W;
+  return (group < groups ? group * W : LANES + (group - groups) * W) + i % (W / 2) + high * (W / 2);
+}
+#if GPTFAST_NATIVE_LANES == 16
+#define GPTFAST_FOLD_LANES(W, high)                                                                             \
+  fold_source(W, high, 0), fold_source(W, high, 1), fold_source(W, high, 2), fold_source(W, high, 3),          \
+      fold_source(W, high, 4), fold_source(W, high, 5), fold_source(W, high, 6), fold_source(W, high, 7),      \
+      fold_source(W, high, 8), fold_source(W, high, 9), fold_source(W, high, 10), fold_source(W, high, 11),    \
+      fold_source(W, high, 12), fold_source(W, high, 13), fold_source(W, high, 14), fold_source(W, high, 15)
+#elif GPTFAST_NATIVE_LANES == 8
+#define GPTFAST_FOLD_LANES(W, high)                                                                             \
+  fold_source(W, high, 0), fold_source(W, high, 1), fold_source(W, high, 2), fold_source(W, high, 3),          \
+      fold_source(W, high, 4), fold_source(W, high, 5), fold_source(W, high, 6), fold_source(W, high, 7)
+#else
+#define GPTFAST_FOLD_LANES(W, high) fold_source(W, high, 0), fold_source(W, high, 1), fold_source(W, high, 2), \
+                                    fold_source(W, high, 3)
+#endif
+template <int64_t W>
+GPTFAST_INLINE void fold_groups(vfloat* v) {  // v[0 .. W) -> v[0 .. W / 2)
+  for (int64_t i = 0; i < W / 2; ++i) {
+    const vfloat x = v[2 * i], y = v[2 * i + 1];
+    v[i] = __builtin_shufflevector(x, y, GPTFAST_FOLD_LANES(W, 0)) +
+           __builtin_shufflevector(x, y, GPTFAST_FOLD_LANES(W, 1));
+  }
+  if constexpr (W > 2) fold_groups<W / 2>(v);
+}
+#undef GPTFAST_FOLD_LANES
+GPTFAST_INLINE vfloat reduce_add_each(vfloat* v) {  // v[0 .. LANES), overwritten
+  fold_groups<LANES>(v);
+  return v[0];
 }
 
 GPTFAST_INLINE vfloat load_floats(const float* p) {

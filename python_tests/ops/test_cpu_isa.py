@@ -120,6 +120,35 @@ def test_a_row_is_the_same_in_any_work_item(dtype, window):
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_query_head_is_the_same_in_any_group_of_heads(isa, dtype):
+    """The kernel scores up to 4 query rows at once and sums the values of up to 4 rows that read the
+    same slots at once; with more than 4 rows a 16-bit cache's block is converted to float first,
+    with fewer it is widened as it is read. A query head must give the same bits in every grouping:
+    each head of a group of G = 1 .. 8 (groups of 4, 2 + 1, 4 + 2 + 1, ...) against the same head
+    alone as multi-head attention (one row: one key-row group of the widest dot and the value sums
+    of a single row), decode and 5 verification tokens, D = 80 (a tail past the 16-lane dots and
+    the value registers), on one thread so that no item splits the group."""
+    skip_unless_cpu_build(isa)
+    B, Hkv, D, S = 2, 2, 80, 64
+    for G in range(1, 9):
+        for T in (1, 5):
+            positions = torch.stack([torch.arange(40, 40 + T), torch.arange(17, 17 + T)])
+            q, k, v, k_cache, v_cache, positions = make_case(B, Hkv * G, Hkv, T, D, S, positions, dtype,
+                                                             seed=G * 10 + T)
+
+            def attend(queries):
+                return ops.kv_cache_attention(queries, k, v, k_cache.clone(), v_cache.clone(), positions,
+                                              backend="cpu")
+
+            grouped = with_threads(1, lambda: with_cpu_build(isa, lambda: attend(q)))
+            for g in range(G):
+                heads = [h * G + g for h in range(Hkv)]
+                alone = with_threads(1, lambda: with_cpu_build(isa, lambda: attend(q[:, heads])))
+                assert torch.equal(alone, grouped[:, heads]), f"G={G} T={T} head {g}"
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_special_half_values_are_read_exactly(isa):
     """With all-zero queries attention is the plain mean of the values seen; float16 values that are
     subnormal, near the largest finite, or negative zero must be converted exactly (a mean of a few

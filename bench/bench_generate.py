@@ -2,7 +2,9 @@
 transformers' own generate on the unpatched model, same random-weight Llama-shaped model, batch 1
 (and more rows on a GPU), greedy.
 
-CPU: a 125M-parameter Llama shape (hidden 768, 12 layers, vocab 32000), fp32 baseline.
+CPU: a 125M-parameter Llama shape (hidden 768, 12 layers, vocab 32000), fp32 baseline; ours both
+eager (as transformers' generate runs there) and with ``compile=True`` (inductor's C++ code; the
+warm-up call compiles).
 GPU: Llama-3-8B shapes in bf16, baseline HF generate with its static cache (which transformers
 compiles itself for static caches on CUDA), ours with ``compile=True`` (decode step in a CUDA
 graph), batch 1, 8 and 32 rows. tokens_per_s includes the prefill of a 32-token prompt;
@@ -99,26 +101,30 @@ def _compare(h, build, name: str, batches) -> None:
                 kwargs["cache_implementation"] = "static"
             return baseline.generate(input_ids, **kwargs)
 
-        def ours_run(tokens):
-            return generate(patched, input_ids, mask, max_new_tokens=tokens, eos_token_id=[], compile=on_gpu)
-
         with torch.no_grad():
             hf_seconds, hf_out = best_seconds(lambda: hf_run(new_tokens), h.device, repeats=2)
-            ours_seconds, ours_out = best_seconds(lambda: ours_run(new_tokens), h.device, repeats=2)
             # prefill + the first token alone: the difference is the time of the other decode steps
             hf_first, _ = best_seconds(lambda: hf_run(1), h.device, repeats=2)
-            ours_first, _ = best_seconds(lambda: ours_run(1), h.device, repeats=2)
-        hf_tps, ours_tps = rows * new_tokens / hf_seconds, rows * new_tokens / ours_seconds
+        hf_tps = rows * new_tokens / hf_seconds
         steps = new_tokens - 1
         hf_decode_tps = rows * steps / max(hf_seconds - hf_first, 1e-9)
-        ours_decode_tps = rows * steps / max(ours_seconds - ours_first, 1e-9)
         case = {"op": "generate_e2e", "model": f"{name}-{params / 1e6:.0f}M random", "batch": rows,
                 "dtype": str(dtype)[6:], "new_tokens": new_tokens, **h.meta}
         h.rows.append({**case, "impl": "hf_generate" + ("_static_cache" if on_gpu else ""),
                        "tokens_per_s": hf_tps, "decode_tokens_per_s": hf_decode_tps, "speedup_vs_baseline": 1.0})
-        h.rows.append({**case, "impl": "ours_int8_fused", "tokens_per_s": ours_tps,
-                       "decode_tokens_per_s": ours_decode_tps, "speedup_vs_baseline": ours_tps / hf_tps,
-                       "decode_speedup_vs_baseline": ours_decode_tps / hf_decode_tps,
-                       "same_tokens_as_float_baseline": bool(torch.equal(ours_out.sequences, hf_out)),
-                       # > 0: some compiled step ran without its CUDA graph (inductor said why in the log)
-                       "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"]})
+        # a GPU runs ours compiled (CUDA graphs); a CPU both eager, as the baseline runs, and compiled
+        for impl, compiled in [("ours_int8_fused", on_gpu)] + ([] if on_gpu else [("ours_int8_fused_compiled", True)]):
+            def ours_run(tokens, compiled=compiled):
+                return generate(patched, input_ids, mask, max_new_tokens=tokens, eos_token_id=[], compile=compiled)
+
+            with torch.no_grad():
+                ours_seconds, ours_out = best_seconds(lambda: ours_run(new_tokens), h.device, repeats=2)
+                ours_first, _ = best_seconds(lambda: ours_run(1), h.device, repeats=2)
+            ours_tps = rows * new_tokens / ours_seconds
+            ours_decode_tps = rows * steps / max(ours_seconds - ours_first, 1e-9)
+            h.rows.append({**case, "impl": impl, "compiled": compiled, "tokens_per_s": ours_tps,
+                           "decode_tokens_per_s": ours_decode_tps, "speedup_vs_baseline": ours_tps / hf_tps,
+                           "decode_speedup_vs_baseline": ours_decode_tps / hf_decode_tps,
+                           "same_tokens_as_float_baseline": bool(torch.equal(ours_out.sequences, hf_out)),
+                           # > 0: some compiled step ran without its CUDA graph (inductor said why in the log)
+                           "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"]})

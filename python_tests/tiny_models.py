@@ -237,6 +237,11 @@ AUTO_CONFIGS = {
     # attention sinks, local / global layers, experts that stay float
     "gpt_oss": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                    layer_types=alternating_layers(layers)),
+    # values narrower than the keys (16 against 24), twice the kv heads and sinks on local layers, partial
+    # rotary (8 of 24), values scaled, a dense first layer then routed experts
+    "mimo_v2_flash": lambda layers: dict(head_dim=24, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, sliding_window=WINDOW,
+                                         layer_types=alternating_layers(layers)),
 }
 # Families whose configs name their sizes in their own way: the whole tiny config (a function of the layer count)
 OWN_DIMS_CONFIGS = {
@@ -372,14 +377,14 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
        "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
        "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe", "gemma4_text", "deepseek_v3", "zaya",
-       "deepseek_v2", "glm4_moe_lite", "axk1", "llama4_text", "kimi_linear")
+       "deepseek_v2", "glm4_moe_lite", "axk1", "llama4_text", "kimi_linear", "mimo_v2_flash")
 # families with multi-head latent attention (their caches hold one latent per token)
 LATENT = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "minicpm3", "youtu", "kimi_linear")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
             "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3", "gemma4_text", "gemma4_unified_text",
-            "gemma3n_text", "modernbert-decoder", "zaya")
+            "gemma3n_text", "modernbert-decoder", "zaya", "mimo_v2_flash")
 # families whose tiny configs' last 2 of 4 layers attend over the first 2's keys and values (Gemma 4)
 KV_SHARING = ("gemma4_text", "gemma4_unified_text", "gemma3n_text")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)
@@ -389,7 +394,7 @@ HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamb
 PARALLEL_HYBRID = ("falcon_h1", "zaya")
 # families whose tiny configs soft-cap attention scores (ATTENTION_SOFTCAP) or have attention sinks
 SOFTCAPPED = ("gemma2", "vaultgemma")
-WITH_SINKS = ("gpt_oss", "granitemoe_swa", "granite_swa", "flint")
+WITH_SINKS = ("gpt_oss", "granitemoe_swa", "granite_swa", "flint", "mimo_v2_flash")
 # families whose transformers models take some position-dependent quantity from a token's index in the
 # padded batch rather than its position (Llama 4's query temperature on NoPE layers): against them, rows
 # are padded on the right, where the two agree
@@ -401,8 +406,8 @@ SEPARATE_PROJECTIONS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
 
 # transformers 5.8 to 5.17 (at least) defaults Gemma 2 to SDPA, which drops its attention soft-capping: the
 # reference model must run eager attention, as transformers recommends for Gemma 2
-REFERENCE_ATTENTION = {"gemma2": "eager", "gpt_oss": "eager",  # GPT-OSS: SDPA would drop its sinks
-                       "vaultgemma": "eager"}
+REFERENCE_ATTENTION = {"gemma2": "eager", "gpt_oss": "eager",  # GPT-OSS, MiMo-V2-Flash: SDPA would drop sinks
+                       "vaultgemma": "eager", "mimo_v2_flash": "eager"}
 
 
 # standard deviation of the random biases tiny models get (of the same order as their weights', INIT_RANGE)

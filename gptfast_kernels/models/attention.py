@@ -100,8 +100,18 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
     # passed; a ring's positions run past its slots, so there the chunk is always needed
     needs_chunk = attention_chunk_size and (ring or attention_chunk_size < layer.keys.shape[2])
     chunk = attention_chunk_size if needs_chunk else None
+    value_width = None if layer.value_dim else value.shape[-1]
+    if value_width is not None and value_width != key.shape[-1]:
+        # values narrower than the keys (MiMo-V2-Flash): the layer's value buffers are as wide as its keys and
+        # hold them zero-padded, and the output's columns past the values' width are dropped
+        if value_width > key.shape[-1]:
+            raise ValueError(f"StaticKVCache: layer {module.layer_idx}'s values are {value_width} wide, wider than its "
+                             f"keys ({key.shape[-1]}); the cache holds values at most as wide as the keys")
+        value = torch.nn.functional.pad(value, (0, key.shape[-1] - value_width))
     out = _attend(layer, query.to(dtype), key.to(dtype), None if layer.value_dim else value.to(dtype), positions,
                   scaling, sliding_window, softcap, s_aux, ring, backend, chunk)
+    if value_width is not None and value_width != out.shape[-1]:
+        out = out[..., :value_width]
     # [B, T, Hq, D] contiguous, as transformers' attention functions return it (AFMoE .view()s it); for
     # T = 1 the transpose is contiguous already and this copies nothing
     return out.to(query.dtype).transpose(1, 2).contiguous(), None

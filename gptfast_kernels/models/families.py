@@ -98,6 +98,8 @@ class Family:
     # a family whose modules get forwards of ours beyond the attention function (models/<name>.py):
     # "llama4" (chunked attention, per-row query temperature, experts on router-scaled inputs)
     own_forwards: str | None = None
+    # the kv heads of its sliding-window layers, as a multiple of the config's (MiMo-V2-Flash: 2)
+    sliding_kv_heads: int = 1
 
     def layer_kinds(self, config) -> list[str]:
         """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /
@@ -123,7 +125,11 @@ class Family:
         global layers have their own) gives each layer its own; others give every layer the config's."""
         layer_configs = getattr(config, "per_layer_config", None)
         layer_configs = list(layer_configs) if layer_configs is not None else [config] * config.num_hidden_layers
-        return [self._geometry(layer_config) for layer_config in layer_configs[:config.num_hidden_layers]]
+        geometry = [self._geometry(layer_config) for layer_config in layer_configs[:config.num_hidden_layers]]
+        if self.sliding_kv_heads != 1:
+            geometry = [(heads * self.sliding_kv_heads, *rest) if kind in SLIDING else (heads, *rest)
+                        for (heads, *rest), kind in zip(geometry, layer_types(config))]
+        return geometry
 
     def _geometry(self, config) -> tuple[int, ...]:
         if self.latent_attention:  # one [latent, rope part] per token, shared by every head, values the latent
@@ -224,6 +230,11 @@ FAMILIES: dict[str, Family] = {
         # attention sinks, local / global layers; experts biased, transposed, gate / up interleaved, its
         # own clamped gate (Int8Experts runs it)
         Family("gpt_oss", "GptOssAttention", "num_key_value_heads", "head_dim", experts_class="GptOssExperts"),
+        # values narrower than the keys (v_head_dim 128 against head_dim 192: the cache keeps them zero-padded
+        # to the keys' width, models/attention.py), twice the kv heads and attention sinks on the local
+        # layers, partial rotary, values scaled before the cache; DeepSeek-style routed experts
+        Family("mimo_v2_flash", "MiMoV2FlashAttention", "num_key_value_heads", "head_dim", "MiMoV2FlashMLP",
+               experts_class="MiMoV2FlashExperts", sliding_kv_heads=2),
         # routers with a score-correction bias (HY-V3) or local / global layers and shared experts (Kolibri);
         # Flint: also attention sinks, and RoPE on its local layers only
         Family("hy_v3", "HYV3Attention", "num_key_value_heads", "head_dim", "HYV3MLP", experts_class="HYV3Experts"),

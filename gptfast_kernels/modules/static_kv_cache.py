@@ -377,9 +377,11 @@ class StaticKVCache(Cache):
             self.plan_step(key_states.shape[-2], fused=False)  # (refuses a cache with ring buffers)
         layer = self.layers[layer_idx]
         # the new states must fit the layer's own buffers (a layer whose values are in its keys has an empty
-        # value buffer, which no value states fit)
-        if (key_states.shape[1::2] != layer.keys.shape[1::2] or value_states.shape[1::2] != layer.values.shape[1::2]
-                or value_states.shape != key_states.shape):
+        # value buffer, which no value states fit; values narrower than the keys fill the first columns of
+        # buffers as wide as the keys, MiMo-V2-Flash's)
+        value_width = value_states.shape[-1]
+        if (key_states.shape[1::2] != layer.keys.shape[1::2] or value_states.shape[1] != layer.values.shape[1]
+                or not 0 < value_width <= layer.values.shape[3] or value_states.shape[:3] != key_states.shape[:3]):
             # (multi-head latent attention hands transformers' caches its latent and rotary key apart)
             raise ValueError(f"StaticKVCache: layer {layer_idx} holds keys / values of {layer.num_heads} heads x "
                              f"{layer.head_dim}, but the model updates it with keys {list(key_states.shape)} and "
@@ -389,10 +391,11 @@ class StaticKVCache(Cache):
         rows, cols = (positions >= 0).nonzero(as_tuple=True)
         # (the buffers' dtype: a StaticKVStateLayer's ``dtype`` is its recurrent states')
         layer.keys[rows, :, positions[rows, cols]] = key_states[rows, :, cols].to(layer.keys.dtype)
-        layer.values[rows, :, positions[rows, cols]] = value_states[rows, :, cols].to(layer.values.dtype)
+        values = layer.values[..., :value_width]
+        values[rows, :, positions[rows, cols]] = value_states[rows, :, cols].to(values.dtype)
         if layer_idx == self._last_attention:
             self.commit_step()
-        return layer.keys, layer.values
+        return layer.keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The longest row's length (``seq_lengths`` has every row's)."""

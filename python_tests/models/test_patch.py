@@ -143,8 +143,9 @@ def test_int8_logits_within_quantization_error(family):
 
 @pytest.mark.parametrize("family", WINDOWED)
 def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, monkeypatch):
-    """Each layer's sliding window (or none, for global layers), Gemma 2's softcap and GPT-OSS's sinks
-    reach kv_cache_attention; 12 decode steps past the window give the unpatched model's logits."""
+    """Each layer's sliding window (or none, for global layers), Gemma 2's softcap and the sinks of
+    GPT-OSS's layers (MiMo-V2-Flash's local ones) reach kv_cache_attention; 12 decode steps past the
+    window give the unpatched model's logits."""
     seen = []
     real = attention.run_kv_cache_attention  # what eager attention calls, once its inputs are checked
 
@@ -161,12 +162,16 @@ def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, mon
     torch.testing.assert_close(stepwise_logits(patched, ids, StaticKVCache(patched.config, 2, 24), 6), want, **TOL)
     layer_types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * 2
     softcap = ATTENTION_SOFTCAP if family in SOFTCAPPED else None
-    sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
-    assert sinks == (family in WITH_SINKS)
+    attention_class = family_of(model.config).attention_class
+    sinks = [isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()
+             if type(m).__name__ == attention_class]
+    assert any(sinks) == (family in WITH_SINKS)
     # (LFM3's convolution layers make no call; ZAYA1's layers attend beside their convolution: "hybrid", windowed
     # "hybrid_sliding")
-    want_calls = [(WINDOW if kind in SLIDING else None, softcap, sinks)
-                  for kind in layer_types if kind in (*SLIDING, "full_attention", *PARALLEL)]
+    attending = [kind for kind in layer_types if kind in (*SLIDING, "full_attention", *PARALLEL)]
+    assert len(attending) == len(sinks)
+    want_calls = [(WINDOW if kind in SLIDING else None, softcap, layer_sinks)
+                  for kind, layer_sinks in zip(attending, sinks)]
     assert seen[:len(want_calls)] == want_calls and len(seen) == 13 * len(want_calls)
 
 
@@ -409,6 +414,24 @@ def test_a_cache_with_other_per_layer_geometry_is_refused():
                                                           r"1 x \(2, 16\), 1 x \(1, 32\), 2 x None"):
         patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
     assert cache.seq_lengths.tolist() == [0]
+
+
+def test_values_wider_than_the_keys_are_refused():
+    """The cache keeps values narrower than the keys in buffers as wide as the keys (MiMo-V2-Flash);
+    wider values have no place there: a clear error from the patched attention and from the
+    unpatched model's cache update, the cache unchanged."""
+    model = tiny_model("mimo_v2_flash", head_dim=16, v_head_dim=24)
+    ids = torch.tensor([[3, 4, 5]])
+    patched = patched_copy(model, int8=False)
+    cache = StaticKVCache(patched.config, 1, 8)
+    with torch.no_grad(), pytest.raises(ValueError, match="values are 24 wide, wider than its keys \\(16\\)"):
+        patched(ids, past_key_values=cache)
+    assert cache.seq_lengths.tolist() == [0]
+    cache = StaticKVCache(model.config, 1, 8)
+    refusal = r"holds keys / values of 4 heads x 16, .* values \[1, 4, 3, 24\]"
+    with torch.no_grad(), pytest.raises(ValueError, match=refusal):
+        model(ids, past_key_values=cache)
+    assert cache.seq_lengths.tolist() == [0] and not cache.layers[0].values.any()
 
 
 def test_attention_checks_each_call_signature_once():

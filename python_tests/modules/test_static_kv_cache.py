@@ -29,7 +29,10 @@ VALUE_DIM = {family: 32 for family in LATENT}
 # (Gemma 4's global layer 1 has its own; its layers 2 and 3 attend over layers 0's and 1's buffers, as Gemma
 # 3n's do)
 LAYER_GEOMETRY = {**{family: [(2, 16), (1, 32), None, None] for family in KV_SHARING},
-                  "gemma3n_text": [(2, 16), (2, 16), None, None]}
+                  "gemma3n_text": [(2, 16), (2, 16), None, None],
+                  # MiMo-V2-Flash: twice the kv heads on the local layer 0; values 16 wide, kept in buffers
+                  # as wide as the keys (24)
+                  "mimo_v2_flash": [(4, 24), (2, 24)]}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -134,7 +137,8 @@ def test_crop_and_reset():
     assert cache.seq_lengths.tolist() == [4, 3, 1]
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox", "qwen3_5_text", "falcon_h1", *KV_SHARING])
+# (MiMo-V2-Flash: values narrower than the keys fill the first columns of their buffers)
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "qwen3_5_text", "falcon_h1", *KV_SHARING, "mimo_v2_flash"])
 def test_unpatched_model_uses_it_like_a_static_cache(family):
     model = tiny_model(family)
     ids = torch.randint(2, 90, (2, 6))

@@ -62,8 +62,8 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
                       sliding_window: int | None = None, softcap: float | None = None,
                       s_aux: torch.Tensor | None = None, attention_chunk_size: int | None = None,
                       gptfast_cache: StaticKVCache | None = None, **kwargs):
-    """transformers attention-function signature; q [B, Hq, T, D], k / v [B, Hkv, T, D] (the new
-    tokens only, when a StaticKVCache is active) -> ([B, T, Hq, D], None). ``attention_chunk_size``
+    """transformers attention-function signature; q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv]
+    with Dv <= D (the new tokens only, when a StaticKVCache is active) -> ([B, T, Hq, Dv], None). ``attention_chunk_size``
     (Llama 4's chunked layers: passed by models/llama4.py with a StaticKVCache only) becomes the
     kernel's ``chunk_size``. A layer whose buffers are a ring (sized for a window or a chunk) passes
     ``ring=True`` with that window or chunk."""

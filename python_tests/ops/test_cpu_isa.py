@@ -126,9 +126,9 @@ def test_a_query_head_is_the_same_in_any_group_of_heads(isa, dtype):
     same slots at once; with more than 4 rows a 16-bit cache's block is converted to float first,
     with fewer it is widened as it is read. A query head must give the same bits in every grouping:
     each head of a group of G = 1 .. 8 (groups of 4, 2 + 1, 4 + 2 + 1, ...) against the same head
-    alone as multi-head attention (one row: one key-row group of the widest dot and the value sums
-    of a single row), decode and 5 verification tokens, D = 80 (a tail past the 16-lane dots and
-    the value registers), on one thread so that no item splits the group."""
+    alone as multi-head attention (a decode row alone: dots of one row with a register's width of
+    keys at once, and one row's value sums), decode and 5 verification tokens, D = 80 (a tail past
+    the 16-lane dots and the value registers), on one thread so that no item splits the group."""
     skip_unless_cpu_build(isa)
     B, Hkv, D, S = 2, 2, 80, 64
     for G in range(1, 9):

@@ -9,7 +9,8 @@ import torch
 from gptfast_kernels import StaticKVCache, generate, speculative_generate
 from gptfast_kernels.generation import forward
 from gptfast_kernels.models import attention
-from gptfast_kernels.modules.static_kv_cache import StaticKVLayer, attention_chunks
+from gptfast_kernels.modules.cache_layers import StaticKVLayer
+from gptfast_kernels.modules.static_kv_cache import attention_chunks
 from python_tests.tiny_models import (CHUNK, hf_greedy, patched_copy, ragged_prompts, record_caches, tiny_config,
                                       tiny_model)
 

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from gptfast_kernels import StaticKVCache
-from gptfast_kernels.modules.static_kv_cache import NoCacheLayer, StaticKVLayer
+from gptfast_kernels.modules.cache_layers import NoCacheLayer, StaticKVLayer
 from python_tests.tiny_models import (AUTO_CONFIGS, FAMILIES, HYBRID, KV_SHARING, LATENT, PARALLEL_HYBRID, tiny_config,
                                      tiny_model)
 

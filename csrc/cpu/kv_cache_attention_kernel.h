@@ -256,7 +256,21 @@ GPTFAST_INLINE void to_floats(const void* cache, int64_t row, int64_t count, flo
 // Query rows scored, and summed over values, together at most: LANES dots of 16 lanes (dot_rows), and
 // 4 registers of value columns for each of them (accumulate_values).
 constexpr int64_t GROUP_ROWS = 4;
-static_assert(GROUP_ROWS == 4, "score_group and attend_block split a group as 4, or 2 + 1");
+static_assert(GROUP_ROWS == 4, "split_group splits a group as 4, or 2 + 1");
+
+// Rows<RB>: a row count known at compile time (split_group hands one to its callback).
+template <int64_t RB>
+struct Rows {
+  static constexpr int64_t value = RB;
+};
+// Runs a group of count <= GROUP_ROWS rows as the instantiated row counts: f(Rows<RB>{}, i) for rows
+// i .. i + RB - 1, all 4 at once, else 2 and / or 1.
+template <typename F>
+GPTFAST_INLINE void split_group(int64_t count, F&& f) {
+  if (count == 4) return f(Rows<4>{}, 0);
+  if (count >= 2) f(Rows<2>{}, 0);
+  if (count % 2 == 1) f(Rows<1>{}, count - 1);
+}
 
 // The block's slots [j0, j1) query row r reads (empty where it reads none).
 struct SlotRange {
@@ -277,13 +291,9 @@ GPTFAST_INLINE void score_group(const float* q, const void* keys, const int64_t*
     qs[i] = q + rows[i] * D;
     ps[i] = scores + rows[i] * SLOT_BLOCK;
   }
-  if (count == 4) return score_rows<KE, 4>(qs, keys, key_rows, j0, j1, D, ps);
-  int64_t i = 0;
-  if (count >= 2) {
-    score_rows<KE, 2>(qs, keys, key_rows, j0, j1, D, ps);
-    i = 2;
-  }
-  if (i < count) score_rows<KE, 1>(qs + i, keys, key_rows, j0, j1, D, ps + i);
+  split_group(count, [&](auto rows, int64_t i) {
+    score_rows<KE, decltype(rows)::value>(qs + i, keys, key_rows, j0, j1, D, ps + i);
+  });
 }
 
 // The online-softmax step of `count` rows over their scores p[i][j0, j1): softcap, the new running
@@ -367,18 +377,10 @@ GPTFAST_INLINE void attend_block(const AttendArgs& a, int64_t s0, int64_t n, int
       ps[i] = scores + (r + i) * SLOT_BLOCK;
     }
     softmax_step(a, ps, count, range.j0, range.j1, row_max + r, row_sum + r, correction);
-    if (count == 4) {
-      accumulate_values<KE, 4>(accs, correction, ps, values, value_rows, range.j0, range.j1, Dv);
-    } else {
-      int64_t i = 0;
-      if (count >= 2) {
-        accumulate_values<KE, 2>(accs, correction, ps, values, value_rows, range.j0, range.j1, Dv);
-        i = 2;
-      }
-      if (i < count) {
-        accumulate_values<KE, 1>(accs + i, correction + i, ps + i, values, value_rows, range.j0, range.j1, Dv);
-      }
-    }
+    split_group(count, [&](auto rows, int64_t i) {
+      accumulate_values<KE, decltype(rows)::value>(accs + i, correction + i, ps + i, values, value_rows, range.j0,
+                                                   range.j1, Dv);
+    });
     r += count;
   }
 }

@@ -127,8 +127,8 @@ class Family:
         layer_configs = list(layer_configs) if layer_configs is not None else [config] * config.num_hidden_layers
         geometry = [self._geometry(layer_config) for layer_config in layer_configs[:config.num_hidden_layers]]
         if self.sliding_kv_heads != 1:
-            geometry = [(heads * self.sliding_kv_heads, *rest) if kind in SLIDING else (heads, *rest)
-                        for (heads, *rest), kind in zip(geometry, layer_types(config))]
+            geometry = [(layer[0] * self.sliding_kv_heads, *layer[1:]) if kind in SLIDING else layer
+                        for layer, kind in zip(geometry, layer_types(config))]
         return geometry
 
     def _geometry(self, config) -> tuple[int, ...]:

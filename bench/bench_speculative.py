@@ -27,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import gptfast_kernels.generation.speculative as speculative_module
 from bench.harness import best_seconds, default_dtype, synchronize
 from gptfast_kernels import StaticKVCache, generate, patch_model, prompt_lookup_generate, speculative_generate
+from gptfast_kernels.models.patch import forward_with_cache
 
 SPECULATE_K = 4
 GPU_TARGET = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -150,8 +151,8 @@ def _rounds_rows(h):
 
         def prefill(model):  # eager, outside the step functions: timed on its own
             with torch.no_grad():
-                model(ids, past_key_values=StaticKVCache(model.config, rows, 32, device=h.device,
-                                                         dtype=torch.bfloat16), logits_to_keep=1)
+                forward_with_cache(model, ids, StaticKVCache(model.config, rows, 32, device=h.device,
+                                                             dtype=torch.bfloat16), logits_to_keep=1)
 
         target_prefill, _ = best_seconds(lambda: prefill(target), h.device, repeats=2)
         draft_prefill, _ = best_seconds(lambda: prefill(draft), h.device, repeats=2)

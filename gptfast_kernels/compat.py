@@ -53,7 +53,7 @@ from torch import nn
 from gptfast_kernels.generation.common import model_device_dtype, output_vocab_size, resolve_special_tokens
 from gptfast_kernels.generation.generate import generate as _generate
 from gptfast_kernels.generation.speculative import SpeculativeOutput, speculative_generate
-from gptfast_kernels.models.patch import is_patched, patch_model
+from gptfast_kernels.models.patch import forward_with_cache, is_patched, patch_model
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 
@@ -144,7 +144,7 @@ class KVCacheModel(nn.Module):
         return self._run(new, None)
 
     def _run(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        logits = self.model(tokens, attention_mask=attention_mask, past_key_values=self.cache).logits
+        logits = forward_with_cache(self.model, tokens, self.cache, attention_mask=attention_mask).logits
         self._consumed += tokens.shape[1]
         return logits[:, -1]
 

@@ -257,6 +257,16 @@ OWN_DIMS_CONFIGS = {
                                               num_hidden_layers=layers, max_position_embeddings=256,
                                               local_attention=2 * WINDOW, layer_types=alternating_layers(layers),
                                               cls_token_id=EOS, sep_token_id=EOS),
+    # interleaved partial rotary (8 of 16), attention and MLP in parallel
+    "gptj": lambda layers: dict(n_embd=64, n_inner=128, n_head=4, n_layer=layers, n_positions=256, rotary_dim=8),
+    # q / k / v one Linear in model-parallel blocks (mp_num 4), interleaved partial rotary
+    "codegen": lambda layers: dict(n_embd=64, n_inner=128, n_head=4, n_layer=layers, n_positions=256, n_ctx=256,
+                                   rotary_dim=8),
+    # learned positions (offset by 2), scaled embeddings
+    "biogpt": lambda layers: dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                  num_hidden_layers=layers, max_position_embeddings=256),
+    # sinusoidal positions, scaled embeddings
+    "ctrl": lambda layers: dict(n_embd=64, dff=128, n_head=4, n_layer=layers, n_positions=256),
     # mixture of experts (w1 / v1 / w2 weights), clipped q / k / v, an nn.Linear router
     "dbrx": lambda layers: dict(d_model=64, n_heads=4, n_layers=layers, max_seq_len=256,
                                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),

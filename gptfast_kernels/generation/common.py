@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gptfast_kernels.models.patch import is_patched
+from gptfast_kernels.models.patch import forward_with_cache, is_patched
 from gptfast_kernels.ops._dispatch import check_tensor
 
 
@@ -160,8 +160,8 @@ def _chunks(prompt: Prompt, cache):
 def _prefill_chunk(model, prompt: Prompt, cache, start: int, stop: int, keep) -> torch.Tensor:
     """The prompt's columns start..stop - 1 through the model (its mask up to there, as transformers
     takes a mask of past + new tokens) -> logits at the ``keep`` columns."""
-    return model(prompt.input_ids[:, start:stop], attention_mask=prompt.attention_mask[:, :stop],
-                 past_key_values=cache, logits_to_keep=keep).logits
+    return forward_with_cache(model, prompt.input_ids[:, start:stop], cache,
+                              attention_mask=prompt.attention_mask[:, :stop], logits_to_keep=keep).logits
 
 
 def check_flag(op: str, name: str, value) -> None:

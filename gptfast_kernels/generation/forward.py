@@ -15,6 +15,7 @@ import types
 import torch
 
 from gptfast_kernels.models.families import family_of
+from gptfast_kernels.models.patch import forward_with_cache
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
 # Cache lengths are rounded up to a multiple of this when a compiled model allocates its cache, so
@@ -32,7 +33,7 @@ PREFILL_CHUNK = 2048
 
 
 def _forward(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: StaticKVCache, model=None) -> torch.Tensor:
-    return model(tokens, attention_mask=attention_mask, past_key_values=cache).logits
+    return forward_with_cache(model, tokens, cache, attention_mask=attention_mask).logits
 
 
 def _own_forward(model):

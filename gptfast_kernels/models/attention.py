@@ -6,16 +6,18 @@
   (Mistral, Qwen2, Gemma 2 / 3, GPT-OSS ...) become the kernel's ``window``, ``softcap`` and
   ``sinks``. Without a StaticKVCache both defer to transformers' SDPA attention, or to plain PyTorch
   attention where the scores are soft-capped or have sinks (SDPA can do neither).
-- A forward pre-hook on the patched model sees ``past_key_values``: for a StaticKVCache it plans the
-  step's positions once (per-row lengths, padding from ``attention_mask``), passes them to RoPE /
-  position embeddings as ``position_ids``, drops the 2-D mask (positions carry padding and
-  causality) and hands the cache to every attention layer as the keyword ``gptfast_cache``, which
-  transformers forwards to the attention function (for families whose decoder layers drop those
-  keywords, a pre-hook on each attention module adds it). A forward hook then advances the row
-  lengths.
+- A forward pre-hook on the patched model sees its cache (``cache``, or ``past_key_values`` before
+  transformers 5.24): for a StaticKVCache it plans the step's positions once (per-row lengths,
+  padding from ``attention_mask``), passes them to RoPE / position embeddings as ``position_ids``,
+  drops the 2-D mask (positions carry padding and causality) and hands the cache to every attention
+  layer as the keyword ``gptfast_cache``, which transformers forwards to the attention function
+  (for families whose decoder layers drop those keywords, a pre-hook on each attention module adds
+  it). A forward hook then advances the row lengths.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from transformers import AttentionInterface
@@ -31,6 +33,9 @@ UNFUSED = "gptfast_kernels_unfused"
 # Call signatures a cache layer remembers as checked (see _attend): a decode loop has a few (prefill
 # lengths, T = 1, k + 1), a long-lived cache fed prompts of many lengths would collect one per length.
 MAX_CHECKED_SIGNATURES = 64
+# transformers' keywords for a forward's cache: "cache" from 5.24 on, "past_key_values" before (from
+# 5.24 deprecated, until 5.40)
+CACHE_KEYWORDS = ("cache", "past_key_values")
 
 
 def _plain_attention(query, key, value, attention_mask, scaling, softcap=None, sinks=None):
@@ -189,13 +194,29 @@ def _runs(geometry: tuple) -> str:
     return ", ".join(f"{count} x {entry}" for count, entry in runs)
 
 
+def static_cache_in(kwargs) -> StaticKVCache | None:
+    """The StaticKVCache a model or attention call got, by either of transformers' names for it
+    (``cache`` from transformers 5.24 on, ``past_key_values`` before and, deprecated, after)."""
+    for name in CACHE_KEYWORDS:
+        if isinstance(kwargs.get(name), StaticKVCache):
+            return kwargs[name]
+    return None
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``model``'s forward takes its cache by: ``cache`` from transformers 5.24 on
+    (``past_key_values`` still works there, with a FutureWarning), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def before_forward(model, args, kwargs):
     """Forward pre-hook (with_kwargs=True) of a patched model."""
-    cache = kwargs.get("past_key_values")
-    if not isinstance(cache, StaticKVCache):
+    cache = static_cache_in(kwargs)
+    if cache is None:
         return None
     if cache.geometry != model._gptfast_cache_geometry:
-        raise ValueError(f"past_key_values: this StaticKVCache's layers hold (kv heads, head dim) "
+        keyword = next(name for name in CACHE_KEYWORDS if kwargs.get(name) is cache)
+        raise ValueError(f"{keyword}: this StaticKVCache's layers hold (kv heads, head dim) "
                          f"{_runs(cache.geometry)}, this model needs {_runs(model._gptfast_cache_geometry)}; build "
                          "the cache from the model's own config")
     tokens = _tokens_of(args, kwargs)
@@ -217,8 +238,8 @@ def before_attention(module, args, kwargs):
     """Forward pre-hook (with_kwargs=True) of the attention modules of a family whose decoder layers
     pass them the cache as ``past_key_values`` but drop the model's other keywords: the attention
     function gets the cache as ``gptfast_cache`` all the same."""
-    cache = kwargs.get("past_key_values")
-    if not isinstance(cache, StaticKVCache) or "gptfast_cache" in kwargs:
+    cache = static_cache_in(kwargs)
+    if cache is None or "gptfast_cache" in kwargs:
         return None
     return args, {**kwargs, "gptfast_cache": cache}
 
@@ -227,8 +248,8 @@ def after_forward(model, args, kwargs, output):
     """Forward hook (with_kwargs=True): the step succeeded, so the rows' lengths advance. In eager
     mode it also checks that every layer's attention got the cache: a model whose layers drop the
     attention keywords would otherwise have attended to the new tokens alone, silently."""
-    cache = kwargs.get("past_key_values")
-    if isinstance(cache, StaticKVCache):
+    cache = static_cache_in(kwargs)
+    if cache is not None:
         layers = cache.attention_modules
         if not torch.compiler.is_compiling() and cache.attention_calls != layers:
             calls = cache.attention_calls

@@ -81,6 +81,8 @@ class Family:
     # the first transformers release whose model code torch.compile traces with a StaticKVCache (None: all
     # that gptfast_kernels supports)
     compiles_from: str | None = None
+    # why no transformers release's model code for this family traces (None: it does, see compiles_from)
+    compile_blocker: str | None = None
     # hybrid models: the config's layer_types of layers that keep a recurrent (linear-attention /
     # convolution) state instead of keys and values; the cache holds transformers' own state layer there
     recurrent_layer_types: tuple[str, ...] = ()
@@ -146,6 +148,9 @@ class Family:
             raise ValueError(f"compile=True: {self.model_type}'s float experts loop over the routed experts in Python "
                              "(a data-dependent trip count), which torch.compile cannot trace in one graph; "
                              "patch_model(int8=True) makes them Int8Experts, which compile (or pass compile=False)")
+        if self.compile_blocker:
+            raise ValueError(f"compile=True: transformers' {self.model_type} models {self.compile_blocker}, which "
+                             "torch.compile cannot trace (pass compile=False)")
         if self.compiles_from and transformers_before(self.compiles_from):
             raise ValueError(f"compile=True: transformers {transformers.__version__}'s {self.model_type} models size "
                              "a tensor by the cache's length, which torch.compile cannot trace; it works from "
@@ -358,6 +363,15 @@ FAMILIES: dict[str, Family] = {
         Family("nemotron", "NemotronAttention", "num_key_value_heads", "head_dim", layers_drop_keywords=True,
                supported_from="5.13"),
         Family("gpt_neox", "GPTNeoXAttention", None, None),
+        # interleaved partial rotary (rotary_dim), attention and MLP in parallel (GPT-J); CodeGen's q / k / v
+        # one Linear in model-parallel blocks. Before 5.24 their attention bypassed the attention interface
+        Family("gptj", "GPTJAttention", None, None, supported_from="5.24"),
+        Family("codegen", "CodeGenAttention", None, None, supported_from="5.24"),
+        # learned positions (BioGPT: offset by 2, scaled embeddings); CTRL: sinusoidal positions
+        Family("biogpt", "BioGptAttention", None, None,
+               compile_blocker="size a mask by the cache's length when given none"),
+        Family("ctrl", "MultiHeadAttention", None, None,
+               compile_blocker="re-register their position encodings as a buffer in every forward"),
         # local (sliding-window) and global layers
         Family("modernbert-decoder", "ModernBertDecoderAttention", None, None),
         # sparsemixer top-2 routing; its router subclasses nn.Linear with a forward of its own, which

@@ -59,15 +59,14 @@ def query_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: f
     return torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
-def attention_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask,
-                      past_key_values=None, **kwargs):
+def attention_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, *args, **kwargs):
     """A Llama4TextAttention's forward: hidden_states [B, T, hidden] -> ([B, T, hidden], None). With a
     StaticKVCache (the ``gptfast_cache`` keyword a patched model passes): per-row query temperature
     and the chunk size reach the fused attention; else transformers' forward."""
     cache = kwargs.get("gptfast_cache")
     if cache is None:
-        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
-                                  **kwargs)
+        # (the cache, positional or by keyword: ``past_key_values`` before transformers 5.24, ``cache`` from it)
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     code = sys.modules[type(self).__module__]

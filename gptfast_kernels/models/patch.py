@@ -58,6 +58,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         patch_latent_attention_(model, family.attention_class, family.latent_attention)
     # what a StaticKVCache for this model must hold (checked per forward by attention.before_forward)
     model._gptfast_cache_geometry = StaticKVCache.geometry_of(model.config)
+    model._gptfast_cache_keyword = attention.cache_keyword(model)
     attention.register_attention_functions()
     model.set_attn_implementation(attention.FUSED if fused_attention else attention.UNFUSED)
     if getattr(model, "_gptfast_hooks", None) is None:
@@ -72,3 +73,9 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
 
 def is_patched(model: nn.Module) -> bool:
     return getattr(model, "_gptfast_hooks", None) is not None
+
+
+def forward_with_cache(model: nn.Module, input_ids, cache: StaticKVCache, **kwargs):
+    """A patched model's forward on ``cache``, passed by the keyword the model takes it by (``cache``
+    from transformers 5.24 on, ``past_key_values`` before), so no deprecation warning is raised."""
+    return model(input_ids, **{model._gptfast_cache_keyword: cache}, **kwargs)

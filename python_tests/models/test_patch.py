@@ -12,7 +12,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, BertConfig, DynamicCache, Gemma3Config
 
 import gptfast_kernels.models.attention as attention
-from gptfast_kernels.models.families import PARALLEL, SLIDING, family_of
+from gptfast_kernels.models.families import PARALLEL, SLIDING, family_of, transformers_before
 from gptfast_kernels import Int8Linear, StaticKVCache, ops, patch_model
 from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, INDEX_POSITIONED, KV_SHARING, MOE,
                                      PARALLEL_HYBRID, SOFTCAPPED, WINDOW, WINDOWED, WITH_SINKS, dequantized_copy,
@@ -111,6 +111,52 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
         assert len(calls) == layers
         patched(torch.tensor([[6]]), past_key_values=cache)
         assert len(calls) == 2 * layers and set(calls) == {"cpu"}  # "auto"'s pick on a CPU
+
+
+@pytest.mark.parametrize("family", ["llama", "gptj", "stablelm", "qwen3_5_text", "deepseek_v3", "llama4_text"])
+def test_the_cache_reaches_the_kernel_by_either_keyword(family, monkeypatch):
+    """transformers 5.24 renamed a forward's ``past_key_values`` to ``cache`` (the old name deprecated):
+    a StaticKVCache passed by the model's own keyword takes the fused path as the old one does (one
+    kernel call per attention layer, the same logits and lengths), and patch_model records that keyword."""
+    calls = []
+    real = attention.run_kv_cache_attention
+    monkeypatch.setattr(attention, "run_kv_cache_attention",
+                        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    patched = patched_copy(tiny_model(family), int8=False)
+    keyword = attention.cache_keyword(patched)
+    assert patched._gptfast_cache_keyword == keyword
+    assert keyword == ("past_key_values" if transformers_before("5.24") else "cache")
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    logits, lengths = {}, {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values, deprecated from transformers 5.24
+        for name in dict.fromkeys((keyword, "past_key_values")):
+            cache = StaticKVCache(patched.config, 2, 8)
+            calls.clear()
+            logits[name] = torch.cat([patched(ids[:, :3], **{name: cache}).logits,
+                                      patched(ids[:, 3:], **{name: cache}).logits], dim=1)
+            assert len(calls) == 2 * cache.attention_modules
+            lengths[name] = cache.seq_lengths.tolist()
+    assert lengths[keyword] == lengths["past_key_values"] == [4, 4]
+    torch.testing.assert_close(logits[keyword], logits["past_key_values"], atol=0, rtol=0)
+
+
+def test_generation_passes_the_cache_by_the_models_own_keyword():
+    """generate, speculative_generate and the GPTFast API call the model with its own cache keyword:
+    no deprecation warning about ``past_key_values`` from transformers 5.24 on."""
+    from gptfast_kernels import generate, speculative_generate
+    from gptfast_kernels.compat import add_kv_cache
+    target = patched_copy(tiny_model("llama", layers=2), int8=False)
+    draft = patched_copy(tiny_model("llama", layers=1), int8=False)
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(target, ids, max_new_tokens=3, eos_token_id=[])
+        speculative_generate(target, draft, ids, max_new_tokens=3, speculate_k=2, eos_token_id=[])
+        kv_model = add_kv_cache(target)
+        kv_model.prefill(ids)
+        kv_model(torch.cat([ids, ids[:, :1]], dim=1))
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
 
 
 # Dense families only: a MoE router's top-k is discontinuous, so int8 noise upstream may send a token
@@ -224,7 +270,7 @@ def test_zaya_tokens_routed_to_the_skip_expert_get_no_expert_output():
 def test_kv_sharing_modes_of_configs_before_transformers_5_23():
     """Before 5.23 Gemma 4 configs have no kv_sharing_modes: ours, from num_kv_shared_layers, equal
     the property's (where the installed transformers has it)."""
-    from gptfast_kernels.models.families import kv_sharing_modes
+    from gptfast_kernels.models.families import kv_sharing_modes, kv_sources
 
     sliding, full = "sliding_attention", "full_attention"
     for types, shared in [([sliding, full] * 3, 2), ([sliding] * 3 + [full, sliding, full], 2),
@@ -234,7 +280,11 @@ def test_kv_sharing_modes_of_configs_before_transformers_5_23():
         if not hasattr(config, "kv_sharing_modes"):
             pytest.skip(f"transformers {transformers.__version__}'s Gemma 4 configs have no kv_sharing_modes")
         plain = SimpleNamespace(num_hidden_layers=len(types), layer_types=types, num_kv_shared_layers=shared)
-        assert kv_sharing_modes(plain) == config.kv_sharing_modes
+        # the layers that reuse others' keys and values, and whose (transformers 5.24 also marks every layer
+        # "store" in a config without sharing, where 5.23 and ours mark none: the same caches)
+        assert [mode == "reuse" for mode in kv_sharing_modes(plain)] == [mode == "reuse" for mode in
+                                                                          config.kv_sharing_modes]
+        assert kv_sources(plain) == kv_sources(config)
 
 
 @pytest.mark.parametrize("family", KV_SHARING)

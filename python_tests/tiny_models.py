@@ -267,6 +267,12 @@ OWN_DIMS_CONFIGS = {
                                   num_hidden_layers=layers, max_position_embeddings=256),
     # sinusoidal positions, scaled embeddings
     "ctrl": lambda layers: dict(n_embd=64, dff=128, n_head=4, n_layer=layers, n_positions=256),
+    # Falcon-40B's layout: per kv head (2) its group of query heads, then a key and a value head, in one
+    # fused projection; attention and MLP in parallel with norms of their own (the other layouts:
+    # test_patch.py's Falcon test)
+    "falcon": lambda layers: dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=layers,
+                                  max_position_embeddings=256, new_decoder_architecture=True, num_kv_heads=2,
+                                  alibi=False, bias=True),
     # mixture of experts (w1 / v1 / w2 weights), clipped q / k / v, an nn.Linear router
     "dbrx": lambda layers: dict(d_model=64, n_heads=4, n_layers=layers, max_seq_len=256,
                                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
@@ -479,7 +485,8 @@ def dequantized_copy(model):
         if _skipped(name, family.float_linears):  # what patch_model keeps float (routers)
             continue
         # new Parameters, not in-place writes: a head tied to the input embeddings must not round them
-        if _plain_linear(module):  # not nn.Linear subclasses with a forward of their own (PhiMoE's router)
+        # not nn.Linear subclasses with a forward of their own (PhiMoE's router), but for a family's plain ones
+        if _plain_linear(module, family.linear_subclasses):
             module.weight = torch.nn.Parameter(rounded(module.weight.data))
         elif isinstance(module, Conv1D):  # weight [in, out]
             module.weight = torch.nn.Parameter(rounded(module.weight.data.t()).t().contiguous())

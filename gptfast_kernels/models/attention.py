@@ -194,10 +194,11 @@ def _runs(geometry: tuple) -> str:
     return ", ".join(f"{count} x {entry}" for count, entry in runs)
 
 
-def static_cache_in(kwargs) -> StaticKVCache | None:
+def static_cache_in(kwargs, names: tuple[str, ...] = CACHE_KEYWORDS) -> StaticKVCache | None:
     """The StaticKVCache a model or attention call got, by either of transformers' names for it
-    (``cache`` from transformers 5.24 on, ``past_key_values`` before and, deprecated, after)."""
-    for name in CACHE_KEYWORDS:
+    (``cache`` from transformers 5.24 on, ``past_key_values`` before and, deprecated, after), or
+    by another of ``names`` (Falcon's layers pass it to their attention as ``layer_past``)."""
+    for name in names:
         if isinstance(kwargs.get(name), StaticKVCache):
             return kwargs[name]
     return None
@@ -236,9 +237,9 @@ def before_forward(model, args, kwargs):
 
 def before_attention(module, args, kwargs):
     """Forward pre-hook (with_kwargs=True) of the attention modules of a family whose decoder layers
-    pass them the cache as ``past_key_values`` but drop the model's other keywords: the attention
-    function gets the cache as ``gptfast_cache`` all the same."""
-    cache = static_cache_in(kwargs)
+    pass them the cache (as ``cache`` / ``past_key_values``, Falcon's as ``layer_past``) but drop the
+    model's other keywords: the attention function gets the cache as ``gptfast_cache`` all the same."""
+    cache = static_cache_in(kwargs, (*CACHE_KEYWORDS, "layer_past"))
     if cache is None or "gptfast_cache" in kwargs:
         return None
     return args, {**kwargs, "gptfast_cache": cache}

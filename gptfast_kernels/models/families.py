@@ -1,6 +1,6 @@
 """The supported model families, as a table: what patching and the cache need to know per family.
 
-Every supported family routes attention through transformers' AttentionInterface and its
+Every supported family but Falcon routes attention through transformers' AttentionInterface and its
 KV cache through ``Cache.update`` (transformers 5.x), so patching needs no per-family forward: the
 table records the attention module class (to check a model really has the structure we rely on),
 where the config keeps the KV-head count and head size, the gated MLP class whose gate and up
@@ -8,15 +8,19 @@ projections are fused into one int8 matmul, and config features we refuse. Slidi
 attention soft-capping reach the kernel through the attention keywords each layer passes
 (``sliding_window``, ``softcap``), so they need no entry here. Two kinds of family do get forwards
 of ours, named by their entries: multi-head latent attention (``latent_attention``:
-models/latent_attention.py) and Llama 4 (``own_forwards``: models/llama4.py).
+models/latent_attention.py) and Llama 4 (``own_forwards``: models/llama4.py); Falcon's attention,
+which bypasses the AttentionInterface, gets one too (``own_attention``: models/falcon.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import transformers
 from packaging.version import Version
+
+from gptfast_kernels.models.falcon import falcon_kv_heads
 
 
 def transformers_before(release: str) -> bool:
@@ -102,6 +106,13 @@ class Family:
     own_forwards: str | None = None
     # the kv heads of its sliding-window layers, as a multiple of the config's (MiMo-V2-Flash: 2)
     sliding_kv_heads: int = 1
+    # a family whose attention modules bypass transformers' AttentionInterface: they get a forward of ours
+    # (models/<name>.py) that calls the registered attention function itself ("falcon")
+    own_attention: str | None = None
+    # the kv heads of a config, where no config attribute says them (Falcon's depend on its layout)
+    kv_heads_of: Callable | None = None
+    # nn.Linear subclasses whose forward is nn.Linear's product x @ W.T + b (FalconLinear): int8 like nn.Linear
+    linear_subclasses: tuple[str, ...] = ()
 
     def layer_kinds(self, config) -> list[str]:
         """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /
@@ -138,6 +149,8 @@ class Family:
             return 1, config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank
         heads = config.num_attention_heads
         kv_heads = getattr(config, self.kv_heads_attr, None) if self.kv_heads_attr else None
+        if self.kv_heads_of is not None:
+            kv_heads = self.kv_heads_of(config)
         head_dim = getattr(config, self.head_dim_attr, None) if self.head_dim_attr else None
         return kv_heads or heads, head_dim or config.hidden_size // heads
 
@@ -363,6 +376,10 @@ FAMILIES: dict[str, Family] = {
         Family("nemotron", "NemotronAttention", "num_key_value_heads", "head_dim", layers_drop_keywords=True,
                supported_from="5.13"),
         Family("gpt_neox", "GPTNeoXAttention", None, None),
+        # one fused q / k / v projection in one of three layouts (models/falcon.py: its attention bypasses the
+        # attention interface and its layers drop the keywords), attention and MLP in parallel; ALiBi refused
+        Family("falcon", "FalconAttention", None, None, own_attention="falcon", kv_heads_of=falcon_kv_heads,
+               layers_drop_keywords=True, linear_subclasses=("FalconLinear",), refused_flags=("alibi",)),
         # interleaved partial rotary (rotary_dim), attention and MLP in parallel (GPT-J); CodeGen's q / k / v
         # one Linear in model-parallel blocks. Before 5.24 their attention bypassed the attention interface
         Family("gptj", "GPTJAttention", None, None, supported_from="5.24"),

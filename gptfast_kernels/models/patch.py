@@ -7,6 +7,7 @@ import warnings
 from torch import nn
 
 from gptfast_kernels.models import attention
+from gptfast_kernels.models.falcon import patch_falcon_
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels.models.latent_attention import patch_latent_attention_
 from gptfast_kernels.models.llama4 import patch_llama4_
@@ -18,6 +19,9 @@ from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
 # Family.own_forwards: what patches such a family's modules, given the model and whether int8
 OWN_FORWARDS = {"llama4": patch_llama4_}
+# Family.own_attention: what gives such a family's attention modules a forward calling the attention
+# function (given its registered name) themselves
+OWN_ATTENTION = {"falcon": patch_falcon_}
 
 
 def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = True,
@@ -40,7 +44,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
                          "modules and this one has none; its transformers version may be unsupported")
     if int8:
         skip = (int8_skip,) if isinstance(int8_skip, str) else tuple(int8_skip)
-        quantize_int8_(model, skip=(*skip, *family.float_linears))
+        quantize_int8_(model, skip=(*skip, *family.float_linears), linear_subclasses=family.linear_subclasses)
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class)
         fuse_qkv_(model, family.attention_class)
@@ -60,7 +64,11 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     model._gptfast_cache_geometry = StaticKVCache.geometry_of(model.config)
     model._gptfast_cache_keyword = attention.cache_keyword(model)
     attention.register_attention_functions()
-    model.set_attn_implementation(attention.FUSED if fused_attention else attention.UNFUSED)
+    attention_function = attention.FUSED if fused_attention else attention.UNFUSED
+    if family.own_attention:  # (its attention bypasses the interface: set_attn_implementation would not reach it)
+        OWN_ATTENTION[family.own_attention](model, attention_function)
+    else:
+        model.set_attn_implementation(attention_function)
     if getattr(model, "_gptfast_hooks", None) is None:
         hooks = [model.register_forward_pre_hook(attention.before_forward, with_kwargs=True),
                  model.register_forward_hook(attention.after_forward, with_kwargs=True)]

@@ -43,9 +43,11 @@ class Int8Linear(nn.Module):
             self.bias = None
 
     @classmethod
-    def from_float(cls, module: nn.Module) -> "Int8Linear":
-        """Quantises an nn.Linear or a transformers Conv1D (weight [in, out])."""
-        if isinstance(module, nn.Linear) and not _plain_linear(module):
+    def from_float(cls, module: nn.Module, *, linear_subclasses: Iterable[str] = ()) -> "Int8Linear":
+        """Quantises an nn.Linear or a transformers Conv1D (weight [in, out]). An nn.Linear subclass with
+        a forward of its own is refused unless its class is named in ``linear_subclasses`` (its forward
+        computing nn.Linear's product all the same)."""
+        if isinstance(module, nn.Linear) and not _plain_linear(module, linear_subclasses):
             raise TypeError(f"Int8Linear.from_float: {type(module).__name__} subclasses nn.Linear with a forward of "
                             "its own (a router, say), which an Int8Linear would drop")
         if isinstance(module, nn.Linear):
@@ -105,10 +107,12 @@ class Int8Linear(nn.Module):
                 f"bias={self.bias is not None}")
 
 
-def _plain_linear(module: nn.Module) -> bool:
+def _plain_linear(module: nn.Module, linear_subclasses: Iterable[str] = ()) -> bool:
     """An nn.Linear whose forward is nn.Linear's (subclasses with a forward of their own, such as
-    PhiMoE's router, compute more than x @ W.T + b)."""
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+    PhiMoE's router, compute more than x @ W.T + b), or of a class named in ``linear_subclasses``
+    (subclasses whose own forward computes the same product: FalconLinear)."""
+    return isinstance(module, nn.Linear) and (type(module).forward is nn.Linear.forward
+                                              or type(module).__name__ in linear_subclasses)
 
 
 def _skipped(name: str, skip: Iterable[str]) -> bool:
@@ -121,10 +125,12 @@ def _skipped(name: str, skip: Iterable[str]) -> bool:
 OUTPUT_HEAD = "lm_head"
 
 
-def quantize_int8_(model: nn.Module, skip: Iterable[str] = (OUTPUT_HEAD,)) -> nn.Module:
+def quantize_int8_(model: nn.Module, skip: Iterable[str] = (OUTPUT_HEAD,), *,
+                   linear_subclasses: Iterable[str] = ()) -> nn.Module:
     """Replaces every nn.Linear / Conv1D of ``model`` in place with an Int8Linear, except those
     whose dotted name (or last name component) matches a pattern in ``skip``, and nn.Linear
-    subclasses with a forward of their own (PhiMoE's router: they stay float). The model's output
+    subclasses with a forward of their own (PhiMoE's router: they stay float) but for those named in
+    ``linear_subclasses`` (FalconLinear: its forward is nn.Linear's product). The model's output
     head (``get_output_embeddings()``) also answers to "lm_head", whatever its attribute name
     (GPT-NeoX's is ``embed_out`` before transformers 5.14). Returns model."""
     if isinstance(skip, str):
@@ -134,8 +140,8 @@ def quantize_int8_(model: nn.Module, skip: Iterable[str] = (OUTPUT_HEAD,)) -> nn
     head = get_head() if callable(get_head) else None
     skip_head = _skipped(OUTPUT_HEAD, skip)
     targets = [(name, module) for name, module in model.named_modules()
-               if name and (_plain_linear(module) or _is_conv1d(module))
+               if name and (_plain_linear(module, linear_subclasses) or _is_conv1d(module))
                and not _skipped(name, skip) and not (skip_head and module is head)]
     for name, module in targets:
-        model.set_submodule(name, Int8Linear.from_float(module))
+        model.set_submodule(name, Int8Linear.from_float(module, linear_subclasses=linear_subclasses))
     return model

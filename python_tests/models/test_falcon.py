@@ -1,0 +1,64 @@
+"""Falcon: its three q / k / v layouts through the fused path (models/falcon.py), each kv head cached
+once, int8 FalconLinear projections, ALiBi configs refused."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from gptfast_kernels import Int8Linear, StaticKVCache, generate, patch_model
+from python_tests.tiny_models import hf_greedy, patched_copy, ragged_prompts, tiny_config, tiny_model
+
+# the tiny config (Falcon-40B's grouped layout, 4 query heads over 2 kv heads), Falcon-7B's multi-query
+# layout (one kv head; num_kv_heads, which the config fills with the query heads' count, unused), and
+# multi-head attention with sequential attention and MLP
+LAYOUTS = {"grouped": dict(), "multi_query": dict(new_decoder_architecture=False, multi_query=True),
+           "multi_head": dict(new_decoder_architecture=False, multi_query=False, num_kv_heads=4, parallel_attn=False)}
+KV_HEADS = {"grouped": 2, "multi_query": 1, "multi_head": 4}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_each_layout_caches_its_kv_heads_once_and_matches_transformers(layout, fused):
+    model = tiny_model("falcon", **LAYOUTS[layout])
+    patched = patched_copy(model, int8=False, fused_attention=fused)
+    ids, mask = ragged_prompts(2, 8, "left")
+    cache = StaticKVCache(patched.config, 2, 16)
+    assert cache.geometry == ((KV_HEADS[layout], 16),) * 2
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        got = torch.cat([patched(ids[:, :5], attention_mask=mask[:, :5], past_key_values=cache).logits,
+                         patched(ids[:, 5:], attention_mask=mask, past_key_values=cache).logits], dim=1)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+    assert torch.equal(generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[]).sequences,
+                       hf_greedy(model, ids, mask, 6, eos_token_id=None))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_int8_takes_every_falcon_linear(layout):
+    """FalconLinear subclasses nn.Linear with a forward of its own that computes nn.Linear's product:
+    the family names it, so int8 replaces the fused q / k / v, the output and both MLP projections."""
+    patched = patched_copy(tiny_model("falcon", **LAYOUTS[layout]), int8=True)
+    layer = patched.transformer.h[0]
+    for linear in (layer.self_attention.query_key_value, layer.self_attention.dense, layer.mlp.dense_h_to_4h,
+                   layer.mlp.dense_4h_to_h, patched.lm_head):
+        assert type(linear) is Int8Linear
+    ids, mask = ragged_prompts(2, 6, "left")
+    eager = generate(patched, ids, mask, max_new_tokens=5, eos_token_id=[]).sequences
+    assert torch.equal(generate(patched, ids, mask, max_new_tokens=5, eos_token_id=[], compile=True).sequences, eager)
+
+
+def test_without_a_static_cache_it_runs_transformers_attention():
+    model = tiny_model("falcon")
+    patched = patched_copy(model, int8=False)
+    ids = torch.randint(2, 90, (2, 7))
+    with torch.no_grad():
+        want = model(ids[:, :4], past_key_values=DynamicCache(config=model.config)).logits
+        got = patched(ids[:, :4], past_key_values=DynamicCache(config=model.config)).logits
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_alibi_configs_are_refused():
+    model = AutoModelForCausalLM.from_config(tiny_config("falcon", alibi=True))
+    with pytest.raises(ValueError, match="falcon models with alibi=True are not supported"):
+        patch_model(model)

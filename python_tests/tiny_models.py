@@ -273,6 +273,10 @@ OWN_DIMS_CONFIGS = {
     "falcon": lambda layers: dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=layers,
                                   max_position_embeddings=256, new_decoder_architecture=True, num_kv_heads=2,
                                   alibi=False, bias=True),
+    # local (windowed) and global layers in turn, unscaled scores, learned positions
+    "gpt_neo": lambda layers: dict(hidden_size=64, num_heads=4, num_layers=layers, intermediate_size=128,
+                                   max_position_embeddings=256, window_size=WINDOW,
+                                   attention_types=[[["local", "global"], layers // 2], [["local"], layers % 2]]),
     # mixture of experts (w1 / v1 / w2 weights), clipped q / k / v, an nn.Linear router
     "dbrx": lambda layers: dict(d_model=64, n_heads=4, n_layers=layers, max_seq_len=256,
                                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
@@ -400,7 +404,7 @@ LATENT = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "minicpm3", "yo
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
             "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3", "gemma4_text", "gemma4_unified_text",
-            "gemma3n_text", "modernbert-decoder", "zaya", "mimo_v2_flash")
+            "gemma3n_text", "modernbert-decoder", "zaya", "mimo_v2_flash", "gpt_neo")
 # families whose tiny configs' last 2 of 4 layers attend over the first 2's keys and values (Gemma 4)
 KV_SHARING = ("gemma4_text", "gemma4_unified_text", "gemma3n_text")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)

@@ -10,11 +10,12 @@ Its three layouts also widen the keys and values before the cache sees them:
 - ``multi_query`` (7B): one key and one value head for all query heads;
 - neither: one of each per query head (multi-head attention).
 
-Patched, its attention modules get ``attention_forward`` below: with a StaticKVCache it takes the
-kv heads from the projection as they are (groups of query heads next to each other, as
-``kv_cache_attention`` maps query head h to kv head h // G), rotates q / k and makes one fused call,
-so the cache holds each kv head once (``Family.layer_geometry`` reads the kv heads the same way:
-``falcon_kv_heads``). Without a StaticKVCache it runs transformers' forward. Falcon's decoder layers
+Patched, its attention modules get ``attention_forward`` below (patch.py installs it, with the
+name of the registered attention function to call as ``_gptfast_attention``): with a StaticKVCache
+it takes the kv heads from the projection as they are (groups of query heads next to each other,
+as ``kv_cache_attention`` maps query head h to kv head h // G), rotates q / k and makes one fused
+call, so the cache holds each kv head once (the family table reads the kv heads the same way:
+families.falcon_kv_heads). Without a StaticKVCache it runs transformers' forward. Falcon's decoder layers
 pass the cache to their attention as ``layer_past`` and drop the attention keywords, so the family
 is ``layers_drop_keywords`` (attention.before_attention hands the cache on). ALiBi configs (Falcon-RW)
 are refused: the fused kernel adds no position bias.
@@ -23,30 +24,9 @@ are refused: the fused kernel adds no position bias.
 from __future__ import annotations
 
 import sys
-import types
 
 import torch
-from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-ATTENTION_CLASS = "FalconAttention"
-
-
-def falcon_kv_heads(config) -> int:
-    """The kv heads a Falcon config's attention really has (its ``num_kv_heads`` says the query heads
-    count for a multi-query model)."""
-    if config.new_decoder_architecture:
-        return config.num_kv_heads
-    return 1 if config.multi_query else config.num_attention_heads
-
-
-def patch_falcon_(model: nn.Module, attention_function: str) -> None:
-    """In place: Falcon's attention modules get ``attention_forward``, calling the registered attention
-    function ``attention_function`` (the fused kernel, or its plain PyTorch twin) on a StaticKVCache."""
-    for module in model.modules():
-        if type(module).__name__ == ATTENTION_CLASS:
-            module._gptfast_attention = attention_function
-            module.forward = types.MethodType(attention_forward, module)
 
 
 def split_projection(module, fused_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

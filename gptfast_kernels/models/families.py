@@ -1,6 +1,6 @@
 """The supported model families, as a table: what patching and the cache need to know per family.
 
-Every supported family but Falcon routes attention through transformers' AttentionInterface and its
+Every supported family but Falcon and GPT-Neo routes attention through transformers' AttentionInterface and its
 KV cache through ``Cache.update`` (transformers 5.x), so patching needs no per-family forward: the
 table records the attention module class (to check a model really has the structure we rely on),
 where the config keeps the KV-head count and head size, the gated MLP class whose gate and up
@@ -8,8 +8,9 @@ projections are fused into one int8 matmul, and config features we refuse. Slidi
 attention soft-capping reach the kernel through the attention keywords each layer passes
 (``sliding_window``, ``softcap``), so they need no entry here. Two kinds of family do get forwards
 of ours, named by their entries: multi-head latent attention (``latent_attention``:
-models/latent_attention.py) and Llama 4 (``own_forwards``: models/llama4.py); Falcon's attention,
-which bypasses the AttentionInterface, gets one too (``own_attention``: models/falcon.py).
+models/latent_attention.py) and Llama 4 (``own_forwards``: models/llama4.py); Falcon's and GPT-Neo's
+attention, which bypass the AttentionInterface, get one too (``own_attention``: models/falcon.py,
+models/gpt_neo.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 import transformers
 from packaging.version import Version
 
-from gptfast_kernels.models.falcon import falcon_kv_heads
 
 
 def transformers_before(release: str) -> bool:
@@ -34,6 +34,14 @@ def layer_types(config) -> list[str | None]:
     layers = config.num_hidden_layers
     types = list(getattr(config, "layer_types", None) or ())[:layers]
     return types + [None] * (layers - len(types))
+
+
+def falcon_kv_heads(config) -> int:
+    """The kv heads a Falcon config's attention really has (its ``num_kv_heads`` says the query heads
+    count for a multi-query model)."""
+    if config.new_decoder_architecture:
+        return config.num_kv_heads
+    return 1 if config.multi_query else config.num_attention_heads
 
 
 def kv_sharing_modes(config) -> list[str | None]:
@@ -380,6 +388,9 @@ FAMILIES: dict[str, Family] = {
         # attention interface and its layers drop the keywords), attention and MLP in parallel; ALiBi refused
         Family("falcon", "FalconAttention", None, None, own_attention="falcon", kv_heads_of=falcon_kv_heads,
                layers_drop_keywords=True, linear_subclasses=("FalconLinear",), refused_flags=("alibi",)),
+        # unscaled scores, local (windowed) and global layers, learned positions (models/gpt_neo.py: its attention
+        # bypasses the attention interface and its wrapper drops the keywords)
+        Family("gpt_neo", "GPTNeoSelfAttention", None, None, own_attention="gpt_neo", layers_drop_keywords=True),
         # interleaved partial rotary (rotary_dim), attention and MLP in parallel (GPT-J); CodeGen's q / k / v
         # one Linear in model-parallel blocks. Before 5.24 their attention bypassed the attention interface
         Family("gptj", "GPTJAttention", None, None, supported_from="5.24"),

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import types
 import warnings
 
 from torch import nn
 
 from gptfast_kernels.models import attention
-from gptfast_kernels.models.falcon import patch_falcon_
+from gptfast_kernels.models import falcon, gpt_neo
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels.models.latent_attention import patch_latent_attention_
 from gptfast_kernels.models.llama4 import patch_llama4_
@@ -19,9 +20,9 @@ from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
 # Family.own_forwards: what patches such a family's modules, given the model and whether int8
 OWN_FORWARDS = {"llama4": patch_llama4_}
-# Family.own_attention: what gives such a family's attention modules a forward calling the attention
-# function (given its registered name) themselves
-OWN_ATTENTION = {"falcon": patch_falcon_}
+# Family.own_attention: the forward such a family's attention modules get, which calls the registered
+# attention function named by their ``_gptfast_attention`` itself
+OWN_ATTENTION = {"falcon": falcon.attention_forward, "gpt_neo": gpt_neo.attention_forward}
 
 
 def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = True,
@@ -66,7 +67,8 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     attention.register_attention_functions()
     attention_function = attention.FUSED if fused_attention else attention.UNFUSED
     if family.own_attention:  # (its attention bypasses the interface: set_attn_implementation would not reach it)
-        OWN_ATTENTION[family.own_attention](model, attention_function)
+        _install_attention_forward(model, family.attention_class, OWN_ATTENTION[family.own_attention],
+                                   attention_function)
     else:
         model.set_attn_implementation(attention_function)
     if getattr(model, "_gptfast_hooks", None) is None:
@@ -77,6 +79,17 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
                       for m in model.modules() if type(m).__name__ == family.attention_class]
         model._gptfast_hooks = tuple(hooks)
     return model
+
+
+def _install_attention_forward(model: nn.Module, attention_class: str, forward, attention_function: str) -> None:
+    """In place: every ``attention_class`` module gets ``forward`` and the name of the attention function
+    it is to call (``_gptfast_attention``)."""
+    for module in model.modules():
+        if type(module).__name__ == attention_class:
+            if not hasattr(module, "layer_idx"):  # (GPT-Neo's attention calls it layer_id)
+                module.layer_idx = module.layer_id
+            module._gptfast_attention = attention_function
+            module.forward = types.MethodType(forward, module)
 
 
 def is_patched(model: nn.Module) -> bool:

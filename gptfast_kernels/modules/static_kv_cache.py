@@ -40,10 +40,12 @@ def sliding_windows(config) -> list[int | None]:
     """Per decoder layer: its sliding window, or None for a layer attending to every position. As
     transformers reads a config: the ``layer_types`` in families.SLIDING ("sliding_attention", ZAYA1's
     "hybrid_sliding") have the config's ``sliding_window``; without layer types every layer has it
-    (Mistral, Phi-3, StarCoder2)."""
+    (Mistral, Phi-3, StarCoder2). GPT-Neo's "local" ``attention_layers`` have its ``window_size``."""
     from gptfast_kernels.models.families import SLIDING, layer_types
 
     config = config.get_text_config(decoder=True)
+    if config.model_type == "gpt_neo":
+        return [config.window_size if kind == "local" else None for kind in config.attention_layers]
     window = getattr(config, "sliding_window", None)
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return [None] * config.num_hidden_layers

@@ -206,7 +206,9 @@ def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, mon
     with torch.no_grad():
         want = model(ids).logits
     torch.testing.assert_close(stepwise_logits(patched, ids, StaticKVCache(patched.config, 2, 24), 6), want, **TOL)
-    layer_types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * 2
+    layer_types = getattr(model.config, "layer_types", None) or (
+        [{"local": "sliding_attention", "global": "full_attention"}[kind] for kind in model.config.attention_layers]
+        if family == "gpt_neo" else ["sliding_attention"] * 2)
     softcap = ATTENTION_SOFTCAP if family in SOFTCAPPED else None
     attention_class = family_of(model.config).attention_class
     sinks = [isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()

@@ -88,6 +88,12 @@ AUTO_CONFIGS = {
                                       query_pre_attn_scalar=16, attn_logit_softcapping=ATTENTION_SOFTCAP),
     "granite_swa": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers),  # sinks
                                        attention_multiplier=0.3),
+    # RoPE per layer type: M-RoPE sections on the local layers, none on the global ones (NoPE); logit scale
+    "cohere_compass_text": lambda layers: dict(sliding_window=WINDOW, layer_types=alternating_layers(layers),
+                                               logit_scale=0.5, rope_parameters=dict(
+                                                   sliding_attention=dict(rope_type="default", rope_theta=10000.0,
+                                                                          mrope_section=[4, 2, 2]),
+                                                   full_attention=None)),
     # dense
     "glm4": lambda layers: {},          # fused gate / up, norms after attention and MLP
     "seed_oss": lambda layers: {},      # biased q / k / v
@@ -100,6 +106,9 @@ AUTO_CONFIGS = {
     "bitnet": lambda layers: {},        # norms inside attention (before o_proj) and MLP (before down)
     "internlm3": lambda layers: {},     # transformers' Llama model under a config of its own
     "iquestcoder": lambda layers: {},
+    "exaone": lambda layers: {},
+    # Apertus with its output head pruned to the vocabulary's first ids (logits narrower than the embeddings)
+    "apertus1p5_text": lambda layers: dict(output_vocab_size=VOCAB - 16),
     # per-head q / k LayerNorms, q / k / v biases and the parallel residual, all on
     "stablelm": lambda layers: dict(qk_layernorm=True, use_qkv_bias=True, use_parallel_residual=True),
     "nemotron": lambda layers: {},      # LayerNorm1P, ungated ReLU^2 MLP, partial rotary
@@ -121,6 +130,15 @@ AUTO_CONFIGS = {
                                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                       shared_expert_intermediate_size=48),
     "olmo_hybrid": lambda layers: dict(layer_types=alternating_linear(layers)),
+    # gated-delta-net, sliding-window (RoPE) and full-attention (NoPE) layers, one of each at least; experts
+    # beside a shared expert
+    "lara_mini": lambda layers: dict(num_hidden_layers=max(layers, 3),
+                                     layer_types=(["linear_attention", "sliding_attention", "full_attention"]
+                                                  * layers)[:max(layers, 3)],
+                                     sliding_window=WINDOW, linear_key_head_dim=16, linear_value_head_dim=16,
+                                     linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+                                     num_experts_per_tok=2, moe_intermediate_size=48,
+                                     shared_expert_intermediate_size=48),
     # Mamba layers (Jamba's: attention every other layer from 1, experts likewise)
     "jamba": lambda layers: dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_expand=2,
@@ -160,6 +178,8 @@ AUTO_CONFIGS = {
     "granitemoe": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2),
     "glm4_moe": lambda layers: dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                     first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1),
+    "sarvam_moe": lambda layers: dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                      first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1),
     "ernie4_5_moe": lambda layers: dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=48, moe_layer_start_index=1,
                                         moe_num_shared_experts=1),
     "flex_olmo": lambda layers: dict(num_experts=4, num_experts_per_tok=2),
@@ -217,6 +237,8 @@ AUTO_CONFIGS = {
     "deepseek_v2": lambda layers: {**MLA_DIMS, **MLA_EXPERTS, "first_k_dense_replace": 1, "q_lora_rank": None},
     "glm4_moe_lite": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS),
     "axk1": lambda layers: dict(**MLA_DIMS, **MLA_EXPERTS),
+    # Sarvam-MLA: DeepSeek-V3's code with a full-rank query (q_proj), as its releases
+    "sarvam_mla": lambda layers: {**MLA_DIMS, **MLA_EXPERTS, "first_k_dense_replace": 1, "q_lora_rank": None},
     # Kimi Linear: linear-attention (KDA) layers first, then MLA layers without positions; layer 0 dense
     "kimi_linear": lambda layers: {**MLA_DIMS, **MLA_EXPERTS, "num_local_experts": 4, "linear_head_dim": 16,
                                    "linear_num_heads": 4, "layer_types": alternating_linear(layers),
@@ -397,19 +419,21 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
        "mellum", "granitemoe_swa", "afmoe", "hy_v3", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
        "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe", "gemma4_text", "deepseek_v3", "zaya",
-       "deepseek_v2", "glm4_moe_lite", "axk1", "llama4_text", "kimi_linear", "mimo_v2_flash")
+       "deepseek_v2", "glm4_moe_lite", "axk1", "llama4_text", "kimi_linear", "mimo_v2_flash", "lara_mini",
+       "sarvam_moe", "sarvam_mla")
 # families with multi-head latent attention (their caches hold one latent per token)
-LATENT = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "minicpm3", "youtu", "kimi_linear")
+LATENT = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "minicpm3", "youtu", "kimi_linear", "sarvam_mla")
 # families whose tiny configs attend through sliding windows (WINDOW) in some or all layers
 WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere2", "olmo3", "ministral",
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
             "vaultgemma", "granite_swa", "kolibri1", "flint", "lfm3", "gemma4_text", "gemma4_unified_text",
-            "gemma3n_text", "modernbert-decoder", "zaya", "mimo_v2_flash", "gpt_neo")
+            "gemma3n_text", "modernbert-decoder", "zaya", "mimo_v2_flash", "gpt_neo", "cohere_compass_text",
+            "lara_mini")
 # families whose tiny configs' last 2 of 4 layers attend over the first 2's keys and values (Gemma 4)
 KV_SHARING = ("gemma4_text", "gemma4_unified_text", "gemma3n_text")
 # hybrid families (recurrent layers: no speculative decoding, no right padding)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
-          "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "zaya", "kimi_linear")
+          "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "zaya", "kimi_linear", "lara_mini")
 # hybrids whose layers run attention and a recurrent block side by side (every layer has both caches)
 PARALLEL_HYBRID = ("falcon_h1", "zaya")
 # families whose tiny configs soft-cap attention scores (ATTENTION_SOFTCAP) or have attention sinks

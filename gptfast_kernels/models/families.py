@@ -227,6 +227,9 @@ FAMILIES: dict[str, Family] = {
         Family("granitemoe", "GraniteMoeAttention", "num_key_value_heads", None, experts_class="GraniteMoeExperts"),
         Family("glm4_moe", "Glm4MoeAttention", "num_key_value_heads", "head_dim", "Glm4MoeMLP",
                experts_class=("Glm4MoeExperts", "Glm4MoeNaiveMoe")),  # the latter in transformers 5.8
+        # a config of its own over transformers' GLM-4-MoE model (full rotary, q / k norms)
+        Family("sarvam_moe", "Glm4MoeAttention", "num_key_value_heads", "head_dim", "Glm4MoeMLP",
+               experts_class="Glm4MoeExperts"),
         Family("ernie4_5_moe", "Ernie4_5_MoeAttention", "num_key_value_heads", "head_dim", "Ernie4_5_MoeMLP",
                experts_class="Ernie4_5_MoeExperts"),
         Family("flex_olmo", "FlexOlmoAttention", "num_key_value_heads", None, experts_class="FlexOlmoExperts"),
@@ -286,6 +289,9 @@ FAMILIES: dict[str, Family] = {
         Family("gemma3n_text", "Gemma3nTextAttention", "num_key_value_heads", "head_dim", "Gemma3nTextMLP",
                float_linears=("*.altup.*",)),
         Family("cohere2", "Cohere2Attention", "num_key_value_heads", "head_dim", "Cohere2MLP"),
+        # Cohere Compass's text decoder: Cohere 2's attention, RoPE per layer type (M-RoPE sections, whose
+        # axes agree for text) or none
+        Family("cohere_compass_text", "CohereCompassAttention", "num_key_value_heads", "head_dim", "CohereCompassMLP"),
         Family("cwm", "CwmAttention", "num_key_value_heads", "head_dim", "CwmMLP"),
         Family("vaultgemma", "VaultGemmaAttention", "num_key_value_heads", "head_dim", "VaultGemmaMLP"),  # soft-caps
         Family("granite_swa", "GraniteSWAAttention", "num_key_value_heads", "head_dim", "GraniteSWAMLP"),  # sinks
@@ -302,12 +308,15 @@ FAMILIES: dict[str, Family] = {
         # configs of their own over transformers' Llama model
         Family("internlm3", "LlamaAttention", "num_key_value_heads", "head_dim", "LlamaMLP"),
         Family("iquestcoder", "LlamaAttention", "num_key_value_heads", "head_dim", "LlamaMLP"),
+        Family("exaone", "LlamaAttention", "num_key_value_heads", "head_dim", "LlamaMLP"),
         Family("glm4", "Glm4Attention", "num_key_value_heads", "head_dim"),   # gate / up fused already
         Family("arcee", "ArceeAttention", "num_key_value_heads", "head_dim"),  # ungated MLP
         Family("apertus", "ApertusAttention", "num_key_value_heads", "head_dim"),  # ungated xIELU MLP
         Family("jais2", "Jais2Attention", "num_key_value_heads", "head_dim"),  # ungated, LayerNorms, biases
         Family("nanochat", "NanoChatAttention", "num_key_value_heads", "head_dim"),  # ungated, weightless norms
         Family("bitnet", "BitNetAttention", "num_key_value_heads", "head_dim"),  # norms inside attention and MLP
+        # Apertus 1.5's text decoder: Apertus with an output head that may be pruned to a vocabulary prefix
+        Family("apertus1p5_text", "Apertus1p5TextAttention", "num_key_value_heads", "head_dim"),
         # Phi-3 and GLM project gate / up as one Linear already (Phi-3 q / k / v too)
         # multi-head latent attention (kv_b_proj int8 too: its per-head weights absorbed, latent_attention.py)
         # (its router: an nn.Linear whose weight the model reads in transformers 5.8, a module of its own later)
@@ -320,6 +329,9 @@ FAMILIES: dict[str, Family] = {
         Family("minicpm3", "MiniCPM3Attention", None, None, "MiniCPM3MLP", latent_attention="cos_sin"),
         Family("youtu", "YoutuAttention", None, None, "YoutuMLP", latent_attention="cos_sin"),
         Family("axk1", "AXK1Attention", None, None, "AXK1MLP", experts_class="AXK1Experts",
+               latent_attention="cos_sin"),
+        # a config of its own over transformers' DeepSeek-V3 model (its releases: a full-rank q_proj)
+        Family("sarvam_mla", "DeepseekV3Attention", None, None, "DeepseekV3MLP", experts_class="DeepseekV3Experts",
                latent_attention="cos_sin"),
         # chunked attention on its RoPE layers, query temperature on its NoPE layers, top-1 experts on
         # router-scaled inputs beside a shared expert (models/llama4.py)
@@ -340,6 +352,9 @@ FAMILIES: dict[str, Family] = {
                experts_class="Qwen3NextExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         Family("olmo_hybrid", "OlmoHybridAttention", "num_key_value_heads", "head_dim", "OlmoHybridMLP",
                recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+        # and sliding-window layers with RoPE, full-attention layers without (NoPE); experts beside a shared expert
+        Family("lara_mini", "LaraMiniAttention", "num_key_value_heads", "head_dim", "LaraMiniMLP",
+               experts_class="LaraMiniExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         # Mamba layers; Jamba's reads its dt_proj's weight, which stays float, as does its router (an
         # nn.Linear before transformers 5.18)
         Family("jamba", "JambaAttention", "num_key_value_heads", None, "JambaMLP", experts_class="JambaExperts",

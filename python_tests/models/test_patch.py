@@ -102,10 +102,11 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
     with torch.no_grad():
         cache = StaticKVCache(patched.config, 1, 8)
         layers = cache.attention_modules  # all 3, but for a hybrid model's recurrent layers
-        # the tiny hybrids: recurrent, full, recurrent (LFM3: conv, sliding, full; Falcon-H1: both in each);
-        # Gemma 4's has 4 layers, of which the last 2 attend over the first 2's keys and values
+        # the tiny hybrids: recurrent, full, recurrent (LFM3: conv, sliding, full; LaraMini: gated delta net,
+        # sliding, full; Falcon-H1: both in each); Gemma 4's has 4 layers, of which the last 2 attend over the
+        # first 2's keys and values
         assert layers == (4 if family in KV_SHARING else 3 if family not in HYBRID or family in PARALLEL_HYBRID
-                          else 2 if family == "lfm3" else 1)
+                          else 2 if family in ("lfm3", "lara_mini") else 1)
         assert len(cache.attention_layers) == (2 if family in KV_SHARING else layers)
         patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
         assert len(calls) == layers

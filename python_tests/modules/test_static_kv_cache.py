@@ -21,7 +21,8 @@ GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwe
             "opt": (2, 4, 16), "gpt_bigcode": (2, 1, 16), "persimmon": (2, 4, 16), "modernbert-decoder": (2, 4, 16),
             **{family: (2, 4, 16) for family in ("gptj", "codegen", "biogpt", "ctrl")}, "falcon": (2, 2, 16), "gpt_neo": (2, 4, 16),
             "nemotron_h": (4, 2, 16),
-            "lfm3": (3, 2, 16), "dbrx": (2, 2, 16), **{family: (4, 2, 16) for family in KV_SHARING},
+            "lfm3": (3, 2, 16), "lara_mini": (3, 2, 16), "dbrx": (2, 2, 16),
+            **{family: (4, 2, 16) for family in KV_SHARING},
             # multi-head latent attention: one "kv head" of the latent (32) and rotary key (8), whose first
             # 32 numbers are the values (no value buffer)
             **{family: (2, 1, 40) for family in LATENT}}

@@ -299,6 +299,9 @@ OWN_DIMS_CONFIGS = {
     "gpt_neo": lambda layers: dict(hidden_size=64, num_heads=4, num_layers=layers, intermediate_size=128,
                                    max_position_embeddings=256, window_size=WINDOW,
                                    attention_types=[[["local", "global"], layers // 2], [["local"], layers % 2]]),
+    # sinusoidal positions (offset by 2), scaled embeddings, LayerNorms
+    "xglm": lambda layers: dict(d_model=64, ffn_dim=128, attention_heads=4, num_layers=layers,
+                                max_position_embeddings=256),
     # mixture of experts (w1 / v1 / w2 weights), clipped q / k / v, an nn.Linear router
     "dbrx": lambda layers: dict(d_model=64, n_heads=4, n_layers=layers, max_seq_len=256,
                                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),

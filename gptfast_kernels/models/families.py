@@ -1,6 +1,6 @@
 """The supported model families, as a table: what patching and the cache need to know per family.
 
-Every supported family but Falcon and GPT-Neo routes attention through transformers' AttentionInterface and its
+Every supported family but Falcon, GPT-Neo and XGLM routes attention through transformers' AttentionInterface and its
 KV cache through ``Cache.update`` (transformers 5.x), so patching needs no per-family forward: the
 table records the attention module class (to check a model really has the structure we rely on),
 where the config keeps the KV-head count and head size, the gated MLP class whose gate and up
@@ -8,9 +8,9 @@ projections are fused into one int8 matmul, and config features we refuse. Slidi
 attention soft-capping reach the kernel through the attention keywords each layer passes
 (``sliding_window``, ``softcap``), so they need no entry here. Two kinds of family do get forwards
 of ours, named by their entries: multi-head latent attention (``latent_attention``:
-models/latent_attention.py) and Llama 4 (``own_forwards``: models/llama4.py); Falcon's and GPT-Neo's
-attention, which bypass the AttentionInterface, get one too (``own_attention``: models/falcon.py,
-models/gpt_neo.py).
+models/latent_attention.py) and Llama 4 (``own_forwards``: models/llama4.py); Falcon's, GPT-Neo's and
+XGLM's attention, which bypass the AttentionInterface, get one too (``own_attention``: models/falcon.py,
+models/gpt_neo.py, models/xglm.py).
 """
 
 from __future__ import annotations
@@ -406,6 +406,8 @@ FAMILIES: dict[str, Family] = {
         # unscaled scores, local (windowed) and global layers, learned positions (models/gpt_neo.py: its attention
         # bypasses the attention interface and its wrapper drops the keywords)
         Family("gpt_neo", "GPTNeoSelfAttention", None, None, own_attention="gpt_neo", layers_drop_keywords=True),
+        # sinusoidal positions, scaled embeddings (models/xglm.py: its attention bypasses the attention interface)
+        Family("xglm", "XGLMAttention", None, None, own_attention="xglm"),
         # interleaved partial rotary (rotary_dim), attention and MLP in parallel (GPT-J); CodeGen's q / k / v
         # one Linear in model-parallel blocks. Before 5.24 their attention bypassed the attention interface
         Family("gptj", "GPTJAttention", None, None, supported_from="5.24"),

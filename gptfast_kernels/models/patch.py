@@ -8,7 +8,7 @@ import warnings
 from torch import nn
 
 from gptfast_kernels.models import attention
-from gptfast_kernels.models import falcon, gpt_neo
+from gptfast_kernels.models import falcon, gpt_neo, xglm
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels.models.latent_attention import patch_latent_attention_
 from gptfast_kernels.models.llama4 import patch_llama4_
@@ -22,7 +22,8 @@ from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 OWN_FORWARDS = {"llama4": patch_llama4_}
 # Family.own_attention: the forward such a family's attention modules get, which calls the registered
 # attention function named by their ``_gptfast_attention`` itself
-OWN_ATTENTION = {"falcon": falcon.attention_forward, "gpt_neo": gpt_neo.attention_forward}
+OWN_ATTENTION = {"falcon": falcon.attention_forward, "gpt_neo": gpt_neo.attention_forward,
+                 "xglm": xglm.attention_forward}
 
 
 def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = True,

@@ -41,7 +41,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"patch_model: model must be a transformers model, got {type(model).__name__}")
     family = family_of(model.config)
-    if not any(type(m).__name__ == family.attention_class for m in model.modules()):
+    if not _attention_modules(model, family):
         raise ValueError(f"patch_model: a {family.model_type} model should contain {family.attention_class} "
                          "modules and this one has none; its transformers version may be unsupported")
     if int8:
@@ -68,7 +68,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     attention.register_attention_functions()
     attention_function = attention.FUSED if fused_attention else attention.UNFUSED
     if family.own_attention:  # (its attention bypasses the interface: set_attn_implementation would not reach it)
-        _install_attention_forward(model, family.attention_class, OWN_ATTENTION[family.own_attention],
+        _install_attention_forward(_attention_modules(model, family), OWN_ATTENTION[family.own_attention],
                                    attention_function)
     else:
         model.set_attn_implementation(attention_function)
@@ -77,20 +77,29 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
                  model.register_forward_hook(attention.after_forward, with_kwargs=True)]
         if family.layers_drop_keywords:
             hooks += [m.register_forward_pre_hook(attention.before_attention, with_kwargs=True)
-                      for m in model.modules() if type(m).__name__ == family.attention_class]
+                      for m in _attention_modules(model, family)]
         model._gptfast_hooks = tuple(hooks)
     return model
 
 
-def _install_attention_forward(model: nn.Module, attention_class: str, forward, attention_function: str) -> None:
-    """In place: every ``attention_class`` module gets ``forward`` and the name of the attention function
-    it is to call (``_gptfast_attention``)."""
-    for module in model.modules():
-        if type(module).__name__ == attention_class:
-            if not hasattr(module, "layer_idx"):  # (GPT-Neo's attention calls it layer_id)
-                module.layer_idx = module.layer_id
-            module._gptfast_attention = attention_function
-            module.forward = types.MethodType(forward, module)
+def _attention_modules(model: nn.Module, family) -> list[nn.Module]:
+    """The family's attention modules: of class ``family.attention_class`` or, for a family with an
+    attention forward of ours (which replaces theirs), of a subclass too (Falcon's and GPT-Neo's
+    flash-attention variants, which a model loaded with attn_implementation="flash_attention_2" has)."""
+    def matches(module):
+        classes = type(module).__mro__ if family.own_attention else (type(module),)
+        return any(cls.__name__ == family.attention_class for cls in classes)
+    return [module for module in model.modules() if matches(module)]
+
+
+def _install_attention_forward(modules: list[nn.Module], forward, attention_function: str) -> None:
+    """In place: every module of ``modules`` gets ``forward`` and the name of the attention function it
+    is to call (``_gptfast_attention``)."""
+    for module in modules:
+        if not hasattr(module, "layer_idx"):  # (GPT-Neo's attention calls it layer_id)
+            module.layer_idx = module.layer_id
+        module._gptfast_attention = attention_function
+        module.forward = types.MethodType(forward, module)
 
 
 def is_patched(model: nn.Module) -> bool:

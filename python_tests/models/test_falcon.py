@@ -1,11 +1,15 @@
 """Falcon: its three q / k / v layouts through the fused path (models/falcon.py), each kv head cached
-once, int8 FalconLinear projections, ALiBi configs refused."""
+once, int8 FalconLinear projections, ALiBi configs refused; Falcon's and GPT-Neo's flash-attention
+module classes patched like their base classes."""
+
+import copy
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from gptfast_kernels import Int8Linear, StaticKVCache, generate, patch_model
+from gptfast_kernels.models.families import family_of
 from python_tests.tiny_models import hf_greedy, patched_copy, ragged_prompts, tiny_config, tiny_model
 
 # the tiny config (Falcon-40B's grouped layout, 4 query heads over 2 kv heads), Falcon-7B's multi-query
@@ -62,3 +66,28 @@ def test_alibi_configs_are_refused():
     model = AutoModelForCausalLM.from_config(tiny_config("falcon", alibi=True))
     with pytest.raises(ValueError, match="falcon models with alibi=True are not supported"):
         patch_model(model)
+
+
+@pytest.mark.parametrize("family, variant", [("falcon", "FalconFlashAttention2"),
+                                             ("gpt_neo", "GPTNeoFlashAttention2")])
+def test_flash_attention_variants_are_patched_too(family, variant):
+    """A model loaded with attn_implementation="flash_attention_2" has Falcon's / GPT-Neo's flash-attention
+    subclasses as its attention modules (made here by swapping the class: flash-attn needs a GPU): they get
+    the fused forward all the same, and with a StaticKVCache the logits match transformers' model."""
+    import importlib
+
+    model = tiny_model(family)
+    flash = copy.deepcopy(model)
+    code = importlib.import_module(type(model).__module__)
+    swapped = 0
+    for module in flash.modules():
+        if type(module).__name__ == family_of(model.config).attention_class:
+            module.__class__ = getattr(code, variant)
+            swapped += 1
+    assert swapped == 2
+    patched = patch_model(flash, int8=False)
+    ids = torch.randint(2, 90, (2, 7))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = patched(ids, past_key_values=StaticKVCache(patched.config, 2, 8)).logits
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

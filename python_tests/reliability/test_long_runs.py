@@ -32,7 +32,8 @@ def _check_no_growth(run):
     run()  # warm-up: lazily created state, allocator pools
     tensors, rss = _live_tensors(), _rss_bytes()
     run()
-    assert _live_tensors() == tensors, "tensors were left alive by a finished run"
+    # (fewer is no leak: state an earlier test left, which a run may release, e.g. once its caches turn over)
+    assert _live_tensors() <= tensors, f"{_live_tensors() - tensors} tensors were left alive by a finished run"
     run()
     assert _rss_bytes() - rss < RSS_SLACK_BYTES, f"resident memory grew by {(_rss_bytes() - rss) >> 20} MiB"
 

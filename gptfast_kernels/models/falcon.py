@@ -15,10 +15,10 @@ name of the registered attention function to call as ``_gptfast_attention``): wi
 it takes the kv heads from the projection as they are (groups of query heads next to each other,
 as ``kv_cache_attention`` maps query head h to kv head h // G), rotates q / k and makes one fused
 call, so the cache holds each kv head once (the family table reads the kv heads the same way:
-families.falcon_kv_heads). Without a StaticKVCache it runs transformers' forward. Falcon's decoder layers
-pass the cache to their attention as ``layer_past`` and drop the attention keywords, so the family
-is ``layers_drop_keywords`` (attention.before_attention hands the cache on). ALiBi configs (Falcon-RW)
-are refused: the fused kernel adds no position bias.
+families.falcon_kv_heads). Without a StaticKVCache it runs transformers' forward. Falcon's decoder
+layers pass the cache to their attention as ``layer_past`` and drop the attention keywords, so the
+family is ``layers_drop_keywords`` (attention.before_attention hands the cache on). ALiBi configs
+(Falcon-RW) are refused: the fused kernel adds no position bias.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """The supported model families, as a table: what patching and the cache need to know per family.
 
-Every supported family but Falcon, GPT-Neo and XGLM routes attention through transformers' AttentionInterface and its
-KV cache through ``Cache.update`` (transformers 5.x), so patching needs no per-family forward: the
-table records the attention module class (to check a model really has the structure we rely on),
-where the config keeps the KV-head count and head size, the gated MLP class whose gate and up
-projections are fused into one int8 matmul, and config features we refuse. Sliding windows and
-attention soft-capping reach the kernel through the attention keywords each layer passes
+Every supported family but Falcon, GPT-Neo and XGLM routes attention through transformers'
+AttentionInterface and its KV cache through ``Cache.update`` (transformers 5.x), so patching needs
+no per-family forward: the table records the attention module class (to check a model really has the
+structure we rely on), where the config keeps the KV-head count and head size, the gated MLP class
+whose gate and up projections are fused into one int8 matmul, and config features we refuse. Sliding
+windows and attention soft-capping reach the kernel through the attention keywords each layer passes
 (``sliding_window``, ``softcap``), so they need no entry here. Two kinds of family do get forwards
 of ours, named by their entries: multi-head latent attention (``latent_attention``:
-models/latent_attention.py) and Llama 4 (``own_forwards``: models/llama4.py); Falcon's, GPT-Neo's and
-XGLM's attention, which bypass the AttentionInterface, get one too (``own_attention``: models/falcon.py,
-models/gpt_neo.py, models/xglm.py).
+models/latent_attention.py) and Llama 4 (``own_forwards``: models/llama4.py); Falcon's, GPT-Neo's
+and XGLM's attention, which bypass the AttentionInterface, get one too (``own_attention``:
+models/falcon.py, models/gpt_neo.py, models/xglm.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import transformers
 from packaging.version import Version
-
 
 
 def transformers_before(release: str) -> bool:
@@ -115,7 +114,7 @@ class Family:
     # the kv heads of its sliding-window layers, as a multiple of the config's (MiMo-V2-Flash: 2)
     sliding_kv_heads: int = 1
     # a family whose attention modules bypass transformers' AttentionInterface: they get a forward of ours
-    # (models/<name>.py) that calls the registered attention function itself ("falcon")
+    # (models/<name>.py) that calls the registered attention function itself ("falcon", "gpt_neo", "xglm")
     own_attention: str | None = None
     # the kv heads of a config, where no config attribute says them (Falcon's depend on its layout)
     kv_heads_of: Callable | None = None

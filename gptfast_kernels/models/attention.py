@@ -231,7 +231,11 @@ def before_forward(model, args, kwargs):
     if hybrid_mask is not None and tokens.shape[1] > 1 and not is_tracing():
         _check_left_padded(hybrid_mask)
     positions = cache.plan_step(tokens.shape[1], mask, kwargs.get("position_ids"))
-    kwargs = {**kwargs, "position_ids": positions.clamp(min=0), "attention_mask": hybrid_mask, "gptfast_cache": cache}
+    # the cache goes on by the keyword this model's forward takes (the other one it would ignore: a
+    # transformers before 5.24 given cache=, or 5.24's deprecated past_key_values= beside cache=None)
+    kwargs = {name: value for name, value in kwargs.items() if name not in CACHE_KEYWORDS}
+    kwargs.update({model._gptfast_cache_keyword: cache, "position_ids": positions.clamp(min=0),
+                   "attention_mask": hybrid_mask, "gptfast_cache": cache})
     return args, kwargs
 
 

@@ -405,8 +405,9 @@ FAMILIES: dict[str, Family] = {
         # unscaled scores, local (windowed) and global layers, learned positions (models/gpt_neo.py: its attention
         # bypasses the attention interface and its wrapper drops the keywords)
         Family("gpt_neo", "GPTNeoSelfAttention", None, None, own_attention="gpt_neo", layers_drop_keywords=True),
-        # sinusoidal positions, scaled embeddings (models/xglm.py: its attention bypasses the attention interface)
-        Family("xglm", "XGLMAttention", None, None, own_attention="xglm"),
+        # sinusoidal positions, scaled embeddings (models/xglm.py: its attention bypasses the attention interface);
+        # before 5.20 its positions branch on the cache's length (untraceable)
+        Family("xglm", "XGLMAttention", None, None, own_attention="xglm", compiles_from="5.20"),
         # interleaved partial rotary (rotary_dim), attention and MLP in parallel (GPT-J); CodeGen's q / k / v
         # one Linear in model-parallel blocks. Before 5.24 their attention bypassed the attention interface
         Family("gptj", "GPTJAttention", None, None, supported_from="5.24"),
@@ -414,7 +415,8 @@ FAMILIES: dict[str, Family] = {
         # learned positions (BioGPT: offset by 2, scaled embeddings); CTRL: sinusoidal positions
         Family("biogpt", "BioGptAttention", None, None,
                compile_blocker="size a mask by the cache's length when given none"),
-        Family("ctrl", "MultiHeadAttention", None, None,
+        # (before 5.13 CTRL's attention bypassed the attention interface)
+        Family("ctrl", "MultiHeadAttention", None, None, supported_from="5.13",
                compile_blocker="re-register their position encodings as a buffer in every forward"),
         # local (sliding-window) and global layers
         Family("modernbert-decoder", "ModernBertDecoderAttention", None, None),

@@ -8,8 +8,8 @@ with the name of the registered attention function to call as ``_gptfast_attenti
 StaticKVCache one fused call with scale 1 and, on local layers, the window; without one,
 transformers' forward. Its attention wrapper drops the attention keywords and passes the cache as
 ``layer_past``, so the family is ``layers_drop_keywords`` (attention.before_attention hands the cache
-on). Local layers keep full-length buffers (the config has no ``layer_types`` to size ring buffers
-by): the window only limits what they read.
+on). The cache reads the local layers' windows off ``attention_layers`` (static_kv_cache.sliding_windows),
+so generation keeps them as ring buffers as it does other families' sliding-window layers.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         quantize_int8_(model, skip=(*skip, *family.float_linears), linear_subclasses=family.linear_subclasses)
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class)
-        fuse_qkv_(model, family.attention_class)
+        fuse_qkv_(model, family.attention_class, _attention_modules(model, family))
     if family.own_forwards:  # (with int8, after the int8 pass above: it may take the int8 modules in)
         OWN_FORWARDS[family.own_forwards](model, int8)
     if int8:

@@ -74,16 +74,17 @@ def _projection_names(module: nn.Module) -> list[str]:
     return [name for name in PROJECTIONS if not (name == "v_proj" and getattr(module, name, 0) is None)]
 
 
-def fuse_qkv_(model: nn.Module, attention_class: str) -> int:
-    """In place: every module of class name ``attention_class`` whose q_proj, k_proj and v_proj are
-    all Int8Linear (none kept in float by int8_skip) gets ``qkv_proj``, their fusion, and the three
+def fuse_qkv_(model: nn.Module, attention_class: str, modules: list[nn.Module] | None = None) -> int:
+    """In place: every module of class name ``attention_class`` (or every one of ``modules``, when
+    given: patch_model passes a family's subclasses too) whose q_proj, k_proj and v_proj are all
+    Int8Linear (none kept in float by int8_skip) gets ``qkv_proj``, their fusion, and the three
     become its parts. A module without v_proj (None: Gemma 4's global layers take the keys as
     values) fuses q_proj and k_proj alike, a multi-head latent attention module its query projection
     (q_a_proj or q_proj) and kv_a_proj_with_mqa. Returns how many attention modules were fused."""
+    if modules is None:
+        modules = [module for module in model.modules() if type(module).__name__ == attention_class]
     fused = 0
-    for module in model.modules():
-        if type(module).__name__ != attention_class:
-            continue
+    for module in modules:
         names = _projection_names(module)
         projections = [getattr(module, name, None) for name in names]
         if len(names) < 2 or not all(isinstance(p, Int8Linear) for p in projections):

@@ -85,9 +85,13 @@ def test_flash_attention_variants_are_patched_too(family, variant):
             module.__class__ = getattr(code, variant)
             swapped += 1
     assert swapped == 2
-    patched = patch_model(flash, int8=False)
+    patched = patch_model(copy.deepcopy(flash), int8=False)
     ids = torch.randint(2, 90, (2, 7))
     with torch.no_grad():
         want = model(ids).logits
         got = patched(ids, past_key_values=StaticKVCache(patched.config, 2, 8)).logits
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # int8: GPT-Neo's separate q / k / v projections fuse into one as in its base class
+    int8 = patch_model(flash, int8=True)
+    fused = [hasattr(module, "qkv_proj") for module in int8.modules() if isinstance(module, getattr(code, variant))]
+    assert fused == [family == "gpt_neo"] * 2

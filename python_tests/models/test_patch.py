@@ -117,8 +117,9 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "gptj", "stablelm", "qwen3_5_text", "deepseek_v3", "llama4_text"])
 def test_the_cache_reaches_the_kernel_by_either_keyword(family, monkeypatch):
     """transformers 5.24 renamed a forward's ``past_key_values`` to ``cache`` (the old name deprecated):
-    a StaticKVCache passed by the model's own keyword takes the fused path as the old one does (one
-    kernel call per attention layer, the same logits and lengths), and patch_model records that keyword."""
+    a StaticKVCache passed by either name (also the other name beside an explicit None for the model's
+    own, which transformers would prefer) takes the fused path: one kernel call per attention layer,
+    the same logits (a hybrid's recurrent layers too) and lengths; patch_model records the model's name."""
     calls = []
     real = attention.run_kv_cache_attention
     monkeypatch.setattr(attention, "run_kv_cache_attention",
@@ -127,19 +128,21 @@ def test_the_cache_reaches_the_kernel_by_either_keyword(family, monkeypatch):
     keyword = attention.cache_keyword(patched)
     assert patched._gptfast_cache_keyword == keyword
     assert keyword == ("past_key_values" if transformers_before("5.24") else "cache")
+    other = "past_key_values" if keyword == "cache" else "cache"
     ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
-    logits, lengths = {}, {}
+    logits = {}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # past_key_values, deprecated from transformers 5.24
-        for name in dict.fromkeys((keyword, "past_key_values")):
+        for way in ("own", "other", "other beside None"):
             cache = StaticKVCache(patched.config, 2, 8)
+            passed = {"own": {keyword: cache}, "other": {other: cache},
+                      "other beside None": {other: cache, keyword: None}}[way]
             calls.clear()
-            logits[name] = torch.cat([patched(ids[:, :3], **{name: cache}).logits,
-                                      patched(ids[:, 3:], **{name: cache}).logits], dim=1)
-            assert len(calls) == 2 * cache.attention_modules
-            lengths[name] = cache.seq_lengths.tolist()
-    assert lengths[keyword] == lengths["past_key_values"] == [4, 4]
-    torch.testing.assert_close(logits[keyword], logits["past_key_values"], atol=0, rtol=0)
+            logits[way] = torch.cat([patched(ids[:, :3], **passed).logits, patched(ids[:, 3:], **passed).logits],
+                                    dim=1)
+            assert len(calls) == 2 * cache.attention_modules and cache.seq_lengths.tolist() == [4, 4], way
+    torch.testing.assert_close(logits["other"], logits["own"], atol=0, rtol=0)
+    torch.testing.assert_close(logits["other beside None"], logits["own"], atol=0, rtol=0)
 
 
 def test_generation_passes_the_cache_by_the_models_own_keyword():

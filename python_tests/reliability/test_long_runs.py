@@ -5,6 +5,7 @@ resident memory that keeps growing from one long run to the next; both are check
 import gc
 import os
 import warnings
+import weakref
 
 import torch
 
@@ -21,19 +22,23 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _live_tensors() -> int:
+def _live_tensors() -> list[torch.Tensor]:
     gc.collect()
     with warnings.catch_warnings():  # isinstance on some deprecated torch objects warns
         warnings.simplefilter("ignore")
-        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+        return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
 
 
 def _check_no_growth(run):
     run()  # warm-up: lazily created state, allocator pools
-    tensors, rss = _live_tensors(), _rss_bytes()
+    before = {id(tensor): weakref.ref(tensor) for tensor in _live_tensors()}
+    rss = _rss_bytes()
     run()
-    # (fewer is no leak: state an earlier test left, which a run may release, e.g. once its caches turn over)
-    assert _live_tensors() <= tensors, f"{_live_tensors() - tensors} tensors were left alive by a finished run"
+    # every tensor alive now was alive before the run (the same object): the run left none of its own
+    # behind (counting them would not do: a run may also release state an earlier test left)
+    left = [tensor for tensor in _live_tensors() if id(tensor) not in before or before[id(tensor)]() is not tensor]
+    assert not left, f"{len(left)} tensors were left alive by a finished run: {[t.shape for t in left[:5]]}"
+    del left
     run()
     assert _rss_bytes() - rss < RSS_SLACK_BYTES, f"resident memory grew by {(_rss_bytes() - rss) >> 20} MiB"
 

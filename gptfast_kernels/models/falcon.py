@@ -10,13 +10,11 @@ Its three layouts also widen the keys and values before the cache sees them:
 - ``multi_query`` (7B): one key and one value head for all query heads;
 - neither: one of each per query head (multi-head attention).
 
-Patched, its attention modules get ``attention_forward`` below (patch.py installs it, with the
-name of the registered attention function to call as ``_gptfast_attention``): with a StaticKVCache
-it takes the kv heads from the projection as they are (groups of query heads next to each other,
+Patched, its attention modules run ``fused_attention`` below with a StaticKVCache (patch.py installs
+it: their forward, which defers to transformers' without one, calls it): it takes the kv heads from the projection as they are (groups of query heads next to each other,
 as ``kv_cache_attention`` maps query head h to kv head h // G), rotates q / k and makes one fused
 call, so the cache holds each kv head once (the family table reads the kv heads the same way:
-families.falcon_kv_heads). Without a StaticKVCache it runs transformers' forward. Falcon's decoder
-layers pass the cache to their attention as ``layer_past`` and drop the attention keywords, so the
+families.falcon_kv_heads). Falcon's decoder layers pass the cache to their attention as ``layer_past`` and drop the attention keywords, so the
 family is ``layers_drop_keywords`` (attention.before_attention hands the cache on). ALiBi configs
 (Falcon-RW) are refused: the fused kernel adds no position bias.
 """
@@ -26,7 +24,6 @@ from __future__ import annotations
 import sys
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
 def split_projection(module, fused_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,17 +43,11 @@ def split_projection(module, fused_qkv: torch.Tensor) -> tuple[torch.Tensor, tor
     return qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
 
 
-def attention_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-    """A FalconAttention's forward: hidden_states [B, T, hidden] -> ([B, T, hidden], None). With a
-    StaticKVCache (the ``gptfast_cache`` keyword attention.before_attention adds): one fused
-    attention call on the unbroadcast kv heads; else transformers' forward."""
-    cache = kwargs.pop("gptfast_cache", None)
-    if cache is None:
-        return type(self).forward(self, hidden_states, *args, **kwargs)
+def fused_attention(self, hidden_states: torch.Tensor, attend, **kwargs) -> torch.Tensor:
+    """A FalconAttention on a StaticKVCache: hidden_states [B, T, hidden] -> [B, T, hidden], one fused
+    attention call (``attend``, see patch.py) on the unbroadcast kv heads."""
     code = sys.modules[type(self).__module__]
     query, key, value = (x.transpose(1, 2) for x in split_projection(self, self.query_key_value(hidden_states)))
     cos, sin = kwargs["position_embeddings"]
     query, key = code.apply_rotary_pos_emb(query, key, cos, sin)
-    attend = ALL_ATTENTION_FUNCTIONS[self._gptfast_attention]
-    out, _ = attend(self, query, key, value, None, scaling=self.inv_norm_factor, gptfast_cache=cache)
-    return self.dense(out.reshape(*hidden_states.shape[:-1], -1)), None
+    return self.dense(attend(query, key, value, scaling=self.inv_norm_factor))

@@ -113,8 +113,9 @@ class Family:
     own_forwards: str | None = None
     # the kv heads of its sliding-window layers, as a multiple of the config's (MiMo-V2-Flash: 2)
     sliding_kv_heads: int = 1
-    # a family whose attention modules bypass transformers' AttentionInterface: they get a forward of ours
-    # (models/<name>.py) that calls the registered attention function itself ("falcon", "gpt_neo", "xglm")
+    # a family whose attention modules bypass transformers' AttentionInterface: on a StaticKVCache they run
+    # a function of ours (models/<name>.py's fused_attention, through the registered attention function;
+    # patch.py installs it) ("falcon", "gpt_neo", "xglm")
     own_attention: str | None = None
     # the kv heads of a config, where no config attribute says them (Falcon's depend on its layout)
     kv_heads_of: Callable | None = None

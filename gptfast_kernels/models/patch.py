@@ -6,6 +6,7 @@ import types
 import warnings
 
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from gptfast_kernels.models import attention
 from gptfast_kernels.models import falcon, gpt_neo, xglm
@@ -20,10 +21,9 @@ from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
 # Family.own_forwards: what patches such a family's modules, given the model and whether int8
 OWN_FORWARDS = {"llama4": patch_llama4_}
-# Family.own_attention: the forward such a family's attention modules get, which calls the registered
-# attention function named by their ``_gptfast_attention`` itself
-OWN_ATTENTION = {"falcon": falcon.attention_forward, "gpt_neo": gpt_neo.attention_forward,
-                 "xglm": xglm.attention_forward}
+# Family.own_attention: what such a family's attention modules run on a StaticKVCache (in place of
+# transformers' forward, which bypasses the AttentionInterface): see _own_attention_forward
+OWN_ATTENTION = {"falcon": falcon.fused_attention, "gpt_neo": gpt_neo.fused_attention, "xglm": xglm.fused_attention}
 
 
 def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = True,
@@ -41,7 +41,8 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"patch_model: model must be a transformers model, got {type(model).__name__}")
     family = family_of(model.config)
-    if not _attention_modules(model, family):
+    attention_modules = _attention_modules(model, family)  # (patching below swaps their parts, not them)
+    if not attention_modules:
         raise ValueError(f"patch_model: a {family.model_type} model should contain {family.attention_class} "
                          "modules and this one has none; its transformers version may be unsupported")
     if int8:
@@ -49,7 +50,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         quantize_int8_(model, skip=(*skip, *family.float_linears), linear_subclasses=family.linear_subclasses)
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class)
-        fuse_qkv_(model, family.attention_class, _attention_modules(model, family))
+        fuse_qkv_(model, family.attention_class, attention_modules)
     if family.own_forwards:  # (with int8, after the int8 pass above: it may take the int8 modules in)
         OWN_FORWARDS[family.own_forwards](model, int8)
     if int8:
@@ -68,8 +69,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     attention.register_attention_functions()
     attention_function = attention.FUSED if fused_attention else attention.UNFUSED
     if family.own_attention:  # (its attention bypasses the interface: set_attn_implementation would not reach it)
-        _install_attention_forward(_attention_modules(model, family), OWN_ATTENTION[family.own_attention],
-                                   attention_function)
+        _install_attention_forward(attention_modules, OWN_ATTENTION[family.own_attention], attention_function)
     else:
         model.set_attn_implementation(attention_function)
     if getattr(model, "_gptfast_hooks", None) is None:
@@ -77,7 +77,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
                  model.register_forward_hook(attention.after_forward, with_kwargs=True)]
         if family.layers_drop_keywords:
             hooks += [m.register_forward_pre_hook(attention.before_attention, with_kwargs=True)
-                      for m in _attention_modules(model, family)]
+                      for m in attention_modules]
         model._gptfast_hooks = tuple(hooks)
     return model
 
@@ -92,14 +92,32 @@ def _attention_modules(model: nn.Module, family) -> list[nn.Module]:
     return [module for module in model.modules() if matches(module)]
 
 
-def _install_attention_forward(modules: list[nn.Module], forward, attention_function: str) -> None:
-    """In place: every module of ``modules`` gets ``forward`` and the name of the attention function it
-    is to call (``_gptfast_attention``)."""
+def _own_attention_forward(self, hidden_states, *args, **kwargs):
+    """The forward of an own-attention family's attention module (Family.own_attention): with a
+    StaticKVCache (the ``gptfast_cache`` keyword) the family's ``fused_attention(self, hidden_states,
+    attend, **kwargs)`` -> [B, T, hidden], where ``attend(q, k, v, **options)`` (q [B, Hq, T, D], k / v
+    [B, Hkv, T, D]) runs the registered attention function ``_gptfast_attention`` -> [B, T, Hq * D];
+    without one, transformers' forward. -> (output, None)."""
+    cache = kwargs.pop("gptfast_cache", None)
+    if cache is None:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    function = ALL_ATTENTION_FUNCTIONS[self._gptfast_attention]
+
+    def attend(query, key, value, **options):
+        return function(self, query, key, value, None, gptfast_cache=cache, **options)[0].flatten(-2)
+
+    return self._gptfast_fused_attention(hidden_states, attend, **kwargs), None
+
+
+def _install_attention_forward(modules: list[nn.Module], fused_attention, attention_function: str) -> None:
+    """In place: every module of ``modules`` gets _own_attention_forward, running ``fused_attention``
+    through the attention function named ``attention_function``."""
     for module in modules:
         if not hasattr(module, "layer_idx"):  # (GPT-Neo's attention calls it layer_id)
             module.layer_idx = module.layer_id
         module._gptfast_attention = attention_function
-        module.forward = types.MethodType(forward, module)
+        module._gptfast_fused_attention = types.MethodType(fused_attention, module)
+        module.forward = types.MethodType(_own_attention_forward, module)
 
 
 def is_patched(model: nn.Module) -> bool:

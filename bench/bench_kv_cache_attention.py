@@ -38,6 +38,12 @@ heads over one kv head of the latent and rotary key, D = 512 + 64, values the 51
 buffer per layer, what generation runs) against "ours_kernel_separate_values", the same kernel
 with a value cache holding the same rows (two buffers: what MLA took before values-in-keys). GB/s
 counts the keys alone for all, so the fractions compare bytes the layer must read.
+
+ALiBi rows (``--cases alibi``: MPT-7B / BLOOM-7B1 heads, 32 of 128, multi-head) against
+"hf_static_cache_alibi", the same static-cache step with the bias slope_h * (key position) added
+through SDPA's float mask, as transformers' MPT and Falcon-RW attention add theirs (the bias and mask
+built once outside the timed call, as per forward); "ours_kernel_no_alibi" is the kernel without
+slopes, the bias's own cost.
 """
 
 from __future__ import annotations
@@ -145,6 +151,62 @@ def run(h) -> None:
         run_local(h, dtype, usable, module, scale, "chunk_size")
     if h.cases is None or "mla" in h.cases:
         run_latent(h, dtype)
+    if h.cases is None or "alibi" in h.cases:
+        run_alibi(h, dtype, module, scale)
+
+
+ALIBI_HEADS = 32  # MPT-7B, BLOOM-7B1: multi-head attention, D = 128
+# (B, T, context, S)
+GPU_ALIBI_CASES = [(B, T, 4096, 8192) for B in BATCHES for T in TOKENS]
+GPU_QUICK_ALIBI_CASES = [(1, 1, 4096, 8192), (32, 1, 4096, 8192)]
+CPU_ALIBI_CASES = [(1, 1, 1024, 2048), (1, 5, 1024, 2048)]
+
+
+def run_alibi(h, dtype, module, scale) -> None:
+    """ALiBi attention against transformers' static-cache step with the bias in SDPA's mask."""
+    device = h.device
+    cases = (GPU_QUICK_ALIBI_CASES if h.quick else GPU_ALIBI_CASES) if device.type == "cuda" else CPU_ALIBI_CASES
+    heads = ALIBI_HEADS
+    module = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)
+    slopes = 2.0 ** (-8 * torch.arange(1, heads + 1, device=device, dtype=torch.float32) / heads)
+    op = torch.ops.gptfast_kernels.kv_cache_attention
+    has_kernel = _extension.has_kernel("kv_cache_attention", "CUDA" if device.type == "cuda" else "CPU")
+    for B, T, context, S in cases:
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+        q, k, v = rand(B, heads, T, D), rand(B, heads, T, D), rand(B, heads, T, D)
+        k_cache, v_cache = rand(B, heads, S, D), rand(B, heads, S, D)
+        cache_position = torch.arange(context, context + T, device=device)
+        positions = cache_position.expand(B, T).contiguous()
+        slots = torch.arange(S, device=device)
+        bias = (slopes[:, None, None] * slots.to(torch.float32)).expand(heads, T, S)
+        allowed = slots[None, :] <= cache_position[:, None]  # [T, S]
+        mask = bias.masked_fill(~allowed, float("-inf")).to(dtype).expand(B, heads, T, S)
+        candidates = {
+            "hf_static_cache_alibi": lambda: hf_static_cache_step(module, q, k, v, k_cache, v_cache,
+                                                                  cache_position, mask, scale),
+            "ours_auto": lambda: ops.kv_cache_attention(q, k, v, k_cache, v_cache, cache_position,
+                                                        alibi_slopes=slopes),
+        }
+        if has_kernel:
+            candidates["ours_kernel"] = lambda: op(q, k, v, k_cache, v_cache, positions, scale,
+                                                   alibi_slopes=slopes)
+            candidates["ours_kernel_no_alibi"] = lambda: op(q, k, v, k_cache, v_cache, positions, scale)
+        if device.type == "cuda" and "triton" in _extension.usable_backends(device):
+            from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
+
+            candidates["ours_triton_kernel"] = lambda: kv_cache_attention_triton(
+                q, k, v, k_cache, v_cache, positions, scale, alibi_slopes=slopes)
+        elem = q.element_size()
+        nbytes = 2 * B * heads * (context + T) * D * elem + 2 * B * heads * T * D * elem
+        case = {"B": B, "T": T, "context": context, "S": S, "heads": heads, "kv_heads": heads, "alibi": True,
+                "dtype": str(dtype)[6:]}
+        h.compare("kv_cache_attention", case, candidates, baseline="hf_static_cache_alibi", nbytes=nbytes,
+                  graphed=tuple(name for name in candidates if "kernel" in name))
+        del q, k, v, k_cache, v_cache, mask
 
 
 MLA_HEADS, MLA_RANK, MLA_ROPE = 128, 512, 64  # DeepSeek-V3: kv_lora_rank 512, qk_rope_head_dim 64

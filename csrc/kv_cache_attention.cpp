@@ -9,6 +9,8 @@
 // positions[b, t] - positions[b, t] % C;
 // cap(s) = s, or softcap * tanh(s / softcap) when softcap > 0 (Gemma 2's logit soft-capping).
 // With sinks [Hq] (GPT-OSS), head h's softmax has one more logit, sinks[h], attending to nothing.
+// With alibi_slopes [Hq] (ALiBi: BLOOM, MPT, Falcon-RW), head h's (capped) score of the slot holding
+// position s gains alibi_slopes[h] * (s - positions[b, t]); the sink's logit gets none.
 // With ring = true the caches are ring buffers (a sliding-window layer's, S >= window slots, or a
 // chunked layer's, S >= chunk_size): position p lives in slot p % S, for the scatter and for every
 // read; positions may exceed S. A query's first visible position always comes from absolute
@@ -30,6 +32,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -128,8 +131,8 @@ WorkSplit split_work(int64_t B, int64_t Hkv, int64_t T, int64_t G) {
 // head dim, D otherwise).
 template <typename scalar_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& values, const int64_t* positions,
-            double scale, int64_t window, int64_t chunk, double softcap, const float* sinks, bool ring,
-            at::Tensor& out) {
+            double scale, int64_t window, int64_t chunk, double softcap, const float* sinks,
+            const float* alibi_slopes, bool ring, at::Tensor& out) {
   cpu::AttendArgs args{};
   args.q = q.data_ptr();
   args.q_stride_b = q.stride(0), args.q_stride_h = q.stride(1), args.q_stride_t = q.stride(2);
@@ -138,6 +141,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& va
   args.values = values.data_ptr();  // rows of D numbers either way
   args.positions = positions;
   args.sinks = sinks;
+  args.alibi_slopes = alibi_slopes;
   args.Hq = q.size(1), args.Hkv = k_cache.size(1), args.T = q.size(2), args.D = q.size(3);
   args.Dv = out.size(3), args.S = k_cache.size(2), args.G = args.Hq / args.Hkv;
   args.window = window, args.chunk = chunk;
@@ -204,7 +208,7 @@ int64_t check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& k_cache, const at::Tensor& v_cache,
                                         const at::Tensor& positions, int64_t window, double softcap,
                                         const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim,
-                                        int64_t chunk_size) {
+                                        int64_t chunk_size, const std::optional<at::Tensor>& alibi_slopes) {
   constexpr const char* op = "kv_cache_attention";
   const bool values_in_keys = value_dim != 0;
   TORCH_CHECK(window >= 0 && window <= INT32_MAX, op, ": window must be in 0..2^31 - 1 (0: no window), got ", window);
@@ -261,11 +265,13 @@ int64_t check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k
   TORCH_CHECK(positions.sizes() == c10::IntArrayRef({B, T}), op, ": positions must be [B, T] = [", B, ", ", T,
               "], got ", positions.sizes());
   GPTFAST_CHECK_CONTIGUOUS(op, positions);
-  if (sinks.has_value()) {
-    GPTFAST_CHECK_DTYPE(op, *sinks, at::kFloat);
-    GPTFAST_CHECK_DEVICE(op, *sinks, q.device());
-    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1) && sinks->is_contiguous(), op,
-                ": sinks must be contiguous [Hq] = [", q.size(1), "], got ", sinks->sizes());
+  for (const auto& [name, x] : {std::pair{"sinks", &sinks}, std::pair{"alibi_slopes", &alibi_slopes}}) {
+    if (!x->has_value()) continue;
+    const at::Tensor& t = **x;
+    TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+    TORCH_CHECK(t.device() == q.device(), op, ": ", name, " must be on q's device ", q.device(), ", got ", t.device());
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == Hq && t.is_contiguous(), op, ": ", name, " must be contiguous [Hq] = [",
+                Hq, "], got ", t.sizes());
   }
   return values_in_keys ? value_dim : D;
 }
@@ -278,10 +284,10 @@ at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
                                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
                                   double scale, int64_t window, double softcap,
                                   const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim,
-                                  int64_t chunk_size) {
+                                  int64_t chunk_size, const std::optional<at::Tensor>& alibi_slopes) {
   constexpr const char* op = "kv_cache_attention";
   const int64_t Dv = check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks,
-                                                     ring, value_dim, chunk_size);
+                                                     ring, value_dim, chunk_size, alibi_slopes);
   const bool values_in_keys = value_dim > 0;
   const int64_t S = k_cache.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -298,7 +304,8 @@ at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
   GPTFAST_DISPATCH_FLOAT_HALF_BF16(q.scalar_type(), "kv_cache_attention_cpu", [&] {
     scatter_new_tokens<scalar_t>(k, v, k_cache, v_cache, pos, ring, values_in_keys);
     attend<scalar_t>(q, k_cache, values_in_keys ? k_cache : v_cache, pos, scale, window, chunk_size, softcap,
-                     sinks.has_value() ? sinks->data_ptr<float>() : nullptr, ring, out);
+                     sinks.has_value() ? sinks->data_ptr<float>() : nullptr,
+                     alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr, ring, out);
   });
   return out;
 }
@@ -306,7 +313,7 @@ at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
 TORCH_LIBRARY_FRAGMENT(gptfast_kernels, m) {
   m.def("kv_cache_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor positions, float scale, int window=0, float softcap=0.0, Tensor? sinks=None, bool ring=False, "
-        "int value_dim=0, int chunk_size=0) -> Tensor");
+        "int value_dim=0, int chunk_size=0, Tensor? alibi_slopes=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gptfast_kernels, CPU, m) {

@@ -29,6 +29,7 @@ struct AttendArgs {
   const void* values;                  // rows of D numbers: v_cache, or k_cache with values in keys
   const int64_t* positions;            // [B, T], -1 = padding
   const float* sinks;                  // [Hq] or null
+  const float* alibi_slopes;           // [Hq] or null: score += slope * (slot's position - query's)
   int64_t Hq, Hkv, T, D, Dv, S, G;
   int64_t window, chunk;               // at most one of them > 0
   float scale, softcap;                // softcap 0 = none
@@ -37,10 +38,10 @@ struct AttendArgs {
 };
 
 // Floats of scratch attend_rows needs for `rows` query rows (G heads x tokens): the scaled
-// queries, accumulators, running max and sum, one block's scores per row, and one block of keys and
-// values converted to float.
+// queries, accumulators, running max and sum, ALiBi slope, one block's scores per row, and one block
+// of keys and values converted to float.
 static constexpr int64_t scratch_floats(int64_t rows, int64_t D, int64_t Dv) {
-  return rows * (D + Dv + 2 + SLOT_BLOCK) + SLOT_BLOCK * (D + Dv);
+  return rows * (D + Dv + 3 + SLOT_BLOCK) + SLOT_BLOCK * (D + Dv);
 }
 // int64 scratch: one block's row offsets in the cache and in the converted block, and each row's
 // first and last position.

@@ -296,19 +296,24 @@ GPTFAST_INLINE void score_group(const float* q, const void* keys, const int64_t*
   });
 }
 
-// The online-softmax step of `count` rows over their scores p[i][j0, j1): softcap, the new running
-// max, p = e^(p - max), the running sum; correction[i]: the factor row i's accumulated values are
+// The online-softmax step of `count` rows over their scores p[i][j0, j1) of the block at position s0:
+// softcap, ALiBi (with a.alibi_slopes: + slope[i] * (s0 + j - pos[i]), pos[i] row i's query position),
+// the new running max, p = e^(p - max), the running sum; correction[i]: the factor row i's accumulated values are
 // scaled by. The max is taken lane-wise (exact in any order: a NaN score makes the row NaN whichever
 // max it picks, and a max of -0 or +0 gives the same exponentials), the sums add p[j0], p[j0 + 1], ...
 // in order, the rows' sums interleaved so that their additions overlap.
-GPTFAST_INLINE void softmax_step(const AttendArgs& a, float* const* p, int64_t count, int64_t j0, int64_t j1,
-                                 float* row_max, float* row_sum, float* correction) {
+GPTFAST_INLINE void softmax_step(const AttendArgs& a, float* const* p, int64_t count, int64_t s0, int64_t j0,
+                                 int64_t j1, const float* slope, const int64_t* pos, float* row_max, float* row_sum,
+                                 float* correction) {
   float block_sum[GROUP_ROWS];
   for (int64_t i = 0; i < count; ++i) {
     float* pi = p[i];
     int64_t j;
     if (a.softcap > 0.f) {
       for (j = j0; j < j1; ++j) pi[j] = a.softcap * __builtin_tanhf(pi[j] / a.softcap);
+    }
+    if (a.alibi_slopes) {
+      for (j = j0; j < j1; ++j) pi[j] += slope[i] * static_cast<float>(s0 + j - pos[i]);
     }
     float block_max = pi[j0];
     j = j0 + 1;
@@ -342,8 +347,8 @@ GPTFAST_INLINE void softmax_step(const AttendArgs& a, float* const* p, int64_t c
 template <Elem KE>
 GPTFAST_INLINE void attend_block(const AttendArgs& a, int64_t s0, int64_t n, int64_t R, const int64_t* first,
                                  const int64_t* last, const float* q, float* acc, float* row_max, float* row_sum,
-                                 float* scores, const void* keys, const int64_t* key_rows, const void* values,
-                                 const int64_t* value_rows) {
+                                 const float* row_slope, float* scores, const void* keys, const int64_t* key_rows,
+                                 const void* values, const int64_t* value_rows) {
   const int64_t D = a.D, Dv = a.Dv;
   int64_t group[GROUP_ROWS], count = 0, lo = n, hi = 0;
   for (int64_t r = 0; r < R; ++r) {
@@ -376,7 +381,8 @@ GPTFAST_INLINE void attend_block(const AttendArgs& a, int64_t s0, int64_t n, int
       accs[i] = acc + (r + i) * Dv;
       ps[i] = scores + (r + i) * SLOT_BLOCK;
     }
-    softmax_step(a, ps, count, range.j0, range.j1, row_max + r, row_sum + r, correction);
+    softmax_step(a, ps, count, s0, range.j0, range.j1, row_slope + r, last + r, row_max + r, row_sum + r,
+                 correction);
     split_group(count, [&](auto rows, int64_t i) {
       accumulate_values<KE, decltype(rows)::value>(accs + i, correction + i, ps + i, values, value_rows, range.j0,
                                                    range.j1, Dv);
@@ -393,7 +399,8 @@ void attend_rows_impl(const AttendArgs& a, int64_t b, int64_t h, int64_t g0, int
   float* acc = q + R * D;         // [R, Dv]
   float* row_max = acc + R * Dv;  // [R]
   float* row_sum = row_max + R;   // [R]
-  float* scores = row_sum + R;    // [R, SLOT_BLOCK]
+  float* row_slope = row_sum + R;  // [R] ALiBi slopes (unused without)
+  float* scores = row_slope + R;   // [R, SLOT_BLOCK]
   float* key_block = scores + R * SLOT_BLOCK;      // [SLOT_BLOCK, D] a block's keys as float (16-bit caches)
   float* value_block = key_block + SLOT_BLOCK * D;  // [SLOT_BLOCK, Dv] its values
   int64_t* key_rows = int_scratch;                    // [SLOT_BLOCK] element offsets of a block's cache rows
@@ -421,6 +428,7 @@ void attend_rows_impl(const AttendArgs& a, int64_t b, int64_t h, int64_t g0, int
       // a sink is one more logit, sinks[head], whose value is 0: a first slot of weight e^sink
       row_max[r] = a.sinks ? a.sinks[head] : -__builtin_inff();
       row_sum[r] = a.sinks ? 1.f : 0.f;
+      row_slope[r] = a.alibi_slopes ? a.alibi_slopes[head] : 0.f;
     }
   }
 
@@ -442,8 +450,8 @@ void attend_rows_impl(const AttendArgs& a, int64_t b, int64_t h, int64_t g0, int
     }
     if (E == Elem::F32 || R <= GROUP_ROWS) {
       // float32, or one group of rows (score_group, attend_block): the cache rows are read as they are
-      attend_block<E>(a, s0, n, R, first, last, q, acc, row_max, row_sum, scores, a.keys, key_rows, a.values,
-                      key_rows);
+      attend_block<E>(a, s0, n, R, first, last, q, acc, row_max, row_sum, row_slope, scores, a.keys, key_rows,
+                      a.values, key_rows);
     } else {
       // 16-bit caches read by several groups of rows: the rows read are converted to float once here,
       // not once per group
@@ -453,7 +461,7 @@ void attend_rows_impl(const AttendArgs& a, int64_t b, int64_t h, int64_t g0, int
         block_key_rows[j] = j * D;
         block_value_rows[j] = values_in_keys ? j * D : j * Dv;
       }
-      attend_block<Elem::F32>(a, s0, n, R, first, last, q, acc, row_max, row_sum, scores, key_block,
+      attend_block<Elem::F32>(a, s0, n, R, first, last, q, acc, row_max, row_sum, row_slope, scores, key_block,
                               block_key_rows, values_in_keys ? key_block : value_block, block_value_rows);
     }
   }

@@ -11,6 +11,7 @@ using namespace kv_attention;
 // value_dim = Dv > 0 (values in the keys): v and v_cache are empty and never touched; the kernels'
 // V sources are k and k_cache themselves (rows of D, the first Dv read), and out is [B, Hq, T, Dv].
 // chunk_size = C > 0: a query at p sees p - p % C .. p (Scoring::first_slot).
+// alibi_slopes [Hq] float32: ALiBi, slope * (key position - query position) added to scores (Scoring::biased).
 // No host synchronisation: position values are never read on the host, so the op is capturable;
 // out-of-range positions are treated as padding by the kernels. ring: the caches are ring buffers
 // (position p in slot p % S; with a window or a chunk_size); the caller's span contract on positions
@@ -20,10 +21,10 @@ at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, con
                                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
                                    double scale, int64_t window, double softcap,
                                    const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim,
-                                   int64_t chunk_size) {
+                                   int64_t chunk_size, const std::optional<at::Tensor>& alibi_slopes) {
   constexpr const char* op = "kv_cache_attention";
   const int64_t Dv = check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks,
-                                                     ring, value_dim, chunk_size);
+                                                     ring, value_dim, chunk_size, alibi_slopes);
   const bool values_in_keys = value_dim > 0;
   // The tensors the values are read from (v may then be an empty tensor of any rank: no strides)
   const at::Tensor& values = values_in_keys ? k : v;
@@ -45,6 +46,7 @@ at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, con
     p.v_cache = value_cache.data_ptr<scalar_t>();
     p.positions = positions.data_ptr<int64_t>();
     p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+    p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
     p.out = out.data_ptr<scalar_t>();
     p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_st = q.stride(2);
     p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_st = k.stride(2);
@@ -57,6 +59,7 @@ at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, con
     p.score.scale_over_cap = softcap > 0 ? static_cast<float>(scale / softcap) : 0.f;
     p.score.window = static_cast<int>(window);  // checked: fits int
     p.score.chunk = static_cast<int>(chunk_size);  // checked: fits int, and never with a window
+    p.score.alibi = alibi_slopes.has_value();
     // 16-byte global vectors need aligned rows: every base pointer and row stride a multiple of them
     // (with values in the keys k's and k_cache's alone; Dv need not be a multiple, see load_vec).
     const int64_t vec = VEC<scalar_t>;

@@ -5,7 +5,9 @@
 //   out[b, h, t] = 0 where the position is outside [0, S) (padding, or a bad value under capture)
 // first = 0, the start of a sliding window, or of the query's chunk (chunked attention, Llama 4); cap =
 // soft-capping when asked for (see Scoring);
-// with sinks [Hq] (GPT-OSS) each head's softmax has one more logit that attends to nothing.
+// with sinks [Hq] (GPT-OSS) each head's softmax has one more logit that attends to nothing; with
+// alibi_slopes [Hq] (ALiBi: BLOOM, MPT, Falcon-RW) head h's score of position s gains
+// alibi_slopes[h] * (s - the query's position) (Scoring::biased; rebasing a ring's span keeps it).
 // Ring mode (ring = true, the ring buffer of a sliding-window layer, window <= S, or of a chunked
 // layer, chunk <= S): position p lives in slot p % S for the scatter and every read; positions
 // 0 .. 2^31 - 2 are valid. A block works in position space on the positions it reads, rebased to its
@@ -217,9 +219,17 @@ struct Scoring {
   int window;            // a query at pos sees positions pos - window + 1 .. pos; 0: all of 0 .. pos
   int chunk;             // chunked attention (Llama 4): pos - pos % chunk .. pos; 0: none (never with a window;
                          // with ring, rebase_span keeps pos % chunk)
+  bool alibi;            // ALiBi: rows carry a slope (log2 units), see biased
   // log2-domain score: scale * dot, or softcap * tanh(scale * dot / softcap) (Gemma 2).
   __device__ __forceinline__ float operator()(float dot) const {
     return cap_log2 > 0.f ? cap_log2 * accurate_tanh(dot * scale_over_cap) : dot * scale_log2;
+  }
+  // The score of position x for a query at pos whose head's ALiBi slope (log2 units) is slope: the
+  // capped score plus slope * (x - pos) with ALiBi, else the capped score. x and pos may both be
+  // rebased (ring mode): only their difference counts.
+  __device__ __forceinline__ float biased(float dot, float slope, int x, int pos) const {
+    const float s = (*this)(dot);
+    return alibi ? fmaf(slope, static_cast<float>(x - pos), s) : s;
   }
   // First position a query at pos (>= -1) sees; no overflow for any int pos >= -1 and window, chunk >= 0
   // (pos = -1: -1 % chunk = -1, so 0). At most pos and non-decreasing in pos: all that the spans and
@@ -237,6 +247,7 @@ struct Params {
   E *k_cache, *v_cache, *out;
   const int64_t* positions;
   const float* sinks;  // [Hq] attention-sink logits (natural log units), or nullptr
+  const float* alibi_slopes;  // [Hq] ALiBi slopes (natural log units per position), or nullptr
   float* ws_o;    // decode partials [B * Hkv, splits, G * T, Dv] (splits > 1 only)
   float* ws_lse;  // [B * Hkv, splits, G * T], log2 domain
   int* counters;  // [B * Hkv] split tickets, zeroed by the launcher
@@ -298,13 +309,14 @@ template <typename T>
 struct SimtSmem {
   T *q, *k, *v;  // q [rows][dp], k [bn][dp], v [bn][dvp]; zero-padded past D (Dv: see load_vec)
   float *acc, *p, *m, *l, *alpha;  // acc [rows][dvp]; p [rows][bn] scores, then probabilities
+  float* slope;  // [rows] ALiBi slopes, log2 units (set by simt_seed_alibi; unread without ALiBi)
   int *pos, *src;  // pos [rows]: a row sees positions 0..pos (-1: none); src [bn]: see DecodeKv
   int bytes;
   __host__ __device__ SimtSmem(uintptr_t base, int rows, int bn, int dp, int dvp) {
     SmemCarver c{base};
     q = c.take<T>(rows * dp), k = c.take<T>(bn * dp), v = c.take<T>(bn * dvp);
     acc = c.take<float>(rows * dvp), p = c.take<float>(rows * bn);
-    m = c.take<float>(rows), l = c.take<float>(rows), alpha = c.take<float>(rows);
+    m = c.take<float>(rows), l = c.take<float>(rows), alpha = c.take<float>(rows), slope = c.take<float>(rows);
     pos = c.take<int>(rows), src = c.take<int>(bn);
     bytes = c.bytes;
   }
@@ -374,7 +386,9 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
       }
 #pragma unroll
       for (int offset = DOT_LANES / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, offset);
-      if (i < pairs && sub == 0) sm.p[r * bn + j] = live ? score(dot) : -INFINITY;
+      if (i < pairs && sub == 0) {
+        sm.p[r * bn + j] = live ? score.biased(dot, sm.slope[r], tile + j, sm.pos[r]) : -INFINITY;
+      }
     }
     __syncthreads();
     // Online softmax, one warp per row. m_use keeps exp2's argument at -inf (never NaN) while a
@@ -499,6 +513,14 @@ __device__ void simt_seed_sinks(const SimtSmem<T>& sm, int rows, const SinkOf& s
     sm.m[r] = sink_of(r);
     sm.l[r] = 1.f;
   }
+  __syncthreads();
+}
+
+// Gives each row its head's ALiBi slope, slope_of(r) (log2 units); returns synchronised. Rows are set
+// up (and synchronised) by simt_init_rows before.
+template <typename T, typename SlopeOf>
+__device__ void simt_seed_alibi(const SimtSmem<T>& sm, int rows, const SlopeOf& slope_of) {
+  for (int r = threadIdx.x; r < rows; r += THREADS) sm.slope[r] = slope_of(r);
   __syncthreads();
 }
 

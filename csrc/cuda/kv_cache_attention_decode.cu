@@ -104,6 +104,9 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) decode_kernel(const 
     if (p.sinks != nullptr && active == 1) {  // with several splits the merge adds the sink, once
       simt_seed_sinks(sm, rows, [&](int r) { return p.sinks[h * p.G + (r0 + r) / p.T] * LOG2E; });
     }
+    if (p.alibi_slopes != nullptr) {
+      simt_seed_alibi(sm, rows, [&](int r) { return p.alibi_slopes[h * p.G + (r0 + r) / p.T] * LOG2E; });
+    }
     simt_attend<T, GVEC>(sm, rows, p.bn, p.dp, D, value_row<VIK>(p), Dv, lo, hi, p.score, kv);
     for (int i = tid; i < rows * Dv; i += THREADS) {
       const int r = i / Dv, d = i % Dv;

@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(THREADS, SIMT_MIN_BLOCKS) prefill_simt_kernel(
       [&](int r) { return p.q + tl.b * p.q_sb + tl.qh * p.q_sh + (tl.t0 + r) * p.q_st; },
       [&](int r) { return sanitize<RING>(p.positions[tl.b * p.T + tl.t0 + r], p.S); });
   if (p.sinks != nullptr) simt_seed_sinks(sm, tl.rows, [&](int) { return p.sinks[tl.qh] * LOG2E; });
+  if (p.alibi_slopes != nullptr) simt_seed_alibi(sm, tl.rows, [&](int) { return p.alibi_slopes[tl.qh] * LOG2E; });
   int2 span = slot_span(tl.rows, [&](int r) { return sm.pos[r]; }, p.score);  // the keys the tile sees
   const SlotOf<RING> slot_of = rebase_span<RING>(sm.pos, tl.rows, span, p.S);
   const int64_t kv_off = (tl.b * p.Hkv + tl.qh / p.G) * p.S * static_cast<int64_t>(p.D);
@@ -154,6 +155,7 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
   const int64_t kv_off = (tl.b * p.Hkv + tl.qh / p.G) * p.S * static_cast<int64_t>(D);
   const T* k_cache = p.k_cache + kv_off;
   const T* v_cache = p.v_cache + kv_off;
+  const float slope = p.alibi_slopes != nullptr ? p.alibi_slopes[tl.qh] * LOG2E : 0.f;  // ALiBi (every row's head)
 
   for (int tile = span.x; tile < span.y; tile += bn) {
     const int n = min(bn, span.y - tile);
@@ -191,8 +193,11 @@ __global__ void __launch_bounds__(TC_THREADS) prefill_tc_kernel(const Params<T> 
       const float* sr = sm.s + r * sm.lds;
       // slots [skipped, seen) of the tile are the row's (none for padding rows)
       const int seen = min(n, sm.pos[r] - tile + 1), skipped = max(0, p.score.first_slot(sm.pos[r]) - tile);
-      const float s0 = lane >= skipped && lane < seen ? p.score(sr[lane]) : -INFINITY;
-      const float s1 = lane + WARP >= skipped && lane + WARP < seen ? p.score(sr[lane + WARP]) : -INFINITY;
+      const int pos = sm.pos[r];
+      const float s0 = lane >= skipped && lane < seen ? p.score.biased(sr[lane], slope, tile + lane, pos) : -INFINITY;
+      const float s1 = lane + WARP >= skipped && lane + WARP < seen
+                           ? p.score.biased(sr[lane + WARP], slope, tile + lane + WARP, pos)
+                           : -INFINITY;
       const float m_old = sm.m[r];
       const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
       const float m_use = m_new == -INFINITY ? 0.f : m_new;

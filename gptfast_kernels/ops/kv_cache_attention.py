@@ -25,7 +25,7 @@ SOFTCAP_MIN = torch.finfo(torch.float32).tiny
 
 
 def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
-                  chunk_size=None) -> None:
+                  chunk_size=None, alibi_slopes=None) -> None:
     check_tensor(OP, "q", q, dtypes=FLOAT_DTYPES, ndim=4)
     if value_dim is not None:
         if isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 1 <= value_dim <= q.shape[-1]:
@@ -96,7 +96,13 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, 
         if sinks.shape[0] != q.shape[1]:
             raise ValueError(f"{OP}: sinks must have one logit per query head, [Hq] = [{q.shape[1]}], "
                              f"got {list(sinks.shape)}")
-    check_same_device(OP, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions, sinks=sinks)
+    if alibi_slopes is not None:
+        check_tensor(OP, "alibi_slopes", alibi_slopes, dtypes=FLOAT_DTYPES, ndim=1)
+        if alibi_slopes.shape[0] != q.shape[1]:
+            raise ValueError(f"{OP}: alibi_slopes must have one slope per query head, [Hq] = [{q.shape[1]}], "
+                             f"got {list(alibi_slopes.shape)}")
+    check_same_device(OP, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions, sinks=sinks,
+                      alibi_slopes=alibi_slopes)
 
 
 def query_reach(window: int | None, chunk_size: int | None) -> int | None:
@@ -161,8 +167,8 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                        v_cache: torch.Tensor | None, positions: torch.Tensor, scale: float | None = None,
                        *, window: int | None = None, softcap: float | None = None,
                        sinks: torch.Tensor | None = None, ring: bool = False, value_dim: int | None = None,
-                       chunk_size: int | None = None, backend: str = "auto",
-                       check_positions: bool = True) -> torch.Tensor:
+                       chunk_size: int | None = None, alibi_slopes: torch.Tensor | None = None,
+                       backend: str = "auto", check_positions: bool = True) -> torch.Tensor:
     """Writes k, v into the caches at ``positions`` and attends, in one kernel launch.
 
     q [B, Hq, T, D]; k, v [B, Hkv, T, D]; k_cache, v_cache [B, Hkv, S, D] (mutated in place);
@@ -184,37 +190,42 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
     chunks of C positions and a query sees only its own chunk's slots up to itself,
     positions[b, t] - positions[b, t] % C <= slot <= positions[b, t] (with ``ring``: those positions,
     each read from its slot); not with ``window``.
+    ``alibi_slopes`` [Hq] (ALiBi: BLOOM, MPT, Falcon-RW): query head h's score of the slot holding
+    position s, for a query at position p, gains alibi_slopes[h] * (s - p) (after the soft cap; a
+    linear penalty on distance for positive slopes). Slopes are taken as float32; a sink's logit
+    gets no bias.
     In eager mode the position values are checked (one host synchronisation) unless
     ``check_positions=False``, for callers that validated them already (StaticKVCache checks them
     once per forward, not once per layer); the kernels never access memory out of bounds either way.
     """
     chosen = checked_backend(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
-                             backend, chunk_size)
+                             backend, chunk_size, alibi_slopes)
     if check_positions and not is_tracing():
         _check_position_values(positions, k_cache.shape[2], window, ring, chunk_size)
     return run_kv_cache_attention(chosen, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring,
-                                  value_dim, chunk_size)
+                                  value_dim, chunk_size, alibi_slopes)
 
 
 def checked_backend(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
-                    backend, chunk_size=None) -> str:
+                    backend, chunk_size=None, alibi_slopes=None) -> str:
     """kv_cache_attention's input checks (all but the position values') and its backend choice: the
     backend ``run_kv_cache_attention`` may then be called with, for these inputs or any others of
     the same shapes, dtypes, devices and scalar arguments."""
-    _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim, chunk_size)
+    _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim, chunk_size,
+                  alibi_slopes)
     return resolve_backend(OP, backend, q.device,
                            auto=lambda usable: auto_backend(usable, q.shape[0] * k.shape[1], q.shape[2],
                                                             k_cache.shape[2]))
 
 
 def run_kv_cache_attention(chosen: str, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks,
-                           ring, value_dim=None, chunk_size=None) -> torch.Tensor:
+                           ring, value_dim=None, chunk_size=None, alibi_slopes=None) -> torch.Tensor:
     """kv_cache_attention on inputs that passed ``checked_backend``, which returned ``chosen`` (the
     patched attention's path: it checks each layer's inputs once per shape, not on every call)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if chosen == "reference":
         return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks,
-                                            ring, value_dim, chunk_size)
+                                            ring, value_dim, chunk_size, alibi_slopes)
     if value_dim is not None:  # the kernels take empty, unused v and v_cache, and value_dim 0 for "v_cache"
         v = v_cache = q.new_empty(0)
     value_dim = value_dim or 0
@@ -224,6 +235,8 @@ def run_kv_cache_attention(chosen: str, q, k, v, k_cache, v_cache, positions, sc
     chunk_size = chunk_size or 0
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(torch.float32).contiguous()
     if positions.dim() != 2 or positions.dtype != torch.int64 or not positions.is_contiguous():
         positions = reference.broadcast_positions(positions, q.shape[0]).contiguous()
     # kernels take any strides except in the head dim (HF's [B, T, H, D] -> [B, H, T, D] views pass)
@@ -237,15 +250,15 @@ def run_kv_cache_attention(chosen: str, q, k, v, k_cache, v_cache, positions, sc
         from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
         return kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring,
-                                         value_dim, chunk_size)
+                                         value_dim, chunk_size, alibi_slopes)
     return torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window,
-                                                        softcap, sinks, ring, value_dim, chunk_size)
+                                                        softcap, sinks, ring, value_dim, chunk_size, alibi_slopes)
 
 
 if _extension.has_kernel(OP, "CPU"):
 
     @torch.library.register_fake(f"gptfast_kernels::{OP}")
     def _kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None,
-                                 ring=False, value_dim=0, chunk_size=0):
+                                 ring=False, value_dim=0, chunk_size=0, alibi_slopes=None):
         # the kernels return a contiguous tensor, whatever q's strides
         return q.new_empty((*q.shape[:-1], value_dim or q.shape[-1]))

@@ -57,7 +57,8 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
                        v_cache: torch.Tensor, positions: torch.Tensor, scale: float | None = None,
                        window: int | None = None, softcap: float | None = None,
                        sinks: torch.Tensor | None = None, ring: bool = False,
-                       value_dim: int | None = None, chunk_size: int | None = None) -> torch.Tensor:
+                       value_dim: int | None = None, chunk_size: int | None = None,
+                       alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Writes k/v [B, Hkv, T, D] into the caches [B, Hkv, S, D] at positions [B, T] (or [T]),
     in place, then returns the causal attention of q [B, Hq, T, D] over cache slots 0..position
     (with a ``window``: only the last ``window`` of them, position - window < slot <= position;
@@ -66,6 +67,8 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     each slot, the latest position <= its own that maps there).
     ``softcap``: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
     ``sinks`` [Hq]: one more logit per head in the softmax's denominator, with no value (GPT-OSS).
+    ``alibi_slopes`` [Hq]: ALiBi (BLOOM, MPT, Falcon-RW): head h's score of a slot holding position s
+    for a query at position p gains alibi_slopes[h] * (s - p), after the soft cap.
     Negative positions are padding: nothing is written and their output rows are zero.
     ``value_dim`` Dv: the values are the keys' first Dv numbers (v, v_cache unused; out [B, Hq, T, Dv])."""
     B, Hq, T, D = q.shape
@@ -98,6 +101,9 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
         allowed &= slot_pos > query_pos - window
     if chunk_size:
         allowed &= slot_pos >= query_pos - query_pos % chunk_size
+    if alibi_slopes is not None:
+        distance = (slot_pos - query_pos).to(acc)  # [B, T, S], <= 0 where allowed
+        scores = scores + alibi_slopes.to(acc).reshape(1, Hkv, group, 1, 1) * distance[:, None, None]
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     if sinks is not None:
         sink = sinks.to(acc).reshape(1, Hkv, group, 1, 1).expand(B, Hkv, group, T, 1)

@@ -26,7 +26,8 @@ CHUNK: chunk_size 0 compiles the kernels as without it, and a constant C makes p
 ``softcap`` (> 0) caps the scaled scores at +-softcap by softcap * tanh(score / softcap), Gemma 2's
 attention soft-capping. ``sinks`` [Hq] (GPT-OSS) gives each head's softmax one more logit that
 attends to nothing: it seeds the online softmax (m = sink, l = 1) with one split, and is added
-once by the combine with several.
+once by the combine with several. ``alibi_slopes`` [Hq] (ALiBi: BLOOM, MPT, Falcon-RW; the constexpr
+HAS_ALIBI) adds slope * (key position - query position) to each capped score.
 
 ``ring=True`` (a constexpr) makes the caches ring buffers of a sliding-window or a chunked layer:
 position p lives in slot p % S. Splits, key tiles and the scatter's match run on absolute positions,
@@ -204,7 +205,8 @@ def _v_strides(v: torch.Tensor, value_dim: int) -> tuple[int, int, int]:
     return (0, 0, 0) if value_dim else (v.stride(0), v.stride(1), v.stride(2))
 
 
-def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp32_dot, tune, value_dim, num_sms):
+def _decode(q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scoring, ring, fp32_dot, tune, value_dim,
+            num_sms):
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     Dv = out.shape[-1]
@@ -221,14 +223,15 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp3
     else:
         o_part = lse_part = out  # never touched with a single split
     _kv_cache_attention_decode_kernel[(num_splits, Hkv * num_m_blocks, B)](
-        q, k, v, k_cache, v_cache, positions, q if sinks is None else sinks, out, o_part, lse_part,
+        q, k, v, k_cache, v_cache, positions, q if sinks is None else sinks,
+        q if alibi_slopes is None else alibi_slopes, out, o_part, lse_part,
         *scoring.args, T, S, D, G, Hq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         *_v_strides(v, value_dim), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT_LEN=tune.min_split_len, NUM_M_BLOCKS=num_m_blocks,
         FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, HAS_SINKS=sinks is not None, RING=ring, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DT=block_dt, DV=value_dim, CHUNK=scoring.chunk,
-        **_launch_options(q.dtype, tune, tune.decode_num_stages))
+        HAS_ALIBI=alibi_slopes is not None, **_launch_options(q.dtype, tune, tune.decode_num_stages))
     if num_splits > 1:  # combines rows of the output's width, Dv
         combine_block_d, combine_block_dt = _head_blocks(Dv)
         _kv_cache_attention_combine_kernel[(B * Hq * T,)](
@@ -241,7 +244,8 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp3
             num_warps=tune.num_warps)
 
 
-def _prefill(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp32_dot, tune, value_dim):
+def _prefill(q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scoring, ring, fp32_dot, tune,
+             value_dim):
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     block_d, block_dt = _head_blocks(D, MIN_DOT_DIM)
@@ -254,11 +258,12 @@ def _prefill(q, k, v, k_cache, v_cache, positions, sinks, out, scoring, ring, fp
         DV=value_dim, num_warps=tune.num_warps)
     block_n = tune.prefill_block_n if block_d <= 128 else tune.prefill_block_n // 2
     _kv_cache_attention_prefill_kernel[(triton.cdiv(T, tune.prefill_block_m), Hq, B)](
-        q, k_cache, v_cache, positions, q if sinks is None else sinks, out, *scoring.args, T, S, D, Hq // Hkv, Hq,
+        q, k_cache, v_cache, positions, q if sinks is None else sinks, q if alibi_slopes is None else alibi_slopes,
+        out, *scoring.args, T, S, D, Hq // Hkv, Hq,
         q.stride(0), q.stride(1), q.stride(2), *cache_strides, FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap,
         HAS_SINKS=sinks is not None, RING=ring,
         BLOCK_M=tune.prefill_block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DT=block_dt, DV=value_dim,
-        CHUNK=scoring.chunk, **_launch_options(q.dtype, tune))
+        CHUNK=scoring.chunk, HAS_ALIBI=alibi_slopes is not None, **_launch_options(q.dtype, tune))
 
 
 class _Scoring(NamedTuple):
@@ -280,13 +285,14 @@ class _Scoring(NamedTuple):
 def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float, tune: Tuning,
                              num_sms: int, window: int = 0, softcap: float = 0.0,
                              sinks: torch.Tensor | None = None, ring: bool = False,
-                             value_dim: int = 0, chunk_size: int = 0) -> torch.Tensor:
+                             value_dim: int = 0, chunk_size: int = 0,
+                             alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton op's computation with the launch constants ``tune`` and an assumed SM count (for
     tuning: bench/bench_kv_tiles.py); inputs as ``kv_cache_attention_triton``'s."""
     out = torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)
     scoring = _Scoring.of(float(scale), int(window), float(softcap), int(chunk_size))
-    args = (q, k, v, k_cache, v_cache, positions, sinks, out, scoring, bool(ring), dot_in_fp32(q.dtype), tune,
-            int(value_dim))
+    args = (q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scoring, bool(ring), dot_in_fp32(q.dtype),
+            tune, int(value_dim))
     with on_device(q):
         if q.shape[2] <= DECODE_MAX_T:
             _decode(*args, num_sms)
@@ -303,7 +309,8 @@ def _out_shape(q: torch.Tensor, value_dim: int) -> tuple[int, ...]:
 def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0,
                               softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                              ring: bool = False, value_dim: int = 0, chunk_size: int = 0) -> torch.Tensor:
+                              ring: bool = False, value_dim: int = 0, chunk_size: int = 0,
+                              alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, T, D], k, v [B, Hkv, T, D] (any strides, stride(-1) == 1); k_cache, v_cache
     [B, Hkv, S, D] contiguous, written in place; positions [B, T] int64 contiguous, -1 = padding
     -> out [B, Hq, T, D] contiguous in q's dtype. window 0 / softcap 0: none (checked by the wrapper);
@@ -312,14 +319,15 @@ def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     the keys (the value of a slot is its key's first Dv numbers; v and v_cache are empty and never
     touched; out [B, Hq, T, Dv]); 0: values in v / v_cache (value_dim checked by the wrapper).
     chunk_size C > 0: chunked attention, a query at p sees slots p - p % C .. p (a constexpr: one
-    compilation per chunk size; never with a window, checked by the wrapper); 0: none."""
+    compilation per chunk size; never with a window, checked by the wrapper); 0: none. alibi_slopes [Hq]
+    float32 contiguous or None: ALiBi, scores gain alibi_slopes[h] * (position - query position)."""
     if q.numel() == 0:
         return torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)
     return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device, q.shape[-1]),
-                                    window, softcap, sinks, ring, value_dim, chunk_size)
+                                    window, softcap, sinks, ring, value_dim, chunk_size, alibi_slopes)
 
 
 @kv_cache_attention_triton.register_fake
 def _(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None, ring=False, value_dim=0,
-      chunk_size=0):
+      chunk_size=0, alibi_slopes=None):
     return torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)

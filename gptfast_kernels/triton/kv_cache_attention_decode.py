@@ -26,18 +26,19 @@ def _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN
 
 @triton.jit
 def _kv_cache_attention_decode_kernel(
-        Q_ptr, K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Out_ptr, OPart_ptr, LsePart_ptr,
+        Q_ptr, K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Alibi_ptr, Out_ptr, OPart_ptr, LsePart_ptr,
         qk_scale, cap_log2, scale_over_cap, window, T, S, D, G, Hq,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_cb, stride_ch, stride_cs,
         NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
         FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_DT: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr):
+        BLOCK_DT: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr = False):
     # Ring: splits, tiles and the fused scatter's match work on positions, the cache on their slots.
     # A row's span is at most S positions (row_first), so its splits own distinct slots.
     # BLOCK_DT > 0 (D > MAX_BLOCK_D): head-dim columns BLOCK_D.. are a second block (the "_t" tensors).
     # DV > 0: values in the keys (V_ptr / VC_ptr unused); the output holds the key tiles' first DV columns.
+    # HAS_ALIBI: scores gain Alibi_ptr[head] * (position - query position) (log2 units after LOG2E_).
     TAIL_VALUES: tl.constexpr = BLOCK_DT > 0 and (DV == 0 or DV > BLOCK_D)  # acc_t needed
     split = tl.program_id(0)
     h = (tl.program_id(1) // NUM_M_BLOCKS).to(tl.int64)  # h * stride_ch may pass 2^31
@@ -132,6 +133,9 @@ def _kv_cache_attention_decode_kernel(
             s = _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
         else:
             s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+        if HAS_ALIBI:
+            slope_m = tl.load(Alibi_ptr + hq_m, mask=row_ok, other=0.0) * LOG2E_
+            s += slope_m[:, None] * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
         allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])
                    & in_range[None, :])
         if TAIL_VALUES:

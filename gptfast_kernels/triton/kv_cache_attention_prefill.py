@@ -59,13 +59,13 @@ def _kv_cache_attention_scatter_kernel(
 
 @triton.jit
 def _kv_cache_attention_prefill_kernel(
-        Q_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Out_ptr, qk_scale, cap_log2, scale_over_cap, window, T, S, D, G,
-        Hq, stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
+        Q_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Alibi_ptr, Out_ptr, qk_scale, cap_log2, scale_over_cap, window, T,
+        S, D, G, Hq, stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
         FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
-        DV: tl.constexpr, CHUNK: tl.constexpr):
+        DV: tl.constexpr, CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr = False):
     # BLOCK_DT > 0 (D > MAX_BLOCK_D): head-dim columns BLOCK_D.. are a second block (the "_t" tensors).
-    # DV > 0: values in the keys (VC_ptr unused), as in the decode kernel.
+    # DV > 0: values in the keys (VC_ptr unused), as in the decode kernel. HAS_ALIBI: as in the decode kernel.
     TAIL_VALUES: tl.constexpr = BLOCK_DT > 0 and (DV == 0 or DV > BLOCK_D)  # acc_t needed
     # The last (longest) query tiles first, so the short ones fill the tail of the grid.
     offs_m = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -94,6 +94,8 @@ def _kv_cache_attention_prefill_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if TAIL_VALUES:
         acc_t = tl.zeros((BLOCK_M, BLOCK_DT), dtype=tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(Alibi_ptr + hq) * LOG2E_
     for n0 in range(tile_first, tile_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < tile_len
@@ -119,6 +121,8 @@ def _kv_cache_attention_prefill_kernel(
             s = _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
         else:
             s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+        if HAS_ALIBI:
+            s += slope * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
         allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])
                    & in_range[None, :])
         if TAIL_VALUES:

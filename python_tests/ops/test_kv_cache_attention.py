@@ -62,7 +62,7 @@ def check_unseen_slots_are_never_read(backend, device, T, starts, first_seen, se
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 def _attention_in_dtype(q, k, v, k_cache, v_cache, positions, scale=None, window=None, softcap=None, sinks=None,
-                        ring=False):
+                        ring=False, alibi_slopes=None):
     """The same attention computed by PyTorch in q's dtype throughout (the low-precision baseline)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     B, Hq, T, D = q.shape
@@ -84,6 +84,9 @@ def _attention_in_dtype(q, k, v, k_cache, v_cache, positions, scale=None, window
     allowed = (slots <= pos[:, :, None]) & (slots >= 0)
     if window:
         allowed &= slots > pos[:, :, None] - window
+    if alibi_slopes is not None:
+        distance = (slots - pos[:, :, None]).to(scores.dtype)  # [B, T, S]
+        scores = scores + alibi_slopes.to(scores.dtype)[None, :, None, None] * distance[:, None]
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks.to(scores.dtype)[None, :, None, None].expand(B, Hq, T, 1)], dim=-1)
@@ -93,14 +96,16 @@ def _attention_in_dtype(q, k, v, k_cache, v_cache, positions, scale=None, window
 
 
 def check_against_reference(backend, device, q, k, v, k_cache, v_cache, positions, scale=None, window=None,
-                            softcap=None, sinks=None, ring=False):
+                            softcap=None, sinks=None, ring=False, alibi_slopes=None):
     """Runs the backend and checks its output and both caches against the float64 reference."""
     inputs64 = [t.cpu().double() for t in (q, k, v, k_cache, v_cache)]
     want_k_cache, want_v_cache = inputs64[3].clone(), inputs64[4].clone()
+    slopes64 = None if alibi_slopes is None else alibi_slopes.cpu().double()
     want = reference.kv_cache_attention(*inputs64[:3], want_k_cache, want_v_cache, positions.cpu(), scale, window,
-                                        softcap, None if sinks is None else sinks.cpu().double(), ring)
+                                        softcap, None if sinks is None else sinks.cpu().double(), ring,
+                                        alibi_slopes=slopes64)
     got = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window=window, softcap=softcap,
-                                 sinks=sinks, ring=ring, backend=backend)
+                                 sinks=sinks, ring=ring, alibi_slopes=alibi_slopes, backend=backend)
     assert got.shape == q.shape and got.dtype == q.dtype and got.device == q.device
     # the scatter is a copy: the caches must hold exactly the new k / v at the written slots
     assert torch.equal(k_cache.cpu().double(), want_k_cache), "k_cache differs from the reference"
@@ -111,7 +116,8 @@ def check_against_reference(backend, device, q, k, v, k_cache, v_cache, position
     else:
         cpu = [t.cpu() for t in (q, k, v, k_cache, v_cache)]
         baseline = _attention_in_dtype(*cpu[:3], *cpu[3:], positions.cpu(), scale, window, softcap,
-                                       None if sinks is None else sinks.cpu(), ring).double()
+                                       None if sinks is None else sinks.cpu(), ring,
+                                       None if alibi_slopes is None else alibi_slopes.cpu()).double()
         allowed = max(2 * (baseline - want).abs().max().item(), ERROR_FLOOR[q.dtype])
     assert error <= allowed, f"max error {error:.3g} > allowed {allowed:.3g}"
     return got

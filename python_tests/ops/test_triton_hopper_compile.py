@@ -43,11 +43,12 @@ def _int8_linear(dtype, M):
 MLA_HEADS = (16, 1)
 
 
-def _kv_cache_attention(dtype, T, D, S, window=0, heads=(32, 8), value_dim=0, chunk_size=0, ring=False):
+def _kv_cache_attention(dtype, T, D, S, window=0, heads=(32, 8), value_dim=0, chunk_size=0, ring=False,
+                        alibi=False):
     """window > 0: a ring buffer of S slots (ring=True) at positions past S, as a sliding layer's.
     heads: (query heads, kv heads). value_dim > 0: values in the keys (v and v_cache empty).
     chunk_size > 0: chunked attention (its own kernels: the chunk size is a constexpr); with ``ring``
-    in a ring buffer of S slots, as a Llama 4 chunked layer's."""
+    in a ring buffer of S slots, as a Llama 4 chunked layer's. alibi: ALiBi slopes (HAS_ALIBI)."""
     from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
     B, (Hq, Hkv) = 1, heads
@@ -56,7 +57,8 @@ def _kv_cache_attention(dtype, T, D, S, window=0, heads=(32, 8), value_dim=0, ch
     positions = torch.arange(T).expand(B, T).contiguous() + (3 * S if ring else 0)
     v, v_cache = (zeros(0), zeros(0)) if value_dim else (zeros(B, Hkv, T, D), zeros(B, Hkv, S, D))
     kv_cache_attention_triton(zeros(B, Hq, T, D), zeros(B, Hkv, T, D), v, zeros(B, Hkv, S, D), v_cache, positions,
-                              D ** -0.5, window, 0.0, None, ring, value_dim, chunk_size)
+                              D ** -0.5, window, 0.0, None, ring, value_dim, chunk_size,
+                              torch.ones(Hq) if alibi else None)
 
 
 def _verify_draft(greedy, V):
@@ -111,6 +113,10 @@ CASES = {
     # ... in the ring buffers generation allocates them (8192 + 2047 slots)
     **{f"kv-{mode}-bf16-chunked-ring": ((_kv_cache_attention, torch.bfloat16, T, 128, 8192 + 2047, 0, (40, 8), 0, 8192,
                                          True), PREFILL if T > 16 else DECODE)
+       for mode, T in (("decode", 1), ("verify", 5), ("prefill", 64))},
+    # ALiBi (MPT-7B: 32 heads of 128, multi-head attention)
+    **{f"kv-{mode}-bf16-alibi": ((_kv_cache_attention, torch.bfloat16, T, 128, 4096, 0, (32, 32), 0, 0, False, True),
+                                 PREFILL if T > 16 else DECODE)
        for mode, T in (("decode", 1), ("verify", 5), ("prefill", 64))},
     **{f"verify_draft-{mode}-V{V}": ((_verify_draft, mode == "greedy", V), ["_verify_draft_kernel"])
        for mode in ("greedy", "sampling") for V in (128256, 50257)},

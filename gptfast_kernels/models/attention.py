@@ -4,7 +4,8 @@
   (the fused kernel) and "gptfast_kernels_unfused" (the same semantics in plain PyTorch: a scatter,
   then masked attention). Each layer's ``sliding_window``, ``softcap`` and ``s_aux`` keywords
   (Mistral, Qwen2, Gemma 2 / 3, GPT-OSS ...) become the kernel's ``window``, ``softcap`` and
-  ``sinks``. Without a StaticKVCache both defer to transformers' SDPA attention, or to plain PyTorch
+  ``sinks``; the families whose attention is ours (patch.OWN_ATTENTION) may pass ``alibi_slopes``
+  (BLOOM, MPT, Falcon-RW). Without a StaticKVCache both defer to transformers' SDPA attention, or to plain PyTorch
   attention where the scores are soft-capped or have sinks (SDPA can do neither).
 - A forward pre-hook on the patched model sees its cache (``cache``, or ``past_key_values`` before
   transformers 5.24): for a StaticKVCache it plans the step's positions once (per-row lengths,
@@ -66,13 +67,17 @@ def _plain_attention(query, key, value, attention_mask, scaling, softcap=None, s
 def _cached_attention(module, query, key, value, attention_mask, *, backend: str, scaling=None, dropout=0.0,
                       sliding_window: int | None = None, softcap: float | None = None,
                       s_aux: torch.Tensor | None = None, attention_chunk_size: int | None = None,
-                      gptfast_cache: StaticKVCache | None = None, **kwargs):
+                      alibi_slopes: torch.Tensor | None = None, gptfast_cache: StaticKVCache | None = None,
+                      **kwargs):
     """transformers attention-function signature; q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv]
     with Dv <= D (the new tokens only, when a StaticKVCache is active) -> ([B, T, Hq, Dv], None). ``attention_chunk_size``
     (Llama 4's chunked layers: passed by models/llama4.py with a StaticKVCache only) becomes the
     kernel's ``chunk_size``. A layer whose buffers are a ring (sized for a window or a chunk) passes
-    ``ring=True`` with that window or chunk."""
+    ``ring=True`` with that window or chunk. ``alibi_slopes`` [Hq] (passed by the own-attention families
+    with ALiBi, with a StaticKVCache only) become the kernel's."""
     if gptfast_cache is None:
+        if alibi_slopes is not None:  # (those families run transformers' own attention without one)
+            raise ValueError("patch_model: alibi_slopes are served with a StaticKVCache only")
         if softcap is not None or s_aux is not None:
             if dropout:
                 raise ValueError("patch_model: attention dropout with soft-capped scores or sinks is not supported "
@@ -114,7 +119,7 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
                              f"keys ({key.shape[-1]}); the cache holds values at most as wide as the keys")
         value = torch.nn.functional.pad(value, (0, key.shape[-1] - value_width))
     out = _attend(layer, query.to(dtype), key.to(dtype), None if layer.value_dim else value.to(dtype), positions,
-                  scaling, sliding_window, softcap, s_aux, ring, backend, chunk)
+                  scaling, sliding_window, softcap, s_aux, ring, backend, chunk, alibi_slopes)
     if value_width is not None and value_width != out.shape[-1]:
         out = out[..., :value_width]
     # [B, T, Hq, D] contiguous, as transformers' attention functions return it (AFMoE .view()s it); for
@@ -123,7 +128,7 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
 
 
 def _attend(layer, q, k, v, positions, scale, window, softcap, sinks, ring: bool, backend: str,
-            chunk_size: int | None = None) -> torch.Tensor:
+            chunk_size: int | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """kv_cache_attention over one cache layer's buffers (v None for a layer whose values are its
     keys' first ``value_dim`` numbers). Its input checks and backend choice cost more than a small
     model's kernel (tens of microseconds in Python, for every layer of every step), so in eager mode
@@ -134,21 +139,22 @@ def _attend(layer, q, k, v, positions, scale, window, softcap, sinks, ring: bool
     v_cache = None if value_dim else layer.values
     if torch.compiler.is_compiling():
         return kv_cache_attention(q, k, v, layer.keys, v_cache, positions, scale, window=window, softcap=softcap,
-                                  sinks=sinks, ring=ring, value_dim=value_dim, chunk_size=chunk_size, backend=backend,
-                                  check_positions=False)
+                                  sinks=sinks, ring=ring, value_dim=value_dim, chunk_size=chunk_size,
+                                  alibi_slopes=alibi_slopes, backend=backend, check_positions=False)
     signature = (q.shape, k.shape, q.dtype, k.dtype, q.device, k.device,
                  None if v is None else (v.shape, v.dtype, v.device), positions.shape, positions.dtype,
                  positions.device, scale, window, softcap, ring, backend,
-                 None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), chunk_size)
+                 None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), chunk_size,
+                 None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.dtype, alibi_slopes.device))
     chosen = layer.checked_calls.get(signature)
     if chosen is None:
         chosen = checked_backend(q, k, v, layer.keys, v_cache, positions, scale, window, softcap, sinks, ring,
-                                 value_dim, backend, chunk_size)
+                                 value_dim, backend, chunk_size, alibi_slopes)
         if len(layer.checked_calls) >= MAX_CHECKED_SIGNATURES:  # prompts of ever new lengths: start afresh
             layer.checked_calls.clear()
         layer.checked_calls[signature] = chosen
     return run_kv_cache_attention(chosen, q, k, v, layer.keys, v_cache, positions, scale, window, softcap,
-                                  sinks, ring, value_dim, chunk_size)
+                                  sinks, ring, value_dim, chunk_size, alibi_slopes)
 
 
 def fused_attention(module, query, key, value, attention_mask, **kwargs):
@@ -230,7 +236,8 @@ def before_forward(model, args, kwargs):
     hybrid_mask = mask[:, -tokens.shape[1]:] if mask is not None and cache.has_recurrent_layers else None
     if hybrid_mask is not None and tokens.shape[1] > 1 and not is_tracing():
         _check_left_padded(hybrid_mask)
-    positions = cache.plan_step(tokens.shape[1], mask, kwargs.get("position_ids"))
+    positions = cache.plan_step(tokens.shape[1], mask, kwargs.get("position_ids"),
+                                hide_length=model._gptfast_fused_length_zero)
     # the cache goes on by the keyword this model's forward takes (the other one it would ignore: a
     # transformers before 5.24 given cache=, or 5.24's deprecated past_key_values= beside cache=None)
     kwargs = {name: value for name, value in kwargs.items() if name not in CACHE_KEYWORDS}

@@ -16,7 +16,9 @@ as ``kv_cache_attention`` maps query head h to kv head h // G), rotates q / k an
 call, so the cache holds each kv head once (the family table reads the kv heads the same way:
 families.falcon_kv_heads). Falcon's decoder layers pass the cache to their attention as ``layer_past`` and drop the attention keywords, so the
 family is ``layers_drop_keywords`` (attention.before_attention hands the cache on). ALiBi configs
-(Falcon-RW) are refused: the fused kernel adds no position bias.
+(``alibi=True``: Falcon-RW) rotate nothing; transformers adds the slopes times each key's position to
+the scores before scaling them, so their slopes here (models/alibi.py) are transformers' (rounded to
+bfloat16 as its builder rounds them) times the softmax scale.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from gptfast_kernels.models import alibi
 
 
 def split_projection(module, fused_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -43,11 +47,21 @@ def split_projection(module, fused_qkv: torch.Tensor) -> tuple[torch.Tensor, tor
     return qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
 
 
+def prepare_attention(module, config) -> None:
+    """Gives the FalconAttention of an ALiBi config its slopes, scaled by its softmax scale."""
+    if config.alibi:
+        code = sys.modules[type(module).__module__]
+        slopes = alibi.slopes_from_key_positions(code.build_alibi_tensor, module.num_heads)
+        alibi.install_slopes(module, slopes * module.inv_norm_factor)
+
+
 def fused_attention(self, hidden_states: torch.Tensor, attend, **kwargs) -> torch.Tensor:
     """A FalconAttention on a StaticKVCache: hidden_states [B, T, hidden] -> [B, T, hidden], one fused
     attention call (``attend``, see patch.py) on the unbroadcast kv heads."""
     code = sys.modules[type(self).__module__]
     query, key, value = (x.transpose(1, 2) for x in split_projection(self, self.query_key_value(hidden_states)))
-    cos, sin = kwargs["position_embeddings"]
-    query, key = code.apply_rotary_pos_emb(query, key, cos, sin)
-    return self.dense(attend(query, key, value, scaling=self.inv_norm_factor))
+    slopes = getattr(self, alibi.BUFFER, None)
+    if slopes is None:  # rotary positions (ALiBi configs have none)
+        cos, sin = kwargs["position_embeddings"]
+        query, key = code.apply_rotary_pos_emb(query, key, cos, sin)
+    return self.dense(attend(query, key, value, scaling=self.inv_norm_factor, alibi_slopes=slopes))

@@ -1,6 +1,6 @@
 """The supported model families, as a table: what patching and the cache need to know per family.
 
-Every supported family but Falcon, GPT-Neo and XGLM routes attention through transformers'
+Every supported family but Falcon, GPT-Neo, XGLM, BLOOM and MPT routes attention through transformers'
 AttentionInterface and its KV cache through ``Cache.update`` (transformers 5.x), so patching needs
 no per-family forward: the table records the attention module class (to check a model really has the
 structure we rely on), where the config keeps the KV-head count and head size, the gated MLP class
@@ -8,9 +8,10 @@ whose gate and up projections are fused into one int8 matmul, and config feature
 windows and attention soft-capping reach the kernel through the attention keywords each layer passes
 (``sliding_window``, ``softcap``), so they need no entry here. Two kinds of family do get forwards
 of ours, named by their entries: multi-head latent attention (``latent_attention``:
-models/latent_attention.py) and Llama 4 (``own_forwards``: models/llama4.py); Falcon's, GPT-Neo's
-and XGLM's attention, which bypass the AttentionInterface, get one too (``own_attention``:
-models/falcon.py, models/gpt_neo.py, models/xglm.py).
+models/latent_attention.py) and Llama 4 (``own_forwards``: models/llama4.py); Falcon's, GPT-Neo's,
+XGLM's, BLOOM's and MPT's attention, which bypass the AttentionInterface, get one too
+(``own_attention``: models/falcon.py, models/gpt_neo.py, models/xglm.py, models/bloom.py, models/mpt.py;
+the last two and Falcon-RW with ALiBi slopes, models/alibi.py).
 """
 
 from __future__ import annotations
@@ -115,12 +116,17 @@ class Family:
     sliding_kv_heads: int = 1
     # a family whose attention modules bypass transformers' AttentionInterface: on a StaticKVCache they run
     # a function of ours (models/<name>.py's fused_attention, through the registered attention function;
-    # patch.py installs it) ("falcon", "gpt_neo", "xglm")
+    # patch.py installs it) ("bloom", "falcon", "gpt_neo", "mpt", "xglm")
     own_attention: str | None = None
     # the kv heads of a config, where no config attribute says them (Falcon's depend on its layout)
     kv_heads_of: Callable | None = None
     # nn.Linear subclasses whose forward is nn.Linear's product x @ W.T + b (FalconLinear): int8 like nn.Linear
     linear_subclasses: tuple[str, ...] = ()
+    # model code that sizes tensors by the cache's length before its layers (Falcon's and BLOOM's ALiBi tensors,
+    # one entry per key, against a mask of the fused step's mask sizes): in fused steps the cache's
+    # get_seq_length() says 0, transformers' view of a cache whose update returns the new tokens alone (as
+    # its mask sizes and query offset say); the fused attention reads positions, not lengths
+    fused_length_zero: bool = False
 
     def layer_kinds(self, config) -> list[str]:
         """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /
@@ -400,12 +406,17 @@ FAMILIES: dict[str, Family] = {
                supported_from="5.13"),
         Family("gpt_neox", "GPTNeoXAttention", None, None),
         # one fused q / k / v projection in one of three layouts (models/falcon.py: its attention bypasses the
-        # attention interface and its layers drop the keywords), attention and MLP in parallel; ALiBi refused
+        # attention interface and its layers drop the keywords), attention and MLP in parallel; ALiBi (Falcon-RW)
         Family("falcon", "FalconAttention", None, None, own_attention="falcon", kv_heads_of=falcon_kv_heads,
-               layers_drop_keywords=True, linear_subclasses=("FalconLinear",), refused_flags=("alibi",)),
+               layers_drop_keywords=True, linear_subclasses=("FalconLinear",), fused_length_zero=True),
         # unscaled scores, local (windowed) and global layers, learned positions (models/gpt_neo.py: its attention
         # bypasses the attention interface and its wrapper drops the keywords)
         Family("gpt_neo", "GPTNeoSelfAttention", None, None, own_attention="gpt_neo", layers_drop_keywords=True),
+        # ALiBi (models/bloom.py, models/mpt.py: their attention bypasses the attention interface and adds the bias
+        # itself; their layers drop the keywords)
+        Family("bloom", "BloomAttention", None, None, own_attention="bloom", layers_drop_keywords=True,
+               fused_length_zero=True),
+        Family("mpt", "MptAttention", None, None, own_attention="mpt", layers_drop_keywords=True),
         # sinusoidal positions, scaled embeddings (models/xglm.py: its attention bypasses the attention interface);
         # before 5.20 its positions branch on the cache's length (untraceable)
         Family("xglm", "XGLMAttention", None, None, own_attention="xglm", compiles_from="5.20"),

@@ -9,7 +9,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from gptfast_kernels.models import attention
-from gptfast_kernels.models import falcon, gpt_neo, xglm
+from gptfast_kernels.models import bloom, falcon, gpt_neo, mpt, xglm
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels.models.latent_attention import patch_latent_attention_
 from gptfast_kernels.models.llama4 import patch_llama4_
@@ -21,9 +21,11 @@ from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
 # Family.own_forwards: what patches such a family's modules, given the model and whether int8
 OWN_FORWARDS = {"llama4": patch_llama4_}
-# Family.own_attention: what such a family's attention modules run on a StaticKVCache (in place of
-# transformers' forward, which bypasses the AttentionInterface): see _own_attention_forward
-OWN_ATTENTION = {"falcon": falcon.fused_attention, "gpt_neo": gpt_neo.fused_attention, "xglm": xglm.fused_attention}
+# Family.own_attention: the module whose fused_attention such a family's attention modules run on a
+# StaticKVCache (in place of transformers' forward, which bypasses the AttentionInterface; see
+# _own_attention_forward), and whose prepare_attention(module, config), where it has one, readies each
+# module at patch time (the ALiBi families' slopes)
+OWN_ATTENTION = {"bloom": bloom, "falcon": falcon, "gpt_neo": gpt_neo, "mpt": mpt, "xglm": xglm}
 
 
 def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = True,
@@ -66,10 +68,12 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     # what a StaticKVCache for this model must hold (checked per forward by attention.before_forward)
     model._gptfast_cache_geometry = StaticKVCache.geometry_of(model.config)
     model._gptfast_cache_keyword = attention.cache_keyword(model)
+    model._gptfast_fused_length_zero = family.fused_length_zero
     attention.register_attention_functions()
     attention_function = attention.FUSED if fused_attention else attention.UNFUSED
     if family.own_attention:  # (its attention bypasses the interface: set_attn_implementation would not reach it)
-        _install_attention_forward(attention_modules, OWN_ATTENTION[family.own_attention], attention_function)
+        _install_attention_forward(attention_modules, OWN_ATTENTION[family.own_attention], attention_function,
+                                   model.config)
     else:
         model.set_attn_implementation(attention_function)
     if getattr(model, "_gptfast_hooks", None) is None:
@@ -95,7 +99,8 @@ def _attention_modules(model: nn.Module, family) -> list[nn.Module]:
 def _own_attention_forward(self, hidden_states, *args, **kwargs):
     """The forward of an own-attention family's attention module (Family.own_attention): with a
     StaticKVCache (the ``gptfast_cache`` keyword) the family's ``fused_attention(self, hidden_states,
-    attend, **kwargs)`` -> [B, T, hidden], where ``attend(q, k, v, **options)`` (q [B, Hq, T, D], k / v
+    attend, *args, **kwargs)`` -> [B, T, hidden] (args: what the decoder layer passed after the hidden
+    states, BLOOM's residual), where ``attend(q, k, v, **options)`` (q [B, Hq, T, D], k / v
     [B, Hkv, T, D]) runs the registered attention function ``_gptfast_attention`` -> [B, T, Hq * D];
     without one, transformers' forward. -> (output, None)."""
     cache = kwargs.pop("gptfast_cache", None)
@@ -106,18 +111,22 @@ def _own_attention_forward(self, hidden_states, *args, **kwargs):
     def attend(query, key, value, **options):
         return function(self, query, key, value, None, gptfast_cache=cache, **options)[0].flatten(-2)
 
-    return self._gptfast_fused_attention(hidden_states, attend, **kwargs), None
+    return self._gptfast_fused_attention(hidden_states, attend, *args, **kwargs), None
 
 
-def _install_attention_forward(modules: list[nn.Module], fused_attention, attention_function: str) -> None:
-    """In place: every module of ``modules`` gets _own_attention_forward, running ``fused_attention``
-    through the attention function named ``attention_function``."""
+def _install_attention_forward(modules: list[nn.Module], code, attention_function: str, config) -> None:
+    """In place: every module of ``modules`` gets _own_attention_forward, running ``code.fused_attention``
+    through the attention function named ``attention_function``, readied by ``code.prepare_attention``
+    (where the family has one) for the model's ``config``."""
+    prepare = getattr(code, "prepare_attention", None)
     for module in modules:
         if not hasattr(module, "layer_idx"):  # (GPT-Neo's attention calls it layer_id)
             module.layer_idx = module.layer_id
         module._gptfast_attention = attention_function
-        module._gptfast_fused_attention = types.MethodType(fused_attention, module)
+        module._gptfast_fused_attention = types.MethodType(code.fused_attention, module)
         module.forward = types.MethodType(_own_attention_forward, module)
+        if prepare is not None:
+            prepare(module, config)
 
 
 def is_patched(model: nn.Module) -> bool:

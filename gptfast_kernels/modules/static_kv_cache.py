@@ -174,6 +174,7 @@ class StaticKVCache(Cache):
             torch._dynamo.mark_static_address(self.written_lengths)
         self._step_positions: torch.Tensor | None = None  # [B, T] positions of the current forward
         self._fused_step = False
+        self._hide_length = False  # see plan_step
         self.attention_calls = 0  # fused attention calls of the current forward (eager forwards only)
         # plan_step checks, in eager mode, that every position fits the cache: one GPU sync per
         # forward. A decoding loop that sized the cache for every token it writes may turn it off
@@ -192,11 +193,14 @@ class StaticKVCache(Cache):
     # -- the per-forward protocol (driven by the hooks patch_model installs) -------------------------
 
     def plan_step(self, num_tokens: int, attention_mask: torch.Tensor | None = None,
-                  position_ids: torch.Tensor | None = None, *, fused: bool = True) -> torch.Tensor:
+                  position_ids: torch.Tensor | None = None, *, fused: bool = True,
+                  hide_length: bool = False) -> torch.Tensor:
         """Positions [B, T] int64 of the next forward's T new tokens: each row's tokens go at its
         current length onwards (or at ``position_ids``); tokens whose ``attention_mask`` entry is 0
         are padding (-1: neither written nor attended). ``attention_mask`` is [B, T] or HF's
-        [B, past + T] (its last T columns are used)."""
+        [B, past + T] (its last T columns are used). ``hide_length`` (a fused forward of a model whose
+        code sizes tensors by the cache's length, Family.fused_length_zero): until the step ends,
+        get_seq_length() says 0, as the mask sizes and query offset of a fused step do."""
         B = self.batch_size
         if self.has_ring_layers:
             if not fused:
@@ -247,6 +251,7 @@ class StaticKVCache(Cache):
             self.written_lengths.copy_(torch.maximum(self.written_lengths, positions.max(dim=1).values + 1))
         self._step_positions = positions
         self._fused_step = fused
+        self._hide_length = fused and hide_length
         self.attention_calls = 0
         return positions
 
@@ -257,12 +262,12 @@ class StaticKVCache(Cache):
         written = self._step_positions.max(dim=1).values + 1  # 0 for an all-padding row
         self.seq_lengths.copy_(torch.maximum(self.seq_lengths, written))
         self._step_positions = None
-        self._fused_step = False
+        self._fused_step = self._hide_length = False
 
     def discard_step(self) -> None:
         """Ends the current forward without advancing any row (its writes stay past the lengths)."""
         self._step_positions = None
-        self._fused_step = False
+        self._fused_step = self._hide_length = False
 
     def step_positions(self) -> torch.Tensor:
         if self._step_positions is None:
@@ -301,7 +306,10 @@ class StaticKVCache(Cache):
         return layer.keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """The longest row's length (``seq_lengths`` has every row's)."""
+        """The longest row's length (``seq_lengths`` has every row's); 0 inside a fused step planned
+        with ``hide_length``."""
+        if self._hide_length:
+            return 0
         if is_tracing():
             return self.seq_lengths.max()
         return int(self.seq_lengths.max()) if self.seq_lengths.numel() else 0
@@ -405,7 +413,7 @@ class StaticKVCache(Cache):
         self.seq_lengths.zero_()
         self.written_lengths.zero_()
         self._step_positions = None
-        self._fused_step = False
+        self._fused_step = self._hide_length = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         beam_idx = beam_idx.to(self.device)

@@ -22,7 +22,7 @@ def _on_cuda(*tensors):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gpt2", "qwen3_5_text", "gemma4_text",
-                                    "deepseek_v3", "deepseek_v2", "mimo_v2_flash", "gptj", "falcon"])
+                                    "deepseek_v3", "deepseek_v2", "mimo_v2_flash", "gptj", "falcon", "bloom", "mpt"])
 def test_greedy_equals_transformers(family):
     model = tiny_model(family).cuda()
     patched = patched_copy(model, int8=False)
@@ -34,7 +34,7 @@ def test_greedy_equals_transformers(family):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text", "lfm2", "falcon_h1", "stablelm", "dbrx",
                                     "gemma4_text", "gemma3n_text", "deepseek_v3", "mimo_v2_flash", "gptj",
-                                    "falcon"])
+                                    "falcon", "bloom", "mpt"])
 def test_compiled_cuda_graph_decode_equals_eager(family):
     """compile=True: torch.compile(fullgraph=True, mode="reduce-overhead") per step, so the decode
     step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse).

@@ -22,7 +22,7 @@ def _pair(family, int8, draft_layers=2, seed=0, **config):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "phi3", "granite", "gpt2", "gemma4_text",
                                     "gemma4_unified_text", "gemma3n_text", "deepseek_v3", "llama4_text",
-                                    "mimo_v2_flash", "gptj", "falcon", "gpt_neo"])
+                                    "mimo_v2_flash", "gptj", "falcon", "gpt_neo", "bloom", "mpt"])
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
 @pytest.mark.parametrize("batch, k", [(1, 4), (4, 4), (4, 1)])
 def test_greedy_equals_target_greedy(family, int8, batch, k):

@@ -1,5 +1,5 @@
 """Falcon: its three q / k / v layouts through the fused path (models/falcon.py), each kv head cached
-once, int8 FalconLinear projections, ALiBi configs refused; Falcon's and GPT-Neo's flash-attention
+once, int8 FalconLinear projections, ALiBi (Falcon-RW); Falcon's and GPT-Neo's flash-attention
 module classes patched like their base classes."""
 
 import copy
@@ -14,10 +14,12 @@ from python_tests.tiny_models import hf_greedy, patched_copy, ragged_prompts, ti
 
 # the tiny config (Falcon-40B's grouped layout, 4 query heads over 2 kv heads), Falcon-7B's multi-query
 # layout (one kv head; num_kv_heads, which the config fills with the query heads' count, unused), and
-# multi-head attention with sequential attention and MLP
+# multi-head attention with sequential attention and MLP, and the same with ALiBi instead of rotary
+# positions (Falcon-RW)
+MULTI_HEAD = dict(new_decoder_architecture=False, multi_query=False, num_kv_heads=4, parallel_attn=False)
 LAYOUTS = {"grouped": dict(), "multi_query": dict(new_decoder_architecture=False, multi_query=True),
-           "multi_head": dict(new_decoder_architecture=False, multi_query=False, num_kv_heads=4, parallel_attn=False)}
-KV_HEADS = {"grouped": 2, "multi_query": 1, "multi_head": 4}
+           "multi_head": MULTI_HEAD, "alibi": dict(MULTI_HEAD, alibi=True)}
+KV_HEADS = {"grouped": 2, "multi_query": 1, "multi_head": 4, "alibi": 4}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -62,10 +64,20 @@ def test_without_a_static_cache_it_runs_transformers_attention():
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def test_alibi_configs_are_refused():
-    model = AutoModelForCausalLM.from_config(tiny_config("falcon", alibi=True))
-    with pytest.raises(ValueError, match="falcon models with alibi=True are not supported"):
-        patch_model(model)
+def test_alibi_slopes_are_transformers_times_the_softmax_scale():
+    """transformers adds slope_h * (key position) to the scores before scaling them (its slopes rounded
+    to bfloat16): each attention module's slopes are those, scaled; a rotary config gets none."""
+    import transformers.models.falcon.modeling_falcon as code
+
+    patched = patch_model(tiny_model("falcon", **LAYOUTS["alibi"]), int8=False)
+    bias = code.build_alibi_tensor(torch.ones(1, 3, dtype=torch.long), 4, torch.float32).reshape(4, 3)
+    for layer in patched.transformer.h:
+        attention = layer.self_attention
+        torch.testing.assert_close(attention._gptfast_alibi_slopes, bias[:, 2] / 2 * attention.inv_norm_factor,
+                                   atol=0, rtol=0)
+        assert attention._gptfast_alibi_slopes.dtype == torch.float32
+    rotary = patch_model(tiny_model("falcon", **LAYOUTS["multi_head"]), int8=False)
+    assert not any(hasattr(layer.self_attention, "_gptfast_alibi_slopes") for layer in rotary.transformer.h)
 
 
 @pytest.mark.parametrize("family, variant", [("falcon", "FalconFlashAttention2"),

@@ -19,7 +19,8 @@ GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwe
             "gpt2": (2, 4, 16), "gpt_neox": (2, 4, 16), "mixtral": (2, 2, 16), "qwen2_moe": (2, 2, 8),
             "qwen3_moe": (2, 2, 16), "olmoe": (2, 2, 16), **{family: (2, 2, 16) for family in AUTO_CONFIGS},
             "opt": (2, 4, 16), "gpt_bigcode": (2, 1, 16), "persimmon": (2, 4, 16), "modernbert-decoder": (2, 4, 16),
-            **{family: (2, 4, 16) for family in ("gptj", "codegen", "biogpt", "ctrl")}, "falcon": (2, 2, 16), "gpt_neo": (2, 4, 16), "xglm": (2, 4, 16),
+            **{family: (2, 4, 16) for family in ("gptj", "codegen", "biogpt", "ctrl")}, "falcon": (2, 2, 16),
+            "gpt_neo": (2, 4, 16), "xglm": (2, 4, 16), "bloom": (2, 6, 8), "mpt": (2, 4, 16),
             "nemotron_h": (4, 2, 16),
             "lfm3": (3, 2, 16), "lara_mini": (3, 2, 16), "dbrx": (2, 2, 16),
             **{family: (4, 2, 16) for family in KV_SHARING},
@@ -78,6 +79,30 @@ def test_plan_step_positions_follow_lengths_and_padding():
     assert cache.plan_step(1, torch.ones(3, 9)).tolist() == [[2], [7], [8]]
     cache.commit_step()
     assert cache.plan_step(2, None, torch.tensor([[0, 1]])).tolist() == [[0, 1]] * 3
+
+
+def test_a_step_planned_with_hide_length_reports_no_past_until_it_ends():
+    """Family.fused_length_zero (Falcon, BLOOM): inside such a fused step the model code sees length 0,
+    as the step's mask sizes say (it sizes its ALiBi tensor by it); the real lengths come back when
+    the step commits or is discarded, and other steps never hide them."""
+    cache = StaticKVCache(tiny_config("llama"), 2, 12)
+    cache.seq_lengths.copy_(torch.tensor([3, 5]))
+    cache.plan_step(2, hide_length=True)
+    assert cache.get_seq_length() == 0 and cache.get_mask_sizes(2) == (2, 0)
+    cache.commit_step()
+    assert cache.get_seq_length() == 7
+    cache.plan_step(1, hide_length=True)
+    cache.discard_step()
+    assert cache.get_seq_length() == 7
+    cache.plan_step(1)
+    assert cache.get_seq_length() == 7
+    cache.commit_step()
+    cache.plan_step(1, hide_length=True, fused=False)  # an unpatched model's step: its masks need the length
+    assert cache.get_seq_length() == 8
+    cache.commit_step()
+    cache.plan_step(1, hide_length=True)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and not cache._hide_length
 
 
 def test_full_cache_refuses_before_writing():

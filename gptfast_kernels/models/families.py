@@ -123,7 +123,8 @@ class Family:
     # nn.Linear subclasses whose forward is nn.Linear's product x @ W.T + b (FalconLinear): int8 like nn.Linear
     linear_subclasses: tuple[str, ...] = ()
     # model code that sizes tensors by the cache's length before its layers (Falcon's and BLOOM's ALiBi tensors,
-    # one entry per key, against a mask of the fused step's mask sizes): in fused steps the cache's
+    # one entry per key, and BioGPT's and OPT's (before 5.18) masks when given none, against a mask of the fused
+    # step's mask sizes; CTRL only reads it, for positions it is given): in fused steps the cache's
     # get_seq_length() says 0, transformers' view of a cache whose update returns the new tokens alone (as
     # its mask sizes and query offset say); the fused attention reads positions, not lengths
     fused_length_zero: bool = False
@@ -395,8 +396,9 @@ FAMILIES: dict[str, Family] = {
                float_linears=("*.mlp.gate.*",), recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
-        # learned positions; before 5.18 its model sizes a mask by the cache length (untraceable)
-        Family("opt", "OPTAttention", None, None, compiles_from="5.18"),
+        # learned positions; before 5.18 its model sizes a mask by the cache length (fused_length_zero makes it
+        # the step's, traceable)
+        Family("opt", "OPTAttention", None, None, fused_length_zero=True),
         Family("persimmon", "PersimmonAttention", None, None),  # partial rotary, q / k LayerNorms
         # partial rotary; optional per-head q / k LayerNorms and parallel residual; layers drop the keywords
         Family("stablelm", "StableLmAttention", "num_key_value_heads", None, layers_drop_keywords=True),
@@ -425,10 +427,9 @@ FAMILIES: dict[str, Family] = {
         Family("gptj", "GPTJAttention", None, None, supported_from="5.24"),
         Family("codegen", "CodeGenAttention", None, None, supported_from="5.24"),
         # learned positions (BioGPT: offset by 2, scaled embeddings); CTRL: sinusoidal positions
-        Family("biogpt", "BioGptAttention", None, None,
-               compile_blocker="size a mask by the cache's length when given none"),
+        Family("biogpt", "BioGptAttention", None, None, fused_length_zero=True),
         # (before 5.13 CTRL's attention bypassed the attention interface)
-        Family("ctrl", "MultiHeadAttention", None, None, supported_from="5.13",
+        Family("ctrl", "MultiHeadAttention", None, None, supported_from="5.13", fused_length_zero=True,
                compile_blocker="re-register their position encodings as a buffer in every forward"),
         # local (sliding-window) and global layers
         Family("modernbert-decoder", "ModernBertDecoderAttention", None, None),

@@ -3,6 +3,8 @@ one and of what size, that their calls reach the kernel as ring=True with the ch
 through them (prompts in chunks, decode, speculative rounds that roll back) gives the tokens of
 full-length caches and of transformers, and the crop limits."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -29,7 +31,8 @@ def _recording(monkeypatch):
     real = attention.run_kv_cache_attention
 
     def recording(*args):
-        seen.append((args[11], args[-1]))  # ring, chunk_size
+        arguments = inspect.signature(real).bind(*args).arguments
+        seen.append((arguments["ring"], arguments.get("chunk_size")))
         return real(*args)
 
     monkeypatch.setattr(attention, "run_kv_cache_attention", recording)

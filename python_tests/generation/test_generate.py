@@ -354,12 +354,12 @@ def test_compiled_decode_step_gives_the_same_tokens(family):
     ids, mask = ragged_prompts(2, 6, "left")
     eager = generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[]).sequences
     family = family_of(patched.config)
-    if family.compile_blocker:  # BioGPT, CTRL
+    if family.compile_blocker:  # CTRL
         with pytest.raises(ValueError, match=f"compile=True: transformers' {family.model_type} models"):
             generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[], compile=True)
         return
     first = family.compiles_from
-    if first and transformers_before(first):  # OPT before transformers 5.18
+    if first and transformers_before(first):  # XGLM before transformers 5.20
         with pytest.raises(ValueError, match=f"compile=True.*from transformers {first}"):
             generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[], compile=True)
         return

@@ -4,6 +4,8 @@ row's queries by that row's own positions (test_patch.py's ragged-rows test); in
 chosen (token, expert) rows alone on router-scaled inputs. The family-wide tests (test_patch.py,
 generation/) cover the rest."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ def _recording(monkeypatch):
     real = attention.run_kv_cache_attention
 
     def recording(*args):
-        seen.append(args[-1])  # chunk_size, the last argument
+        seen.append(inspect.signature(real).bind(*args).arguments.get("chunk_size"))
         return real(*args)
 
     monkeypatch.setattr(attention, "run_kv_cache_attention", recording)

@@ -82,6 +82,20 @@ GPU_QUICK_CHUNK_CASES = [(1, 1, 2 * CHUNK + 8000, 32768, CHUNK), (32, 1, 2 * CHU
 CPU_CHUNK_CASES = [(1, 1, 8192 + 900, 16384, 1024), (1, 5, 8192 + 900, 16384, 1024)]
 
 
+def random_step(device, dtype, B, heads, kv_heads, T, context, S):
+    """A seeded step of T new tokens at positions context .. context + T - 1 for every row: q, k, v,
+    k_cache, v_cache (randn), cache_position [T] and positions [B, T]."""
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+    q, k, v = rand(B, heads, T, D), rand(B, kv_heads, T, D), rand(B, kv_heads, T, D)
+    k_cache, v_cache = rand(B, kv_heads, S, D), rand(B, kv_heads, S, D)
+    cache_position = torch.arange(context, context + T, device=device)
+    return q, k, v, k_cache, v_cache, cache_position, cache_position.expand(B, T).contiguous()
+
+
 def hf_static_cache_step(module, q, k, v, k_cache, v_cache, cache_position, mask, scale):
     """One HF attention call: StaticLayer.update's index_copy_, then SDPA over the whole cache."""
     k_cache.index_copy_(2, cache_position, k)
@@ -104,15 +118,8 @@ def run(h) -> None:
     module = types.SimpleNamespace(num_key_value_groups=HQ // HKV, is_causal=True)
     scale = D ** -0.5
     for B, T, context, S in cases:
-        g = torch.Generator(device=device).manual_seed(0)
-
-        def rand(*shape):
-            return torch.randn(*shape, generator=g, device=device, dtype=dtype)
-
-        q, k, v = rand(B, HQ, T, D), rand(B, HKV, T, D), rand(B, HKV, T, D)
-        k_cache, v_cache = rand(B, HKV, S, D), rand(B, HKV, S, D)
-        cache_position = torch.arange(context, context + T, device=device)  # shared by all rows, as in HF
-        positions = cache_position.expand(B, T).contiguous()
+        # (cache_position shared by all rows, as in HF)
+        q, k, v, k_cache, v_cache, cache_position, positions = random_step(device, dtype, B, HQ, HKV, T, context, S)
         mask = (torch.arange(S, device=device)[None, :] <= cache_position[:, None]).expand(B, 1, T, S)
         # every candidate writes the same k / v at the same slots, so they can share the caches
         candidates = {
@@ -172,15 +179,8 @@ def run_alibi(h, dtype, module, scale) -> None:
     op = torch.ops.gptfast_kernels.kv_cache_attention
     has_kernel = _extension.has_kernel("kv_cache_attention", "CUDA" if device.type == "cuda" else "CPU")
     for B, T, context, S in cases:
-        g = torch.Generator(device=device).manual_seed(0)
-
-        def rand(*shape):
-            return torch.randn(*shape, generator=g, device=device, dtype=dtype)
-
-        q, k, v = rand(B, heads, T, D), rand(B, heads, T, D), rand(B, heads, T, D)
-        k_cache, v_cache = rand(B, heads, S, D), rand(B, heads, S, D)
-        cache_position = torch.arange(context, context + T, device=device)
-        positions = cache_position.expand(B, T).contiguous()
+        q, k, v, k_cache, v_cache, cache_position, positions = random_step(device, dtype, B, heads, heads, T, context,
+                                                                           S)
         slots = torch.arange(S, device=device)
         bias = (slopes[:, None, None] * slots.to(torch.float32)).expand(heads, T, S)
         allowed = slots[None, :] <= cache_position[:, None]  # [T, S]
@@ -264,15 +264,7 @@ def run_local(h, dtype, usable, module, scale, rule: str) -> None:
     else:
         cases = cpu_cases[:1] if h.quick else cpu_cases
     for B, T, context, S, reach in cases:  # reach: the window, or the chunk
-        g = torch.Generator(device=device).manual_seed(0)
-
-        def rand(*shape):
-            return torch.randn(*shape, generator=g, device=device, dtype=dtype)
-
-        q, k, v = rand(B, HQ, T, D), rand(B, HKV, T, D), rand(B, HKV, T, D)
-        k_cache, v_cache = rand(B, HKV, S, D), rand(B, HKV, S, D)
-        cache_position = torch.arange(context, context + T, device=device)
-        positions = cache_position.expand(B, T).contiguous()
+        q, k, v, k_cache, v_cache, cache_position, positions = random_step(device, dtype, B, HQ, HKV, T, context, S)
         if rule == "window":
             starts = cache_position - reach + 1  # each query's first slot
         else:
@@ -294,7 +286,7 @@ def run_local(h, dtype, usable, module, scale, rule: str) -> None:
             baseline: hf_local,
             "ours_auto": lambda: ops.kv_cache_attention(q, k, v, k_cache, v_cache, cache_position, **kwargs),
         }
-        ring_k, ring_v = rand(B, HKV, reach + RING_EXTRA, D), rand(B, HKV, reach + RING_EXTRA, D)
+        ring_k, ring_v = (torch.randn(B, HKV, reach + RING_EXTRA, D, device=device, dtype=dtype) for _ in range(2))
         if _extension.has_kernel("kv_cache_attention", "CUDA" if device.type == "cuda" else "CPU"):
             op = torch.ops.gptfast_kernels.kv_cache_attention
             candidates["ours_kernel"] = lambda: op(q, k, v, k_cache, v_cache, positions, scale, window, 0.0, None,

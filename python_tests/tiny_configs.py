@@ -296,11 +296,12 @@ OWN_DIMS_CONFIGS = {
     "gpt_neo": lambda layers: dict(hidden_size=64, num_heads=4, num_layers=layers, intermediate_size=128,
                                    max_position_embeddings=256, window_size=WINDOW,
                                    attention_types=[[["local", "global"], layers // 2], [["local"], layers % 2]]),
-    # ALiBi (6 heads: not a power of two, so the slopes come from two geometric series), the residual
-    # added inside the attention, an embedding LayerNorm
-    "bloom": lambda layers: dict(hidden_size=48, n_head=6, n_layer=layers, tie_word_embeddings=False),
-    # ALiBi (transformers' MPT slopes, alibi_bias_max 8), clipped q / k / v, no biases
-    "mpt": lambda layers: dict(d_model=64, n_heads=4, n_layers=layers, expansion_ratio=2, max_seq_len=256,
+    # ALiBi (12 heads: not a power of two, so the slopes come from two geometric series, the second's no
+    # powers of two), the residual added inside the attention, an embedding LayerNorm, an untied head
+    "bloom": lambda layers: dict(hidden_size=96, n_head=12, n_layer=layers, tie_word_embeddings=False),
+    # ALiBi (transformers' MPT slopes for 12 heads: 2^-1 .. 2^-8, and 4 between them, no powers of two),
+    # clipped q / k / v, no biases
+    "mpt": lambda layers: dict(d_model=96, n_heads=12, n_layers=layers, expansion_ratio=2, max_seq_len=256,
                                attn_config=dict(clip_qkv=6.0)),
     # sinusoidal positions (offset by 2), scaled embeddings, LayerNorms
     "xglm": lambda layers: dict(d_model=64, ffn_dim=128, attention_heads=4, num_layers=layers,

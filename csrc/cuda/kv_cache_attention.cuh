@@ -387,7 +387,8 @@ __device__ void simt_attend(const SimtSmem<T>& sm, int rows, int bn, int dp, int
 #pragma unroll
       for (int offset = DOT_LANES / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, offset);
       if (i < pairs && sub == 0) {
-        sm.p[r * bn + j] = live ? score.biased(dot, sm.slope[r], tile + j, sm.pos[r]) : -INFINITY;
+        const float slope = score.alibi ? sm.slope[r] : 0.f;  // (unwritten without ALiBi)
+        sm.p[r * bn + j] = live ? score.biased(dot, slope, tile + j, sm.pos[r]) : -INFINITY;
       }
     }
     __syncthreads();

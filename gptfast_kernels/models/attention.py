@@ -257,11 +257,15 @@ def before_attention(module, args, kwargs):
 
 
 def after_forward(model, args, kwargs, output):
-    """Forward hook (with_kwargs=True): the step succeeded, so the rows' lengths advance. In eager
-    mode it also checks that every layer's attention got the cache: a model whose layers drop the
-    attention keywords would otherwise have attended to the new tokens alone, silently."""
+    """Forward hook (with_kwargs=True, always_call=True): the step succeeded, so the rows' lengths
+    advance. In eager mode it also checks that every layer's attention got the cache: a model whose
+    layers drop the attention keywords would otherwise have attended to the new tokens alone,
+    silently. A forward that raised (output None) ends its step with the lengths unchanged, so the
+    cache reports them again (a fused step's get_seq_length() may hide them: plan_step)."""
     cache = static_cache_in(kwargs)
-    if cache is not None:
+    if cache is not None and output is None:
+        cache.discard_step()
+    elif cache is not None:
         layers = cache.attention_modules
         if not torch.compiler.is_compiling() and cache.attention_calls != layers:
             calls = cache.attention_calls

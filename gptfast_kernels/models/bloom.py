@@ -33,5 +33,5 @@ def fused_attention(self, hidden_states: torch.Tensor, attend, residual: torch.T
     # the fused projection holds q, k, v per head, interleaved: [B, T, heads, 3, D]
     qkv = self.query_key_value(hidden_states).view(B, T, self.num_heads, 3, self.head_dim)
     query, key, value = (qkv[..., i, :].transpose(1, 2) for i in range(3))              # [B, H, T, D]
-    context = attend(query, key, value, scaling=self.inv_norm_factor, alibi_slopes=getattr(self, alibi.BUFFER))
+    context = attend(query, key, value, scaling=self.inv_norm_factor, alibi_slopes=alibi.slopes_of(self))
     return code.dropout_add(self.dense(context), residual, self.hidden_dropout, self.training)

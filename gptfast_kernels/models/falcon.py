@@ -60,7 +60,7 @@ def fused_attention(self, hidden_states: torch.Tensor, attend, **kwargs) -> torc
     attention call (``attend``, see patch.py) on the unbroadcast kv heads."""
     code = sys.modules[type(self).__module__]
     query, key, value = (x.transpose(1, 2) for x in split_projection(self, self.query_key_value(hidden_states)))
-    slopes = getattr(self, alibi.BUFFER, None)
+    slopes = alibi.slopes_of(self)
     if slopes is None:  # rotary positions (ALiBi configs have none)
         cos, sin = kwargs["position_embeddings"]
         query, key = code.apply_rotary_pos_emb(query, key, cos, sin)

@@ -78,7 +78,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         model.set_attn_implementation(attention_function)
     if getattr(model, "_gptfast_hooks", None) is None:
         hooks = [model.register_forward_pre_hook(attention.before_forward, with_kwargs=True),
-                 model.register_forward_hook(attention.after_forward, with_kwargs=True)]
+                 model.register_forward_hook(attention.after_forward, with_kwargs=True, always_call=True)]
         if family.layers_drop_keywords:
             hooks += [m.register_forward_pre_hook(attention.before_attention, with_kwargs=True)
                       for m in attention_modules]

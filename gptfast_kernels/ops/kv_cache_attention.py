@@ -97,7 +97,7 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, 
             raise ValueError(f"{OP}: sinks must have one logit per query head, [Hq] = [{q.shape[1]}], "
                              f"got {list(sinks.shape)}")
     if alibi_slopes is not None:
-        check_tensor(OP, "alibi_slopes", alibi_slopes, dtypes=FLOAT_DTYPES, ndim=1)
+        check_tensor(OP, "alibi_slopes", alibi_slopes, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1)
         if alibi_slopes.shape[0] != q.shape[1]:
             raise ValueError(f"{OP}: alibi_slopes must have one slope per query head, [Hq] = [{q.shape[1]}], "
                              f"got {list(alibi_slopes.shape)}")

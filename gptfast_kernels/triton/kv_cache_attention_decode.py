@@ -86,6 +86,8 @@ def _kv_cache_attention_decode_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if TAIL_VALUES:
         acc_t = tl.zeros((BLOCK_M, BLOCK_DT), dtype=tl.float32)
+    if HAS_ALIBI:  # each row's head's slope, log2 units
+        slope_m = tl.load(Alibi_ptr + hq_m, mask=row_ok, other=0.0) * LOG2E_
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < end
@@ -134,7 +136,6 @@ def _kv_cache_attention_decode_kernel(
         else:
             s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
         if HAS_ALIBI:
-            slope_m = tl.load(Alibi_ptr + hq_m, mask=row_ok, other=0.0) * LOG2E_
             s += slope_m[:, None] * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
         allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])
                    & in_range[None, :])

@@ -20,7 +20,7 @@ GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwe
             "qwen3_moe": (2, 2, 16), "olmoe": (2, 2, 16), **{family: (2, 2, 16) for family in AUTO_CONFIGS},
             "opt": (2, 4, 16), "gpt_bigcode": (2, 1, 16), "persimmon": (2, 4, 16), "modernbert-decoder": (2, 4, 16),
             **{family: (2, 4, 16) for family in ("gptj", "codegen", "biogpt", "ctrl")}, "falcon": (2, 2, 16),
-            "gpt_neo": (2, 4, 16), "xglm": (2, 4, 16), "bloom": (2, 6, 8), "mpt": (2, 4, 16),
+            "gpt_neo": (2, 4, 16), "xglm": (2, 4, 16), "bloom": (2, 12, 8), "mpt": (2, 12, 8),
             "nemotron_h": (4, 2, 16),
             "lfm3": (3, 2, 16), "lara_mini": (3, 2, 16), "dbrx": (2, 2, 16),
             **{family: (4, 2, 16) for family in KV_SHARING},

@@ -64,11 +64,14 @@ def test_alibi_with_ragged_rows_and_padding(backend, device):
 @pytest.mark.parametrize("T, starts", [(1, [70, 150]), (5, [70, 150]), (20, [60, 140])],
                          ids=["decode", "verify", "prefill"])
 def test_alibi_on_a_ring_buffer(backend, device, T, starts):
-    """A ring buffer's slots hold positions past S: the bias comes from positions, not slots."""
+    """A ring buffer's slots hold positions past S: the bias comes from positions, not slots; with
+    sinks (whose logit gets no bias) the query's own position counts, not only the keys'."""
     if _is_interpreter(backend, device) and T == 20:
         pytest.skip("Triton interpreter: decode and verify cover the ring's split kernel")
     case = make_case(2, 4, 2, T, 32, 32, _contiguous_positions(2, T, starts), device=device, seed=25)
     check_against_reference(backend, device, *case, window=8, ring=True, alibi_slopes=_slopes(4, device))
+    check_against_reference(backend, device, *case, window=8, ring=True, sinks=_sinks(4, device),
+                            alibi_slopes=_slopes(4, device))
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
@@ -131,9 +134,10 @@ def test_zero_slopes_change_no_bit(backend, device, T):
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
-def test_float16_slopes_are_taken_as_float32(backend, device):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=["float16", "float64"])
+def test_slopes_of_other_dtypes_are_taken_as_float32(backend, device, dtype):
     case = make_case(2, 4, 2, 5, 32, 31, [[0, 1, 2, 3, 4], [9, 10, 11, 12, 13]], device=device, seed=30)
-    check_against_reference(backend, device, *case, alibi_slopes=_slopes(4, device).half())
+    check_against_reference(backend, device, *case, alibi_slopes=_slopes(4, device).to(dtype))
 
 
 @pytest.mark.parametrize("slopes, needle", [

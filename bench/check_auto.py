@@ -30,7 +30,7 @@ class Rule:
     key: tuple[str, ...]
     impls: dict[str, str]  # backend -> impl name in the bench rows
     picks: Callable[[dict], str]
-    optional: tuple[str, ...] = ()  # keys that tell cases apart where present (a sliding window, MLA's shape)
+    optional: tuple[str, ...] = ()  # keys that tell cases apart where present (a sliding window, MLA's shape, ALiBi)
 
 
 RULES = (
@@ -38,7 +38,7 @@ RULES = (
          lambda case: int8_auto(GPU_BACKENDS, case["M"], case["K"])),
     Rule("kv_cache_attention", ("B", "T", "context", "S"), {"cuda": "ours_kernel", "triton": "ours_triton_kernel"},
          lambda case: kv_auto(GPU_BACKENDS, case["B"] * case.get("kv_heads", HKV), case["T"], case["S"]),
-         optional=("window", "chunk", "kv_heads", "value_dim")),
+         optional=("window", "chunk", "kv_heads", "value_dim", "alibi")),
 )
 
 

@@ -231,7 +231,10 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_moe", "Qwen3MoeAttention", "num_key_value_heads", "head_dim", "Qwen3MoeMLP",
                experts_class="Qwen3MoeExperts"),
         Family("olmoe", "OlmoeAttention", "num_key_value_heads", None, experts_class="OlmoeExperts"),
-        Family("granitemoe", "GraniteMoeAttention", "num_key_value_heads", None, experts_class="GraniteMoeExperts"),
+        # (transformers 5.8's GraniteMoE experts, ParallelExperts, are a layout Int8Experts does not reproduce: named
+        # so that patch_model warns they stay float)
+        Family("granitemoe", "GraniteMoeAttention", "num_key_value_heads", None,
+               experts_class=("GraniteMoeExperts", "GraniteMoeParallelExperts")),
         Family("glm4_moe", "Glm4MoeAttention", "num_key_value_heads", "head_dim", "Glm4MoeMLP",
                experts_class=("Glm4MoeExperts", "Glm4MoeNaiveMoe")),  # the latter in transformers 5.8
         # a config of its own over transformers' GLM-4-MoE model (full rotary, q / k norms)
@@ -241,7 +244,7 @@ FAMILIES: dict[str, Family] = {
                experts_class="Ernie4_5_MoeExperts"),
         Family("flex_olmo", "FlexOlmoAttention", "num_key_value_heads", None, experts_class="FlexOlmoExperts"),
         Family("granitemoeshared", "GraniteMoeSharedAttention", "num_key_value_heads", None,
-               experts_class="GraniteMoeSharedExperts"),
+               experts_class=("GraniteMoeSharedExperts", "GraniteMoeSharedParallelExperts")),
         Family("minimax_m2", "MiniMaxM2Attention", "num_key_value_heads", "head_dim", experts_class="MiniMaxM2Experts"),
         Family("solar_open", "SolarOpenAttention", "num_key_value_heads", "head_dim", "SolarOpenMLP",
                experts_class=("SolarOpenExperts", "SolarOpenNaiveMoe")),  # the latter in transformers 5.8
@@ -329,10 +332,12 @@ FAMILIES: dict[str, Family] = {
         # (its router: an nn.Linear whose weight the model reads in transformers 5.8, a module of its own later)
         Family("deepseek_v2", "DeepseekV2Attention", None, None, "DeepseekV2MLP", experts_class="DeepseekV2Experts",
                float_linears=("*.mlp.gate",), latent_attention="complex"),
-        Family("deepseek_v3", "DeepseekV3Attention", None, None, "DeepseekV3MLP", experts_class="DeepseekV3Experts",
+        Family("deepseek_v3", "DeepseekV3Attention", None, None, "DeepseekV3MLP",
+               experts_class=("DeepseekV3Experts", "DeepseekV3NaiveMoe"),  # the latter in transformers 5.8
                latent_attention="cos_sin"),
         Family("glm4_moe_lite", "Glm4MoeLiteAttention", None, None, "Glm4MoeLiteMLP",
-               experts_class="Glm4MoeLiteExperts", latent_attention="cos_sin"),
+               experts_class=("Glm4MoeLiteExperts", "Glm4MoeLiteNaiveMoe"),  # the latter in transformers 5.8
+               latent_attention="cos_sin"),
         Family("minicpm3", "MiniCPM3Attention", None, None, "MiniCPM3MLP", latent_attention="cos_sin"),
         Family("youtu", "YoutuAttention", None, None, "YoutuMLP", latent_attention="cos_sin"),
         Family("axk1", "AXK1Attention", None, None, "AXK1MLP", experts_class="AXK1Experts",

@@ -58,10 +58,10 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     if int8:
         has_experts = any(type(m).__name__ in family.experts_classes for m in model.modules())
         if has_experts and quantize_experts_(model, family.experts_classes) == 0:
+            names = " / ".join(family.experts_classes)
             warnings.warn(f"patch_model: this {family.model_type} model's experts keep their float weights: "
-                          f"no {family.experts_class} module Int8Experts reproduces (3-D gate_up_proj / down_proj, "
-                          "a gating it can run, no norm after the experts); attention, dense layers and lm_head "
-                          "are int8",
+                          f"no {names} module Int8Experts reproduces (3-D gate_up_proj / down_proj, a gating it can "
+                          "run, no norm after the experts); attention, dense layers and lm_head are int8",
                           stacklevel=2)
     if family.latent_attention:
         patch_latent_attention_(model, family.attention_class, family.latent_attention)

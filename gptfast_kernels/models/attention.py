@@ -141,11 +141,9 @@ def _attend(layer, q, k, v, positions, scale, window, softcap, sinks, ring: bool
         return kv_cache_attention(q, k, v, layer.keys, v_cache, positions, scale, window=window, softcap=softcap,
                                   sinks=sinks, ring=ring, value_dim=value_dim, chunk_size=chunk_size,
                                   alibi_slopes=alibi_slopes, backend=backend, check_positions=False)
-    signature = (q.shape, k.shape, q.dtype, k.dtype, q.device, k.device,
-                 None if v is None else (v.shape, v.dtype, v.device), positions.shape, positions.dtype,
-                 positions.device, scale, window, softcap, ring, backend,
-                 None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), chunk_size,
-                 None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.dtype, alibi_slopes.device))
+    signature = (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v), _tensor_signature(positions),
+                 scale, window, softcap, ring, backend, _tensor_signature(sinks), chunk_size,
+                 _tensor_signature(alibi_slopes))
     chosen = layer.checked_calls.get(signature)
     if chosen is None:
         chosen = checked_backend(q, k, v, layer.keys, v_cache, positions, scale, window, softcap, sinks, ring,
@@ -155,6 +153,11 @@ def _attend(layer, q, k, v, positions, scale, window, softcap, sinks, ring: bool
         layer.checked_calls[signature] = chosen
     return run_kv_cache_attention(chosen, q, k, v, layer.keys, v_cache, positions, scale, window, softcap,
                                   sinks, ring, value_dim, chunk_size, alibi_slopes)
+
+
+def _tensor_signature(t: torch.Tensor | None) -> tuple | None:
+    """What kv_cache_attention's input checks read of a tensor argument: shape, dtype, device."""
+    return None if t is None else (t.shape, t.dtype, t.device)
 
 
 def fused_attention(module, query, key, value, attention_mask, **kwargs):

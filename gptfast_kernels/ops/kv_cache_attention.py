@@ -91,18 +91,20 @@ def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, 
     if ring and (reach is None or reach > k_cache.shape[2]):
         raise ValueError(f"{OP}: ring=True (a ring-buffer cache) needs a window or a chunk_size in 1..S = "
                          f"1..{k_cache.shape[2]}, the cache's slots; got window {window!r}, chunk_size {chunk_size!r}")
-    if sinks is not None:
-        check_tensor(OP, "sinks", sinks, dtypes=FLOAT_DTYPES, ndim=1)
-        if sinks.shape[0] != q.shape[1]:
-            raise ValueError(f"{OP}: sinks must have one logit per query head, [Hq] = [{q.shape[1]}], "
-                             f"got {list(sinks.shape)}")
-    if alibi_slopes is not None:
-        check_tensor(OP, "alibi_slopes", alibi_slopes, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1)
-        if alibi_slopes.shape[0] != q.shape[1]:
-            raise ValueError(f"{OP}: alibi_slopes must have one slope per query head, [Hq] = [{q.shape[1]}], "
-                             f"got {list(alibi_slopes.shape)}")
+    _check_per_head("sinks", sinks, "logit", FLOAT_DTYPES, q.shape[1])
+    _check_per_head("alibi_slopes", alibi_slopes, "slope", (*FLOAT_DTYPES, torch.float64), q.shape[1])
     check_same_device(OP, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions, sinks=sinks,
                       alibi_slopes=alibi_slopes)
+
+
+def _check_per_head(name: str, tensor: torch.Tensor | None, what: str, dtypes, heads: int) -> None:
+    """A per-query-head vector argument (``sinks``, ``alibi_slopes``): None, or [Hq] of ``dtypes``."""
+    if tensor is None:
+        return
+    check_tensor(OP, name, tensor, dtypes=dtypes, ndim=1)
+    if tensor.shape[0] != heads:
+        raise ValueError(f"{OP}: {name} must have one {what} per query head, [Hq] = [{heads}], "
+                         f"got {list(tensor.shape)}")
 
 
 def query_reach(window: int | None, chunk_size: int | None) -> int | None:

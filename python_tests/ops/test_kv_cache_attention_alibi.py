@@ -14,7 +14,7 @@ from python_tests.ops.test_kv_cache_attention import (BACKENDS, DTYPES, TRITON_B
                                                       _is_interpreter, check_against_reference,
                                                       check_compiled_fullgraph, check_unseen_slots_are_never_read,
                                                       make_case)
-from python_tests.ops.test_kv_cache_attention_window import WINDOW_SHAPES, _sinks
+from python_tests.ops.test_kv_cache_attention_window import WINDOW_SHAPES, _sinks, check_window_shape
 
 HAS_CPU_KERNEL = _extension.has_kernel("kv_cache_attention", "CPU")
 
@@ -35,10 +35,7 @@ def test_alibi_matches_reference(backend, device, shape, window, dtype):
     """Decode (one split and several: decode-long-cache), verification and prefill; GQA / MQA / MHA."""
     if _is_interpreter(backend, device) and (dtype == torch.float16 or shape == "verify-k4-d96"):
         pytest.skip("Triton interpreter: bfloat16 covers the 16-bit path, a subset of shapes keeps it fast")
-    B, Hq, Hkv, T, D, S, starts, shape_window = WINDOW_SHAPES[shape]
-    case = make_case(B, Hq, Hkv, T, D, S, _contiguous_positions(B, T, starts), dtype, device, seed=22)
-    check_against_reference(backend, device, *case, window=shape_window if window else None,
-                            alibi_slopes=_slopes(Hq, device))
+    check_window_shape(backend, device, shape, dtype, 22, bool(window), alibi_slopes=_slopes)
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)

@@ -170,6 +170,15 @@ def test_llama_heads_with_mistral_window_long_cache_on_gpu(backend, device, B, T
     check_against_reference(backend, device, *case, window=4096, softcap=50.0)
 
 
+def check_window_shape(backend, device, shape, dtype, seed, with_window: bool, **options):
+    """check_against_reference on WINDOW_SHAPES[shape] (its window when ``with_window``) with ``options``
+    (sinks=, alibi_slopes=: each a function of the query heads and the device)."""
+    B, Hq, Hkv, T, D, S, starts, window = WINDOW_SHAPES[shape]
+    case = make_case(B, Hq, Hkv, T, D, S, _contiguous_positions(B, T, starts), dtype, device, seed=seed)
+    check_against_reference(backend, device, *case, window=window if with_window else None,
+                            **{name: make(Hq, device) for name, make in options.items()})
+
+
 def _sinks(Hq, device, seed=12):
     # around the scores' own size, so the sink takes a real share of each softmax
     return (torch.randn(Hq, generator=torch.Generator().manual_seed(seed)) * 2).to(device)
@@ -184,10 +193,7 @@ def test_sinks_match_reference(backend, device, shape, window, dtype):
     merge adds each sink once), with and without a window."""
     if _is_interpreter(backend, device) and dtype == torch.float16:
         pytest.skip("Triton interpreter: bfloat16 covers the 16-bit path")
-    B, Hq, Hkv, T, D, S, starts, shape_window = WINDOW_SHAPES[shape]
-    case = make_case(B, Hq, Hkv, T, D, S, _contiguous_positions(B, T, starts), dtype, device, seed=13)
-    check_against_reference(backend, device, *case, window=shape_window if window else None,
-                            sinks=_sinks(Hq, device))
+    check_window_shape(backend, device, shape, dtype, 13, bool(window), sinks=_sinks)
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)

@@ -32,13 +32,13 @@ def check_model(op: str, name: str, model) -> None:
 
 
 def check_rollback(op: str, name: str, model) -> None:
-    """ValueError unless every layer of ``model`` can roll back rejected tokens (speculative decoding)."""
-    from gptfast_kernels.models.families import family_of
-
-    if family_of(model.config).recurrent_layer_types:
-        raise ValueError(f"{op}: {name} ({model.config.model_type}) is a hybrid model: its linear-attention "
-                         "layers keep a recurrent state, which cannot roll back the tokens a speculative round "
-                         "rejects; decode it with generate")
+    """ValueError unless every layer of ``model`` can roll back rejected tokens (speculative decoding):
+    keys and values always can; a hybrid's recurrent states can where its recurrent blocks step
+    token by token (models/recurrent.py)."""
+    blocker = getattr(model, "_gptfast_rollback_blocker", None)
+    if blocker is not None:
+        raise ValueError(f"{op}: {name} ({model.config.model_type}) is a hybrid model whose recurrent states cannot "
+                         f"roll back the tokens a speculative round rejects: {blocker}; decode it with generate")
 
 
 def check_prompt(op: str, input_ids, attention_mask, device: torch.device, vocab_size: int) -> Prompt:

@@ -64,21 +64,27 @@ def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool
               step_tokens: int = 1) -> StaticKVCache:
     """A StaticKVCache with room for ``needed`` tokens per row, its rows emptied, whose sliding-window
     layers are ring buffers taking up to max(PREFILL_CHUNK, ``step_tokens``) tokens a forward
-    (``step_tokens``: the most a decoding round writes and rolls back). With ``reuse`` the
+    (``step_tokens``: the most a decoding round writes and rolls back; above 1, a hybrid model's
+    cache keeps its recurrent states for as many tokens: ``rollback_tokens``). With ``reuse`` the
     model keeps one cache (rounded-up length) and hands it out again while it fits, so compiled
     graphs, which are specialised on the cache's buffers, are not rebuilt on every call. Its
     per-forward position check is off: the caller writes at most ``needed`` tokens per row, and the
     check would make every eager decode step wait for the GPU."""
     chunk = max(PREFILL_CHUNK, step_tokens)
+    rollback = step_tokens if step_tokens > 1 else 0
     if not reuse:
-        cache = StaticKVCache(model.config, batch_size, needed, device=device, dtype=dtype, max_step_tokens=chunk)
+        cache = StaticKVCache(model.config, batch_size, needed, device=device, dtype=dtype, max_step_tokens=chunk,
+                              rollback_tokens=rollback)
     else:
         cache = getattr(model, "_gptfast_cache", None)
         if (cache is None or cache.batch_size != batch_size or cache.max_cache_len < needed or cache.dtype != dtype
-                or cache.max_step_tokens != chunk):
+                or cache.max_step_tokens != chunk or (cache.has_recurrent_layers and cache.rollback_tokens < rollback)):
             length = -(-needed // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
-            cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype, max_step_tokens=chunk)
+            cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype, max_step_tokens=chunk,
+                                  rollback_tokens=rollback)
             model._gptfast_cache = cache
+        if cache.state_history is not None:  # (a call that stopped mid-round left it open)
+            cache.state_history.close()
         cache.crop(torch.zeros_like(cache.seq_lengths), check=False)
     cache.check_positions = False
     return cache

@@ -110,6 +110,7 @@ class DraftModelProposer:
     def propose(self, rounds: "SpeculativeRounds", last, active, history) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> draft tokens [B, k], and their distributions [B, k, V] (None when greedy)."""
         k, pick = rounds.k, rounds.pick
+        self.cache.checkpoint()  # (a hybrid draft's recurrent states: commit rolls them back)
         first_input = torch.stack([self.pending.clamp(min=0), last], dim=1)
         first_mask = torch.stack([(self.pending >= 0) & active, active], dim=1)
         logits = self.step(first_input, first_mask, self.cache)[:, -1]
@@ -272,6 +273,7 @@ class SpeculativeRounds:
 
             # 2. the target scores last + k drafts in one forward, 3. verify every row at once
             target_input = torch.cat([last[:, None], draft_tokens], dim=1)
+            target_cache.checkpoint()  # (a hybrid target's recurrent states: step 4 rolls them back)
             target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
             round_seen = None
             if seen is not None:  # position i penalises the text so far and the drafts before it

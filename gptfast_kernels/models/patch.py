@@ -9,7 +9,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from gptfast_kernels.models import attention
-from gptfast_kernels.models import bloom, falcon, gpt_neo, mpt, xglm
+from gptfast_kernels.models import bloom, falcon, gpt_neo, mpt, recurrent, xglm
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels.models.latent_attention import patch_latent_attention_
 from gptfast_kernels.models.llama4 import patch_llama4_
@@ -69,6 +69,9 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     model._gptfast_cache_geometry = StaticKVCache.geometry_of(model.config)
     model._gptfast_cache_keyword = attention.cache_keyword(model)
     model._gptfast_fused_length_zero = family.fused_length_zero
+    # a hybrid's recurrent blocks step token by token under a checkpoint (speculative rounds roll them back);
+    # why they cannot, or None
+    model._gptfast_rollback_blocker = recurrent.install_stepped_mixers(model, family)
     attention.register_attention_functions()
     attention_function = attention.FUSED if fused_attention else attention.UNFUSED
     if family.own_attention:  # (its attention bypasses the interface: set_attn_implementation would not reach it)

@@ -25,6 +25,7 @@ import torch
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from gptfast_kernels.modules.cache_layers import NoCacheLayer, StaticKVLayer, StaticKVStateLayer
+from gptfast_kernels.modules.state_history import StateHistory
 from gptfast_kernels.ops._dispatch import check_int, is_tracing
 
 
@@ -102,8 +103,11 @@ class StaticKVCache(Cache):
     at most C tokens from the furthest position it wrote, and only a patched model can use the
     cache. The linear-attention (recurrent)
     layers of a hybrid model (Qwen3.5 ...) hold transformers' own state layer
-    (``LinearAttentionLayer``: conv and recurrent states, updated in place); a recurrent state
-    cannot be rolled back, so such a cache can only be emptied. Layers may differ in kv heads and
+    (``LinearAttentionLayer``: conv and recurrent states, updated in place). A recurrent state has
+    no positions to crop: such a cache can be emptied, and with ``rollback_tokens`` R it can roll
+    rows back to any length since its last ``checkpoint()``, within R tokens written since then
+    (modules/state_history.py: a patched model's recurrent layers then run token by token and keep
+    their states after each token; speculative decoding checkpoints every round). Layers may differ in kv heads and
     head dim (``geometry``: Gemma 4's global layers); a layer that reuses another's keys and values
     (Gemma 4's last layers) holds none and attends over that layer's buffers (``kv_sources``); a
     multi-head latent attention layer (DeepSeek-V2 / V3) holds one latent per token, as one kv head
@@ -112,8 +116,9 @@ class StaticKVCache(Cache):
     """
 
     def __init__(self, config, batch_size: int, max_cache_len: int, *, device=None, dtype=None,
-                 max_step_tokens: int | None = None):
+                 max_step_tokens: int | None = None, rollback_tokens: int = 0):
         batch_size = check_int("StaticKVCache", "batch_size", batch_size, 1)
+        rollback_tokens = check_int("StaticKVCache", "rollback_tokens", rollback_tokens, 0)
         max_cache_len = check_int("StaticKVCache", "max_cache_len", max_cache_len, 1)
         if max_step_tokens is not None:
             max_step_tokens = check_int("StaticKVCache", "max_step_tokens", max_step_tokens, 1)
@@ -160,6 +165,10 @@ class StaticKVCache(Cache):
         self._first_attention, self._last_attention = attention_indices[0], attention_indices[-1]
         # whether some layers keep a recurrent state (a hybrid model) instead of keys and values
         self.has_recurrent_layers = any(isinstance(layer, LinearAttentionLayer) for layer in layers)
+        # a hybrid's recurrent states after each token since the last checkpoint() (None: no rollback)
+        self.rollback_tokens = rollback_tokens
+        self.state_history = (StateHistory(rollback_tokens, batch_size, device)
+                              if self.has_recurrent_layers and rollback_tokens else None)
         self._max_cache_len = max_cache_len
         self.max_step_tokens = max_step_tokens
         # whether some sliding-window or chunked layers keep a ring buffer (max_step_tokens made them shorter)
@@ -249,6 +258,8 @@ class StaticKVCache(Cache):
                                      f"{self.max_step_tokens} consecutive positions per forward")
         if self.has_ring_layers:
             self.written_lengths.copy_(torch.maximum(self.written_lengths, positions.max(dim=1).values + 1))
+        if self.state_history is not None and self.state_history.is_open:
+            self.state_history.plan(positions)
         self._step_positions = positions
         self._fused_step = fused
         self._hide_length = fused and hide_length
@@ -261,6 +272,8 @@ class StaticKVCache(Cache):
             return
         written = self._step_positions.max(dim=1).values + 1  # 0 for an all-padding row
         self.seq_lengths.copy_(torch.maximum(self.seq_lengths, written))
+        if self.state_history is not None and self.state_history.is_open:
+            self.state_history.commit(self._step_positions.shape[1])
         self._step_positions = None
         self._fused_step = self._hide_length = False
 
@@ -268,6 +281,19 @@ class StaticKVCache(Cache):
         """Ends the current forward without advancing any row (its writes stay past the lengths)."""
         self._step_positions = None
         self._fused_step = self._hide_length = False
+
+    def checkpoint(self) -> None:
+        """A point a later ``crop`` may roll rows back to, recurrent states included (a hybrid model's
+        cache, built with ``rollback_tokens``; until that crop, its patched model's recurrent layers
+        run token by token and keep their states after each token, for at most rollback_tokens
+        tokens). Without recurrent layers nothing is needed: keys and values are cropped by length."""
+        if not self.has_recurrent_layers:
+            return
+        if self.state_history is None:
+            raise ValueError("StaticKVCache.checkpoint: this hybrid model's cache keeps no state history; build "
+                             "it with rollback_tokens > 0 (the most tokens written between a checkpoint and the "
+                             "crop that rolls them back)")
+        self.state_history.open(self.layers, self.seq_lengths)
 
     def step_positions(self) -> torch.Tensor:
         if self._step_positions is None:
@@ -346,12 +372,14 @@ class StaticKVCache(Cache):
         already shorter keep theirs). Slots past a row's length are stale and never read (a query at position p
         attends only 0..p, and new tokens overwrite from the length on). ``check=False`` skips the
         test that tensor lengths are >= 0 (a GPU sync), for callers that computed them so. A hybrid
-        model's cache can only be emptied (recurrent states have no positions to roll back to). With
+        model's cache can be emptied, and rolled back to lengths since its last ``checkpoint()``
+        (which this crop closes); otherwise its recurrent states have no positions to roll back to. With
         ring-buffer layers a row can go back at most max_step_tokens positions from the furthest it
         wrote since the last reset (``written_lengths``), or to 0: further back, the oldest slots of
         its window (or chunk) were overwritten (ValueError; checked on tensor lengths too unless
         ``check=False``)."""
-        if self.has_recurrent_layers:
+        rollback = self.state_history is not None and self.state_history.is_open
+        if self.has_recurrent_layers and not rollback:
             self._crop_recurrent(num_tokens)
             return
         if isinstance(num_tokens, torch.Tensor):
@@ -372,6 +400,11 @@ class StaticKVCache(Cache):
             raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or a [B] tensor, got {num_tokens!r}")
         if self.has_ring_layers and check:
             self._check_ring_crop(new)
+        if rollback and check and not bool(new.any()):  # emptied: nothing to roll back
+            self.reset()
+            return
+        if rollback:
+            self.state_history.rollback(new, check)
         self.seq_lengths.copy_(new)
         if self.has_ring_layers:  # an emptied row starts over: every position it reads is rewritten first
             self.written_lengths.masked_fill_(self.seq_lengths == 0, 0)
@@ -408,6 +441,8 @@ class StaticKVCache(Cache):
                              "cannot be rolled back; the cache can only be emptied (every row to 0)")
 
     def reset(self) -> None:
+        if self.state_history is not None:
+            self.state_history.close()
         for layer in self.layers:
             layer.reset()
         self.seq_lengths.zero_()

@@ -1,0 +1,105 @@
+"""A hybrid model's recurrent layers (linear attention, Mamba, short convolutions) under a state
+rollback: while its StaticKVCache has a checkpoint open (StaticKVCache.checkpoint, modules/
+state_history.py), each layer's recurrent block (its "mixer") runs the forward's tokens one column
+at a time, through transformers' own single-token path, and leaves its states after every column
+in the cache's history. A speculative round can then keep any prefix of its tokens per row.
+
+The mixers run token by token only inside such a round: the prompt and plain decoding take
+transformers' path unchanged. A verification forward of T = k + 1 tokens thus reads a mixer's
+weights T times (its attention and MLP layers once): the price of exact rollback without
+per-family kernels.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import torch
+from torch import nn
+
+# the keywords transformers' mixers take the cache by (5.24: cache; 5.17 to 5.23: cache_params; some
+# past_key_values)
+CACHE_KEYWORDS = ("cache", "cache_params", "past_key_values")
+
+
+def _takes_cache(module: nn.Module) -> bool:
+    try:
+        parameters = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in parameters for name in CACHE_KEYWORDS)
+
+
+def recurrent_mixers(model: nn.Module, family) -> dict[int, nn.Module]:
+    """Per decoder layer index, the module that updates that layer's recurrent states: the innermost
+    modules taking a cache that are not the family's attention (Qwen3.5's GatedDeltaNet, Bamba's
+    Mamba-2 mixer, LFM2's short convolution, Falcon-H1's Mamba beside its attention, ZAYA's
+    convolutional q / k / v projection inside its attention ...)."""
+    takers = {module for module in model.modules() if module is not model and _takes_cache(module)}
+    mixers = {}
+    for module in takers:
+        if type(module).__name__ == family.attention_class or not hasattr(module, "layer_idx"):
+            continue
+        if any(inner is not module and inner in takers for inner in module.modules()):
+            continue  # (a decoder layer: the mixer is inside it)
+        mixers[module.layer_idx] = module
+    return mixers
+
+
+def install_stepped_mixers(model: nn.Module, family) -> str | None:
+    """In place: the recurrent mixers of a hybrid ``model`` step token by token under an open
+    checkpoint. -> None when every layer with a recurrent state got one (speculative decoding can
+    roll it back), else why not."""
+    kinds = family.layer_kinds(model.config)
+    stateful = {index for index, kind in enumerate(kinds) if kind in ("recurrent", "both")}
+    if not stateful:
+        return None
+    mixers = recurrent_mixers(model, family)
+    missing = sorted(stateful - set(mixers))
+    if missing:
+        return (f"its layers {missing} keep a recurrent state, but no module of theirs that takes the cache besides "
+                "the attention updates it (the family's transformers code may have changed)")
+    for index in stateful:
+        mixers[index].forward = types.MethodType(_stepped_forward, mixers[index])
+    return None
+
+
+def _column(value, t: int, batch: int, tokens: int):
+    """Token column ``t`` of a per-token tensor argument [B, T, ...] (else ``value`` unchanged)."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (batch, tokens):
+        return value[:, t:t + 1]
+    return value
+
+
+def _stepped_forward(self, hidden_states, *args, **kwargs):
+    """A recurrent mixer's forward: transformers' own, except under an open checkpoint of its
+    StaticKVCache, where it runs one token column at a time and records the states after each.
+    The padding mask goes: the history gives a padding column's rows their states back."""
+    cache = next((kwargs[name] for name in CACHE_KEYWORDS if kwargs.get(name) is not None), None)
+    if cache is None:
+        cache = next((arg for arg in args if hasattr(arg, "state_history")), None)
+    history = getattr(cache, "state_history", None)
+    if history is None or not history.is_open:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    B, T = hidden_states.shape[:2]
+    if "attention_mask" in kwargs:
+        kwargs["attention_mask"] = None
+    outputs = []
+    for t in range(T):
+        before = history.states_of(self.layer_idx)
+        outputs.append(type(self).forward(self, hidden_states[:, t:t + 1], *(_column(a, t, B, T) for a in args),
+                                          **{name: _column(value, t, B, T) for name, value in kwargs.items()}))
+        history.record(self.layer_idx, t, before)
+    if isinstance(outputs[0], tuple):  # (ZAYA's convolutional projection: query, key, value per token)
+        return tuple(_joined([out[i] for out in outputs], B) for i in range(len(outputs[0])))
+    return _joined(outputs, B)
+
+
+def _joined(columns: list, batch: int):
+    """The per-column outputs of a stepped mixer as one output: per-token tensors [B, 1, ...]
+    joined along the tokens; anything else as the last column gave it."""
+    first = columns[0]
+    if isinstance(first, torch.Tensor) and first.dim() >= 2 and first.shape[:2] == (batch, 1):
+        return torch.cat(columns, dim=1)
+    return columns[-1]

@@ -34,7 +34,8 @@ WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "
             "lara_mini")
 # families whose tiny configs' last 2 of 4 layers attend over the first 2's keys and values (Gemma 4)
 KV_SHARING = ("gemma4_text", "gemma4_unified_text", "gemma3n_text")
-# hybrid families (recurrent layers: no speculative decoding, no right padding)
+# hybrid families (recurrent layers: no right padding; speculative rounds roll their states back through the
+# cache's state history)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
           "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "zaya", "kimi_linear", "lara_mini")
 # hybrids whose layers run attention and a recurrent block side by side (every layer has both caches)

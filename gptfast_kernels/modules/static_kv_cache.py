@@ -438,7 +438,8 @@ class StaticKVCache(Cache):
             self.reset()
         elif not keep:
             raise ValueError("StaticKVCache.crop: this model's linear-attention layers keep a recurrent state, which "
-                             "cannot be rolled back; the cache can only be emptied (every row to 0)")
+                             "has no positions to crop; the cache can be emptied (every row to 0), or rolled back to "
+                             "lengths since a checkpoint() (a cache built with rollback_tokens > 0)")
 
     def reset(self) -> None:
         if self.state_history is not None:

@@ -70,9 +70,12 @@ def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatc
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text", "falcon_h1"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_speculative_equals_target_greedy(compile):
-    target = tiny_model("llama", layers=3).cuda()
+def test_speculative_equals_target_greedy(family, compile):
+    """Hybrids too: their recurrent states roll back through the cache's state history, whose slots
+    a CUDA graph replays writes into (compiled)."""
+    target = tiny_model(family, layers=3).cuda()
     patched = patched_copy(target, int8=True)
     draft = patch_model(draft_of(target, 2).cuda(), int8=True)
     ids, mask = _on_cuda(*ragged_prompts(4, 6, "left", seed=4))

@@ -8,8 +8,7 @@ import pytest
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
-from gptfast_kernels import StaticKVCache, generate, speculative_generate
-from gptfast_kernels.generation.prompt_lookup import prompt_lookup_generate
+from gptfast_kernels import StaticKVCache, generate
 from python_tests.tiny_models import HYBRID, hf_greedy, patched_copy, ragged_prompts, tiny_model
 
 FAMILY = HYBRID[0]
@@ -100,16 +99,3 @@ def test_older_transformers_are_refused_by_name(monkeypatch):
     monkeypatch.setattr(families.transformers, "__version__", "5.14.1")
     with pytest.raises(ValueError, match=f"{FAMILY} models from transformers {families.HYBRID_FROM} on"):
         patch_model(model)
-
-
-def test_speculative_decoding_is_refused(models):
-    """A speculative round rolls back the tokens it rejects, which a recurrent state cannot."""
-    _, patched = models
-    dense = patched_copy(tiny_model("llama"), int8=False)
-    ids = torch.tensor([[3, 4, 5]])
-    with pytest.raises(ValueError, match="speculative_generate: model .*hybrid"):
-        speculative_generate(patched, dense, ids, max_new_tokens=3)
-    with pytest.raises(ValueError, match="speculative_generate: draft_model .*hybrid"):
-        speculative_generate(dense, patched, ids, max_new_tokens=3)
-    with pytest.raises(ValueError, match="prompt_lookup_generate: model .*hybrid"):
-        prompt_lookup_generate(patched, ids, max_new_tokens=3)

@@ -1,0 +1,226 @@
+"""Speculative decoding of hybrid models (linear-attention / Mamba / convolution layers beside
+attention): a StaticKVCache built with rollback_tokens keeps each row's recurrent states after every
+token since its checkpoint(), and a crop puts every row back at the length it keeps.
+
+- The cache: after a checkpoint, forwards of several tokens (padding columns included) and a crop
+  to any per-row length, every recurrent state equals that of a cache fed only the kept tokens, as
+  do the next step's logits; in one forward or over several (a draft's round); bad uses raise.
+- Generation, every hybrid family: greedy speculative decoding (hybrid target and draft, a dense
+  draft, prompt lookup) equals the target's own greedy decoding; a draft identical to the target
+  accepts every sampled proposal; the compiled rounds give the eager tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers.cache_utils import LinearAttentionLayer
+
+from gptfast_kernels import StaticKVCache, generate, patch_model, speculative_generate
+from gptfast_kernels.generation.prompt_lookup import prompt_lookup_generate
+from gptfast_kernels.models import recurrent
+from gptfast_kernels.models.families import family_of
+from python_tests.tiny_models import HYBRID, LATENT, VOCAB, draft_of, patched_copy, ragged_prompts, tiny_model
+
+NEW = 16
+
+
+def _states(cache) -> list[torch.Tensor]:
+    return [tensor.clone() for layer in cache.layers if isinstance(layer, LinearAttentionLayer)
+            for states in (layer.conv_states, layer.recurrent_states) for tensor in states.values()
+            if tensor is not None]
+
+
+def _prefilled(model, ids, mask, **cache_options):
+    cache = StaticKVCache(model.config, ids.shape[0], 24, **cache_options)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+    return cache
+
+
+@pytest.fixture(scope="module", params=HYBRID)
+def hybrid(request):
+    model = tiny_model(request.param, layers=3)
+    return model, patched_copy(model, int8=False)
+
+
+# per row: which columns of the checkpointed forwards are real (1) or padding (0), and how many of the
+# real tokens the crop keeps; row 3 is padding throughout (a finished row)
+COLUMNS = [[1, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]]
+KEPT = [[4, 2, 0, 0], [1, 3, 1, 0], [3, 0, 4, 0], [2, 1, 2, 0]]
+
+
+@pytest.mark.parametrize("kept", KEPT, ids=lambda kept: "kept" + "".join(map(str, kept)))
+@pytest.mark.parametrize("forwards", [(4,), (2, 1, 1)], ids=["one-forward", "draft-round"])
+def test_crop_after_checkpoint_restores_every_rows_states(hybrid, forwards, kept):
+    """A checkpoint, then 4 token columns (one verification forward, or a draft's round of 2 + 1 + 1
+    tokens) with padding columns, then a crop keeping ``kept`` real tokens per row: each row's
+    states equal those of the same prompt fed the kept tokens alone, and so do the logits of the
+    next token."""
+    _, patched = hybrid
+    B = len(COLUMNS)
+    ids, mask = ragged_prompts(B, 5, "left", seed=1)
+    new = torch.randint(2, VOCAB, (B, 4), generator=torch.Generator().manual_seed(2))
+    columns = torch.tensor(COLUMNS)
+    cache = _prefilled(patched, ids, mask, rollback_tokens=4)
+    start = cache.seq_lengths.clone()
+    cache.checkpoint()
+    with torch.no_grad():
+        done = 0
+        for width in forwards:
+            patched(new[:, done:done + width], attention_mask=columns[:, done:done + width], past_key_values=cache)
+            done += width
+    assert torch.equal(cache.seq_lengths, start + columns.sum(dim=1))
+    keep = torch.minimum(torch.tensor(kept), columns.sum(dim=1))
+    cache.crop(start + keep)
+    assert torch.equal(cache.seq_lengths, start + keep)
+    restored = _states(cache)
+    after = torch.randint(2, VOCAB, (B, 1), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = patched(after, past_key_values=cache).logits[:, -1]
+    for row in range(B):
+        real = new[row][columns[row] == 1][:int(keep[row])]
+        alone = _prefilled(patched, ids[row:row + 1], mask[row:row + 1])
+        with torch.no_grad():
+            for token in real:  # one decode step per kept token, as plain decoding feeds them
+                patched(token.view(1, 1), past_key_values=alone)
+            for ours, theirs in zip(restored, _states(alone)):
+                torch.testing.assert_close(ours[row], theirs[0], atol=1e-5, rtol=1e-4)
+            want = patched(after[row:row + 1], past_key_values=alone).logits[0, -1]
+        torch.testing.assert_close(got[row], want, atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoint_and_crop_refuse_what_they_cannot_do(hybrid):
+    model, patched = hybrid
+    ids, mask = ragged_prompts(2, 5, "left", seed=1)
+    new = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with pytest.raises(ValueError, match="rollback_tokens must be"):
+        StaticKVCache(patched.config, 2, 8, rollback_tokens=-1)
+    plain = _prefilled(patched, ids, mask)
+    with pytest.raises(ValueError, match="checkpoint.*rollback_tokens > 0"):
+        plain.checkpoint()
+    empty = StaticKVCache(patched.config, 2, 24, rollback_tokens=4)
+    with pytest.raises(ValueError, match="checkpoint comes after the prompt"):
+        empty.checkpoint()
+
+    cache = _prefilled(patched, ids, mask, rollback_tokens=2)
+    start = cache.seq_lengths.clone()
+    cache.checkpoint()
+    with torch.no_grad():
+        patched(new[:, :2], past_key_values=cache)
+    before = _states(cache)
+    with pytest.raises(ValueError, match="row 1 would go back to length .* before the checkpoint"):
+        cache.crop(torch.stack([start[0], start[1] - 1]))
+    assert torch.equal(cache.seq_lengths, start + 2)  # nothing changed
+    assert all(torch.equal(a, b) for a, b in zip(before, _states(cache)))
+    with torch.no_grad():  # 3 tokens since the checkpoint, 2 kept
+        patched(new[:, 2:], past_key_values=cache)
+    with pytest.raises(ValueError, match="more than rollback_tokens = 2 tokens"):
+        cache.crop(start + 1)
+
+    if model.config.model_type not in LATENT:  # (unpatched latent attention cannot use the cache at all)
+        cache = _prefilled(patched, ids, mask, rollback_tokens=2)
+        cache.checkpoint()
+        with torch.no_grad():  # transformers' model: its recurrent layers do not record their states
+            model(new[:, :1], past_key_values=cache)
+        with pytest.raises(RuntimeError, match="recorded 0 of .* only a patched model"):
+            cache.crop(cache.seq_lengths - 1)
+
+    cache = _prefilled(patched, ids, mask, rollback_tokens=2)
+    cache.checkpoint()
+    cache.crop(torch.zeros(2, dtype=torch.int64))  # emptying needs no history (and closes the checkpoint)
+    assert cache.seq_lengths.tolist() == [0, 0] and not any(state.any() for state in _states(cache))
+    assert not cache.state_history.is_open
+
+
+def test_a_dense_cache_checkpoint_is_a_no_op():
+    patched = patched_copy(tiny_model("llama"), int8=False)
+    cache = _prefilled(patched, torch.tensor([[3, 4, 5]]), None, rollback_tokens=2)
+    assert cache.state_history is None
+    cache.checkpoint()
+    cache.crop(-1)
+    assert cache.seq_lengths.tolist() == [2]
+
+
+def _draft_pair(family: str, int8: bool = False):
+    target = tiny_model(family, layers=3)
+    return patched_copy(target, int8=int8), patch_model(draft_of(target, 2), int8=int8)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("batch, k", [(1, 4), (4, 3)])
+def test_greedy_equals_target_greedy(family, batch, k):
+    """Hybrid target and hybrid draft (its first 2 of 3 layers), and prompt lookup: the target's own
+    greedy tokens, whatever each round accepted."""
+    patched, draft = _draft_pair(family)
+    ids, mask = ragged_prompts(batch, 6, "left", seed=batch)
+    want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    out = speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=k, eos_token_id=[])
+    assert torch.equal(out.sequences, want)
+    assert torch.all(out.num_proposed > 0) and torch.all(out.num_accepted <= out.num_proposed)
+    lookup = prompt_lookup_generate(patched, ids, mask, max_new_tokens=NEW, speculate_k=k, eos_token_id=[])
+    assert torch.equal(lookup.sequences, want)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba", "lfm2", "falcon_h1", "zaya"])
+def test_unrelated_drafts_and_int8(family):
+    """int8 target and draft; a dense draft for a hybrid target and a hybrid draft for a dense target
+    (the tiny models share a vocabulary), both mostly rejected: every round rolls back."""
+    patched, draft = _draft_pair(family, int8=True)
+    dense = patch_model(tiny_model("llama", layers=2, seed=5), int8=True)
+    ids, mask = ragged_prompts(3, 6, "left", seed=3)
+    want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    for drafter in (draft, dense):
+        out = speculative_generate(patched, drafter, ids, mask, max_new_tokens=NEW, speculate_k=3, eos_token_id=[])
+        assert torch.equal(out.sequences, want)
+    assert out.acceptance_rate < 1  # (the dense draft's)
+    dense_want = generate(dense, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    out = speculative_generate(dense, draft, ids, mask, max_new_tokens=NEW, speculate_k=3, eos_token_id=[])
+    assert torch.equal(out.sequences, dense_want)
+    assert out.acceptance_rate < 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm3"])
+def test_identical_sampling_draft_accepts_everything(family):
+    """Sampling with the target itself as the draft: its distributions equal the target's, so every
+    proposal is accepted; a draft whose states had not rolled forward with the text would propose
+    from other distributions and be rejected."""
+    patched, _ = _draft_pair(family)
+    ids, mask = ragged_prompts(3, 6, "left", seed=2)
+    out = speculative_generate(patched, patched, ids, mask, max_new_tokens=NEW, speculate_k=3, temperature=1.0,
+                               eos_token_id=[], generator=torch.Generator().manual_seed(0))
+    assert out.acceptance_rate == 1.0
+    assert out.sequences.shape == (3, 6 + NEW)
+
+
+def test_compiled_rounds_give_the_same_tokens():
+    patched, draft = _draft_pair("qwen3_5_text", int8=True)
+    ids, mask = ragged_prompts(2, 6, "left")
+    eager = speculative_generate(patched, draft, ids, mask, max_new_tokens=12, speculate_k=3, eos_token_id=[])
+    compiled = speculative_generate(patched, draft, ids, mask, max_new_tokens=12, speculate_k=3, eos_token_id=[],
+                                    compile=True)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch.equal(compiled.num_accepted, eager.num_accepted)
+    assert 0 < eager.acceptance_rate < 1
+
+
+def test_a_family_whose_states_no_module_steps_is_refused():
+    """Where no recurrent block of a layer with a state can be found (here: the family's attention
+    class renamed to the mixers' own), speculative decoding says why, naming the argument."""
+    model = tiny_model("qwen3_5_text")
+    family = family_of(model.config)
+    mixer_class = type(next(iter(recurrent.recurrent_mixers(model, family).values()))).__name__
+    blocker = recurrent.install_stepped_mixers(model, dataclasses.replace(family, attention_class=mixer_class))
+    assert blocker is not None and "recurrent state" in blocker
+    patched = patched_copy(model, int8=False)
+    patched._gptfast_rollback_blocker = blocker
+    dense = patch_model(tiny_model("llama"), int8=False)
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(ValueError, match="speculative_generate: model .*cannot roll back"):
+        speculative_generate(patched, dense, ids, max_new_tokens=3)
+    with pytest.raises(ValueError, match="speculative_generate: draft_model .*cannot roll back"):
+        speculative_generate(dense, patched, ids, max_new_tokens=3)
+    with pytest.raises(ValueError, match="prompt_lookup_generate: model .*cannot roll back"):
+        prompt_lookup_generate(patched, ids, max_new_tokens=3)

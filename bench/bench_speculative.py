@@ -12,7 +12,16 @@ with 1/8 of its layers (bf16 activations, int8 weights, compiled steps): rounds 
 B = 1, 8, 32 and the fraction of a round spent outside the two models' forwards (target < 10%);
 the same for prompt_lookup_generate on that target (its rounds and overhead; random weights give
 its lookup nothing to find).
-Cases (``--cases``): demo, rounds.
+
+Rows "hybrid_verify": what a speculative round's verification costs a hybrid model (Qwen3.5's
+layout: three gated-delta-net layers to one attention layer; int8, random weights), where the
+recurrent blocks step token by token so that the round can roll their states back: one forward of
+k + 1 tokens under a checkpoint, plus the crop (``ours_verify_rollback``), against the same
+forward without a checkpoint (``ours_verify_no_rollback``: transformers' multi-token path, which
+cannot roll back), one decode step, and the k + 1 decode steps plain decoding spends on k + 1
+tokens (the baseline). ``decode_steps_per_verify``: the verification's time in decode steps; a
+round gains when its accepted tokens + 1 exceed that plus the draft's time.
+Cases (``--cases``): demo, rounds, hybrid.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import time
 
 import torch
 from torch._dynamo.utils import counters
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 import gptfast_kernels.generation.speculative as speculative_module
 from bench.harness import best_seconds, default_dtype, synchronize
@@ -33,6 +42,12 @@ SPECULATE_K = 4
 GPU_TARGET = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
 DRAFT_LAYER_FRACTION = 8
+# hybrid_verify: on a GPU transformers' default Qwen3.5 text config (4096 hidden, 32 layers, 3 gated
+# delta nets : 1 attention); on the CPU the same layout scaled down
+HYBRID_CPU = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8,
+                  linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=32000)
+HYBRID_PROMPT = 128
 
 
 def _demo_models(h):
@@ -173,8 +188,57 @@ def _rounds_rows(h):
                        **h.meta})
 
 
+def _hybrid_rows(h):
+    on_gpu = h.device.type == "cuda"
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(**({} if on_gpu else HYBRID_CPU))
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    with torch.device(h.device), default_dtype(dtype):
+        model = patch_model(Qwen3_5ForCausalLM(config).eval())
+    T = SPECULATE_K + 1
+    for rows in ((1, 8) if not h.quick else (1,)):
+        ids = torch.randint(0, config.vocab_size, (rows, HYBRID_PROMPT), device=h.device)
+        cache = StaticKVCache(config, rows, HYBRID_PROMPT + 64, device=h.device, dtype=dtype, rollback_tokens=T)
+        with torch.no_grad():
+            forward_with_cache(model, ids, cache, logits_to_keep=1)
+        start = cache.seq_lengths.clone()
+        tokens = torch.randint(0, config.vocab_size, (rows, T), device=h.device)
+
+        # Each call starts at the prompt's length again. The rollback candidate restores the states
+        # too; the others reset the lengths only (the same work per call, on states that drift).
+        def forward(width):
+            with torch.no_grad():
+                forward_with_cache(model, tokens[:, :width], cache)
+            cache.seq_lengths.copy_(start)
+
+        def decode_steps():
+            with torch.no_grad():
+                for t in range(T):
+                    forward_with_cache(model, tokens[:, t:t + 1], cache)
+            cache.seq_lengths.copy_(start)
+
+        def verify_rollback():
+            cache.checkpoint()
+            with torch.no_grad():
+                forward_with_cache(model, tokens, cache)
+            cache.crop(start + 2, check=False)  # (a round that kept 2 tokens)
+
+        case = {"model": f"qwen3.5 layout random, hidden {config.hidden_size}, {config.num_hidden_layers} layers, int8",
+                "batch": rows, "prompt": HYBRID_PROMPT, "speculate_k": SPECULATE_K}
+        timed = {row["impl"]: row for row in h.compare(
+            "hybrid_verify", case, {"ours_decode_steps_k+1": decode_steps, "ours_decode_step": lambda: forward(1),
+                                    "ours_verify_no_rollback": lambda: forward(T),
+                                    "ours_verify_rollback": verify_rollback},
+            baseline="ours_decode_steps_k+1")}
+        step = timed["ours_decode_step"]["ms_median"]
+        for row in timed.values():
+            row["decode_steps_per_verify"] = row["ms_median"] / step
+
+
 def run(h) -> None:
     if h.wants("demo"):
         _e2e_rows(h)
     if h.device.type == "cuda" and h.wants("rounds"):
         _rounds_rows(h)
+    if h.wants("hybrid"):
+        _hybrid_rows(h)

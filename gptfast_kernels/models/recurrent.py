@@ -5,18 +5,24 @@ at a time, through transformers' own single-token path, and leaves its states af
 in the cache's history. A speculative round can then keep any prefix of its tokens per row.
 
 The mixers run token by token only inside such a round: the prompt and plain decoding take
-transformers' path unchanged. A verification forward of T = k + 1 tokens thus reads a mixer's
-weights T times (its attention and MLP layers once): the price of exact rollback without
-per-family kernels.
+transformers' path unchanged. A mixer's linear layers that take the mixer's input itself (its
+input projections: most of its weights) run once on all T columns, and each column's call gets its
+slice; only the rest (the convolution and recurrence, the output projection, which depend on the
+column before) runs per column. So a verification forward of T = k + 1 tokens reads a mixer's
+output projection T times, its other weights once: the price of exact rollback without per-family
+kernels.
 """
 
 from __future__ import annotations
 
 import inspect
 import types
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from gptfast_kernels.modules.int8_linear import Int8Linear
 
 # the keywords transformers' mixers take the cache by (5.24: cache; 5.17 to 5.23: cache_params; some
 # past_key_values)
@@ -61,8 +67,38 @@ def install_stepped_mixers(model: nn.Module, family) -> str | None:
         return (f"its layers {missing} keep a recurrent state, but no module of theirs that takes the cache besides "
                 "the attention updates it (the family's transformers code may have changed)")
     for index in stateful:
-        mixers[index].forward = types.MethodType(_stepped_forward, mixers[index])
+        mixer = mixers[index]
+        mixer._gptfast_columns = columns = StepColumns()
+        mixer.forward = types.MethodType(_stepped_forward, mixer)
+        for linear in mixer.modules():
+            if isinstance(linear, (nn.Linear, Int8Linear)):
+                linear._gptfast_columns = columns
+                linear.forward = types.MethodType(_column_linear_forward, linear)
     return None
+
+
+@dataclass
+class StepColumns:
+    """A stepped mixer's token columns while it runs them one at a time (else None), shared with its
+    linear layers: one whose input is a column itself computes all columns at once, on the first,
+    and hands each column its slice (``outputs``: per linear layer)."""
+    columns: list | None = None
+    whole: object = None  # the mixer's input [B, T, ...], of which ``columns`` are the slices
+    outputs: dict = field(default_factory=dict)
+
+
+def _column_linear_forward(self, x):
+    """A stepped mixer's linear layer: on one of the mixer's own input columns, that column of its
+    output over all columns (computed once); on anything else, its own forward."""
+    steps = self._gptfast_columns
+    if steps.columns is not None:
+        for t, column in enumerate(steps.columns):
+            if x is column:
+                whole = steps.outputs.get(id(self))
+                if whole is None:
+                    whole = steps.outputs[id(self)] = type(self).forward(self, steps.whole)
+                return whole[:, t:t + 1]
+    return type(self).forward(self, x)
 
 
 def _column(value, t: int, batch: int, tokens: int):
@@ -85,12 +121,17 @@ def _stepped_forward(self, hidden_states, *args, **kwargs):
     B, T = hidden_states.shape[:2]
     if "attention_mask" in kwargs:
         kwargs["attention_mask"] = None
+    steps = self._gptfast_columns
+    steps.columns, steps.whole, steps.outputs = [hidden_states[:, t:t + 1] for t in range(T)], hidden_states, {}
     outputs = []
-    for t in range(T):
-        before = history.states_of(self.layer_idx)
-        outputs.append(type(self).forward(self, hidden_states[:, t:t + 1], *(_column(a, t, B, T) for a in args),
-                                          **{name: _column(value, t, B, T) for name, value in kwargs.items()}))
-        history.record(self.layer_idx, t, before)
+    try:
+        for t in range(T):
+            before = history.states_of(self.layer_idx)
+            outputs.append(type(self).forward(self, steps.columns[t], *(_column(a, t, B, T) for a in args),
+                                              **{name: _column(value, t, B, T) for name, value in kwargs.items()}))
+            history.record(self.layer_idx, t, before)
+    finally:
+        steps.columns, steps.whole, steps.outputs = None, None, {}
     if isinstance(outputs[0], tuple):  # (ZAYA's convolutional projection: query, key, value per token)
         return tuple(_joined([out[i] for out in outputs], B) for i in range(len(outputs[0])))
     return _joined(outputs, B)

@@ -224,3 +224,26 @@ def test_a_family_whose_states_no_module_steps_is_refused():
         speculative_generate(dense, patched, ids, max_new_tokens=3)
     with pytest.raises(ValueError, match="prompt_lookup_generate: model .*cannot roll back"):
         prompt_lookup_generate(patched, ids, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("family, shared", [("qwen3_5_text", 4), ("bamba", 1), ("kimi_linear", 6), ("zaya", 4)])
+def test_stepped_blocks_run_their_input_projections_once(family, shared, monkeypatch):
+    """Under a checkpoint a recurrent block steps token by token, but its linear layers that take the
+    block's input itself (``shared`` per block: Qwen3.5's four input projections, Mamba-2's one ...)
+    run once on all the forward's columns; the others (the output projection ...) once per column."""
+    from gptfast_kernels.modules.int8_linear import Int8Linear
+
+    patched = patched_copy(tiny_model(family, layers=3), int8=True)
+    mixers = recurrent.recurrent_mixers(patched, family_of(patched.config))
+    ids, mask = ragged_prompts(2, 5, "left")
+    cache = _prefilled(patched, ids, mask, rollback_tokens=4)
+    calls = []  # (block, columns of the input)
+    forward = Int8Linear.forward
+    monkeypatch.setattr(Int8Linear, "forward", lambda self, x: calls.append((self, x.shape[1])) or forward(self, x))
+    cache.checkpoint()
+    with torch.no_grad():
+        patched(ids[:, :4], past_key_values=cache)
+    for mixer in mixers.values():
+        inner = [columns for linear, columns in calls if any(linear is m for m in mixer.modules())]
+        assert inner.count(4) == shared and all(columns == 1 for columns in inner if columns != 4)
+        assert len(inner) == shared + 4 * (len([m for m in mixer.modules() if isinstance(m, Int8Linear)]) - shared)

@@ -66,6 +66,14 @@ def check_tensor(op: str, name: str, value, *, dtypes: Sequence[torch.dtype] | N
                              f"got shape {tuple(value.shape)}")
 
 
+def check_contiguous(op: str, **tensors) -> None:
+    """ValueError naming the first of ``tensors`` (None: skipped) that is not contiguous: for the
+    Triton ops, whose kernels index these by their shapes alone."""
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous, got strides {t.stride()} for shape {list(t.shape)}")
+
+
 def check_int(op: str, name: str, value, minimum: int) -> int:
     """An int (not a bool) >= minimum, else ValueError naming the argument; returns it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -18,28 +18,28 @@ from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, chec
 OP = "int8_expert_linear"
 
 
-def _check_inputs(x, qweight, scales, experts, bias) -> None:
-    check_tensor(OP, "x", x, dtypes=FLOAT_DTYPES, ndim=2)
-    check_tensor(OP, "qweight", qweight, dtypes=(torch.int8,), ndim=3)
+def check_inputs(x, qweight, scales, experts, bias, op: str = OP) -> None:
+    check_tensor(op, "x", x, dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor(op, "qweight", qweight, dtypes=(torch.int8,), ndim=3)
     E, N, K = qweight.shape
     if E == 0 or K == 0:
-        raise ValueError(f"{OP}: qweight must be [E, N, K] with at least one expert and one input feature, "
+        raise ValueError(f"{op}: qweight must be [E, N, K] with at least one expert and one input feature, "
                          f"got {list(qweight.shape)}")
     if x.shape[1] != K:
-        raise ValueError(f"{OP}: x must be [P, K] with K = {K} (qweight is [E, N, K] = {list(qweight.shape)}), "
+        raise ValueError(f"{op}: x must be [P, K] with K = {K} (qweight is [E, N, K] = {list(qweight.shape)}), "
                          f"got {list(x.shape)}")
-    check_tensor(OP, "scales", scales, dtypes=(torch.float32, x.dtype), ndim=2)
+    check_tensor(op, "scales", scales, dtypes=(torch.float32, x.dtype), ndim=2)
     if tuple(scales.shape) != (E, N):
-        raise ValueError(f"{OP}: scales must have shape [E, N] = [{E}, {N}], got {list(scales.shape)}")
+        raise ValueError(f"{op}: scales must have shape [E, N] = [{E}, {N}], got {list(scales.shape)}")
     if bias is not None:
-        check_tensor(OP, "bias", bias, dtypes=FLOAT_DTYPES, ndim=2)
+        check_tensor(op, "bias", bias, dtypes=FLOAT_DTYPES, ndim=2)
         if tuple(bias.shape) != (E, N):
-            raise ValueError(f"{OP}: bias must have shape [E, N] = [{E}, {N}], got {list(bias.shape)}")
-    check_tensor(OP, "experts", experts, dtypes=(torch.int32, torch.int64), ndim=1)
+            raise ValueError(f"{op}: bias must have shape [E, N] = [{E}, {N}], got {list(bias.shape)}")
+    check_tensor(op, "experts", experts, dtypes=(torch.int32, torch.int64), ndim=1)
     if experts.shape[0] != x.shape[0]:
-        raise ValueError(f"{OP}: experts must have one entry per row of x ([P] = [{x.shape[0]}]), "
+        raise ValueError(f"{op}: experts must have one entry per row of x ([P] = [{x.shape[0]}]), "
                          f"got {list(experts.shape)}")
-    check_same_device(OP, x=x, qweight=qweight, scales=scales, experts=experts, bias=bias)
+    check_same_device(op, x=x, qweight=qweight, scales=scales, experts=experts, bias=bias)
 
 
 def _check_expert_values(experts: torch.Tensor, E: int) -> None:
@@ -65,7 +65,7 @@ def int8_expert_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     (routers produce valid ids by construction); the kernels treat any id outside [0, E) as padding
     and never read outside qweight either way.
     """
-    _check_inputs(x, qweight, scales, experts, bias)
+    check_inputs(x, qweight, scales, experts, bias)
     if check_experts and not is_tracing():
         _check_expert_values(experts, qweight.shape[0])
     chosen = resolve_backend(OP, backend, x.device)
@@ -77,10 +77,11 @@ def int8_expert_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     qweight = qweight.contiguous()
     scales = scales.to(torch.float32).contiguous()
     experts = experts.to(torch.int64).contiguous()
-    if chosen == "triton":
-        from gptfast_kernels.triton.int8_expert_linear import int8_expert_linear_triton
+    if chosen == "triton":  # (checked above: the custom op, which checks again, only where traced)
+        from gptfast_kernels.triton.int8_expert_linear import int8_expert_linear_triton, int8_expert_linear_unchecked
 
-        return int8_expert_linear_triton(x, qweight, scales, experts, bias)
+        run = int8_expert_linear_triton if is_tracing() else int8_expert_linear_unchecked
+        return run(x, qweight, scales, experts, bias)
     return torch.ops.gptfast_kernels.int8_expert_linear(x, qweight, scales, experts, bias)
 
 

@@ -7,7 +7,7 @@ import torch
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
 from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, gpu_backend,
-                                           resolve_backend)
+                                           is_tracing, resolve_backend)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,8 +23,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.quantize_int8(weight)
 
 
-def _check_int8_linear(x, qweight, scales, bias) -> None:
-    op = "int8_linear"
+def check_int8_linear(x, qweight, scales, bias, op: str = "int8_linear") -> None:
     check_tensor(op, "x", x, dtypes=FLOAT_DTYPES)
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least 1 dimension [..., K], got a scalar")
@@ -54,7 +53,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     bias [N] or None -> [..., N] in x's dtype. backend: "auto" | "cuda" | "triton" | "cpu" |
     "reference".
     """
-    _check_int8_linear(x, qweight, scales, bias)
+    check_int8_linear(x, qweight, scales, bias)
     rows = x.numel() // x.shape[-1]  # K >= 1 (checked)
     chosen = resolve_backend("int8_linear", backend, x.device,
                              auto=lambda usable: auto_backend(usable, rows, qweight.shape[1]))
@@ -94,10 +93,10 @@ def run_int8_linear(chosen: str, x: torch.Tensor, qweight: torch.Tensor, scales:
     scales = scales.contiguous()
     if bias is not None:
         bias = (bias if bias.dtype == x.dtype else bias.to(x.dtype)).contiguous()
-    if chosen == "triton":
-        from gptfast_kernels.triton.int8_linear import int8_linear_triton
+    if chosen == "triton":  # (checked above: the custom op, which checks again, only where traced)
+        from gptfast_kernels.triton.int8_linear import int8_linear_triton, int8_linear_unchecked
 
-        y = int8_linear_triton(x2d, qweight, scales, bias)
+        y = (int8_linear_triton if is_tracing() else int8_linear_unchecked)(x2d, qweight, scales, bias)
     else:  # the compiled CPU or CUDA kernel, chosen by the dispatcher from x's device
         y = torch.ops.gptfast_kernels.int8_linear(x2d, qweight, scales, bias)
     return y.reshape(*lead_shape, qweight.shape[0])

@@ -24,86 +24,86 @@ MAX_CHUNK_SIZE = 2**31 - 1  # and chunk sizes
 SOFTCAP_MIN = torch.finfo(torch.float32).tiny
 
 
-def _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
-                  chunk_size=None, alibi_slopes=None) -> None:
-    check_tensor(OP, "q", q, dtypes=FLOAT_DTYPES, ndim=4)
+def check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
+                 chunk_size=None, alibi_slopes=None, op: str = OP) -> None:
+    check_tensor(op, "q", q, dtypes=FLOAT_DTYPES, ndim=4)
     if value_dim is not None:
         if isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 1 <= value_dim <= q.shape[-1]:
-            raise ValueError(f"{OP}: value_dim must be None or an int in 1..D = 1..{q.shape[-1]} (the values being "
+            raise ValueError(f"{op}: value_dim must be None or an int in 1..D = 1..{q.shape[-1]} (the values being "
                              f"the keys' first value_dim numbers), got {value_dim!r}")
         for name, t in (("v", v), ("v_cache", v_cache)):
             if t is not None:
-                raise ValueError(f"{OP}: with value_dim the values are read from k_cache, so {name} must be None, "
+                raise ValueError(f"{op}: with value_dim the values are read from k_cache, so {name} must be None, "
                                  f"got {type(t).__name__}")
         v, v_cache = k, k_cache  # checked as such below
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(OP, name, t, ndim=4)
+        check_tensor(op, name, t, ndim=4)
         if t.dtype != q.dtype:
-            raise ValueError(f"{OP}: {name} must have q's dtype {q.dtype}, got {t.dtype}")
-    check_tensor(OP, "positions", positions, dtypes=(torch.int32, torch.int64), ndim=(1, 2))
+            raise ValueError(f"{op}: {name} must have q's dtype {q.dtype}, got {t.dtype}")
+    check_tensor(op, "positions", positions, dtypes=(torch.int32, torch.int64), ndim=(1, 2))
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     if tuple(k.shape) != (B, Hkv, T, D):
-        raise ValueError(f"{OP}: k must have shape [B, Hkv, T, D] = [{B}, Hkv, {T}, {D}] to match "
+        raise ValueError(f"{op}: k must have shape [B, Hkv, T, D] = [{B}, Hkv, {T}, {D}] to match "
                          f"q {list(q.shape)}, got {list(k.shape)}")
     if v.shape != k.shape:
-        raise ValueError(f"{OP}: v must have k's shape {list(k.shape)}, got {list(v.shape)}")
+        raise ValueError(f"{op}: v must have k's shape {list(k.shape)}, got {list(v.shape)}")
     if Hkv == 0 or Hq == 0 or Hq % Hkv != 0:
-        raise ValueError(f"{OP}: q's heads (Hq = {Hq}) must be a positive multiple of k's heads "
+        raise ValueError(f"{op}: q's heads (Hq = {Hq}) must be a positive multiple of k's heads "
                          f"(Hkv = {Hkv})")
     if D == 0 or D > MAX_HEAD_DIM:
-        raise ValueError(f"{OP}: head dim D must be in 1..{MAX_HEAD_DIM}, got {D}")
+        raise ValueError(f"{op}: head dim D must be in 1..{MAX_HEAD_DIM}, got {D}")
     if k_cache.dim() != 4 or k_cache.shape[0] != B or k_cache.shape[1] != Hkv or k_cache.shape[3] != D:
-        raise ValueError(f"{OP}: k_cache must have shape [B, Hkv, S, D] = [{B}, {Hkv}, S, {D}], "
+        raise ValueError(f"{op}: k_cache must have shape [B, Hkv, S, D] = [{B}, {Hkv}, S, {D}], "
                          f"got {list(k_cache.shape)}")
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"{OP}: v_cache must have k_cache's shape {list(k_cache.shape)}, "
+        raise ValueError(f"{op}: v_cache must have k_cache's shape {list(k_cache.shape)}, "
                          f"got {list(v_cache.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():
-            raise ValueError(f"{OP}: {name} must be contiguous (it is written in place)")
+            raise ValueError(f"{op}: {name} must be contiguous (it is written in place)")
     expected_positions = ((T,), (B, T))
     if tuple(positions.shape) not in expected_positions:
-        raise ValueError(f"{OP}: positions must have shape [T] = [{T}] or [B, T] = [{B}, {T}], "
+        raise ValueError(f"{op}: positions must have shape [T] = [{T}] or [B, T] = [{B}, {T}], "
                          f"got {list(positions.shape)}")
     if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
-        raise ValueError(f"{OP}: scale must be a finite number or None, got {scale!r}")
+        raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or not 1 <= window <= MAX_WINDOW):
-        raise ValueError(f"{OP}: window must be None or an int in 1..{MAX_WINDOW} (the number of latest "
+        raise ValueError(f"{op}: window must be None or an int in 1..{MAX_WINDOW} (the number of latest "
                          f"slots a query sees, itself included), got {window!r}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                 or not math.isfinite(softcap) or softcap < SOFTCAP_MIN):
         # (a smaller cap would flush to zero in float32, which the kernels read as "no cap")
-        raise ValueError(f"{OP}: softcap must be None or a finite number >= {SOFTCAP_MIN}, got {softcap!r}")
+        raise ValueError(f"{op}: softcap must be None or a finite number >= {SOFTCAP_MIN}, got {softcap!r}")
     if not isinstance(ring, bool):
-        raise ValueError(f"{OP}: ring must be True or False, got {ring!r}")
+        raise ValueError(f"{op}: ring must be True or False, got {ring!r}")
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
-            raise ValueError(f"{OP}: chunk_size must be None or an int in 1..{MAX_CHUNK_SIZE} (the tokens per chunk "
+            raise ValueError(f"{op}: chunk_size must be None or an int in 1..{MAX_CHUNK_SIZE} (the tokens per chunk "
                              f"of chunked attention), got {chunk_size!r}")
         # a query's chunk and a window are two different rules for what it sees
         if window is not None:
-            raise ValueError(f"{OP}: chunk_size (chunked attention) cannot be combined with a window; "
+            raise ValueError(f"{op}: chunk_size (chunked attention) cannot be combined with a window; "
                              f"got chunk_size {chunk_size}, window {window!r}")
     # a ring buffer must hold every position a query sees: its window, or its chunk
     reach = query_reach(window, chunk_size)
     if ring and (reach is None or reach > k_cache.shape[2]):
-        raise ValueError(f"{OP}: ring=True (a ring-buffer cache) needs a window or a chunk_size in 1..S = "
+        raise ValueError(f"{op}: ring=True (a ring-buffer cache) needs a window or a chunk_size in 1..S = "
                          f"1..{k_cache.shape[2]}, the cache's slots; got window {window!r}, chunk_size {chunk_size!r}")
-    _check_per_head("sinks", sinks, "logit", FLOAT_DTYPES, q.shape[1])
-    _check_per_head("alibi_slopes", alibi_slopes, "slope", (*FLOAT_DTYPES, torch.float64), q.shape[1])
-    check_same_device(OP, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions, sinks=sinks,
+    _check_per_head("sinks", sinks, "logit", FLOAT_DTYPES, q.shape[1], op)
+    _check_per_head("alibi_slopes", alibi_slopes, "slope", (*FLOAT_DTYPES, torch.float64), q.shape[1], op)
+    check_same_device(op, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions, sinks=sinks,
                       alibi_slopes=alibi_slopes)
 
 
-def _check_per_head(name: str, tensor: torch.Tensor | None, what: str, dtypes, heads: int) -> None:
+def _check_per_head(name: str, tensor: torch.Tensor | None, what: str, dtypes, heads: int, op: str = OP) -> None:
     """A per-query-head vector argument (``sinks``, ``alibi_slopes``): None, or [Hq] of ``dtypes``."""
     if tensor is None:
         return
-    check_tensor(OP, name, tensor, dtypes=dtypes, ndim=1)
+    check_tensor(op, name, tensor, dtypes=dtypes, ndim=1)
     if tensor.shape[0] != heads:
-        raise ValueError(f"{OP}: {name} must have one {what} per query head, [Hq] = [{heads}], "
+        raise ValueError(f"{op}: {name} must have one {what} per query head, [Hq] = [{heads}], "
                          f"got {list(tensor.shape)}")
 
 
@@ -213,7 +213,7 @@ def checked_backend(q, k, v, k_cache, v_cache, positions, scale, window, softcap
     """kv_cache_attention's input checks (all but the position values') and its backend choice: the
     backend ``run_kv_cache_attention`` may then be called with, for these inputs or any others of
     the same shapes, dtypes, devices and scalar arguments."""
-    _check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim, chunk_size,
+    check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim, chunk_size,
                   alibi_slopes)
     return resolve_backend(OP, backend, q.device,
                            auto=lambda usable: auto_backend(usable, q.shape[0] * k.shape[1], q.shape[2],
@@ -248,11 +248,12 @@ def run_kv_cache_attention(chosen: str, q, k, v, k_cache, v_cache, positions, sc
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    if chosen == "triton":
-        from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
+    if chosen == "triton":  # (checked: the custom op, which checks again, only where traced)
+        from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton, kv_cache_attention_unchecked
 
-        return kv_cache_attention_triton(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring,
-                                         value_dim, chunk_size, alibi_slopes)
+        run = kv_cache_attention_triton if is_tracing() else kv_cache_attention_unchecked
+        return run(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim, chunk_size,
+                   alibi_slopes)
     return torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window,
                                                         softcap, sinks, ring, value_dim, chunk_size, alibi_slopes)
 

@@ -11,28 +11,28 @@ from gptfast_kernels.ops._dispatch import check_same_device, check_tensor, is_tr
 OP = "verify_draft"
 
 
-def _check_inputs(target_probs, draft_probs, draft_tokens, uniforms) -> None:
-    check_tensor(OP, "target_probs", target_probs, dtypes=(torch.float32,), ndim=3)
+def check_inputs(target_probs, draft_probs, draft_tokens, uniforms, op: str = OP) -> None:
+    check_tensor(op, "target_probs", target_probs, dtypes=(torch.float32,), ndim=3)
     B, k_plus_1, V = target_probs.shape
     if k_plus_1 < 1 or V < 1:
-        raise ValueError(f"{OP}: target_probs must be [B, k + 1, V] with k >= 0 and V >= 1, "
+        raise ValueError(f"{op}: target_probs must be [B, k + 1, V] with k >= 0 and V >= 1, "
                          f"got {list(target_probs.shape)}")
     k = k_plus_1 - 1
-    check_tensor(OP, "draft_tokens", draft_tokens, dtypes=(torch.int64,), ndim=2)
+    check_tensor(op, "draft_tokens", draft_tokens, dtypes=(torch.int64,), ndim=2)
     if tuple(draft_tokens.shape) != (B, k):
-        raise ValueError(f"{OP}: draft_tokens must have shape [B, k] = [{B}, {k}], "
+        raise ValueError(f"{op}: draft_tokens must have shape [B, k] = [{B}, {k}], "
                          f"got {list(draft_tokens.shape)}")
     if draft_probs is not None:
-        check_tensor(OP, "draft_probs", draft_probs, dtypes=(torch.float32,), ndim=3)
+        check_tensor(op, "draft_probs", draft_probs, dtypes=(torch.float32,), ndim=3)
         if tuple(draft_probs.shape) != (B, k, V):
-            raise ValueError(f"{OP}: draft_probs must have shape [B, k, V] = [{B}, {k}, {V}], "
+            raise ValueError(f"{op}: draft_probs must have shape [B, k, V] = [{B}, {k}, {V}], "
                              f"got {list(draft_probs.shape)}")
     if uniforms is not None:
-        check_tensor(OP, "uniforms", uniforms, dtypes=(torch.float32,), ndim=2)
+        check_tensor(op, "uniforms", uniforms, dtypes=(torch.float32,), ndim=2)
         if tuple(uniforms.shape) != (B, k + 1):
-            raise ValueError(f"{OP}: uniforms must have shape [B, k + 1] = [{B}, {k + 1}], "
+            raise ValueError(f"{op}: uniforms must have shape [B, k + 1] = [{B}, {k + 1}], "
                              f"got {list(uniforms.shape)}")
-    check_same_device(OP, target_probs=target_probs, draft_probs=draft_probs,
+    check_same_device(op, target_probs=target_probs, draft_probs=draft_probs,
                       draft_tokens=draft_tokens, uniforms=uniforms)
 
 
@@ -85,7 +85,7 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
     construction (speculative_generate: softmax outputs and sampled ids), since the check reads
     every probability again and waits for the GPU once per call.
     """
-    _check_inputs(target_probs, draft_probs, draft_tokens, uniforms)
+    check_inputs(target_probs, draft_probs, draft_tokens, uniforms)
     if check_values and not is_tracing():
         _check_values(target_probs, draft_probs, draft_tokens, uniforms)
     B, k_plus_1, _ = target_probs.shape
@@ -97,10 +97,10 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
         return reference.verify_draft(target_probs, draft_probs, draft_tokens, uniforms)
     args = (target_probs.contiguous(), None if draft_probs is None else draft_probs.contiguous(),
             draft_tokens.contiguous(), uniforms.contiguous())
-    if chosen == "triton":
-        from gptfast_kernels.triton.verify_draft import verify_draft_triton
+    if chosen == "triton":  # (checked above: the custom op, which checks again, only where traced)
+        from gptfast_kernels.triton.verify_draft import verify_draft_triton, verify_draft_unchecked
 
-        return verify_draft_triton(*args)
+        return (verify_draft_triton if is_tracing() else verify_draft_unchecked)(*args)
     return torch.ops.gptfast_kernels.verify_draft(*args)
 
 

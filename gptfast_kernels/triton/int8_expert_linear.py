@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gptfast_kernels.ops._dispatch import check_contiguous, check_tensor
+from gptfast_kernels.ops.int8_expert_linear import check_inputs
 from gptfast_kernels.triton import FP32_NUM_STAGES, dot, dot_in_fp32, on_device
 
 # tl.dot needs at least 16 rows per tile: smaller row counts are padded with masked rows.
@@ -154,13 +156,26 @@ def int8_expert_linear_tuned(x: torch.Tensor, qweight: torch.Tensor, scales: tor
     return y
 
 
+def int8_expert_linear_unchecked(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                                 experts: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``int8_expert_linear_triton`` on inputs already checked (the public op's eager path)."""
+    return int8_expert_linear_tuned(x, qweight, scales, experts, bias, _tuning(x.device, x.shape[0]))
+
+
 @torch.library.custom_op("gptfast_kernels::int8_expert_linear_triton", mutates_args=())
 def int8_expert_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                               experts: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [P, K] float (any strides), qweight [E, N, K] int8 contiguous, scales [E, N] float32
     contiguous, experts [P] int64 contiguous (outside [0, E): a zero row), bias [E, N] contiguous
-    in x's dtype or None -> [P, N] in x's dtype."""
-    return int8_expert_linear_tuned(x, qweight, scales, experts, bias, _tuning(x.device, x.shape[0]))
+    in x's dtype or None -> [P, N] in x's dtype. Checks them (ValueError naming the argument)."""
+    op = "int8_expert_linear_triton"
+    check_inputs(x, qweight, scales, experts, bias, op)
+    check_tensor(op, "scales", scales, dtypes=(torch.float32,))
+    check_tensor(op, "experts", experts, dtypes=(torch.int64,))
+    if bias is not None:
+        check_tensor(op, "bias", bias, dtypes=(x.dtype,))
+    check_contiguous(op, qweight=qweight, scales=scales, experts=experts, bias=bias)
+    return int8_expert_linear_unchecked(x, qweight, scales, experts, bias)
 
 
 @int8_expert_linear_triton.register_fake

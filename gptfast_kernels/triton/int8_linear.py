@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gptfast_kernels.ops._dispatch import check_contiguous, check_tensor
+from gptfast_kernels.ops.int8_linear import check_int8_linear
 from gptfast_kernels.triton import FP32_NUM_STAGES, dot_in_fp32, on_device
 
 # Rows of x served by the GEMV kernel (CUDA-core FMAs, one output block per program). From 2 rows
@@ -106,11 +108,9 @@ def _int8_linear_tiled_kernel(X_ptr, W_ptr, S_ptr, B_ptr, Y_ptr, M, N, K,
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-@torch.library.custom_op("gptfast_kernels::int8_linear_triton", mutates_args=())
-def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float (any strides), qweight [N, K] int8 contiguous, scales [N] float32,
-    bias [N] or None -> [M, N] in x's dtype."""
+def int8_linear_unchecked(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """``int8_linear_triton`` on inputs already checked (gptfast_kernels.int8_linear's eager path)."""
     M, K = x.shape
     N = qweight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -120,6 +120,19 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     with on_device(x):
         _launch(x, qweight, scales, bias_arg, bias is not None, y)
     return y
+
+
+@torch.library.custom_op("gptfast_kernels::int8_linear_triton", mutates_args=())
+def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float (any strides), qweight [N, K] int8 contiguous, scales [N] float32 contiguous,
+    bias [N] contiguous or None -> [M, N] in x's dtype. Checks them (ValueError naming the argument)."""
+    op = "int8_linear_triton"
+    check_tensor(op, "x", x, ndim=2)
+    check_int8_linear(x, qweight, scales, bias, op)
+    check_tensor(op, "scales", scales, dtypes=(torch.float32,))
+    check_contiguous(op, qweight=qweight, scales=scales, bias=bias)
+    return int8_linear_unchecked(x, qweight, scales, bias)
 
 
 def tiled_int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -66,6 +66,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from gptfast_kernels.ops._dispatch import check_contiguous, check_int, check_tensor
+from gptfast_kernels.ops.kv_cache_attention import check_inputs
 from gptfast_kernels.triton import FP32_NUM_STAGES, dot_in_fp32, on_device
 from gptfast_kernels.triton.kv_cache_attention_common import LOG2_E
 from gptfast_kernels.triton.kv_cache_attention_decode import (_kv_cache_attention_combine_kernel,
@@ -305,6 +307,17 @@ def _out_shape(q: torch.Tensor, value_dim: int) -> tuple[int, ...]:
     return (*q.shape[:-1], value_dim or q.shape[-1])
 
 
+def kv_cache_attention_unchecked(q, k, v, k_cache, v_cache, positions, scale: float, window: int = 0,
+                                 softcap: float = 0.0, sinks: torch.Tensor | None = None, ring: bool = False,
+                                 value_dim: int = 0, chunk_size: int = 0,
+                                 alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """``kv_cache_attention_triton`` on inputs already checked (the public op's eager path)."""
+    if q.numel() == 0:
+        return torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)
+    return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device, q.shape[-1]),
+                                    window, softcap, sinks, ring, value_dim, chunk_size, alibi_slopes)
+
+
 @torch.library.custom_op("gptfast_kernels::kv_cache_attention_triton", mutates_args=("k_cache", "v_cache"))
 def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0,
@@ -313,18 +326,32 @@ def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, T, D], k, v [B, Hkv, T, D] (any strides, stride(-1) == 1); k_cache, v_cache
     [B, Hkv, S, D] contiguous, written in place; positions [B, T] int64 contiguous, -1 = padding
-    -> out [B, Hq, T, D] contiguous in q's dtype. window 0 / softcap 0: none (checked by the wrapper);
+    -> out [B, Hq, T, D] contiguous in q's dtype. window 0 / softcap 0: none;
     sinks [Hq] float32 contiguous or None. ring: ring buffers, position p in slot p % S (a window or a
-    chunk_size in 1..S and the span contract checked by the wrapper). value_dim Dv in 1..D: values in
-    the keys (the value of a slot is its key's first Dv numbers; v and v_cache are empty and never
-    touched; out [B, Hq, T, Dv]); 0: values in v / v_cache (value_dim checked by the wrapper).
+    chunk_size in 1..S). value_dim Dv in 1..D: values in the keys (the value of a slot is its key's
+    first Dv numbers; v and v_cache are never touched; out [B, Hq, T, Dv]); 0: values in v / v_cache.
     chunk_size C > 0: chunked attention, a query at p sees slots p - p % C .. p (a constexpr: one
-    compilation per chunk size; never with a window, checked by the wrapper); 0: none. alibi_slopes [Hq]
-    float32 contiguous or None: ALiBi, scores gain alibi_slopes[h] * (position - query position)."""
-    if q.numel() == 0:
-        return torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)
-    return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device, q.shape[-1]),
-                                    window, softcap, sinks, ring, value_dim, chunk_size, alibi_slopes)
+    compilation per chunk size; never with a window); 0: none. alibi_slopes [Hq] float32 contiguous
+    or None: ALiBi, scores gain alibi_slopes[h] * (position - query position). Checks shapes, dtypes,
+    devices and layouts (ValueError naming the argument); position values outside the cache are
+    padding in the kernels (the public op checks them, and a ring's span, with one host sync)."""
+    op = "kv_cache_attention_triton"
+    for name, value, minimum in (("window", window, 0), ("value_dim", value_dim, 0), ("chunk_size", chunk_size, 0)):
+        check_int(op, name, value, minimum)
+    values_in_keys = value_dim > 0
+    check_inputs(q, k, None if values_in_keys else v, k_cache, None if values_in_keys else v_cache, positions,
+                 scale, window or None, softcap or None, sinks, ring, value_dim or None, chunk_size or None,
+                 alibi_slopes, op)
+    check_tensor(op, "positions", positions, dtypes=(torch.int64,), ndim=2)
+    for name, t in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if t is not None:
+            check_tensor(op, name, t, dtypes=(torch.float32,))
+    check_contiguous(op, positions=positions, sinks=sinks, alibi_slopes=alibi_slopes)
+    for name, t in (("q", q), ("k", k), ("v", None if values_in_keys else v)):
+        if t is not None and t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must have stride 1 in its last (head) dimension, got strides {t.stride()}")
+    return kv_cache_attention_unchecked(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring,
+                                        value_dim, chunk_size, alibi_slopes)
 
 
 @kv_cache_attention_triton.register_fake

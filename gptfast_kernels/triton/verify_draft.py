@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gptfast_kernels.ops._dispatch import check_contiguous, check_tensor
+from gptfast_kernels.ops.verify_draft import check_inputs
 from gptfast_kernels.triton import on_device
 
 # Vocabulary entries per tile: 4 KiB of float32 per load, a few wide loads per thread with
@@ -123,12 +125,9 @@ def _verify_draft_kernel(T_ptr, D_ptr, Tok_ptr, U_ptr, Out_ptr, N_ptr, k, V,
     tl.store(N_ptr + b, (n + 1).to(tl.int64))
 
 
-@torch.library.custom_op("gptfast_kernels::verify_draft_triton", mutates_args=())
-def verify_draft_triton(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                        draft_tokens: torch.Tensor,
-                        uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """target_probs [B, k+1, V], draft_probs [B, k, V] or None (greedy), draft_tokens [B, k] int64,
-    uniforms [B, k+1] float32, all contiguous -> (tokens [B, k+1] int64, num_emitted [B] int64)."""
+def verify_draft_unchecked(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                           draft_tokens: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_draft_triton`` on inputs already checked (the public op's eager path)."""
     B, k_plus_1, V = target_probs.shape
     tokens = torch.empty((B, k_plus_1), dtype=torch.int64, device=target_probs.device)
     num_emitted = torch.empty((B,), dtype=torch.int64, device=target_probs.device)
@@ -141,6 +140,21 @@ def verify_draft_triton(target_probs: torch.Tensor, draft_probs: torch.Tensor | 
             num_emitted, k_plus_1 - 1, V, GREEDY=greedy, BLOCK_K=triton.next_power_of_2(k_plus_1),
             BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
     return tokens, num_emitted
+
+
+@torch.library.custom_op("gptfast_kernels::verify_draft_triton", mutates_args=())
+def verify_draft_triton(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                        draft_tokens: torch.Tensor,
+                        uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_probs [B, k+1, V], draft_probs [B, k, V] or None (greedy), draft_tokens [B, k] int64,
+    uniforms [B, k+1] float32, all contiguous -> (tokens [B, k+1] int64, num_emitted [B] int64).
+    Checks them (ValueError naming the argument; token ids outside [0, V) are rejected drafts)."""
+    op = "verify_draft_triton"
+    check_tensor(op, "uniforms", uniforms)
+    check_inputs(target_probs, draft_probs, draft_tokens, uniforms, op)
+    check_contiguous(op, target_probs=target_probs, draft_probs=draft_probs, draft_tokens=draft_tokens,
+                     uniforms=uniforms)
+    return verify_draft_unchecked(target_probs, draft_probs, draft_tokens, uniforms)
 
 
 @verify_draft_triton.register_fake

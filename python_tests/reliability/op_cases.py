@@ -62,6 +62,45 @@ def _verify(backend="auto", sampling=True, **overrides):
     return run
 
 
+def _triton(op: str, **overrides):
+    """A Triton custom op called directly (torch.ops.gptfast_kernels.<op>_triton), as a user could,
+    with valid CPU inputs replaced by ``overrides``: it checks them before any launch (the interpreter
+    is never needed), and leaves the caches unchanged."""
+    def run():
+        import gptfast_kernels.triton.int8_expert_linear  # noqa: F401  (registers the ops)
+        import gptfast_kernels.triton.int8_linear  # noqa: F401
+        import gptfast_kernels.triton.kv_cache_attention  # noqa: F401
+        import gptfast_kernels.triton.verify_draft  # noqa: F401
+
+        torch.manual_seed(0)
+        B, Hq, Hkv, T, D, S, V, k, E = 2, 4, 2, 3, 16, 8, 11, 4, 3
+        args = {
+            "int8_linear": lambda: dict(x=torch.randn(3, 16), qweight=torch.ones(8, 16, dtype=torch.int8),
+                                        scales=torch.ones(8), bias=torch.randn(8)),
+            "int8_expert_linear": lambda: dict(x=torch.randn(3, 16), qweight=torch.ones(E, 8, 16, dtype=torch.int8),
+                                               scales=torch.ones(E, 8), experts=torch.tensor([0, 2, 1]),
+                                               bias=torch.randn(E, 8)),
+            "verify_draft": lambda: dict(target_probs=torch.softmax(torch.randn(B, k + 1, V), -1),
+                                         draft_probs=torch.softmax(torch.randn(B, k, V), -1),
+                                         draft_tokens=torch.randint(0, V, (B, k)), uniforms=torch.rand(B, k + 1)),
+            "kv_cache_attention": lambda: dict(q=torch.randn(B, Hq, T, D), k=torch.randn(B, Hkv, T, D),
+                                               v=torch.randn(B, Hkv, T, D), k_cache=torch.randn(B, Hkv, S, D),
+                                               v_cache=torch.randn(B, Hkv, S, D),
+                                               positions=torch.tensor([[0, 1, 2], [4, 5, 6]]), scale=0.25,
+                                               sinks=torch.zeros(Hq), alibi_slopes=torch.ones(Hq)),
+        }[op]()
+        args.update({key: (v(args) if callable(v) else v) for key, v in overrides.items()})
+        caches = [args[name].clone() for name in ("k_cache", "v_cache") if isinstance(args.get(name), torch.Tensor)]
+        try:
+            return getattr(torch.ops.gptfast_kernels, op + "_triton")(**args)
+        except (ValueError, TypeError):
+            if any(not torch.equal(old, args[name]) for old, name in zip(caches, ("k_cache", "v_cache"))
+                   if args[name].shape == old.shape):
+                raise AssertionError("a cache was modified by a call that raised")
+            raise
+    return run
+
+
 def _nan_at(name, value):
     def make(args):
         t = args[name].clone()
@@ -139,4 +178,37 @@ CASES: dict[str, Case] = {
     "verify_tokens_shape": Case(_verify(draft_tokens=lambda a: a["draft_tokens"][:, :2]), "draft_tokens"),
     "verify_uniforms_shape": Case(_verify(uniforms=lambda a: torch.rand(3, 4)), "uniforms"),
     "verify_target_2d": Case(_verify(target_probs=lambda a: a["target_probs"][0]), "target_probs"),
+    # the Triton custom ops called directly: their kernels index by shape alone, so each checks its inputs
+    "triton_int8_x_3d": Case(_triton("int8_linear", x=lambda a: a["x"][None]), "x"),
+    "triton_int8_k_mismatch": Case(_triton("int8_linear", x=lambda a: torch.randn(3, 15)), "x"),
+    "triton_int8_scales_half": Case(_triton("int8_linear", scales=lambda a: a["scales"].half()), "scales"),
+    "triton_int8_qweight_strided": Case(_triton("int8_linear", qweight=lambda a: torch.ones(16, 8, dtype=torch.int8).T),
+                                        "qweight"),
+    "triton_int8_bias_shape": Case(_triton("int8_linear", bias=lambda a: torch.randn(9)), "bias"),
+    "triton_experts_int32": Case(_triton("int8_expert_linear", experts=lambda a: a["experts"].int()), "experts"),
+    "triton_experts_scales_strided": Case(_triton("int8_expert_linear", scales=lambda a: torch.ones(8, 3).T),
+                                          "scales"),
+    "triton_experts_bias_dtype": Case(_triton("int8_expert_linear", bias=lambda a: a["bias"].double()), "bias"),
+    "triton_experts_qweight_shape": Case(_triton("int8_expert_linear",
+                                                 qweight=lambda a: torch.ones(3, 8, 15, dtype=torch.int8)), "x"),
+    "triton_verify_uniforms_none": Case(_triton("verify_draft", uniforms=None), "uniforms", (TypeError,)),
+    "triton_verify_target_strided": Case(_triton("verify_draft", target_probs=lambda a: torch.softmax(
+        torch.randn(2, 11, 5), 1).transpose(1, 2)), "target_probs"),
+    "triton_verify_tokens_shape": Case(_triton("verify_draft", draft_tokens=lambda a: a["draft_tokens"][:, :3]),
+                                       "draft_tokens"),
+    "triton_attn_sinks_short": Case(_triton("kv_cache_attention", sinks=lambda a: torch.zeros(3)), "sinks"),
+    "triton_attn_sinks_strided": Case(_triton("kv_cache_attention", sinks=lambda a: torch.zeros(8)[::2]), "sinks"),
+    "triton_attn_alibi_float64": Case(_triton("kv_cache_attention", alibi_slopes=lambda a: torch.ones(4).double()),
+                                      "alibi_slopes"),
+    "triton_attn_positions_1d": Case(_triton("kv_cache_attention", positions=lambda a: torch.tensor([0, 1, 2])),
+                                     "positions"),
+    "triton_attn_positions_int32": Case(_triton("kv_cache_attention", positions=lambda a: a["positions"].int()),
+                                        "positions"),
+    "triton_attn_cache_heads": Case(_triton("kv_cache_attention", k_cache=lambda a: torch.randn(2, 1, 8, 16)),
+                                    "k_cache"),
+    "triton_attn_window_negative": Case(_triton("kv_cache_attention", window=-1), "window"),
+    "triton_attn_value_dim_too_big": Case(_triton("kv_cache_attention", value_dim=17), "value_dim"),
+    "triton_attn_q_head_dim_strided": Case(_triton("kv_cache_attention",
+                                                   q=lambda a: torch.randn(2, 4, 16, 3).transpose(2, 3)), "q"),
+    "triton_attn_ring_without_window": Case(_triton("kv_cache_attention", ring=True), "ring"),
 }

@@ -115,12 +115,23 @@ def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
     raise ValueError("the model has no floating-point weights")
 
 
+def left_aligned(prompt: Prompt) -> Prompt:
+    """The same rows with their padding moved before their real tokens (which keep their order):
+    what a hybrid model's recurrent layers take (padding after a real token would enter the state).
+    Each row's tokens keep their positions (a row's first real token is at 0 either way)."""
+    order = torch.argsort(prompt.attention_mask.to(torch.int8), dim=1, stable=True)
+    return Prompt(prompt.input_ids.gather(1, order), prompt.attention_mask.gather(1, order), prompt.lengths)
+
+
 def prefill(model, prompt: Prompt, cache) -> torch.Tensor:
     """Runs the prompt through ``model`` into ``cache`` -> [B, V] logits at each row's last real token.
     Only those positions reach the output head: the last column when every row ends there (left
     padding), else the few distinct columns where rows end (one host sync), never [B, P, V] (a
     32k-token prompt's full logits would take 16 GB at a 128k vocabulary). A cache with ring-buffer
-    layers takes the prompt in chunks of its max_step_tokens."""
+    layers takes the prompt in chunks of its max_step_tokens. A hybrid model's prompt goes in
+    left-aligned, however it was padded."""
+    if cache.has_recurrent_layers:
+        prompt = left_aligned(prompt)
     if prompt.ends_aligned:
         for start, stop in _chunks(prompt, cache):
             logits = _prefill_chunk(model, prompt, cache, start, stop, 1)
@@ -145,6 +156,8 @@ def prefill(model, prompt: Prompt, cache) -> torch.Tensor:
 def fill_cache(model, prompt: Prompt, cache) -> None:
     """Runs the prompt through ``model`` into ``cache`` for its keys and values alone (a draft
     model's prefill), in chunks as ``prefill``."""
+    if cache.has_recurrent_layers:
+        prompt = left_aligned(prompt)
     for start, stop in _chunks(prompt, cache):
         _prefill_chunk(model, prompt, cache, start, stop, 1)
 

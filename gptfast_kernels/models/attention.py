@@ -189,7 +189,7 @@ def _check_left_padded(mask: torch.Tensor) -> None:
     if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
         raise ValueError("attention_mask: a hybrid model's recurrent (linear-attention) layers take padding on the "
                          "left only; padding after a row's real tokens would change its state (pad prompts on "
-                         "the left, as transformers' generate does)")
+                         "the left, as transformers' generate does; gptfast_kernels.generate takes any padding)")
 
 
 def _runs(geometry: tuple) -> str:

@@ -9,7 +9,7 @@ from gptfast_kernels import StaticKVCache, generate, patch_model, prompt_lookup_
 from gptfast_kernels.generation import forward
 from gptfast_kernels.models import attention
 from gptfast_kernels.modules.static_kv_cache import sliding_windows
-from python_tests.tiny_models import (HYBRID, WINDOW, WINDOWED, hf_greedy, patched_copy, ragged_prompts,
+from python_tests.tiny_models import (WINDOW, WINDOWED, hf_greedy, patched_copy, ragged_prompts,
                                       record_caches, tiny_config, tiny_model)
 
 NEW = 12
@@ -61,8 +61,6 @@ def test_ring_layers_and_their_sizes():
 def test_generate_through_rings_equals_transformers(family, side):
     """The prompt (7 columns) goes in chunks of 3 through a cache whose sliding layers hold WINDOW + 2
     slots, wrapping several times by the 12th new token; the tokens are transformers' own."""
-    if side == "right" and family in HYBRID:
-        pytest.skip("hybrid models take left padding only")
     model = tiny_model(family)
     patched = patched_copy(model, int8=False)
     ids, mask = ragged_prompts(3, 7, side)

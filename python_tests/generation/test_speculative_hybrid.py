@@ -164,6 +164,17 @@ def test_greedy_equals_target_greedy(family, batch, k):
     assert torch.equal(lookup.sequences, want)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "jamba", "lfm3", "zaya"])
+def test_right_padded_prompts(family):
+    """Right-padded prompts go into both models left-aligned: the target's own greedy tokens after
+    the prompt as given."""
+    patched, draft = _draft_pair(family)
+    ids, mask = ragged_prompts(3, 6, "right", seed=5)
+    want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    out = speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=3, eos_token_id=[])
+    assert torch.equal(out.sequences, want) and torch.equal(out.sequences[:, :6], ids)
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "bamba", "lfm2", "falcon_h1", "zaya"])
 def test_unrelated_drafts_and_int8(family):
     """int8 target and draft; a dense draft for a hybrid target and a hybrid draft for a dense target

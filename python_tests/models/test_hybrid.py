@@ -75,17 +75,20 @@ def test_crop_empties_or_refuses(models):
     assert not any(layer.has_previous_state[0] for layer in cache.layers if isinstance(layer, LinearAttentionLayer))
 
 
-def test_right_padding_is_refused(models):
-    """Padding after a row's real tokens would still decay its recurrent state: refused, naming
-    attention_mask (left padding is what transformers' generate uses)."""
+def test_right_padding_goes_in_left_aligned(models):
+    """Padding after a row's real tokens would still decay its recurrent state: a forward given
+    such a mask raises, naming attention_mask, while generate moves each row's padding before its
+    tokens, giving the tokens of the same prompts left-padded (with the prompt layout kept)."""
     _, patched = models
     ids, mask = ragged_prompts(3, 6, "right")
-    with pytest.raises(ValueError, match="attention_mask.*left"):
-        generate(patched, ids, mask, max_new_tokens=3)
     cache = StaticKVCache(patched.config, 3, 8)
-    with pytest.raises(ValueError, match="attention_mask"), torch.no_grad():
+    with pytest.raises(ValueError, match="attention_mask.*left"), torch.no_grad():
         patched(ids, attention_mask=mask, past_key_values=cache)
     assert cache.seq_lengths.tolist() == [0, 0, 0]
+    got = generate(patched, ids, mask, max_new_tokens=5, eos_token_id=[]).sequences
+    order = torch.argsort(mask.to(torch.int8), dim=1, stable=True)
+    want = generate(patched, ids.gather(1, order), mask.gather(1, order), max_new_tokens=5, eos_token_id=[]).sequences
+    assert torch.equal(got[:, :6], ids) and torch.equal(got[:, 6:], want[:, 6:])
 
 
 def test_older_transformers_are_refused_by_name(monkeypatch):

@@ -128,6 +128,9 @@ class Family:
     # get_seq_length() says 0, transformers' view of a cache whose update returns the new tokens alone (as
     # its mask sizes and query offset say); the fused attention reads positions, not lengths
     fused_length_zero: bool = False
+    # a hybrid's recurrent blocks' linear projections of their input, in the order they are called (Qwen3.5's
+    # gated delta net: qkv, z, b, a): with int8 one Int8Linear (one launch a step) whose output they split
+    recurrent_input_projections: tuple[str, ...] = ()
 
     def layer_kinds(self, config) -> list[str]:
         """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /
@@ -204,6 +207,8 @@ SLIDING = ("sliding_attention", "hybrid_sliding")
 # the first transformers release whose hybrid models work on a StaticKVCache (tested: 5.17 and 5.23;
 # in 5.8 to 5.14 some read other state attributes, or restart a state on multi-token inputs)
 HYBRID_FROM = "5.17"
+# a gated delta net's input projections (Qwen3.5's, LaraMini's), as Family.recurrent_input_projections
+GATED_DELTA = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 FAMILIES: dict[str, Family] = {
     family.model_type: family
@@ -357,16 +362,20 @@ FAMILIES: dict[str, Family] = {
         # hybrid: layers with a recurrent state (linear attention: gated delta nets, Mamba; short
         # convolutions) between full-attention layers; the cache holds transformers' state layers there
         Family("qwen3_5_text", "Qwen3_5Attention", "num_key_value_heads", "head_dim", "Qwen3_5MLP",
-               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM, recurrent_input_projections=GATED_DELTA),
         Family("qwen3_5_moe_text", "Qwen3_5MoeAttention", "num_key_value_heads", "head_dim", "Qwen3_5MoeMLP",
-               experts_class="Qwen3_5MoeExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+               experts_class="Qwen3_5MoeExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
+               recurrent_input_projections=GATED_DELTA),
         Family("qwen3_next", "Qwen3NextAttention", "num_key_value_heads", "head_dim", "Qwen3NextMLP",
-               experts_class="Qwen3NextExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+               experts_class="Qwen3NextExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
+               recurrent_input_projections=("in_proj_qkvz", "in_proj_ba")),
         Family("olmo_hybrid", "OlmoHybridAttention", "num_key_value_heads", "head_dim", "OlmoHybridMLP",
-               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
+               recurrent_input_projections=("q_proj", "k_proj", "v_proj", "b_proj", "a_proj", "g_proj")),
         # and sliding-window layers with RoPE, full-attention layers without (NoPE); experts beside a shared expert
         Family("lara_mini", "LaraMiniAttention", "num_key_value_heads", "head_dim", "LaraMiniMLP",
-               experts_class="LaraMiniExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+               experts_class="LaraMiniExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
+               recurrent_input_projections=GATED_DELTA),
         # Mamba layers; Jamba's reads its dt_proj's weight, which stays float, as does its router (an
         # nn.Linear before transformers 5.18)
         Family("jamba", "JambaAttention", "num_key_value_heads", None, "JambaMLP", experts_class="JambaExperts",
@@ -389,7 +398,8 @@ FAMILIES: dict[str, Family] = {
                supported_from=HYBRID_FROM),
         # Kimi Delta Attention (linear) layers between MLA layers without positions (NoPE); experts
         Family("kimi_linear", "KimiLinearAttention", None, None, "KimiLinearMLP", experts_class="KimiLinearExperts",
-               latent_attention="none", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+               latent_attention="none", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
+               recurrent_input_projections=("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj")),
         # attention and Mamba-2 side by side in every layer; muP multipliers (its MLP's gate is scaled
         # before the activation, so gate and up are not fused)
         Family("falcon_h1", "FalconH1Attention", "num_key_value_heads", "head_dim",
@@ -398,7 +408,8 @@ FAMILIES: dict[str, Family] = {
         # head from the token before, so every layer keeps keys / values and transformers' conv and
         # recurrent states ("hybrid", "hybrid_sliding"); top-1 experts or a skip, routed by a float MLP
         Family("zaya", "ZayaAttention", "num_key_value_heads", "head_dim", experts_class="ZayaExperts",
-               float_linears=("*.mlp.gate.*",), recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
+               float_linears=("*.mlp.gate.*",), recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
+               recurrent_input_projections=("q_proj", "k_proj", "v_proj_current", "v_proj_delayed")),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
         # learned positions; before 5.18 its model sizes a mask by the cache length (fused_length_zero makes it

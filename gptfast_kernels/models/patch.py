@@ -13,7 +13,7 @@ from gptfast_kernels.models import bloom, falcon, gpt_neo, mpt, recurrent, xglm
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels.models.latent_attention import patch_latent_attention_
 from gptfast_kernels.models.llama4 import patch_llama4_
-from gptfast_kernels.modules.fused_qkv import fuse_qkv_
+from gptfast_kernels.modules.fused_qkv import fuse_projections_, fuse_qkv_
 from gptfast_kernels.modules.gated_mlp import fuse_gated_mlps_
 from gptfast_kernels.modules.int8_experts import quantize_experts_
 from gptfast_kernels.modules.int8_linear import quantize_int8_
@@ -53,6 +53,9 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class)
         fuse_qkv_(model, family.attention_class, attention_modules)
+        if family.recurrent_input_projections:  # (ZAYA1's: inside its attention, not one of attention_modules)
+            for mixer in recurrent.recurrent_mixers(model, family).values():
+                fuse_projections_(mixer, family.recurrent_input_projections, "input_proj")
     if family.own_forwards:  # (with int8, after the int8 pass above: it may take the int8 modules in)
         OWN_FORWARDS[family.own_forwards](model, int8)
     if int8:

@@ -43,21 +43,23 @@ class Int8FusedProjections(nn.Module):
 
 
 class ProjectionPart(nn.Module):
-    """Stands where one projection was (q_proj, k_proj or v_proj): part ``index`` of ``owner``'s
-    output. The owner is not a submodule here (the attention module holds it as ``qkv_proj``), so
-    its weights appear once in the state dict."""
+    """Stands where one projection was (q_proj, k_proj or v_proj; a recurrent block's input
+    projections): part ``index`` of ``owner``'s output. The owner is not a submodule here (the
+    attention module holds it as ``qkv_proj``, a recurrent block as ``input_proj``), so its weights
+    appear once in the state dict."""
 
-    def __init__(self, owner: Int8FusedProjections, index: int):
+    def __init__(self, owner: Int8FusedProjections, index: int, owner_name: str = "qkv_proj"):
         super().__init__()
         object.__setattr__(self, "owner", owner)
-        self.index = index
+        self.index, self.owner_name = index, owner_name
         self.in_features, self.out_features = owner.fused.in_features, owner.sizes[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.owner.part(x, self.index)
 
     def extra_repr(self) -> str:
-        return f"part {self.index} of qkv_proj, in_features={self.in_features}, out_features={self.out_features}"
+        return (f"part {self.index} of {self.owner_name}, in_features={self.in_features}, "
+                f"out_features={self.out_features}")
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -83,15 +85,18 @@ def fuse_qkv_(model: nn.Module, attention_class: str, modules: list[nn.Module] |
     (q_a_proj or q_proj) and kv_a_proj_with_mqa. Returns how many attention modules were fused."""
     if modules is None:
         modules = [module for module in model.modules() if type(module).__name__ == attention_class]
-    fused = 0
-    for module in modules:
-        names = _projection_names(module)
-        projections = [getattr(module, name, None) for name in names]
-        if len(names) < 2 or not all(isinstance(p, Int8Linear) for p in projections):
-            continue
-        owner = Int8FusedProjections(Int8Linear.concat(projections), [p.out_features for p in projections])
-        module.qkv_proj = owner
-        for index, name in enumerate(names):
-            setattr(module, name, ProjectionPart(owner, index))
-        fused += 1
-    return fused
+    return sum(fuse_projections_(module, _projection_names(module), "qkv_proj") for module in modules)
+
+
+def fuse_projections_(module: nn.Module, names: Sequence[str], owner_name: str) -> bool:
+    """In place: ``module``'s projections ``names`` (of one input, called in that order) become the
+    parts of one Int8FusedProjections, set as ``owner_name``, when there are two or more and all are
+    Int8Linear. Returns whether it fused them."""
+    projections = [getattr(module, name, None) for name in names]
+    if len(names) < 2 or not all(isinstance(p, Int8Linear) for p in projections):
+        return False
+    owner = Int8FusedProjections(Int8Linear.concat(projections), [p.out_features for p in projections])
+    setattr(module, owner_name, owner)
+    for index, name in enumerate(names):
+        setattr(module, name, ProjectionPart(owner, index, owner_name))
+    return True

@@ -226,24 +226,41 @@ def test_a_family_whose_states_no_module_steps_is_refused():
         prompt_lookup_generate(patched, ids, max_new_tokens=3)
 
 
-@pytest.mark.parametrize("family, shared", [("qwen3_5_text", 4), ("bamba", 1), ("kimi_linear", 6), ("zaya", 4)])
-def test_stepped_blocks_run_their_input_projections_once(family, shared, monkeypatch):
-    """Under a checkpoint a recurrent block steps token by token, but its linear layers that take the
-    block's input itself (``shared`` per block: Qwen3.5's four input projections, Mamba-2's one ...)
-    run once on all the forward's columns; the others (the output projection ...) once per column."""
+# per family: the int8 layers of a recurrent block that take its input (with int8 its input projections are one
+# Int8Linear: Qwen3.5's four, Kimi's five beside its low-rank forget gate's first, ZAYA1's four), and the others
+SHARED_AND_OTHER = {"qwen3_5_text": (1, 1), "bamba": (1, 1), "kimi_linear": (2, 3), "zaya": (1, 0),
+                    "olmo_hybrid": (1, 1), "qwen3_next": (1, 1)}
+
+
+@pytest.mark.parametrize("family", sorted(SHARED_AND_OTHER))
+def test_recurrent_blocks_run_their_input_projections_once(family, monkeypatch):
+    """With int8 a recurrent block's input projections are one Int8Linear, one call per forward;
+    under a checkpoint the block steps token by token, but that call (and any other linear layer
+    taking the block's input) still runs once on all the forward's columns, the others (the output
+    projection ...) once per column."""
     from gptfast_kernels.modules.int8_linear import Int8Linear
 
     patched = patched_copy(tiny_model(family, layers=3), int8=True)
     mixers = recurrent.recurrent_mixers(patched, family_of(patched.config))
+    shared, other = SHARED_AND_OTHER[family]
     ids, mask = ragged_prompts(2, 5, "left")
     cache = _prefilled(patched, ids, mask, rollback_tokens=4)
-    calls = []  # (block, columns of the input)
+    calls = []  # (linear layer, columns of its input)
     forward = Int8Linear.forward
     monkeypatch.setattr(Int8Linear, "forward", lambda self, x: calls.append((self, x.shape[1])) or forward(self, x))
+
+    def per_mixer():
+        for mixer in mixers.values():
+            inner = [columns for linear, columns in calls if any(linear is m for m in mixer.modules())]
+            yield sum(isinstance(m, Int8Linear) for m in mixer.modules()), inner
+        calls.clear()
+
+    with torch.no_grad():
+        patched(ids[:, :1], past_key_values=cache)  # a plain decode step: each layer once
+    for layers, inner in per_mixer():
+        assert layers == shared + other and inner == [1] * (shared + other)
     cache.checkpoint()
     with torch.no_grad():
         patched(ids[:, :4], past_key_values=cache)
-    for mixer in mixers.values():
-        inner = [columns for linear, columns in calls if any(linear is m for m in mixer.modules())]
-        assert inner.count(4) == shared and all(columns == 1 for columns in inner if columns != 4)
-        assert len(inner) == shared + 4 * (len([m for m in mixer.modules() if isinstance(m, Int8Linear)]) - shared)
+    for _, inner in per_mixer():
+        assert sorted(inner, reverse=True) == [4] * shared + [1] * (4 * other)

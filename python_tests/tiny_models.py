@@ -179,6 +179,16 @@ def ragged_prompts(batch: int, length: int, side: str, *, seed: int = 0, vocab: 
     return ids.masked_fill(mask == 0, PAD), mask
 
 
+def left_pad(ids, mask):
+    """The same prompts left-padded (transformers only generates correctly from left padding)."""
+    out_ids, out_mask = torch.full_like(ids, PAD), torch.zeros_like(mask)
+    for b in range(ids.shape[0]):
+        real = ids[b][mask[b] == 1]
+        out_ids[b, ids.shape[1] - len(real):] = real
+        out_mask[b, ids.shape[1] - len(real):] = 1
+    return out_ids, out_mask
+
+
 def draft_of(target, layers: int = 1):
     """A draft that shares the target's embeddings, head and first ``layers`` blocks: it agrees
     with the target often but not always, like a real draft model."""

@@ -61,13 +61,14 @@ def step_function(model, compile: bool):
 
 
 def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool,
-              step_tokens: int = 1) -> StaticKVCache:
+              step_tokens: int = 1, role: str = "") -> StaticKVCache:
     """A StaticKVCache with room for ``needed`` tokens per row, its rows emptied, whose sliding-window
     layers are ring buffers taking up to max(PREFILL_CHUNK, ``step_tokens``) tokens a forward
     (``step_tokens``: the most a decoding round writes and rolls back; above 1, a hybrid model's
     cache keeps its recurrent states for as many tokens: ``rollback_tokens``). With ``reuse`` the
     model keeps one cache (rounded-up length) and hands it out again while it fits, so compiled
-    graphs, which are specialised on the cache's buffers, are not rebuilt on every call. Its
+    graphs, which are specialised on the cache's buffers, are not rebuilt on every call; one per
+    ``role`` ("draft": a model drafting for itself must not share its cache as the target). Its
     per-forward position check is off: the caller writes at most ``needed`` tokens per row, and the
     check would make every eager decode step wait for the GPU."""
     chunk = max(PREFILL_CHUNK, step_tokens)
@@ -76,13 +77,14 @@ def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool
         cache = StaticKVCache(model.config, batch_size, needed, device=device, dtype=dtype, max_step_tokens=chunk,
                               rollback_tokens=rollback)
     else:
-        cache = getattr(model, "_gptfast_cache", None)
+        attribute = "_gptfast_cache" + (f"_{role}" if role else "")
+        cache = getattr(model, attribute, None)
         if (cache is None or cache.batch_size != batch_size or cache.max_cache_len < needed or cache.dtype != dtype
                 or cache.max_step_tokens != chunk or (cache.has_recurrent_layers and cache.rollback_tokens < rollback)):
             length = -(-needed // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
             cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype, max_step_tokens=chunk,
                                   rollback_tokens=rollback)
-            model._gptfast_cache = cache
+            setattr(model, attribute, cache)
         if cache.state_history is not None:  # (a call that stopped mid-round left it open)
             cache.state_history.close()
         cache.crop(torch.zeros_like(cache.seq_lengths), check=False)

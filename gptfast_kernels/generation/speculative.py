@@ -100,7 +100,8 @@ class DraftModelProposer:
         device, dtype = common.model_device_dtype(draft_model)
         self.model = draft_model
         # a round writes up to k + 1 tokens (two in its first forward) and rolls back up to k
-        self.cache = cache_for(draft_model, batch_size, capacity, device, dtype, reuse=compile, step_tokens=k + 1)
+        self.cache = cache_for(draft_model, batch_size, capacity, device, dtype, reuse=compile, step_tokens=k + 1,
+                               role="draft")
         self.step = step_function(draft_model, compile)
         self.pending = torch.full((batch_size,), -1, dtype=torch.int64, device=device)
 

@@ -4,10 +4,12 @@ A linear-attention (or Mamba, or short-convolution) layer keeps one state per ro
 token updates; it has no positions to crop. Speculative decoding writes k + 1 tokens a round and
 keeps a different prefix of them per row. So from ``StaticKVCache.checkpoint()`` on, a patched
 model's recurrent layers run token by token (models/recurrent.py) and leave each row's state after
-every token here, in preallocated slots: slot 0 holds the states at the checkpoint, slot s those
-after the s-th token column written since. A crop back to any length since the checkpoint copies
-each row's slot back into the layers' states. A padding column (position -1) leaves a row's state
-as it was, so a row's slot is the last one whose count of real tokens is the length kept.
+every token column here, in preallocated slots: slot 0 holds the states at the checkpoint, slot s
+those after the s-th token column written since (padding columns included), with each row's length
+then. A padding column (position -1) leaves a row's state and length as they were. A crop to a
+length a row had since the checkpoint copies that slot back into the layers' states (the last
+slot with that length); a crop to 0 empties the row's states; a forward that fails puts them
+back as they were before it.
 
 Everything runs on the device, without a host synchronisation, and the slots have static
 addresses, so a compiled step can be replayed as a CUDA graph: the column a step starts at is a
@@ -50,8 +52,8 @@ class StateHistory:
         # the columns past capacity (``overflow`` says a crop can no longer restore the states)
         self.slots: dict[int, list[tuple[dict, int, torch.Tensor]]] = {}
         self.start_lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        # [capacity + 2, B]: real tokens per row from the checkpoint up to each slot
-        self.counts = torch.zeros(capacity + 2, batch_size, dtype=torch.int64, device=device)
+        # [capacity + 2, B]: each row's length (one past its furthest position) after each slot's column
+        self.lengths = torch.zeros(capacity + 2, batch_size, dtype=torch.int64, device=device)
         self.column = torch.zeros((), dtype=torch.int64, device=device)  # the next column's index
         self.overflow = torch.zeros((), dtype=torch.bool, device=device)
         self._step_slots: torch.Tensor | None = None  # [T]: the slots of the current forward's columns
@@ -59,8 +61,9 @@ class StateHistory:
         # eager bookkeeping (crop's check): columns planned and layer-steps recorded since the checkpoint
         self.columns_planned = 0
         self.steps_recorded = 0
+        self._planned_from = (0, 0)  # (columns_planned, steps_recorded) before the current forward
         if not torch.compiler.is_compiling():
-            for tensor in (self.start_lengths, self.counts, self.column, self.overflow):
+            for tensor in (self.start_lengths, self.lengths, self.column, self.overflow):
                 torch._dynamo.mark_static_address(tensor)
 
     def open(self, layers, seq_lengths: torch.Tensor) -> None:
@@ -80,8 +83,8 @@ class StateHistory:
             for states_dict, key, slots in kept:
                 slots[0].copy_(states_dict[key])
         self.start_lengths.copy_(seq_lengths)
-        self.counts.fill_(UNWRITTEN)
-        self.counts[0].zero_()
+        self.lengths.fill_(UNWRITTEN)
+        self.lengths[0].copy_(seq_lengths)
         self.column.zero_()
         self.overflow.zero_()
         self.columns_planned = self.steps_recorded = 0
@@ -94,20 +97,39 @@ class StateHistory:
         return slots
 
     def plan(self, positions: torch.Tensor) -> None:
-        """A forward writes token columns ``positions`` [B, T] (-1: padding): its slots and counts."""
+        """A forward writes token columns ``positions`` [B, T] (-1: padding): its slots and the rows'
+        lengths after each."""
+        self.discard()  # (a forward interrupted before its end, KeyboardInterrupt: no hook said so)
         T = positions.shape[1]
         real = positions >= 0
         slots = (self.column + 1 + torch.arange(T, device=positions.device)).clamp(max=self.capacity + 1)
         self.overflow |= self.column + T > self.capacity
-        base = self.counts.index_select(0, self.column.clamp(max=self.capacity + 1)[None])  # [1, B]
-        self.counts.index_copy_(0, slots, (base.T + real.to(torch.int64).cumsum(dim=1)).T.contiguous())
+        base = self.lengths.index_select(0, self.column.clamp(max=self.capacity + 1)[None])  # [1, B]
+        after = torch.maximum(base.T, (positions + 1).cummax(dim=1).values)  # [B, T]
+        self.lengths.index_copy_(0, slots, after.T.contiguous())
         self._step_slots, self._step_real = slots, real
         if not torch.compiler.is_compiling():
+            self._planned_from = (self.columns_planned, self.steps_recorded)
             self.columns_planned += T
 
     def commit(self, num_tokens: int) -> None:
         """The forward planned last succeeded: later ones start after its columns."""
         self.column += num_tokens
+        self._step_slots = self._step_real = None
+
+    def discard(self) -> None:
+        """The forward planned last failed (some recurrent layers may have run it): every state goes
+        back to the last committed column's, and the slots past it are never chosen. (Nothing to
+        do when every planned forward ended.)"""
+        if self._step_slots is None:
+            return
+        last = self.column.clamp(max=self.capacity + 1)[None]
+        for entries in self.slots.values():
+            for states_dict, key, slots in entries:
+                states_dict[key].copy_(slots.index_select(0, last)[0])
+        self.lengths.index_fill_(0, self._step_slots, UNWRITTEN)
+        if not torch.compiler.is_compiling():
+            self.columns_planned, self.steps_recorded = self._planned_from
         self._step_slots = self._step_real = None
 
     def states_of(self, layer_idx: int) -> list[torch.Tensor]:
@@ -130,31 +152,41 @@ class StateHistory:
             self.steps_recorded += 1
 
     def rollback(self, new_lengths: torch.Tensor, check: bool) -> None:
-        """Every row's states as they were with ``new_lengths`` [B] tokens (>= its length at the
-        checkpoint); closes the checkpoint. ``check``: ValueError (after a host synchronisation)
+        """Every row's states as they were when it had ``new_lengths`` [B] tokens since the checkpoint
+        (0: emptied); closes the checkpoint. ``check``: ValueError (after a host synchronisation)
         where that cannot be done."""
+        self.discard()  # (as in plan)
+        known = self.lengths[:self.capacity + 1]  # (the last slot takes the columns past capacity)
+        slot = (known[1:] <= new_lengths[None]).sum(dim=0)  # [B]: the last slot with a length <= new
+        rows = torch.arange(slot.shape[0], device=slot.device)
         if check:
             if bool(self.overflow):
-                raise ValueError(f"StaticKVCache.crop: more than rollback_tokens = {self.capacity} tokens were "
-                                 "written since the checkpoint; the recurrent states can only be rolled back "
-                                 "within them")
-            short = new_lengths < self.start_lengths
+                raise ValueError(f"StaticKVCache.crop: more than rollback_tokens = {self.capacity} token columns "
+                                 "(padding included) were written since the checkpoint; the recurrent states can "
+                                 "only be rolled back within them")
+            emptied = new_lengths == 0
+            short = ~emptied & (new_lengths < self.start_lengths)
             if bool(short.any()):
                 row = int(short.nonzero()[0, 0])
                 raise ValueError(f"StaticKVCache.crop: row {row} would go back to length {int(new_lengths[row])}, "
                                  f"before the checkpoint (length {int(self.start_lengths[row])}); a hybrid model's "
-                                 "recurrent states roll back only to lengths since the last checkpoint()")
+                                 "recurrent states roll back only to lengths since the last checkpoint(), or to 0")
+            missed = ~emptied & (known[slot, rows] != new_lengths)
+            if bool(missed.any()):
+                row = int(missed.nonzero()[0, 0])
+                raise ValueError(f"StaticKVCache.crop: row {row} never had length {int(new_lengths[row])} since the "
+                                 "checkpoint (its forwards skipped positions), so there is no recurrent state of "
+                                 "that length to go back to")
             expected = self.columns_planned * len(self.slots)
             if self.steps_recorded != expected:
                 raise RuntimeError(f"StaticKVCache.crop: the recurrent layers recorded {self.steps_recorded} of "
                                    f"{expected} token steps since the checkpoint; only a patched model "
                                    "(patch_model) records them")
-        kept = new_lengths - self.start_lengths  # real tokens kept since the checkpoint, per row
-        slot = (self.counts[1:self.capacity + 1] <= kept[None]).sum(dim=0)  # [B]
-        rows = torch.arange(slot.shape[0], device=slot.device)
+        emptied = new_lengths == 0  # (a row emptied starts over: zero states, as a fresh cache's)
         for entries in self.slots.values():
             for states_dict, key, slots in entries:
-                states_dict[key].copy_(slots[slot, rows])
+                state = states_dict[key]
+                state.copy_(torch.where(emptied.view(-1, *([1] * (state.dim() - 1))), 0, slots[slot, rows]))
         self.close()
 
     def close(self) -> None:

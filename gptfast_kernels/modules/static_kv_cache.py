@@ -105,11 +105,11 @@ class StaticKVCache(Cache):
     layers of a hybrid model (Qwen3.5 ...) hold transformers' own state layer
     (``LinearAttentionLayer``: conv and recurrent states, updated in place). A recurrent state has
     no positions to crop: such a cache can be emptied, and with ``rollback_tokens`` R it can roll
-    rows back to any length since its last ``checkpoint()``, within R tokens written since then
-    (modules/state_history.py: a patched model's recurrent layers then run token by token and keep
-    their states after each token; speculative decoding checkpoints every round). Layers may differ in kv heads and
-    head dim (``geometry``: Gemma 4's global layers); a layer that reuses another's keys and values
-    (Gemma 4's last layers) holds none and attends over that layer's buffers (``kv_sources``); a
+    rows back to any length they had since its last ``checkpoint()``, within R token columns
+    (padding included) written since then (modules/state_history.py: a patched model's recurrent
+    layers then run token by token and keep their states after each token; speculative decoding
+    checkpoints every round). Layers may differ in kv heads and head dim (``geometry``: Gemma 4's
+    global layers); a layer that reuses another's keys and values (Gemma 4's last layers) holds none and attends over that layer's buffers (``kv_sources``); a
     multi-head latent attention layer (DeepSeek-V2 / V3) holds one latent per token, as one kv head
     of width kv_lora_rank + qk_rope_head_dim whose first kv_lora_rank numbers are also the values
     (no value buffer: see models/latent_attention.py).
@@ -278,21 +278,25 @@ class StaticKVCache(Cache):
         self._fused_step = self._hide_length = False
 
     def discard_step(self) -> None:
-        """Ends the current forward without advancing any row (its writes stay past the lengths)."""
+        """Ends the current forward without advancing any row (its writes stay past the lengths;
+        under a checkpoint the recurrent states go back to what they were before it)."""
+        if self.state_history is not None and self.state_history.is_open:
+            self.state_history.discard()
         self._step_positions = None
         self._fused_step = self._hide_length = False
 
     def checkpoint(self) -> None:
         """A point a later ``crop`` may roll rows back to, recurrent states included (a hybrid model's
         cache, built with ``rollback_tokens``; until that crop, its patched model's recurrent layers
-        run token by token and keep their states after each token, for at most rollback_tokens
-        tokens). Without recurrent layers nothing is needed: keys and values are cropped by length."""
+        run token by token and keep their states after each token column, for at most
+        rollback_tokens columns, padding included). Without recurrent layers nothing is needed: keys
+        and values are cropped by length."""
         if not self.has_recurrent_layers:
             return
         if self.state_history is None:
             raise ValueError("StaticKVCache.checkpoint: this hybrid model's cache keeps no state history; build "
-                             "it with rollback_tokens > 0 (the most tokens written between a checkpoint and the "
-                             "crop that rolls them back)")
+                             "it with rollback_tokens > 0 (the most token columns written between a checkpoint and "
+                             "the crop that rolls them back)")
         self.state_history.open(self.layers, self.seq_lengths)
 
     def step_positions(self) -> torch.Tensor:

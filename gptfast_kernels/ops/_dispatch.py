@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from gptfast_kernels import _extension
 
@@ -50,6 +51,15 @@ def is_tracing() -> bool:
     if torch.compiler.is_compiling():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def tracing_or_dispatch_mode() -> bool:
+    """Under tracing (``is_tracing``) or any Python dispatch mode (FakeTensorMode, make_fx,
+    FlopCounterMode): tensors may hold no data, so the public ops skip their value checks (one host
+    sync each; the kernels never access out of bounds either way) and call their Triton kernels
+    through the registered custom ops (fake implementations; their own input checks) rather than
+    the unchecked launchers they call in plain eager mode."""
+    return is_tracing() or _get_current_dispatch_mode() is not None
 
 
 def check_tensor(op: str, name: str, value, *, dtypes: Sequence[torch.dtype] | None = None,

@@ -12,8 +12,8 @@ import torch
 
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
-from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, is_tracing,
-                                           resolve_backend)
+from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor,
+                                           resolve_backend, tracing_or_dispatch_mode)
 
 OP = "int8_expert_linear"
 
@@ -66,7 +66,7 @@ def int8_expert_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     and never read outside qweight either way.
     """
     check_inputs(x, qweight, scales, experts, bias)
-    if check_experts and not is_tracing():
+    if check_experts and not tracing_or_dispatch_mode():
         _check_expert_values(experts, qweight.shape[0])
     chosen = resolve_backend(OP, backend, x.device)
     if chosen == "reference":
@@ -77,10 +77,10 @@ def int8_expert_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     qweight = qweight.contiguous()
     scales = scales.to(torch.float32).contiguous()
     experts = experts.to(torch.int64).contiguous()
-    if chosen == "triton":  # (checked above: the custom op, which checks again, only where traced)
+    if chosen == "triton":  # (checked above; see tracing_or_dispatch_mode)
         from gptfast_kernels.triton.int8_expert_linear import int8_expert_linear_triton, int8_expert_linear_unchecked
 
-        run = int8_expert_linear_triton if is_tracing() else int8_expert_linear_unchecked
+        run = int8_expert_linear_triton if tracing_or_dispatch_mode() else int8_expert_linear_unchecked
         return run(x, qweight, scales, experts, bias)
     return torch.ops.gptfast_kernels.int8_expert_linear(x, qweight, scales, experts, bias)
 

@@ -7,7 +7,7 @@ import torch
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
 from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, gpu_backend,
-                                           is_tracing, resolve_backend)
+                                           resolve_backend, tracing_or_dispatch_mode)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,10 +93,10 @@ def run_int8_linear(chosen: str, x: torch.Tensor, qweight: torch.Tensor, scales:
     scales = scales.contiguous()
     if bias is not None:
         bias = (bias if bias.dtype == x.dtype else bias.to(x.dtype)).contiguous()
-    if chosen == "triton":  # (checked above: the custom op, which checks again, only where traced)
+    if chosen == "triton":  # (checked above; see tracing_or_dispatch_mode)
         from gptfast_kernels.triton.int8_linear import int8_linear_triton, int8_linear_unchecked
 
-        y = (int8_linear_triton if is_tracing() else int8_linear_unchecked)(x2d, qweight, scales, bias)
+        y = (int8_linear_triton if tracing_or_dispatch_mode() else int8_linear_unchecked)(x2d, qweight, scales, bias)
     else:  # the compiled CPU or CUDA kernel, chosen by the dispatcher from x's device
         y = torch.ops.gptfast_kernels.int8_linear(x2d, qweight, scales, bias)
     return y.reshape(*lead_shape, qweight.shape[0])

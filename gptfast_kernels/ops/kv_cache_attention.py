@@ -9,7 +9,7 @@ import torch
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
 from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, gpu_backend,
-                                           is_tracing, resolve_backend)
+                                           resolve_backend, tracing_or_dispatch_mode)
 
 OP = "kv_cache_attention"
 # Multi-head latent attention runs as multi-query attention over its latents of r + dr = 512 + 64 = 576
@@ -202,7 +202,7 @@ def kv_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
     """
     chosen = checked_backend(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
                              backend, chunk_size, alibi_slopes)
-    if check_positions and not is_tracing():
+    if check_positions and not tracing_or_dispatch_mode():
         _check_position_values(positions, k_cache.shape[2], window, ring, chunk_size)
     return run_kv_cache_attention(chosen, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring,
                                   value_dim, chunk_size, alibi_slopes)
@@ -248,10 +248,10 @@ def run_kv_cache_attention(chosen: str, q, k, v, k_cache, v_cache, positions, sc
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    if chosen == "triton":  # (checked: the custom op, which checks again, only where traced)
+    if chosen == "triton":  # (checked above; see tracing_or_dispatch_mode)
         from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton, kv_cache_attention_unchecked
 
-        run = kv_cache_attention_triton if is_tracing() else kv_cache_attention_unchecked
+        run = kv_cache_attention_triton if tracing_or_dispatch_mode() else kv_cache_attention_unchecked
         return run(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim, chunk_size,
                    alibi_slopes)
     return torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window,

@@ -6,7 +6,8 @@ import torch
 
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
-from gptfast_kernels.ops._dispatch import check_same_device, check_tensor, is_tracing, resolve_backend
+from gptfast_kernels.ops._dispatch import (check_same_device, check_tensor, resolve_backend,
+                                           tracing_or_dispatch_mode)
 
 OP = "verify_draft"
 
@@ -86,7 +87,7 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
     every probability again and waits for the GPU once per call.
     """
     check_inputs(target_probs, draft_probs, draft_tokens, uniforms)
-    if check_values and not is_tracing():
+    if check_values and not tracing_or_dispatch_mode():
         _check_values(target_probs, draft_probs, draft_tokens, uniforms)
     B, k_plus_1, _ = target_probs.shape
     if uniforms is None:
@@ -97,10 +98,10 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
         return reference.verify_draft(target_probs, draft_probs, draft_tokens, uniforms)
     args = (target_probs.contiguous(), None if draft_probs is None else draft_probs.contiguous(),
             draft_tokens.contiguous(), uniforms.contiguous())
-    if chosen == "triton":  # (checked above: the custom op, which checks again, only where traced)
+    if chosen == "triton":  # (checked above; see tracing_or_dispatch_mode)
         from gptfast_kernels.triton.verify_draft import verify_draft_triton, verify_draft_unchecked
 
-        return (verify_draft_triton if is_tracing() else verify_draft_unchecked)(*args)
+        return (verify_draft_triton if tracing_or_dispatch_mode() else verify_draft_unchecked)(*args)
     return torch.ops.gptfast_kernels.verify_draft(*args)
 
 

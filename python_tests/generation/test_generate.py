@@ -13,8 +13,8 @@ from gptfast_kernels import Int8Linear, StaticKVCache, generate
 from gptfast_kernels.models.families import family_of, transformers_before
 from gptfast_kernels.generation.sampling import apply_repetition_penalty, eos_columns, logits_to_probs, seen_tokens
 from python_tests import tiny_models
-from python_tests.tiny_models import (EOS, FAMILIES, HYBRID, INDEX_POSITIONED, MOE, PAD, RecordingStreamer, patched_copy,
-                                      ragged_prompts, tiny_model)
+from python_tests.tiny_models import (EOS, FAMILIES, HYBRID, INDEX_POSITIONED, MOE, PAD, RecordingStreamer, left_pad,
+                                      patched_copy, ragged_prompts, tiny_model)
 
 NEW = 12
 
@@ -28,16 +28,6 @@ def hf_greedy_rows_alone(model, ids, mask):
     reference for families whose transformers models mistreat padded rows (INDEX_POSITIONED)."""
     return torch.cat([hf_greedy(model, ids[b:b + 1, mask[b] == 1], None, eos_token_id=None)[:, -NEW:]
                       for b in range(ids.shape[0])])
-
-
-def left_pad(ids, mask):
-    """The same prompts left-padded (transformers only generates correctly from left padding)."""
-    out_ids, out_mask = torch.full_like(ids, PAD), torch.zeros_like(mask)
-    for b in range(ids.shape[0]):
-        real = ids[b][mask[b] == 1]
-        out_ids[b, ids.shape[1] - len(real):] = real
-        out_mask[b, ids.shape[1] - len(real):] = 1
-    return out_ids, out_mask
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -92,18 +92,20 @@ def _exact_target_distribution(model, prompt, steps, vocab, temperature, min_p=N
     return joint.reshape([vocab] * steps)
 
 
-@pytest.mark.parametrize("int8, min_p, penalty", [(False, None, None), (True, None, None), (False, 0.3, None),
-                                                  (False, None, 1.8)], ids=["float", "int8", "min-p", "repetition"])
-def test_sampling_follows_the_target_distribution(int8, min_p, penalty):
+@pytest.mark.parametrize("family, int8, min_p, penalty",
+                         [("llama", False, None, None), ("llama", True, None, None), ("llama", False, 0.3, None),
+                          ("llama", False, None, 1.8), ("qwen3_5_text", False, None, None)],
+                         ids=["float", "int8", "min-p", "repetition", "hybrid"])
+def test_sampling_follows_the_target_distribution(family, int8, min_p, penalty):
     """20000 rows sample 3 tokens with a draft that disagrees with the target; the joint
     distribution of (t1, t2, t3) — t2 and t3 come from verification — fits the target's exact
     distribution (chi-square over the cells with enough mass; with min_p, the cells it removes
-    get no sample)."""
+    get no sample). A hybrid target and draft too: their recurrent states roll back per row."""
     from scipy.stats import chisquare
 
     vocab, rows, steps, temperature = 6, 20000, 3, 1.0
-    target = patched_copy(tiny_model("llama", vocab=vocab, seed=1), int8=int8)
-    draft = patch_model(tiny_model("llama", vocab=vocab, layers=1, seed=2), int8=False)
+    target = patched_copy(tiny_model(family, vocab=vocab, seed=1), int8=int8)
+    draft = patch_model(tiny_model(family, vocab=vocab, layers=2, seed=2), int8=False)
     prompt = torch.tensor([[2, 3]])
     g = torch.Generator().manual_seed(0)
     out = speculative_generate(target, draft, prompt.expand(rows, -1).contiguous(), max_new_tokens=steps,
@@ -197,6 +199,18 @@ def test_bad_inputs_raise_before_any_work():
         speculative_generate(patched, draft, ids, max_new_tokens=2, min_new_tokens=-3)
     out = speculative_generate(patched, draft, ids, max_new_tokens=0)
     assert torch.equal(out.sequences, ids) and out.acceptance_rate == 0.0
+
+
+def test_a_compiled_model_drafting_for_itself_keeps_two_caches():
+    """The same model as target and draft, compiled: each role reuses a cache of its own (one
+    shared cache would hold the draft's tokens where the target's belong)."""
+    _, patched, _ = _pair("llama", True)
+    ids, mask = ragged_prompts(2, 6, "left")
+    want = generate(patched, ids, mask, max_new_tokens=10, eos_token_id=[]).sequences
+    out = speculative_generate(patched, patched, ids, mask, max_new_tokens=10, speculate_k=3, eos_token_id=[],
+                               compile=True)
+    assert torch.equal(out.sequences, want) and out.acceptance_rate == 1.0
+    assert patched._gptfast_cache is not patched._gptfast_cache_draft
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])  # (a hybrid: its states roll back in the graph)

@@ -53,12 +53,13 @@ KEPT = [[4, 2, 0, 0], [1, 3, 1, 0], [3, 0, 4, 0], [2, 1, 2, 0]]
 
 
 @pytest.mark.parametrize("kept", KEPT, ids=lambda kept: "kept" + "".join(map(str, kept)))
-@pytest.mark.parametrize("forwards", [(4,), (2, 1, 1)], ids=["one-forward", "draft-round"])
-def test_crop_after_checkpoint_restores_every_rows_states(hybrid, forwards, kept):
+@pytest.mark.parametrize("forwards, check", [((4,), True), ((2, 1, 1), True), ((2, 1, 1), False)],
+                         ids=["one-forward", "draft-round", "draft-round-unchecked"])
+def test_crop_after_checkpoint_restores_every_rows_states(hybrid, forwards, check, kept):
     """A checkpoint, then 4 token columns (one verification forward, or a draft's round of 2 + 1 + 1
-    tokens) with padding columns, then a crop keeping ``kept`` real tokens per row: each row's
-    states equal those of the same prompt fed the kept tokens alone, and so do the logits of the
-    next token."""
+    tokens) with padding columns, then a crop keeping ``kept`` real tokens per row (checked, or
+    not: the generators' way): each row's states equal those of the same prompt fed the kept
+    tokens alone, and so do the logits of the next token."""
     _, patched = hybrid
     B = len(COLUMNS)
     ids, mask = ragged_prompts(B, 5, "left", seed=1)
@@ -74,7 +75,7 @@ def test_crop_after_checkpoint_restores_every_rows_states(hybrid, forwards, kept
             done += width
     assert torch.equal(cache.seq_lengths, start + columns.sum(dim=1))
     keep = torch.minimum(torch.tensor(kept), columns.sum(dim=1))
-    cache.crop(start + keep)
+    cache.crop(start + keep, check=check)
     assert torch.equal(cache.seq_lengths, start + keep)
     restored = _states(cache)
     after = torch.randint(2, VOCAB, (B, 1), generator=torch.Generator().manual_seed(3))
@@ -133,6 +134,85 @@ def test_checkpoint_and_crop_refuse_what_they_cannot_do(hybrid):
     cache.crop(torch.zeros(2, dtype=torch.int64))  # emptying needs no history (and closes the checkpoint)
     assert cache.seq_lengths.tolist() == [0, 0] and not any(state.any() for state in _states(cache))
     assert not cache.state_history.is_open
+
+
+def _three_layer(family: str = "qwen3_5_text"):
+    """A patched hybrid whose layers are recurrent, attention, recurrent (the tiny configs')."""
+    return patched_copy(tiny_model(family, layers=3), int8=False)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_forward_that_raises_leaves_the_states_as_before_it(error):
+    """Under a checkpoint a forward fails after the first recurrent layer stepped (a hook on the
+    attention layer after it raises; PyTorch runs no forward hook after a KeyboardInterrupt, so the
+    next planned forward or crop notices instead). The lengths stay, the recurrent states go back
+    to what they were before it, and a crop then restores each row exactly."""
+    patched = _three_layer()
+    ids, mask = ragged_prompts(2, 5, "left", seed=1)
+    cache = _prefilled(patched, ids, mask, rollback_tokens=3)
+    reference = _prefilled(patched, ids, mask)
+    new = torch.randint(2, VOCAB, (2, 3), generator=torch.Generator().manual_seed(4))
+    cache.checkpoint()
+    with torch.no_grad():
+        patched(new[:, :1], past_key_values=cache)
+        patched(new[:, :1], past_key_values=reference)
+    lengths, good = cache.seq_lengths.clone(), _states(reference)
+    attention = next(m for m in patched.modules() if type(m).__name__ == "Qwen3_5Attention")
+
+    def fail(*args):
+        raise error("interrupted")
+
+    hook = attention.register_forward_hook(fail)
+    with pytest.raises(error), torch.no_grad():  # (row 1 is padding in it, as a finished row)
+        patched(new[:, 1:], attention_mask=torch.tensor([[1, 1], [0, 0]]), past_key_values=cache)
+    hook.remove()
+    assert torch.equal(cache.seq_lengths, lengths)
+    if error is RuntimeError:  # the model's forward hook put the states back at once
+        assert all(torch.equal(a, b) for a, b in zip(good, _states(cache)))
+    cache.crop(lengths)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(good, _states(cache)))
+
+
+def test_crop_to_a_length_a_row_never_had_raises():
+    """With explicit position_ids a forward can skip positions (length 4 -> 7 for one token at 6):
+    a crop to 5 or 6 has no state to go back to (ValueError naming the row), one to 4 or 7 has."""
+    patched = _three_layer()
+    ids = torch.randint(2, VOCAB, (1, 4), generator=torch.Generator().manual_seed(1))
+    cache = _prefilled(patched, ids, None, rollback_tokens=3)
+    before = _states(cache)
+    for length in (5, 6, 4):
+        cache.checkpoint()
+        with torch.no_grad():
+            patched(torch.tensor([[9]]), position_ids=torch.tensor([[6]]), past_key_values=cache)
+        assert cache.seq_lengths.tolist() == [7]
+        if length == 4:
+            cache.crop(torch.tensor([length]))
+        else:
+            with pytest.raises(ValueError, match=f"row 0 never had length {length} since the checkpoint"):
+                cache.crop(torch.tensor([length]))
+            cache.crop(torch.tensor([4]))
+        assert cache.seq_lengths.tolist() == [4]
+        assert all(torch.equal(a, b) for a, b in zip(before, _states(cache)))
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_crop_to_zero_empties_the_states(check):
+    """A crop to 0 under a checkpoint empties the rows' recurrent states, checked or not (a row
+    emptied mid-batch starts over, as in a fresh cache): the next prompt's logits are a fresh
+    cache's."""
+    patched = _three_layer()
+    ids, mask = ragged_prompts(2, 5, "left", seed=1)
+    cache = _prefilled(patched, ids, mask, rollback_tokens=3)
+    cache.checkpoint()
+    with torch.no_grad():
+        patched(ids[:, :2], past_key_values=cache)
+    cache.crop(torch.zeros(2, dtype=torch.int64), check=check)
+    assert cache.seq_lengths.tolist() == [0, 0] and not any(state.any() for state in _states(cache))
+    other, other_mask = ragged_prompts(2, 4, "left", seed=2)
+    with torch.no_grad():
+        got = patched(other, attention_mask=other_mask, past_key_values=cache).logits
+        want = patched(other, attention_mask=other_mask, past_key_values=StaticKVCache(patched.config, 2, 24)).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_a_dense_cache_checkpoint_is_a_no_op():

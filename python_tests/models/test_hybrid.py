@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import LinearAttentionLayer
 
 from gptfast_kernels import StaticKVCache, generate
-from python_tests.tiny_models import HYBRID, hf_greedy, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import HYBRID, hf_greedy, left_pad, patched_copy, ragged_prompts, tiny_model
 
 FAMILY = HYBRID[0]
 
@@ -78,16 +78,15 @@ def test_crop_empties_or_refuses(models):
 def test_right_padding_goes_in_left_aligned(models):
     """Padding after a row's real tokens would still decay its recurrent state: a forward given
     such a mask raises, naming attention_mask, while generate moves each row's padding before its
-    tokens, giving the tokens of the same prompts left-padded (with the prompt layout kept)."""
-    _, patched = models
+    tokens, giving transformers' tokens for the same prompts left-padded (the prompt layout kept)."""
+    model, patched = models
     ids, mask = ragged_prompts(3, 6, "right")
     cache = StaticKVCache(patched.config, 3, 8)
     with pytest.raises(ValueError, match="attention_mask.*left"), torch.no_grad():
         patched(ids, attention_mask=mask, past_key_values=cache)
     assert cache.seq_lengths.tolist() == [0, 0, 0]
     got = generate(patched, ids, mask, max_new_tokens=5, eos_token_id=[]).sequences
-    order = torch.argsort(mask.to(torch.int8), dim=1, stable=True)
-    want = generate(patched, ids.gather(1, order), mask.gather(1, order), max_new_tokens=5, eos_token_id=[]).sequences
+    want = hf_greedy(model, *left_pad(ids, mask), 5, eos_token_id=None)
     assert torch.equal(got[:, :6], ids) and torch.equal(got[:, 6:], want[:, 6:])
 
 

@@ -1,8 +1,11 @@
 """backend="auto" picks, by shape, between the CUDA kernel and Triton on a GPU (the thresholds come
 from H100 measurements in bench/results), and the compiled CPU kernel on a CPU."""
 
+import os
+
 import pytest
 
+from gptfast_kernels import _extension
 from gptfast_kernels.ops.int8_linear import auto_backend as int8_auto
 from gptfast_kernels.ops.kv_cache_attention import auto_backend as kv_auto
 
@@ -41,3 +44,34 @@ def test_auto_without_a_choice(usable, want):
         assert int8_auto(usable, rows, 4096) == want
     for head_rows in (1, 256):
         assert kv_auto(usable, head_rows, 5, 32768) == want
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1" or not _extension.triton_available(),
+                    reason="the Triton backend on the CPU needs the Triton interpreter")
+def test_triton_backends_under_fake_tensors_take_the_registered_ops():
+    """Under FakeTensorMode (tensors without data) the public ops skip their value checks and call
+    their Triton kernels through the registered custom ops, whose fake implementations give the
+    outputs' shapes; the unchecked launchers they use in plain eager mode would run on no data."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gptfast_kernels import ops
+
+    qweight, scales = ops.quantize_int8(torch.randn(8, 16))
+    real = dict(x=torch.randn(3, 16), q=torch.randn(2, 4, 3, 16), k=torch.randn(2, 2, 3, 16),
+                cache=torch.randn(2, 2, 8, 16), positions=torch.tensor([[0, 1, 2], [4, 5, 6]]),
+                probs=torch.softmax(torch.randn(2, 5, 11), -1), drafts=torch.randint(0, 11, (2, 4)),
+                qweights=qweight[None].repeat(3, 1, 1), expert_scales=scales[None].repeat(3, 1))
+    with FakeTensorMode() as mode:
+        fake = {name: mode.from_tensor(t) for name, t in real.items()}
+        qw, sc = mode.from_tensor(qweight), mode.from_tensor(scales)
+        outputs = [
+            (ops.int8_linear(fake["x"], qw, sc, backend="triton"), (3, 8)),
+            (ops.int8_expert_linear(fake["x"], fake["qweights"], fake["expert_scales"],
+                                    mode.from_tensor(torch.tensor([0, 2, 1])), backend="triton"), (3, 8)),
+            (ops.kv_cache_attention(fake["q"], fake["k"], fake["k"], fake["cache"], fake["cache"].clone(),
+                                    fake["positions"], backend="triton"), (2, 4, 3, 16)),
+            (ops.verify_draft(fake["probs"], None, fake["drafts"], backend="triton")[0], (2, 5)),
+        ]
+    for out, shape in outputs:
+        assert type(out).__name__ == "FakeTensor" and tuple(out.shape) == shape

@@ -118,7 +118,7 @@ def test_checkpoint_and_crop_refuse_what_they_cannot_do(hybrid):
     assert all(torch.equal(a, b) for a, b in zip(before, _states(cache)))
     with torch.no_grad():  # 3 tokens since the checkpoint, 2 kept
         patched(new[:, 2:], past_key_values=cache)
-    with pytest.raises(ValueError, match="more than rollback_tokens = 2 tokens"):
+    with pytest.raises(ValueError, match="more than rollback_tokens = 2 token columns"):
         cache.crop(start + 1)
 
     if model.config.model_type not in LATENT:  # (unpatched latent attention cannot use the cache at all)

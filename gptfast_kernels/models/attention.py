@@ -239,6 +239,9 @@ def before_forward(model, args, kwargs):
     hybrid_mask = mask[:, -tokens.shape[1]:] if mask is not None and cache.has_recurrent_layers else None
     if hybrid_mask is not None and tokens.shape[1] > 1 and not is_tracing():
         _check_left_padded(hybrid_mask)
+    ready = getattr(model, "_gptfast_ready_for_cache", None)
+    if ready is not None and not is_tracing():
+        ready(model, cache)
     positions = cache.plan_step(tokens.shape[1], mask, kwargs.get("position_ids"),
                                 hide_length=model._gptfast_fused_length_zero)
     # the cache goes on by the keyword this model's forward takes (the other one it would ignore: a

@@ -436,8 +436,9 @@ FAMILIES: dict[str, Family] = {
                fused_length_zero=True),
         Family("mpt", "MptAttention", None, None, own_attention="mpt", layers_drop_keywords=True),
         # sinusoidal positions, scaled embeddings (models/xglm.py: its attention bypasses the attention interface);
-        # before 5.20 its positions branch on the cache's length (untraceable)
-        Family("xglm", "XGLMAttention", None, None, own_attention="xglm", compiles_from="5.20"),
+        # its model grows its position table by the cache's length: in fused steps it sees 0 (so the step traces
+        # before 5.20 too, and reads no length back), and models/xglm.py grows the table to the cache's length
+        Family("xglm", "XGLMAttention", None, None, own_attention="xglm", fused_length_zero=True),
         # interleaved partial rotary (rotary_dim), attention and MLP in parallel (GPT-J); CodeGen's q / k / v
         # one Linear in model-parallel blocks. Before 5.24 their attention bypassed the attention interface
         Family("gptj", "GPTJAttention", None, None, supported_from="5.24"),

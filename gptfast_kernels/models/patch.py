@@ -72,6 +72,8 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     model._gptfast_cache_geometry = StaticKVCache.geometry_of(model.config)
     model._gptfast_cache_keyword = attention.cache_keyword(model)
     model._gptfast_fused_length_zero = family.fused_length_zero
+    # what readies the model for a cache before an eager forward (XGLM's position table), or None
+    model._gptfast_ready_for_cache = getattr(OWN_ATTENTION.get(family.own_attention), "ready_for_cache", None)
     # a hybrid's recurrent blocks step token by token under a checkpoint (speculative rounds roll them back);
     # why they cannot, or None
     model._gptfast_rollback_blocker = recurrent.install_stepped_mixers(model, family)

@@ -44,6 +44,8 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         raise TypeError(f"patch_model: model must be a transformers model, got {type(model).__name__}")
     family = family_of(model.config)
     attention_modules = _attention_modules(model, family)  # (patching below swaps their parts, not them)
+    # a hybrid's recurrent blocks, per layer index (patching swaps their parts, not them)
+    mixers = recurrent.recurrent_mixers(model, family) if recurrent.stateful_layers(family, model.config) else {}
     if not attention_modules:
         raise ValueError(f"patch_model: a {family.model_type} model should contain {family.attention_class} "
                          "modules and this one has none; its transformers version may be unsupported")
@@ -54,7 +56,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
             fuse_gated_mlps_(model, family.gated_mlp_class)
         fuse_qkv_(model, family.attention_class, attention_modules)
         if family.recurrent_input_projections:  # (ZAYA1's: inside its attention, not one of attention_modules)
-            for mixer in recurrent.recurrent_mixers(model, family).values():
+            for mixer in mixers.values():
                 fuse_projections_(mixer, family.recurrent_input_projections, "input_proj")
     if family.own_forwards:  # (with int8, after the int8 pass above: it may take the int8 modules in)
         OWN_FORWARDS[family.own_forwards](model, int8)
@@ -76,7 +78,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     model._gptfast_ready_for_cache = getattr(OWN_ATTENTION.get(family.own_attention), "ready_for_cache", None)
     # a hybrid's recurrent blocks step token by token under a checkpoint (speculative rounds roll them back);
     # why they cannot, or None
-    model._gptfast_rollback_blocker = recurrent.install_stepped_mixers(model, family)
+    model._gptfast_rollback_blocker = recurrent.install_stepped_mixers(model, family, mixers)
     attention.register_attention_functions()
     attention_function = attention.FUSED if fused_attention else attention.UNFUSED
     if family.own_attention:  # (its attention bypasses the interface: set_attn_implementation would not reach it)

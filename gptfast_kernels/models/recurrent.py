@@ -15,6 +15,7 @@ kernels.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from dataclasses import dataclass, field
@@ -29,9 +30,11 @@ from gptfast_kernels.modules.int8_linear import Int8Linear
 CACHE_KEYWORDS = ("cache", "cache_params", "past_key_values")
 
 
-def _takes_cache(module: nn.Module) -> bool:
+@functools.cache
+def _takes_cache(module_type: type) -> bool:
+    """Whether a module class's forward takes a cache (read once per class)."""
     try:
-        parameters = inspect.signature(type(module).forward).parameters
+        parameters = inspect.signature(module_type.forward).parameters
     except (TypeError, ValueError):
         return False
     return any(name in parameters for name in CACHE_KEYWORDS)
@@ -42,7 +45,7 @@ def recurrent_mixers(model: nn.Module, family) -> dict[int, nn.Module]:
     modules taking a cache that are not the family's attention (Qwen3.5's GatedDeltaNet, Bamba's
     Mamba-2 mixer, LFM2's short convolution, Falcon-H1's Mamba beside its attention, ZAYA's
     convolutional q / k / v projection inside its attention ...)."""
-    takers = {module for module in model.modules() if module is not model and _takes_cache(module)}
+    takers = {module for module in model.modules() if module is not model and _takes_cache(type(module))}
     mixers = {}
     for module in takers:
         if type(module).__name__ == family.attention_class or not hasattr(module, "layer_idx"):
@@ -53,15 +56,16 @@ def recurrent_mixers(model: nn.Module, family) -> dict[int, nn.Module]:
     return mixers
 
 
-def install_stepped_mixers(model: nn.Module, family) -> str | None:
-    """In place: the recurrent mixers of a hybrid ``model`` step token by token under an open
-    checkpoint. -> None when every layer with a recurrent state got one (speculative decoding can
-    roll it back), else why not."""
-    kinds = family.layer_kinds(model.config)
-    stateful = {index for index, kind in enumerate(kinds) if kind in ("recurrent", "both")}
-    if not stateful:
-        return None
-    mixers = recurrent_mixers(model, family)
+def stateful_layers(family, config) -> set[int]:
+    """The decoder layers of ``config`` that keep a recurrent state (alone or beside attention)."""
+    return {index for index, kind in enumerate(family.layer_kinds(config)) if kind in ("recurrent", "both")}
+
+
+def install_stepped_mixers(model: nn.Module, family, mixers: dict[int, nn.Module]) -> str | None:
+    """In place: the recurrent ``mixers`` of a hybrid ``model`` (``recurrent_mixers``) step token by
+    token under an open checkpoint. -> None when every layer with a recurrent state has one
+    (speculative decoding can roll it back), else why not."""
+    stateful = stateful_layers(family, model.config)
     missing = sorted(stateful - set(mixers))
     if missing:
         return (f"its layers {missing} keep a recurrent state, but no module of theirs that takes the cache besides "

@@ -21,8 +21,13 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
-# counts of slots not written since the checkpoint: larger than any length, so a crop never picks them
+# the length of slots not written since the checkpoint: larger than any length, so a crop never picks them
 UNWRITTEN = torch.iinfo(torch.int64).max
+
+
+def _per_row(mask: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """``mask`` [B] shaped to broadcast over ``state`` [B, ...]."""
+    return mask.view(-1, *([1] * (state.dim() - 1)))
 
 
 def recurrent_states(layer) -> list[tuple[dict, int]]:
@@ -51,8 +56,8 @@ class StateHistory:
         # per layer index, [(states dict, key, slots [capacity + 2, *state shape])]; the last slot takes
         # the columns past capacity (``overflow`` says a crop can no longer restore the states)
         self.slots: dict[int, list[tuple[dict, int, torch.Tensor]]] = {}
-        self.start_lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        # [capacity + 2, B]: each row's length (one past its furthest position) after each slot's column
+        # [capacity + 2, B]: each row's length (one past its furthest position) after each slot's column;
+        # slot 0: at the checkpoint
         self.lengths = torch.zeros(capacity + 2, batch_size, dtype=torch.int64, device=device)
         self.column = torch.zeros((), dtype=torch.int64, device=device)  # the next column's index
         self.overflow = torch.zeros((), dtype=torch.bool, device=device)
@@ -63,7 +68,7 @@ class StateHistory:
         self.steps_recorded = 0
         self._planned_from = (0, 0)  # (columns_planned, steps_recorded) before the current forward
         if not torch.compiler.is_compiling():
-            for tensor in (self.start_lengths, self.lengths, self.column, self.overflow):
+            for tensor in (self.lengths, self.column, self.overflow):
                 torch._dynamo.mark_static_address(tensor)
 
     def open(self, layers, seq_lengths: torch.Tensor) -> None:
@@ -82,7 +87,6 @@ class StateHistory:
                 self.slots[index] = kept
             for states_dict, key, slots in kept:
                 slots[0].copy_(states_dict[key])
-        self.start_lengths.copy_(seq_lengths)
         self.lengths.fill_(UNWRITTEN)
         self.lengths[0].copy_(seq_lengths)
         self.column.zero_()
@@ -145,7 +149,7 @@ class StateHistory:
         slot = self._step_slots[column:column + 1]
         for (states_dict, key, slots), old in zip(self.slots[layer_idx], before):
             state = states_dict[key]
-            kept = torch.where(real.view(-1, *([1] * (state.dim() - 1))), state, old)
+            kept = torch.where(_per_row(real, state), state, old)
             state.copy_(kept)
             slots.index_copy_(0, slot, kept[None])
         if not torch.compiler.is_compiling():
@@ -159,17 +163,18 @@ class StateHistory:
         known = self.lengths[:self.capacity + 1]  # (the last slot takes the columns past capacity)
         slot = (known[1:] <= new_lengths[None]).sum(dim=0)  # [B]: the last slot with a length <= new
         rows = torch.arange(slot.shape[0], device=slot.device)
+        emptied = new_lengths == 0  # (a row emptied starts over: zero states, as a fresh cache's)
         if check:
             if bool(self.overflow):
                 raise ValueError(f"StaticKVCache.crop: more than rollback_tokens = {self.capacity} token columns "
                                  "(padding included) were written since the checkpoint; the recurrent states can "
                                  "only be rolled back within them")
-            emptied = new_lengths == 0
-            short = ~emptied & (new_lengths < self.start_lengths)
+            start = known[0]
+            short = ~emptied & (new_lengths < start)
             if bool(short.any()):
                 row = int(short.nonzero()[0, 0])
                 raise ValueError(f"StaticKVCache.crop: row {row} would go back to length {int(new_lengths[row])}, "
-                                 f"before the checkpoint (length {int(self.start_lengths[row])}); a hybrid model's "
+                                 f"before the checkpoint (length {int(start[row])}); a hybrid model's "
                                  "recurrent states roll back only to lengths since the last checkpoint(), or to 0")
             missed = ~emptied & (known[slot, rows] != new_lengths)
             if bool(missed.any()):
@@ -182,11 +187,10 @@ class StateHistory:
                 raise RuntimeError(f"StaticKVCache.crop: the recurrent layers recorded {self.steps_recorded} of "
                                    f"{expected} token steps since the checkpoint; only a patched model "
                                    "(patch_model) records them")
-        emptied = new_lengths == 0  # (a row emptied starts over: zero states, as a fresh cache's)
         for entries in self.slots.values():
             for states_dict, key, slots in entries:
                 state = states_dict[key]
-                state.copy_(torch.where(emptied.view(-1, *([1] * (state.dim() - 1))), 0, slots[slot, rows]))
+                state.copy_(torch.where(_per_row(emptied, state), 0, slots[slot, rows]))
         self.close()
 
     def close(self) -> None:

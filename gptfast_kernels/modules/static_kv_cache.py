@@ -101,18 +101,18 @@ class StaticKVCache(Cache):
     (Llama 4's 36 chunked layers of 48: 8192 + C - 1, not 128k); every forward may then write at
     most C tokens per row (generate feeds longer prompts in chunks), a crop may roll a row back by
     at most C tokens from the furthest position it wrote, and only a patched model can use the
-    cache. The linear-attention (recurrent)
-    layers of a hybrid model (Qwen3.5 ...) hold transformers' own state layer
-    (``LinearAttentionLayer``: conv and recurrent states, updated in place). A recurrent state has
-    no positions to crop: such a cache can be emptied, and with ``rollback_tokens`` R it can roll
-    rows back to any length they had since its last ``checkpoint()``, within R token columns
-    (padding included) written since then (modules/state_history.py: a patched model's recurrent
-    layers then run token by token and keep their states after each token; speculative decoding
-    checkpoints every round). Layers may differ in kv heads and head dim (``geometry``: Gemma 4's
-    global layers); a layer that reuses another's keys and values (Gemma 4's last layers) holds none and attends over that layer's buffers (``kv_sources``); a
-    multi-head latent attention layer (DeepSeek-V2 / V3) holds one latent per token, as one kv head
-    of width kv_lora_rank + qk_rope_head_dim whose first kv_lora_rank numbers are also the values
-    (no value buffer: see models/latent_attention.py).
+    cache. The linear-attention (recurrent) layers of a hybrid model (Qwen3.5 ...) hold
+    transformers' own state layer (``LinearAttentionLayer``: conv and recurrent states, updated in
+    place). A recurrent state has no positions to crop: such a cache can be emptied, and with
+    ``rollback_tokens`` R it can roll rows back to any length they had since its last
+    ``checkpoint()``, within R token columns (padding included) written since then
+    (modules/state_history.py: a patched model's recurrent layers then run token by token and keep
+    their states after each token; speculative decoding checkpoints every round). Layers may differ
+    in kv heads and head dim (``geometry``: Gemma 4's global layers); a layer that reuses another's
+    keys and values (Gemma 4's last layers) holds none and attends over that layer's buffers
+    (``kv_sources``); a multi-head latent attention layer (DeepSeek-V2 / V3) holds one latent per
+    token, as one kv head of width kv_lora_rank + qk_rope_head_dim whose first kv_lora_rank numbers
+    are also the values (no value buffer: see models/latent_attention.py).
     """
 
     def __init__(self, config, batch_size: int, max_cache_len: int, *, device=None, dtype=None,

@@ -292,7 +292,8 @@ def test_a_family_whose_states_no_module_steps_is_refused():
     model = tiny_model("qwen3_5_text")
     family = family_of(model.config)
     mixer_class = type(next(iter(recurrent.recurrent_mixers(model, family).values()))).__name__
-    blocker = recurrent.install_stepped_mixers(model, dataclasses.replace(family, attention_class=mixer_class))
+    renamed = dataclasses.replace(family, attention_class=mixer_class)
+    blocker = recurrent.install_stepped_mixers(model, renamed, recurrent.recurrent_mixers(model, renamed))
     assert blocker is not None and "recurrent state" in blocker
     patched = patched_copy(model, int8=False)
     patched._gptfast_rollback_blocker = blocker

@@ -77,9 +77,13 @@ def tiny_model(family: str, *, seed: int = 0, **kwargs):
     torch.manual_seed(seed)
     options = {"attn_implementation": REFERENCE_ATTENTION[family]} if family in REFERENCE_ATTENTION else {}
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), **options).eval()
-    # transformers initialises biases, attention sinks, some routers and routers' score-correction biases to
-    # zero: trained ones are not, and the tests must see them (a zero router ties every expert; a zero
-    # sink or bias hides a path that drops it)
+    return draw_zero_initialised_(model)
+
+
+def draw_zero_initialised_(model):
+    """transformers initialises biases, attention sinks, some routers and routers' score-correction
+    biases to zero: trained ones are not, and the tests must see them (a zero router ties every
+    expert; a zero sink or bias hides a path that drops it). Draws them, in place; -> ``model``."""
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             zero_parameter = isinstance(tensor, torch.nn.Parameter) and not tensor.any()

@@ -115,42 +115,62 @@ def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
     raise ValueError("the model has no floating-point weights")
 
 
+def left_order(mask: torch.Tensor) -> torch.Tensor:
+    """[B, P] column order that moves each row's padding (``mask`` False) before its real tokens,
+    which keep their order."""
+    return torch.argsort(mask.to(torch.int8), dim=1, stable=True)
+
+
 def left_aligned(prompt: Prompt) -> Prompt:
     """The same rows with their padding moved before their real tokens (which keep their order):
     what a hybrid model's recurrent layers take (padding after a real token would enter the state).
     Each row's tokens keep their positions (a row's first real token is at 0 either way)."""
-    order = torch.argsort(prompt.attention_mask.to(torch.int8), dim=1, stable=True)
+    return _reordered(prompt, left_order(prompt.attention_mask))
+
+
+def _reordered(prompt: Prompt, order: torch.Tensor) -> Prompt:
     return Prompt(prompt.input_ids.gather(1, order), prompt.attention_mask.gather(1, order), prompt.lengths)
 
 
-def prefill(model, prompt: Prompt, cache) -> torch.Tensor:
+def prefill(model, prompt: Prompt, cache, *, hidden: bool = False):
     """Runs the prompt through ``model`` into ``cache`` -> [B, V] logits at each row's last real token.
     Only those positions reach the output head: the last column when every row ends there (left
     padding), else the few distinct columns where rows end (one host sync), never [B, P, V] (a
     32k-token prompt's full logits would take 16 GB at a 128k vocabulary). A cache with ring-buffer
     layers takes the prompt in chunks of its max_step_tokens. A hybrid model's prompt goes in
-    left-aligned, however it was padded."""
+    left-aligned, however it was padded. ``hidden``: -> (logits, the last hidden states [B, P, H] at
+    every column of ``prompt``, as a multi-token-prediction drafter takes them)."""
+    order = None
     if cache.has_recurrent_layers:
-        prompt = left_aligned(prompt)
-    if prompt.ends_aligned:
-        for start, stop in _chunks(prompt, cache):
-            logits = _prefill_chunk(model, prompt, cache, start, stop, 1)
-        return logits[:, 0]
+        order = left_order(prompt.attention_mask)
+        prompt = _reordered(prompt, order)
     P = prompt.input_ids.shape[1]
-    last = (P - 1 - prompt.attention_mask.flip(1).to(torch.int64).argmax(dim=1)).tolist()
-    out = None
-    for start, stop in _chunks(prompt, cache):
-        rows = [b for b, c in enumerate(last) if start <= c < stop]  # the rows ending in this chunk
-        columns = sorted({last[b] for b in rows})
-        keep = torch.tensor([c - start for c in columns], device=prompt.input_ids.device) if columns else 1
-        logits = _prefill_chunk(model, prompt, cache, start, stop, keep)
+    aligned = prompt.ends_aligned
+    last = None if aligned else (P - 1 - prompt.attention_mask.flip(1).to(torch.int64).argmax(dim=1)).tolist()
+    out, states = None, []
+    for start, stop in prompt_chunks(prompt, cache):
+        if not aligned:
+            rows = [b for b, c in enumerate(last) if start <= c < stop]  # the rows ending in this chunk
+            columns = sorted({last[b] for b in rows})
+        keep = 1 if aligned or not columns else torch.tensor([c - start for c in columns],
+                                                             device=prompt.input_ids.device)
+        logits, chunk_hidden = _prefill_chunk(model, prompt, cache, start, stop, keep, hidden)
+        states.append(chunk_hidden)
+        if aligned:
+            out = logits[:, 0]
+            continue
         if not rows:
             continue
         if out is None:
             out = logits.new_empty(len(last), logits.shape[-1])
         index = torch.tensor(rows, device=logits.device)
         out[index] = logits[index, torch.tensor([columns.index(last[b]) for b in rows], device=logits.device)]
-    return out
+    if not hidden:
+        return out
+    states = torch.cat(states, dim=1)
+    if order is not None:  # back to the prompt's own columns
+        states = torch.empty_like(states).scatter_(1, order[..., None].expand_as(states), states)
+    return out, states
 
 
 def fill_cache(model, prompt: Prompt, cache) -> None:
@@ -158,11 +178,11 @@ def fill_cache(model, prompt: Prompt, cache) -> None:
     model's prefill), in chunks as ``prefill``."""
     if cache.has_recurrent_layers:
         prompt = left_aligned(prompt)
-    for start, stop in _chunks(prompt, cache):
+    for start, stop in prompt_chunks(prompt, cache):
         _prefill_chunk(model, prompt, cache, start, stop, 1)
 
 
-def _chunks(prompt: Prompt, cache):
+def prompt_chunks(prompt: Prompt, cache):
     """(start, stop) column ranges of the prompt, one forward each: the whole prompt, or chunks of
     max_step_tokens for a cache with ring-buffer layers."""
     P = prompt.input_ids.shape[1]
@@ -170,11 +190,14 @@ def _chunks(prompt: Prompt, cache):
     return [(start, min(start + chunk, P)) for start in range(0, P, chunk)]
 
 
-def _prefill_chunk(model, prompt: Prompt, cache, start: int, stop: int, keep) -> torch.Tensor:
+def _prefill_chunk(model, prompt: Prompt, cache, start: int, stop: int, keep, hidden: bool = False):
     """The prompt's columns start..stop - 1 through the model (its mask up to there, as transformers
-    takes a mask of past + new tokens) -> logits at the ``keep`` columns."""
-    return forward_with_cache(model, prompt.input_ids[:, start:stop], cache,
-                              attention_mask=prompt.attention_mask[:, :stop], logits_to_keep=keep).logits
+    takes a mask of past + new tokens) -> logits at the ``keep`` columns; with ``hidden``, (logits,
+    the last hidden states of every column [B, stop - start, H]), else (logits, None)."""
+    out = forward_with_cache(model, prompt.input_ids[:, start:stop], cache,
+                             attention_mask=prompt.attention_mask[:, :stop], logits_to_keep=keep,
+                             output_hidden_states=hidden)
+    return out.logits, out.hidden_states[-1] if hidden else None
 
 
 def check_flag(op: str, name: str, value) -> None:

@@ -36,28 +36,42 @@ def _forward(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: StaticKV
     return forward_with_cache(model, tokens, cache, attention_mask=attention_mask).logits
 
 
-def _own_forward(model):
-    """_forward with ``model`` bound, on a code object of its own: dynamo counts graphs against the
-    recompile limit per code object, so a process that compiles many models (an evaluation sweep,
-    a test suite) never adds one model's graphs to another's (a functools.partial would: dynamo
-    compiles every partial through one shared wrapper)."""
-    return types.FunctionType(_forward.__code__.replace(), _forward.__globals__, _forward.__name__, (model,))
+def _forward_with_hidden(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: StaticKVCache,
+                         model=None) -> tuple[torch.Tensor, torch.Tensor]:
+    out = forward_with_cache(model, tokens, cache, attention_mask=attention_mask, output_hidden_states=True)
+    return out.logits, out.hidden_states[-1]
 
 
-def step_function(model, compile: bool):
-    """(tokens [B, T], attention_mask [B, T], cache) -> logits [B, T, V]."""
-    if not compile:
-        return functools.partial(_forward, model=model)
-    compiled = getattr(model, "_gptfast_compiled_forward", None)
+def _bound(function, model):
+    """``function`` with ``model`` bound, on a code object of its own: dynamo counts graphs against
+    the recompile limit per code object, so a process that compiles many models (an evaluation
+    sweep, a test suite) never adds one model's graphs to another's (a functools.partial would:
+    dynamo compiles every partial through one shared wrapper)."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__, (model,))
+
+
+def compiled_function(model, function, attribute: str):
+    """``function(..., model=model)`` through torch.compile(fullgraph=True), CUDA graphs on CUDA,
+    compiled once and kept on ``model`` as ``attribute``."""
+    compiled = getattr(model, attribute, None)
     if compiled is None:
         family_of(model.config).check_compile(model)
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         on_cuda = next(model.parameters()).device.type == "cuda"
-        compiled = torch.compile(_own_forward(model), fullgraph=True, dynamic=False,
+        compiled = torch.compile(_bound(function, model), fullgraph=True, dynamic=False,
                                  mode="reduce-overhead" if on_cuda else None)
-        model._gptfast_compiled_forward = compiled
+        setattr(model, attribute, compiled)
     return compiled
+
+
+def step_function(model, compile: bool, *, hidden: bool = False):
+    """(tokens [B, T], attention_mask [B, T], cache) -> logits [B, T, V]; with ``hidden``, (logits,
+    the last hidden states [B, T, H]: the final norm's output, which the output head takes)."""
+    function = _forward_with_hidden if hidden else _forward
+    if not compile:
+        return functools.partial(function, model=model)
+    return compiled_function(model, function, "_gptfast_compiled_forward" + ("_hidden" if hidden else ""))
 
 
 def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool,

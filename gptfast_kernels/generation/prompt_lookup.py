@@ -61,7 +61,7 @@ class PromptLookupProposer:
             return drafts, None
         return drafts, torch.nn.functional.one_hot(drafts, self.vocab_size).float()
 
-    def commit(self, active, committed, num_accepted, draft_tokens) -> None:
+    def commit(self, active, committed, num_accepted, draft_tokens, target_hidden=None) -> None:
         return None
 
 

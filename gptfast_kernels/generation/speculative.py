@@ -4,8 +4,9 @@ accepts a prefix per row; rows advance by different amounts and finish independe
 output equals the target's own greedy decoding; sampled output follows the target's distribution
 (after the repetition penalty and temperature / top-k / top-p / min-p), whatever the proposals.
 
-``speculative_generate`` proposes with a draft model (DraftModelProposer); the round loop
-(SpeculativeRounds) also serves prompt-lookup decoding (generation/prompt_lookup.py).
+``speculative_generate`` proposes with a draft model (DraftModelProposer) or with the target's own
+multi-token-prediction layer (generation/mtp.py); the round loop (SpeculativeRounds) also serves
+prompt-lookup decoding (generation/prompt_lookup.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
+from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
 from gptfast_kernels.generation.sampling import (check_repetition_penalty, check_sampling_args, eos_columns,
                                                  logits_to_probs, process_logits, sample_from, seen_tokens,
                                                  token_logprobs)
@@ -54,6 +56,20 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     as in ``generate``, per position of a round likewise; ``output_logprobs`` as there."""
     op = "speculative_generate"
     common.check_model(op, "model", model)
+    mtp = is_mtp_model(draft_model)
+    if mtp:
+        check_mtp(op, model, draft_model)
+    else:
+        _check_draft_model(op, model, draft_model)
+    rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
+                                       temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
+                                       min(common.input_vocab_size(model), common.input_vocab_size(draft_model)),
+                                       streamer, repetition_penalty, min_new_tokens, output_logprobs)
+    proposer = MtpProposer if mtp else DraftModelProposer
+    return rounds.run(lambda capacity: proposer(draft_model, rounds.batch_size, capacity, compile, rounds.k))
+
+
+def _check_draft_model(op: str, model, draft_model) -> None:
     common.check_model(op, "draft_model", draft_model)
     common.check_rollback(op, "draft_model", draft_model)
     target_vocab, draft_vocab = common.output_vocab_size(model), common.output_vocab_size(draft_model)
@@ -64,18 +80,14 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     draft_device, _ = common.model_device_dtype(draft_model)
     if draft_device != device:
         raise ValueError(f"{op}: draft_model is on {draft_device} but model is on {device}")
-    rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
-                                       temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
-                                       min(common.input_vocab_size(model), common.input_vocab_size(draft_model)),
-                                       streamer, repetition_penalty, min_new_tokens, output_logprobs)
-    return rounds.run(lambda capacity: DraftModelProposer(draft_model, rounds.batch_size, capacity, compile,
-                                                           rounds.k))
 
 
 class Proposer(Protocol):
-    """What SpeculativeRounds asks of a source of drafts, once per call / round."""
+    """What SpeculativeRounds asks of a source of drafts, once per call / round. One with
+    ``takes_target_hidden = True`` gets the target's last hidden states (the final norm's output)
+    of each target forward: [B, P, H] at every prompt column, then [B, k + 1, H] per round."""
 
-    def prefill(self, prompt: common.Prompt) -> None:
+    def prefill(self, prompt: common.Prompt, target_hidden: torch.Tensor | None = None) -> None:
         """After the target's prefill: take in the prompt."""
 
     def propose(self, rounds: "SpeculativeRounds", last: torch.Tensor, active: torch.Tensor,
@@ -85,7 +97,7 @@ class Proposer(Protocol):
         (None when ``rounds.greedy``)."""
 
     def commit(self, active: torch.Tensor, committed: torch.Tensor, num_accepted: torch.Tensor,
-               draft_tokens: torch.Tensor) -> None:
+               draft_tokens: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         """After verification: each active row kept ``committed`` tokens in the target's cache,
         ``num_accepted`` [B] of the drafts."""
 
@@ -105,29 +117,18 @@ class DraftModelProposer:
         self.step = step_function(draft_model, compile)
         self.pending = torch.full((batch_size,), -1, dtype=torch.int64, device=device)
 
-    def prefill(self, prompt: common.Prompt) -> None:
+    def prefill(self, prompt: common.Prompt, target_hidden=None) -> None:
         common.fill_cache(self.model, prompt, self.cache)
 
     def propose(self, rounds: "SpeculativeRounds", last, active, history) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> draft tokens [B, k], and their distributions [B, k, V] (None when greedy)."""
-        k, pick = rounds.k, rounds.pick
         self.cache.checkpoint()  # (a hybrid draft's recurrent states: commit rolls them back)
         first_input = torch.stack([self.pending.clamp(min=0), last], dim=1)
         first_mask = torch.stack([(self.pending >= 0) & active, active], dim=1)
         logits = self.step(first_input, first_mask, self.cache)[:, -1]
-        seen = None if history.seen is None else history.seen.clone()  # and the drafts, as they come
-        tokens, probs = [], []
-        for i in range(k):
-            token, distribution = pick(logits, seen, rounds.too_early(history.num_generated + i))
-            if seen is not None:
-                seen.scatter_(1, token[:, None], True)
-            tokens.append(token)
-            probs.append(distribution)
-            if i < k - 1:
-                logits = self.step(token[:, None], active[:, None], self.cache)[:, -1]
-        return torch.stack(tokens, dim=1), None if probs[0] is None else torch.stack(probs, dim=1)
+        return rounds.draft(history, logits, lambda token: self.step(token[:, None], active[:, None], self.cache)[:, -1])
 
-    def commit(self, active, committed, num_accepted, draft_tokens) -> None:
+    def commit(self, active, committed, num_accepted, draft_tokens, target_hidden=None) -> None:
         """The round's outcome: each active row keeps ``committed`` tokens in the cache."""
         self.cache.crop(torch.where(active, committed, self.cache.seq_lengths), check=False)
         k = draft_tokens.shape[1]
@@ -222,6 +223,23 @@ class SpeculativeRounds:
         probs = logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
         return sample_from(probs, self.generator), probs
 
+    def draft(self, history: History, logits: torch.Tensor, advance: Callable[[torch.Tensor], torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k drafts per row, one at a time: the first picked from ``logits`` [B, V], each next one
+        from ``advance(token [B])`` -> logits [B, V] (the penalties and eos suppression as at those
+        positions of the target) -> (tokens [B, k], distributions [B, k, V] or None when greedy)."""
+        seen = None if history.seen is None else history.seen.clone()  # and the drafts, as they come
+        tokens, probs = [], []
+        for i in range(self.k):
+            token, distribution = self.pick(logits, seen, self.too_early(history.num_generated + i))
+            if seen is not None:
+                seen.scatter_(1, token[:, None], True)
+            tokens.append(token)
+            probs.append(distribution)
+            if i < self.k - 1:
+                logits = advance(token)
+        return torch.stack(tokens, dim=1), None if probs[0] is None else torch.stack(probs, dim=1)
+
     def run(self, make_proposer: Callable[[int], Proposer]) -> SpeculativeOutput:
         """``make_proposer(capacity)``: the proposer, given the cache length the rounds need."""
         model, prompt, k, pad, B = self.model, self.prompt, self.k, self.pad, self.batch_size
@@ -239,10 +257,15 @@ class SpeculativeRounds:
         capacity = max(prompt.lengths) + self.max_new_tokens + k
         target_cache = cache_for(model, B, capacity, device, dtype, reuse=self.compile, step_tokens=k + 1)
         proposer = make_proposer(capacity)
-        target_step = step_function(model, self.compile)
+        takes_hidden = getattr(proposer, "takes_target_hidden", False)
+        target_step = step_function(model, self.compile, hidden=takes_hidden)
 
-        logits = common.prefill(model, prompt, target_cache)
-        proposer.prefill(prompt)
+        if takes_hidden:
+            logits, target_hidden = common.prefill(model, prompt, target_cache, hidden=True)
+            proposer.prefill(prompt, target_hidden)
+        else:
+            logits, target_hidden = common.prefill(model, prompt, target_cache), None
+            proposer.prefill(prompt)
         V = logits.shape[-1]
         self.is_eos = eos_columns(eos_ids, V)
         seen = None
@@ -276,6 +299,8 @@ class SpeculativeRounds:
             target_input = torch.cat([last[:, None], draft_tokens], dim=1)
             target_cache.checkpoint()  # (a hybrid target's recurrent states: step 4 rolls them back)
             target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
+            if takes_hidden:
+                target_logits, target_hidden = target_logits
             round_seen = None
             if seen is not None:  # position i penalises the text so far and the drafts before it
                 round_seen = seen[:, None].repeat(1, k + 1, 1)  # [B, k + 1, V + 1]
@@ -302,7 +327,7 @@ class SpeculativeRounds:
             # (>= 1 by construction: the target wrote k + 1 tokens, so no sync to check it)
             committed = target_cache.seq_lengths - k + num_accepted
             target_cache.crop(torch.where(active, committed, target_cache.seq_lengths), check=False)
-            proposer.commit(active, committed, num_accepted, draft_tokens)
+            proposer.commit(active, committed, num_accepted, draft_tokens, target_hidden)
             last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], last)
 
             # 5. append the emitted tokens, cut each row at its first eos and at max_new_tokens

@@ -37,7 +37,8 @@ def prompt_lookup_generate(model, input_ids: torch.Tensor, attention_mask: torch
                                        temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
                                        common.input_vocab_size(model), streamer, repetition_penalty, min_new_tokens,
                                        output_logprobs)
-    return rounds.run(lambda capacity: PromptLookupProposer(max_ngram_size, common.output_vocab_size(model)))
+    vocab = common.output_vocab_size(model)
+    return rounds.run(lambda capacity, target_cache: PromptLookupProposer(max_ngram_size, vocab))
 
 
 class PromptLookupProposer:

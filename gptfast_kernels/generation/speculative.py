@@ -4,8 +4,9 @@ accepts a prefix per row; rows advance by different amounts and finish independe
 output equals the target's own greedy decoding; sampled output follows the target's distribution
 (after the repetition penalty and temperature / top-k / top-p / min-p), whatever the proposals.
 
-``speculative_generate`` proposes with a draft model (DraftModelProposer) or with the target's own
-multi-token-prediction layer (generation/mtp.py); the round loop (SpeculativeRounds) also serves
+``speculative_generate`` proposes with a draft model (DraftModelProposer), with the target's own
+multi-token-prediction layer (generation/mtp.py) or with a Gemma 4 assistant, which drafts over the
+target's cache (generation/assistant.py); the round loop (SpeculativeRounds) also serves
 prompt-lookup decoding (generation/prompt_lookup.py).
 """
 
@@ -18,11 +19,13 @@ from typing import Protocol
 import torch
 
 from gptfast_kernels.generation import common
+from gptfast_kernels.generation.assistant import AssistantProposer, check_assistant, is_gemma4_assistant
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
 from gptfast_kernels.generation.sampling import (check_repetition_penalty, check_sampling_args, eos_columns,
                                                  logits_to_probs, process_logits, sample_from, seen_tokens,
                                                  token_logprobs)
+from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 from gptfast_kernels.ops.verify_draft import verify_draft
 
@@ -46,7 +49,9 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
                          eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
                          compile: bool = False, streamer=None, output_logprobs: bool = False) -> SpeculativeOutput:
     """input_ids [B, P] (attention_mask [B, P], 0 = padding, left or right) -> SpeculativeOutput.
-    Both models must be patched (patch_model) and share a vocabulary. ``compile``: run the draft's
+    Both models must be patched (patch_model) and share a vocabulary; ``draft_model`` may also be the
+    target's MTP layer (transformers' MtpModel, patched: generation/mtp.py) or, for a Gemma 4 target,
+    a Gemma 4 assistant as transformers builds it (generation/assistant.py). ``compile``: run the draft's
     and the target's per-round forwards through torch.compile (CUDA graphs on GPUs), as in
     ``generate``. ``streamer`` (one prompt only, as in transformers' assisted generation): ``put``
     gets the prompt [1, P], then each round's new tokens [1, n] on the CPU; then ``end()``.
@@ -56,17 +61,23 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     as in ``generate``, per position of a round likewise; ``output_logprobs`` as there."""
     op = "speculative_generate"
     common.check_model(op, "model", model)
-    mtp = is_mtp_model(draft_model)
+    mtp, assistant = is_mtp_model(draft_model), is_gemma4_assistant(draft_model)
     if mtp:
         check_mtp(op, model, draft_model)
+    elif assistant:
+        check_assistant(op, model, draft_model)
     else:
         _check_draft_model(op, model, draft_model)
     rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
                                        temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
                                        min(common.input_vocab_size(model), common.input_vocab_size(draft_model)),
                                        streamer, repetition_penalty, min_new_tokens, output_logprobs)
+    if assistant:
+        return rounds.run(lambda capacity, target_cache: AssistantProposer(draft_model, model, target_cache,
+                                                                          rounds.batch_size, compile, rounds.k))
     proposer = MtpProposer if mtp else DraftModelProposer
-    return rounds.run(lambda capacity: proposer(draft_model, rounds.batch_size, capacity, compile, rounds.k))
+    return rounds.run(lambda capacity, target_cache: proposer(draft_model, rounds.batch_size, capacity, compile,
+                                                              rounds.k))
 
 
 def _check_draft_model(op: str, model, draft_model) -> None:
@@ -240,8 +251,9 @@ class SpeculativeRounds:
                 logits = advance(token)
         return torch.stack(tokens, dim=1), None if probs[0] is None else torch.stack(probs, dim=1)
 
-    def run(self, make_proposer: Callable[[int], Proposer]) -> SpeculativeOutput:
-        """``make_proposer(capacity)``: the proposer, given the cache length the rounds need."""
+    def run(self, make_proposer: Callable[[int, StaticKVCache], Proposer]) -> SpeculativeOutput:
+        """``make_proposer(capacity, target_cache)``: the proposer, given the cache length the rounds
+        need and the target's cache (which a Gemma 4 assistant reads)."""
         model, prompt, k, pad, B = self.model, self.prompt, self.k, self.pad, self.batch_size
         device, dtype = common.model_device_dtype(model)
         zeros = torch.zeros(B, dtype=torch.int64, device=device)
@@ -256,7 +268,7 @@ class SpeculativeRounds:
                                      zeros.new_zeros(B, 0, dtype=torch.float32) if self.output_logprobs else None)
         capacity = max(prompt.lengths) + self.max_new_tokens + k
         target_cache = cache_for(model, B, capacity, device, dtype, reuse=self.compile, step_tokens=k + 1)
-        proposer = make_proposer(capacity)
+        proposer = make_proposer(capacity, target_cache)
         takes_hidden = getattr(proposer, "takes_target_hidden", False)
         target_step = step_function(model, self.compile, hidden=takes_hidden)
 

@@ -1,0 +1,214 @@
+"""speculative_generate with a Gemma 4 assistant as the draft: every round's drafts, for every row
+of a ragged batch, equal those transformers' assistant computes from that row's text alone (over
+the keys and values transformers' target returns for it); greedy output equals the target's own;
+sampled output follows the target's distribution; bad assistants are refused."""
+
+import copy
+
+import pytest
+import torch
+
+from gptfast_kernels import generate, patch_model, speculative_generate
+from gptfast_kernels.generation import assistant as assistant_module
+from gptfast_kernels.generation import forward
+from python_tests.generation.test_speculative import _exact_target_distribution
+from python_tests.tiny_models import draw_zero_initialised_, ragged_prompts, tiny_model
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Gemma4AssistantForCausalLM"):
+    pytest.skip("this transformers has no Gemma 4 assistant", allow_module_level=True)
+
+# a small vocabulary: the untrained assistant's drafts are then accepted now and then
+VOCAB = 5
+NEW = 16
+
+
+def _assistant_for(target, *, ordered: bool = False, seed: int = 5, layer_types=("sliding_attention", "full_attention"),
+                   **overrides):
+    """A Gemma 4 assistant for ``target`` (tiny_model's gemma4_text / gemma4_unified_text: sliding layers
+    of 2 kv heads of 16, global ones of 1 kv head of 32, keys as values; a unified target gets the
+    unified assistant), its weights drawn; ``ordered``: the centroid head."""
+    config = target.config
+    prefix = "Gemma4Unified" if config.model_type == "gemma4_unified_text" else "Gemma4"
+    text_config_class = getattr(transformers, f"{prefix}TextConfig")
+    assistant_config_class = getattr(transformers, f"{prefix}AssistantConfig")
+    assistant_class = getattr(transformers, f"{prefix}AssistantForCausalLM")
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=len(layer_types), num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                attention_k_eq_v=True, sliding_window=config.sliding_window, layer_types=list(layer_types),
+                vocab_size=config.vocab_size, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                max_position_embeddings=256, num_kv_shared_layers=len(layer_types),
+                pad_token_id=config.pad_token_id, initializer_range=config.initializer_range)
+    text.update(overrides)
+    options = dict(use_ordered_embeddings=True, num_centroids=config.vocab_size, centroid_intermediate_top_k=2) \
+        if ordered else {}
+    assistant_config = assistant_config_class(text_config=text_config_class(**text),
+                                              backbone_hidden_size=config.hidden_size, **options)
+    torch.manual_seed(seed)
+    try:
+        assistant = assistant_class(assistant_config).eval()
+    except ValueError as error:  # (transformers 5.23's config cannot share every layer, as an assistant does)
+        if "layer types producing a cache" not in str(error):
+            raise
+        pytest.skip(f"this transformers cannot build a Gemma 4 assistant: {error}")
+    draw_zero_initialised_(assistant)
+    if ordered:  # (its token order, zero as built, is a checkpoint's: a permutation)
+        assistant.masked_embedding.token_ordering.copy_(torch.randperm(config.vocab_size))
+    return assistant
+
+
+def _target(family="gemma4_unified_text", vocab=VOCAB, seed=0):
+    model = tiny_model(family, layers=4, vocab=vocab, seed=seed)
+    return model, patch_model(copy.deepcopy(model), int8=False)
+
+
+def _transformers_drafts(model, assistant, text: torch.Tensor, k: int) -> list[int]:
+    """The k greedy drafts after ``text`` [n + 1] (its last token: the target's last emitted one),
+    from transformers' modules: the target over text[:-1] (its last hidden state and the keys and
+    values it shares), then the assistant k times at position n, as its candidate generator runs it."""
+    with torch.no_grad():
+        out = model(text[None, :-1], output_hidden_states=True, return_shared_kv_states=True, use_cache=False)
+        hidden, shared = out.hidden_states[-1][:, -1:], dict(out.shared_kv_states)
+        token, n = text[None, -1:], text.shape[0] - 1
+        drafts = []
+        for _ in range(k):
+            embeds = torch.cat([model.get_input_embeddings()(token), hidden], dim=-1)
+            step = assistant(inputs_embeds=embeds, position_ids=torch.tensor([[n]]), shared_kv_states=shared)
+            token, hidden = step.logits.argmax(dim=-1), step.last_hidden_state
+            drafts.append(int(token))
+    return drafts
+
+
+def _rounds_recorded(monkeypatch):
+    rounds = []
+    propose = assistant_module.AssistantProposer.propose
+
+    def recording(self, rounds_, last, active, history):
+        tokens, probs = propose(self, rounds_, last, active, history)
+        rounds.append((history.generated.clone(), history.num_generated.clone(), active.clone(), tokens.clone(),
+                       self.cache.has_ring_layers))
+        return tokens, probs
+
+    monkeypatch.setattr(assistant_module.AssistantProposer, "propose", recording)
+    return rounds
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma4_unified_text"])
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("ordered", [False, True], ids=["head", "centroids"])
+@pytest.mark.parametrize("ring", [False, True], ids=["full-buffers", "ring-buffers"])
+def test_every_rounds_drafts_equal_transformers(family, side, ordered, ring, monkeypatch):
+    """Prompts and outputs longer than the window (4), so the sliding layers' window cuts; with
+    ``ring`` the target's sliding layers are ring buffers (prefill chunks of 5 tokens: 8 slots)."""
+    if ring:
+        monkeypatch.setattr(forward, "PREFILL_CHUNK", 5)
+    model, patched = _target(family)
+    assistant = _assistant_for(model, ordered=ordered)
+    ids, mask = ragged_prompts(3, 9, side, vocab=VOCAB)
+    k = 3
+    rounds = _rounds_recorded(monkeypatch)
+    out = speculative_generate(patched, assistant, ids, mask, max_new_tokens=NEW, speculate_k=k, eos_token_id=[])
+    want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    assert torch.equal(out.sequences, want)
+    checked = 0
+    for generated, num_generated, active, tokens, has_ring_layers in rounds:
+        assert has_ring_layers == ring
+        for b in range(ids.shape[0]):
+            if active[b]:
+                text = torch.cat([ids[b][mask[b].bool()], generated[b, :num_generated[b]]])
+                assert tokens[b].tolist() == _transformers_drafts(model, assistant, text, k), (b, text.tolist())
+                checked += 1
+    assert checked >= 3 * 4
+    assert 0 < int(out.num_accepted.sum()) < int(out.num_proposed.sum())
+
+
+@pytest.mark.parametrize("batch, k", [(1, 1), (4, 2), (4, 5)])
+def test_greedy_equals_target_greedy_int8(batch, k):
+    model = tiny_model("gemma4_text", layers=4, vocab=97)
+    patched = patch_model(copy.deepcopy(model), int8=True)
+    assistant = _assistant_for(model)
+    ids, mask = ragged_prompts(batch, 9, "left")
+    want = generate(patched, ids, mask, max_new_tokens=14, eos_token_id=[]).sequences
+    out = speculative_generate(patched, assistant, ids, mask, max_new_tokens=14, speculate_k=k, eos_token_id=[])
+    assert torch.equal(out.sequences, want)
+    assert torch.equal(out.num_proposed.clamp(max=1), torch.ones(batch, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["head", "centroids"])
+def test_compiled_rounds_give_the_same_tokens(ordered):
+    model, patched = _target()
+    assistant = _assistant_for(model, ordered=ordered)
+    ids, mask = ragged_prompts(2, 6, "left", vocab=VOCAB)
+    eager = speculative_generate(patched, assistant, ids, mask, max_new_tokens=12, speculate_k=3, eos_token_id=[])
+    compiled = speculative_generate(patched, assistant, ids, mask, max_new_tokens=12, speculate_k=3,
+                                    eos_token_id=[], compile=True)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch.equal(compiled.num_accepted, eager.num_accepted)
+    assert int(eager.num_accepted.sum()) > 0
+
+
+def test_sampling_follows_the_target_distribution():
+    """As test_speculative's chi-square test, with the assistant drafting (its centroid head: every
+    token has a probability, those of the clusters it does not choose a small one)."""
+    from scipy.stats import chisquare
+
+    vocab, rows, steps = 6, 20000, 3
+    model, patched = _target(vocab=vocab, seed=1)
+    assistant = _assistant_for(model, ordered=True)
+    prompt = torch.tensor([[2, 3]])
+    out = speculative_generate(patched, assistant, prompt.expand(rows, -1).contiguous(), max_new_tokens=steps,
+                               speculate_k=2, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                               eos_token_id=[])
+    assert 0.05 < out.acceptance_rate < 0.95
+    tokens = out.sequences[:, 2:]
+    counts = torch.bincount((tokens * torch.tensor([vocab * vocab, vocab, 1])).sum(1), minlength=vocab ** steps)
+    expected = _exact_target_distribution(patched, prompt, steps, vocab, 1.0).flatten() * rows
+    enough = expected >= 5
+    observed = torch.cat([counts[enough].double(), counts[~enough].sum()[None].double()])
+    wanted = torch.cat([expected[enough], expected[~enough].sum()[None]])
+    assert chisquare(observed.numpy(), (wanted / wanted.sum() * observed.sum()).numpy()).pvalue > 1e-3
+
+
+def test_centroid_logits_equal_transformers_per_row():
+    """ordered_logits for one row equals transformers' masked embedder; in a batch, each row's
+    logits are its own (transformers' floor, the batch's lowest score, would mix rows)."""
+    model, _ = _target(vocab=12)
+    assistant = _assistant_for(model, ordered=True)
+    embedder, head = assistant.masked_embedding, assistant.lm_head.weight
+    hidden = torch.randn(3, 2, 32)
+    with torch.no_grad():
+        batched = assistant_module.ordered_logits(embedder, hidden, head)
+        for b in range(3):
+            for t in range(2):
+                one = hidden[b:b + 1, t:t + 1]
+                assert torch.allclose(batched[b, t], embedder(one, head)[0, 0], rtol=1e-5, atol=1e-6)
+                assert torch.equal(batched[b, t], assistant_module.ordered_logits(embedder, one, head)[0, 0])
+    # the 2 chosen clusters of 1 token each (12 tokens, 12 centroids) score above the floor, the rest sit on it
+    chosen = batched > batched.amin(dim=-1, keepdim=True)
+    assert torch.equal(chosen.sum(-1), torch.full((3, 2), 2))
+
+
+def test_bad_assistants_are_refused(monkeypatch):
+    model, patched = _target()
+    ids = torch.tensor([[1, 2, 3]])
+    # a ring buffer too short to keep the last window + 1 committed positions through a round
+    # (prefill chunks of 3, k = 3: 4 + max(3, 4) - 1 = 7 slots, 8 needed)
+    monkeypatch.setattr(forward, "PREFILL_CHUNK", 3)
+    with pytest.raises(ValueError, match="speculate_k=3 is too large for model's ring-buffer layer 0 .7 slots."):
+        speculative_generate(patched, _assistant_for(model), ids, max_new_tokens=4, speculate_k=3)
+    out = speculative_generate(patched, _assistant_for(model), ids, max_new_tokens=4, speculate_k=1)  # (6 of 6)
+    assert torch.equal(out.sequences, generate(patched, ids, max_new_tokens=4).sequences)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="backbone_hidden_size 48 but model has hidden_size 64"):
+        bad = _assistant_for(model)
+        bad.config.backbone_hidden_size = 48
+        speculative_generate(patched, bad, ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"layer 1 \(full_attention\) attends with \(kv heads, head dim\) \(2, 32\)"):
+        speculative_generate(patched, _assistant_for(model, num_global_key_value_heads=2), ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="draft_model is torch.float64 but model is torch.float32"):
+        speculative_generate(patched, _assistant_for(model).double(), ids, max_new_tokens=4)
+    llama = patch_model(tiny_model("llama", vocab=VOCAB), int8=False)
+    with pytest.raises(ValueError, match="drafts over a Gemma 4 model's keys and values; model is a 'llama' model"):
+        speculative_generate(llama, _assistant_for(model), ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="vocab_size 7 but model has 5"):
+        speculative_generate(patched, _assistant_for(model, vocab_size=7), ids, max_new_tokens=4)

@@ -101,8 +101,6 @@ def test_sampling_follows_the_target_distribution(family, int8, min_p, penalty):
     distribution of (t1, t2, t3) — t2 and t3 come from verification — fits the target's exact
     distribution (chi-square over the cells with enough mass; with min_p, the cells it removes
     get no sample). A hybrid target and draft too: their recurrent states roll back per row."""
-    from scipy.stats import chisquare
-
     vocab, rows, steps, temperature = 6, 20000, 3, 1.0
     target = patched_copy(tiny_model(family, vocab=vocab, seed=1), int8=int8)
     draft = patch_model(tiny_model(family, vocab=vocab, layers=2, seed=2), int8=False)
@@ -112,8 +110,17 @@ def test_sampling_follows_the_target_distribution(family, int8, min_p, penalty):
                                speculate_k=2, temperature=temperature, min_p=min_p, repetition_penalty=penalty,
                                generator=g, eos_token_id=[])
     assert 0.05 < out.acceptance_rate < 0.95
-    tokens = out.sequences[:, 2:]
-    cells = (tokens * torch.tensor([vocab * vocab, vocab, 1])).sum(1)
+    assert_samples_follow_the_target(target, prompt, out.sequences[:, 2:], vocab, temperature, min_p, penalty)
+
+
+def assert_samples_follow_the_target(target, prompt, tokens, vocab, temperature, min_p=None, penalty=None):
+    """The rows of ``tokens`` [rows, steps] (sampled after ``prompt`` [1, P]) fit the target's exact
+    joint distribution: chi-square over the cells with enough mass (the rare ones pooled), and no
+    sample in a cell without any (with min_p, which must remove some)."""
+    from scipy.stats import chisquare
+
+    rows, steps = tokens.shape
+    cells = (tokens * vocab ** torch.arange(steps - 1, -1, -1)).sum(1)
     counts = torch.bincount(cells, minlength=vocab ** steps).double()
     expected = _exact_target_distribution(target, prompt, steps, vocab, temperature, min_p, penalty).flatten() * rows
     assert counts[expected == 0].sum() == 0

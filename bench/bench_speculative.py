@@ -21,7 +21,14 @@ forward without a checkpoint (``ours_verify_no_rollback``: transformers' multi-t
 cannot roll back), one decode step, and the k + 1 decode steps plain decoding spends on k + 1
 tokens (the baseline). ``decode_steps_per_verify``: the verification's time in decode steps; a
 round gains when its accepted tokens + 1 exceed that plus the draft's time.
-Cases (``--cases``): demo, rounds, hybrid.
+Rows "assistant_rounds": drafting with a Gemma 4 assistant (generation/assistant.py) on random
+weights: a Gemma 4 text target (transformers' default Gemma4TextConfig on a GPU, bf16, int8
+weights, compiled steps; scaled down in float32 on the CPU) and a 4-layer assistant over its keys
+and values, greedy, at B = 1 and 8: rounds per second, tokens/s and the fraction of a round outside
+the two models' forwards, against the same target decoding alone and, at B = 1, transformers'
+assisted generation with the same assistant (batch 1 only) and its plain generate. Random weights
+accept few drafts: these rows time the rounds, not the speed-up a trained assistant gives.
+Cases (``--cases``): demo, rounds, hybrid, assistant.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+import gptfast_kernels.generation.assistant as assistant_module
 import gptfast_kernels.generation.speculative as speculative_module
 from bench.harness import best_seconds, default_dtype, synchronize
 from gptfast_kernels import StaticKVCache, generate, patch_model, prompt_lookup_generate, speculative_generate
@@ -49,6 +57,12 @@ HYBRID_CPU = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
                   num_key_value_heads=2, head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8,
                   linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=32000)
 HYBRID_PROMPT = 128
+# assistant_rounds on the CPU: a Gemma 4 text layout scaled down (5 sliding layers to 1 global, as
+# transformers' default config), its 4-layer assistant at half the width
+GEMMA4_CPU = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, global_head_dim=128, sliding_window=128, vocab_size=32000,
+                  hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+ASSISTANT_LAYERS = ["sliding_attention"] * 3 + ["full_attention"]
 
 
 def _demo_models(h):
@@ -112,25 +126,30 @@ class _ForwardClock:
     def __init__(self, device):
         self.device, self.seconds = device, 0.0
         self.original = speculative_module.step_function
+        self.original_assistant = assistant_module.assistant_step_function
 
     def __enter__(self):
-        def timed(model, compile):
-            step = self.original(model, compile)
+        def clocked(original):
+            def timed(model, compile, **options):
+                step = original(model, compile, **options)
 
-            def run(*args):
-                synchronize(self.device)
-                start = time.perf_counter()
-                out = step(*args)
-                synchronize(self.device)
-                self.seconds += time.perf_counter() - start
-                return out
-            return run
+                def run(*args):
+                    synchronize(self.device)
+                    start = time.perf_counter()
+                    out = step(*args)
+                    synchronize(self.device)
+                    self.seconds += time.perf_counter() - start
+                    return out
+                return run
+            return timed
 
-        speculative_module.step_function = timed
+        speculative_module.step_function = clocked(self.original)
+        assistant_module.assistant_step_function = clocked(self.original_assistant)
         return self
 
     def __exit__(self, *exc):
         speculative_module.step_function = self.original
+        assistant_module.assistant_step_function = self.original_assistant
 
 
 def _timed_rounds(h, generate_fn, rows: int, new_tokens: int, prefill_seconds: float) -> tuple[dict, object]:
@@ -238,6 +257,65 @@ def _hybrid_rows(h):
             row["decode_steps_per_verify"] = row["ms_median"] / step_ms
 
 
+def _gemma4_pair(h):
+    """(a Gemma 4 text target, patched, int8 on a GPU; the same unpatched; a 4-layer assistant for it)."""
+    from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM,
+                              Gemma4TextConfig)
+
+    on_gpu = h.device.type == "cuda"
+    config = Gemma4TextConfig(**({} if on_gpu else GEMMA4_CPU))
+    sliding, full = (config.per_layer_config[config.layer_types.index(kind)] for kind in
+                     ("sliding_attention", "full_attention"))
+    width = 1024 if on_gpu else GEMMA4_CPU["hidden_size"] // 2
+    text = Gemma4TextConfig(
+        hidden_size=width, intermediate_size=4 * width, num_hidden_layers=len(ASSISTANT_LAYERS),
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=sliding.num_key_value_heads,
+        head_dim=sliding.head_dim, num_global_key_value_heads=full.num_key_value_heads,
+        global_head_dim=full.head_dim, sliding_window=config.sliding_window, layer_types=ASSISTANT_LAYERS,
+        vocab_size=config.vocab_size, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+        num_kv_shared_layers=len(ASSISTANT_LAYERS))
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    torch.manual_seed(0)
+    with torch.device(h.device), default_dtype(dtype):
+        target = Gemma4ForCausalLM(config).eval()
+        assistant = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(
+            text_config=text, backbone_hidden_size=config.hidden_size)).eval()
+    assistant.generation_config.num_assistant_tokens = SPECULATE_K
+    return patch_model(copy.deepcopy(target), int8=on_gpu), target, assistant
+
+
+def _assistant_rows(h):
+    on_gpu = h.device.type == "cuda"
+    patched, target, assistant = _gemma4_pair(h)
+    new_tokens = 32 if h.quick or not on_gpu else 64
+    vocab = target.config.vocab_size
+    for rows in ((1,) if h.quick else (1, 8)):
+        ids = torch.randint(2, vocab, (rows, 16), device=h.device)
+        case = {"op": "assistant_rounds", "model": "gemma4 random + 4-layer assistant", "batch": rows,
+                "new_tokens": new_tokens, **h.meta}
+        with torch.no_grad():
+            fields, out = _timed_rounds(
+                h, lambda: speculative_generate(patched, assistant, ids, max_new_tokens=new_tokens,
+                                                speculate_k=SPECULATE_K, eos_token_id=[], compile=on_gpu),
+                rows, new_tokens, 0.0)
+            h.rows.append({**case, "impl": "ours_assistant", **fields, "acceptance_rate": out.acceptance_rate,
+                           "greedy_equals_target_alone": bool(torch.equal(out.sequences, generate(
+                               patched, ids, max_new_tokens=new_tokens, eos_token_id=[]).sequences))})
+            others = {"ours_target_alone": lambda: generate(patched, ids, max_new_tokens=new_tokens, eos_token_id=[],
+                                                            compile=on_gpu)}
+            if rows == 1:
+                hf = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                others["hf_assisted"] = lambda: target.generate(ids, assistant_model=assistant, **hf)
+                others["hf_generate"] = lambda: target.generate(ids, **hf)
+            for name, fn in others.items():
+                seconds, _ = best_seconds(fn, h.device, repeats=2)
+                h.rows.append({**case, "impl": name, "tokens_per_s": rows * new_tokens / seconds})
+        base = next(row["tokens_per_s"] for row in h.rows[::-1] if row.get("impl") == "ours_target_alone")
+        for row in h.rows:
+            if row.get("op") == "assistant_rounds" and row["batch"] == rows:
+                row["speedup_vs_target_alone"] = row["tokens_per_s"] / base
+
+
 def run(h) -> None:
     if h.wants("demo"):
         _e2e_rows(h)
@@ -245,3 +323,5 @@ def run(h) -> None:
         _rounds_rows(h)
     if h.wants("hybrid"):
         _hybrid_rows(h)
+    if h.wants("assistant"):
+        _assistant_rows(h)

@@ -264,14 +264,15 @@ def _gemma4_pair(h):
 
     on_gpu = h.device.type == "cuda"
     config = Gemma4TextConfig(**({} if on_gpu else GEMMA4_CPU))
-    sliding, full = (config.per_layer_config[config.layer_types.index(kind)] for kind in
-                     ("sliding_attention", "full_attention"))
+    (sliding_heads, sliding_dim), (full_heads, full_dim) = (
+        assistant_module.kv_geometry(config, config.layer_types.index(kind))
+        for kind in ("sliding_attention", "full_attention"))
     width = 1024 if on_gpu else GEMMA4_CPU["hidden_size"] // 2
     text = Gemma4TextConfig(
         hidden_size=width, intermediate_size=4 * width, num_hidden_layers=len(ASSISTANT_LAYERS),
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=sliding.num_key_value_heads,
-        head_dim=sliding.head_dim, num_global_key_value_heads=full.num_key_value_heads,
-        global_head_dim=full.head_dim, sliding_window=config.sliding_window, layer_types=ASSISTANT_LAYERS,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=sliding_heads, head_dim=sliding_dim,
+        num_global_key_value_heads=full_heads, global_head_dim=full_dim, sliding_window=config.sliding_window,
+        layer_types=ASSISTANT_LAYERS,
         vocab_size=config.vocab_size, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
         num_kv_shared_layers=len(ASSISTANT_LAYERS))
     dtype = torch.bfloat16 if on_gpu else torch.float32

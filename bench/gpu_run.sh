@@ -28,6 +28,8 @@
 #   speculative  rounds/s at B = 1 / 8 / 32, 8B-shape target + 4-layer draft -> ..._speculative_rounds.json
 #   speculative-hybrid a hybrid's verification forward with its state rollback (Qwen3.5-9B layout,
 #                compiled) against decode steps                       -> ..._speculative_hybrid.json
+#   speculative-assistant   a Gemma 4 assistant drafting for a Gemma 4 target (random weights),
+#                B = 1 / 8, against transformers' assisted generation -> ..._speculative_assistant.json
 #   speculative-demo   the demo's trained models end to end           -> ..._speculative_demo.json
 #                (carry .demo_cache to skip the demo's training)
 #
@@ -43,7 +45,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels int8-kernels tiles kv-tiles profile generate generate-batched generate-mla generate-llama4 speculative speculative-hybrid speculative-demo}
+STAGES=${*:-build tests sanitize kernels int8-kernels tiles kv-tiles profile generate generate-batched generate-mla generate-llama4 speculative speculative-hybrid speculative-assistant speculative-demo}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -156,6 +158,7 @@ for stage in $STAGES; do
     generate-llama4) bench generate --cases llama4 ;;
     speculative) bench speculative --cases rounds ;;
     speculative-hybrid) bench speculative --cases hybrid ;;
+    speculative-assistant) bench speculative --cases assistant ;;
     speculative-demo) bench speculative --cases demo ;;
     *) echo "unknown stage $stage"; false ;;
   esac

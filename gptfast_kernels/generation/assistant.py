@@ -48,7 +48,7 @@ def is_gemma4_assistant(module) -> bool:
     return type(module).__name__ in ASSISTANT_CLASSES
 
 
-def _layer_geometry(config, index: int) -> tuple[int, int]:
+def kv_geometry(config, index: int) -> tuple[int, int]:
     """(kv heads, head dim) of layer ``index`` of a Gemma 4 text config."""
     per_layer = getattr(config, "per_layer_config", None)
     if per_layer is not None:
@@ -94,7 +94,7 @@ def check_assistant(op: str, model, assistant) -> None:
         if kind not in sources:
             raise ValueError(f"{op}: draft_model's layer {index} is a {kind!r} layer, but model has no such layer "
                              "with keys and values of its own")
-        ours, theirs = _layer_geometry(text, index), _layer_geometry(target, sources[kind])
+        ours, theirs = kv_geometry(text, index), kv_geometry(target, sources[kind])
         if ours != theirs:
             raise ValueError(f"{op}: draft_model's layer {index} ({kind}) attends with (kv heads, head dim) {ours}, "
                              f"but model's layer {sources[kind]} holds keys and values of {theirs}")

@@ -98,10 +98,9 @@ def check_assistant(op: str, model, assistant) -> None:
         if ours != theirs:
             raise ValueError(f"{op}: draft_model's layer {index} ({kind}) attends with (kv heads, head dim) {ours}, "
                              f"but model's layer {sources[kind]} holds keys and values of {theirs}")
-    device, dtype = common.model_device_dtype(model)
-    draft_device, draft_dtype = common.model_device_dtype(assistant)
-    if draft_device != device:
-        raise ValueError(f"{op}: draft_model is on {draft_device} but model is on {device}")
+    common.check_same_device(op, model, assistant)
+    _, dtype = common.model_device_dtype(model)
+    _, draft_dtype = common.model_device_dtype(assistant)
     if draft_dtype != dtype:
         raise ValueError(f"{op}: draft_model is {draft_dtype} but model is {dtype}; the assistant attends over the "
                          "model's keys and values, in its dtype (cast the assistant: draft_model.to(dtype))")

@@ -107,6 +107,14 @@ def input_vocab_size(model) -> int:
     return int(model.get_input_embeddings().num_embeddings)
 
 
+def check_same_device(op: str, model, draft_model) -> None:
+    """ValueError unless ``draft_model`` runs on ``model``'s device."""
+    device, _ = model_device_dtype(model)
+    draft_device, _ = model_device_dtype(draft_model)
+    if draft_device != device:
+        raise ValueError(f"{op}: draft_model is on {draft_device} but model is on {device}")
+
+
 def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
     """Where the model runs and its activation dtype (its first floating-point parameter / buffer)."""
     for tensor in list(model.parameters()) + list(model.buffers()):

@@ -61,10 +61,7 @@ def check_mtp(op: str, model, mtp) -> None:
         if ours != theirs:
             raise ValueError(f"{op}: draft_model (an MtpModel) has {name} {ours} but model has {theirs}; build it "
                              "from this model (MtpModel.from_pretrained(model))")
-    draft_device, _ = common.model_device_dtype(mtp)
-    device, _ = common.model_device_dtype(model)
-    if draft_device != device:
-        raise ValueError(f"{op}: draft_model is on {draft_device} but model is on {device}")
+    common.check_same_device(op, model, mtp)
 
 
 def _mtp_forward(ids: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, cache, keep: torch.Tensor,

@@ -87,10 +87,7 @@ def _check_draft_model(op: str, model, draft_model) -> None:
     if target_vocab != draft_vocab:
         raise ValueError(f"{op}: draft_model's vocabulary ({draft_vocab} tokens) differs from model's "
                          f"({target_vocab}); the two models must share a tokenizer")
-    device, _ = common.model_device_dtype(model)
-    draft_device, _ = common.model_device_dtype(draft_model)
-    if draft_device != device:
-        raise ValueError(f"{op}: draft_model is on {draft_device} but model is on {device}")
+    common.check_same_device(op, model, draft_model)
 
 
 class Proposer(Protocol):

@@ -113,6 +113,18 @@ def test_sampling_follows_the_target_distribution(family, int8, min_p, penalty):
     assert_samples_follow_the_target(target, prompt, out.sequences[:, 2:], vocab, temperature, min_p, penalty)
 
 
+def assert_drafter_keeps_the_target_distribution(target, draft_model, vocab):
+    """20000 rows sample 3 tokens after [2, 3] (k = 2, temperature 1) with ``draft_model`` drafting;
+    some drafts but not all are accepted, and the tokens fit the target's joint distribution."""
+    rows, steps = 20000, 3
+    prompt = torch.tensor([[2, 3]])
+    out = speculative_generate(target, draft_model, prompt.expand(rows, -1).contiguous(), max_new_tokens=steps,
+                               speculate_k=2, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                               eos_token_id=[])
+    assert 0.05 < out.acceptance_rate < 0.95
+    assert_samples_follow_the_target(target, prompt, out.sequences[:, 2:], vocab, 1.0)
+
+
 def assert_samples_follow_the_target(target, prompt, tokens, vocab, temperature, min_p=None, penalty=None):
     """The rows of ``tokens`` [rows, steps] (sampled after ``prompt`` [1, P]) fit the target's exact
     joint distribution: chi-square over the cells with enough mass (the rare ones pooled), and no
@@ -223,10 +235,16 @@ def test_a_compiled_model_drafting_for_itself_keeps_two_caches():
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])  # (a hybrid: its states roll back in the graph)
 def test_compiled_rounds_give_the_same_tokens(family):
     _, patched, draft = _pair(family, True)
-    ids, mask = ragged_prompts(2, 6, "left")
-    eager = speculative_generate(patched, draft, ids, mask, max_new_tokens=12, speculate_k=3, eos_token_id=[])
-    compiled = speculative_generate(patched, draft, ids, mask, max_new_tokens=12, speculate_k=3, eos_token_id=[],
-                                    compile=True)
+    assert_compiled_rounds_equal_eager(patched, draft, ragged_prompts(2, 6, "left"))
+
+
+def assert_compiled_rounds_equal_eager(target, draft_model, prompts):
+    """Compiled rounds (k = 3, 12 new tokens after ``prompts``: (ids, mask)) give the eager
+    rounds' tokens and acceptances; some drafts but not all were accepted (rounds rolled back)."""
+    ids, mask = prompts
+    eager = speculative_generate(target, draft_model, ids, mask, max_new_tokens=12, speculate_k=3, eos_token_id=[])
+    compiled = speculative_generate(target, draft_model, ids, mask, max_new_tokens=12, speculate_k=3,
+                                    eos_token_id=[], compile=True)
     assert torch.equal(compiled.sequences, eager.sequences)
     assert torch.equal(compiled.num_accepted, eager.num_accepted)
-    assert 0 < eager.acceptance_rate < 1  # (rounds rolled back)
+    assert 0 < eager.acceptance_rate < 1

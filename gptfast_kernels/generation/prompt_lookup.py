@@ -101,5 +101,6 @@ def lookup_continuations(tokens: torch.Tensor, lengths: torch.Tensor, k: int, ma
     # the continuation's i-th token: text[start + i], or past the end the proposal d = length - start
     # before it, i.e. text[start + i mod d]
     period = torch.where(found, lengths - start, 1)
-    columns = torch.where(found, start, lengths - 1)[:, None] + torch.arange(k, device=device)[None, :] % period[:, None]
+    offsets = torch.arange(k, device=device)[None, :] % period[:, None]
+    columns = torch.where(found, start, lengths - 1)[:, None] + offsets
     return tokens.gather(1, columns)

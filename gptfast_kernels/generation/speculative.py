@@ -134,7 +134,8 @@ class DraftModelProposer:
         first_input = torch.stack([self.pending.clamp(min=0), last], dim=1)
         first_mask = torch.stack([(self.pending >= 0) & active, active], dim=1)
         logits = self.step(first_input, first_mask, self.cache)[:, -1]
-        return rounds.draft(history, logits, lambda token: self.step(token[:, None], active[:, None], self.cache)[:, -1])
+        return rounds.draft(history, logits,
+                            lambda token: self.step(token[:, None], active[:, None], self.cache)[:, -1])
 
     def commit(self, active, committed, num_accepted, draft_tokens, target_hidden=None) -> None:
         """The round's outcome: each active row keeps ``committed`` tokens in the cache."""

@@ -192,3 +192,15 @@ def test_bad_assistants_are_refused(monkeypatch):
         speculative_generate(llama, _assistant_for(model), ids, max_new_tokens=4)
     with pytest.raises(ValueError, match="vocab_size 7 but model has 5"):
         speculative_generate(patched, _assistant_for(model, vocab_size=7), ids, max_new_tokens=4)
+
+
+def test_penalised_greedy_and_min_new_tokens_equal_generate():
+    """The round's shared machinery with an assistant drafting: the repetition penalty (drafts
+    included in what later positions penalise) and min_new_tokens (eos suppressed) as generate."""
+    model, patched = _target()
+    ids, mask = ragged_prompts(3, 7, "left", vocab=VOCAB)
+    options = dict(max_new_tokens=10, repetition_penalty=1.7, min_new_tokens=6, eos_token_id=[1])
+    want = generate(patched, ids, mask, **options).sequences
+    out = speculative_generate(patched, _assistant_for(model), ids, mask, speculate_k=3, **options)
+    assert torch.equal(out.sequences, want)
+    assert int(out.num_accepted.sum()) > 0

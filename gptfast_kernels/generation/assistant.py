@@ -27,7 +27,8 @@ last emitted token's position (and in a sliding layer, every rejected draft) in 
 attends over. Here the assistant sees the committed text alone, as after the prompt.
 
 Everything stays on the device; the per-draft forward compiles (CUDA graphs) like a draft model's.
-The assistant runs transformers' own modules in its own dtype (no int8): it is a few layers.
+The assistant runs transformers' own modules in its own dtype; ``quantize_int8_(assistant)`` makes
+its linear layers int8 (the output head stays float by default, which the centroid head reads).
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def _assistant_forward(tokens: torch.Tensor, hidden: torch.Tensor, positions: to
     (the state before it) at query positions [B], attending over ``shared`` (per layer type: the
     target's key / value buffers) where ``masks`` (per layer type: [B, 1, 1, S] bool) ->
     (logits [B, V], next hidden [B, H])."""
-    inputs = torch.cat([embed(tokens[:, None]), hidden[:, None].to(assistant.pre_projection.weight.dtype)], dim=-1)
+    embedded = embed(tokens[:, None])
+    inputs = torch.cat([embedded, hidden[:, None].to(embedded.dtype)], dim=-1)
     out = assistant.model(inputs_embeds=assistant.pre_projection(inputs), attention_mask=masks,
                           position_ids=positions[:, None], shared_kv_states=dict(shared), use_cache=False)
     state = out.last_hidden_state
@@ -144,7 +146,7 @@ def assistant_step_function(assistant, compile: bool):
     if compiled is None:
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-        on_cuda = assistant.pre_projection.weight.device.type == "cuda"
+        on_cuda = common.model_device_dtype(assistant)[0].type == "cuda"
         compiled = torch.compile(_bound(_assistant_forward, assistant), fullgraph=True, dynamic=False,
                                  mode="reduce-overhead" if on_cuda else None)
         assistant._gptfast_compiled_assistant_forward = compiled

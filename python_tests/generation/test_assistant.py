@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from gptfast_kernels import generate, patch_model, speculative_generate
+from gptfast_kernels import Int8Linear, generate, patch_model, quantize_int8_, speculative_generate
 from gptfast_kernels.generation import assistant as assistant_module
 from gptfast_kernels.generation import forward
 from python_tests.generation.test_speculative import (assert_compiled_rounds_equal_eager,
@@ -123,11 +123,14 @@ def test_every_rounds_drafts_equal_transformers(family, side, ordered, ring, mon
     assert 0 < int(out.num_accepted.sum()) < int(out.num_proposed.sum())
 
 
-@pytest.mark.parametrize("batch, k", [(1, 1), (4, 2), (4, 5)])
-def test_greedy_equals_target_greedy_int8(batch, k):
+@pytest.mark.parametrize("batch, k, ordered", [(1, 1, False), (4, 2, True), (4, 5, False)])
+def test_greedy_equals_target_greedy_int8(batch, k, ordered):
+    """An int8 target, and an assistant with int8 linear layers (quantize_int8_; the output head,
+    which the centroid head reads, stays float)."""
     model = tiny_model("gemma4_text", layers=4, vocab=97)
     patched = patch_model(copy.deepcopy(model), int8=True)
-    assistant = _assistant_for(model)
+    assistant = quantize_int8_(_assistant_for(model, ordered=ordered))
+    assert isinstance(assistant.pre_projection, Int8Linear) and not isinstance(assistant.lm_head, Int8Linear)
     ids, mask = ragged_prompts(batch, 9, "left")
     want = generate(patched, ids, mask, max_new_tokens=14, eos_token_id=[]).sequences
     out = speculative_generate(patched, assistant, ids, mask, max_new_tokens=14, speculate_k=k, eos_token_id=[])

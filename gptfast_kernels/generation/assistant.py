@@ -38,7 +38,7 @@ import functools
 import torch
 
 from gptfast_kernels.generation import common
-from gptfast_kernels.generation.forward import RECOMPILE_LIMIT, _bound
+from gptfast_kernels.generation.forward import compiled_function
 from gptfast_kernels.models import families
 
 ASSISTANT_CLASSES = ("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM")
@@ -138,19 +138,12 @@ def _assistant_forward(tokens: torch.Tensor, hidden: torch.Tensor, positions: to
 
 
 def assistant_step_function(assistant, compile: bool):
-    """_assistant_forward on ``assistant``, eager or compiled (fullgraph, CUDA graphs on CUDA), kept
-    on the assistant as the models' compiled forwards are (generation.forward.compiled_function)."""
+    """_assistant_forward on ``assistant``, eager or compiled (as generation.forward.step_function;
+    the compile check is its text model's family's)."""
     if not compile:
         return functools.partial(_assistant_forward, assistant=assistant)
-    compiled = getattr(assistant, "_gptfast_compiled_assistant_forward", None)
-    if compiled is None:
-        dynamo_config = torch._dynamo.config
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-        on_cuda = common.model_device_dtype(assistant)[0].type == "cuda"
-        compiled = torch.compile(_bound(_assistant_forward, assistant), fullgraph=True, dynamic=False,
-                                 mode="reduce-overhead" if on_cuda else None)
-        assistant._gptfast_compiled_assistant_forward = compiled
-    return compiled
+    return compiled_function(assistant, _assistant_forward, "_gptfast_compiled_assistant_forward",
+                             family_model=assistant.model)
 
 
 class AssistantProposer:
@@ -159,8 +152,7 @@ class AssistantProposer:
 
     takes_target_hidden = True
 
-    def __init__(self, assistant, model, target_cache, batch_size: int, compile: bool, k: int):
-        device, dtype = common.model_device_dtype(model)
+    def __init__(self, assistant, model, target_cache, compile: bool, k: int):
         self.assistant, self.cache = assistant, target_cache
         text = assistant.config.get_text_config()
         sources = source_layers(model)
@@ -179,8 +171,7 @@ class AssistantProposer:
             self.windows[kind] = window
         self.step = assistant_step_function(assistant, compile)
         self.embed = model.get_input_embeddings()
-        self.hidden = torch.zeros(batch_size, model.config.get_text_config(decoder=True).hidden_size, dtype=dtype,
-                                  device=device)
+        self.hidden = None  # (prefill sets it)
 
     def masks(self, positions: torch.Tensor) -> dict:
         """Per layer type: [B, 1, 1, S] bool, the slots holding positions the assistant's query at
@@ -196,9 +187,7 @@ class AssistantProposer:
 
     def prefill(self, prompt: common.Prompt, target_hidden: torch.Tensor | None = None) -> None:
         """The target's hidden state at each row's last prompt token."""
-        columns = torch.arange(prompt.attention_mask.shape[1], device=prompt.attention_mask.device)
-        last = (columns * (prompt.attention_mask != 0)).argmax(dim=1)
-        self.hidden = target_hidden.gather(1, last.view(-1, 1, 1).expand(-1, 1, target_hidden.shape[-1]))[:, 0]
+        self.hidden = common.at_columns(target_hidden, common.last_columns(prompt.attention_mask))
 
     def propose(self, rounds, last, active, history) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> draft tokens [B, k], and their distributions [B, k, V] (None when greedy)."""
@@ -216,5 +205,4 @@ class AssistantProposer:
     def commit(self, active, committed, num_accepted, draft_tokens, target_hidden=None) -> None:
         """The round's outcome: the target's hidden state at the last position it kept (last +
         accepted drafts) becomes the rows' next one."""
-        kept = target_hidden.gather(1, num_accepted.view(-1, 1, 1).expand(-1, 1, target_hidden.shape[-1]))[:, 0]
-        self.hidden = torch.where(active[:, None], kept, self.hidden)
+        self.hidden = torch.where(active[:, None], common.at_columns(target_hidden, num_accepted), self.hidden)

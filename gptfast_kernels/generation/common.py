@@ -123,6 +123,16 @@ def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
     raise ValueError("the model has no floating-point weights")
 
 
+def last_columns(mask: torch.Tensor) -> torch.Tensor:
+    """[B, P] padding mask (0 = padding) -> [B] int64, the column of each row's last real token."""
+    return mask.shape[1] - 1 - (mask != 0).flip(1).to(torch.int64).argmax(dim=1)
+
+
+def at_columns(states: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """states [B, T, H] -> [B, H]: row b's entry at column ``columns[b]``."""
+    return states.gather(1, columns.view(-1, 1, 1).expand(-1, 1, states.shape[-1]))[:, 0]
+
+
 def left_order(mask: torch.Tensor) -> torch.Tensor:
     """[B, P] column order that moves each row's padding (``mask`` False) before its real tokens,
     which keep their order."""
@@ -152,9 +162,8 @@ def prefill(model, prompt: Prompt, cache, *, hidden: bool = False):
     if cache.has_recurrent_layers:
         order = left_order(prompt.attention_mask)
         prompt = _reordered(prompt, order)
-    P = prompt.input_ids.shape[1]
     aligned = prompt.ends_aligned
-    last = None if aligned else (P - 1 - prompt.attention_mask.flip(1).to(torch.int64).argmax(dim=1)).tolist()
+    last = None if aligned else last_columns(prompt.attention_mask).tolist()
     out, states = None, []
     for start, stop in prompt_chunks(prompt, cache):
         if not aligned:

@@ -50,12 +50,14 @@ def _bound(function, model):
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__, (model,))
 
 
-def compiled_function(model, function, attribute: str):
+def compiled_function(model, function, attribute: str, *, family_model=None):
     """``function(..., model=model)`` through torch.compile(fullgraph=True), CUDA graphs on CUDA,
-    compiled once and kept on ``model`` as ``attribute``."""
+    compiled once and kept on ``model`` as ``attribute``. Its family's compile check runs on
+    ``family_model`` (default ``model``: a Gemma 4 assistant passes its text model)."""
     compiled = getattr(model, attribute, None)
     if compiled is None:
-        family_of(model.config).check_compile(model)
+        family_model = model if family_model is None else family_model
+        family_of(family_model.config).check_compile(family_model)
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         on_cuda = next(model.parameters()).device.type == "cuda"

@@ -88,8 +88,8 @@ def _mtp_forward(ids: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, ca
         cache.discard_step()
         raise
     cache.commit_step()
-    kept = out.gather(1, keep.view(-1, 1, 1).expand(-1, 1, out.shape[-1]))
-    return kept[:, 0], mtp._project_to_logits(kept)[:, 0]
+    kept = common.at_columns(out, keep)
+    return kept, mtp._project_to_logits(kept[:, None])[:, 0]
 
 
 def mtp_step_function(mtp, compile: bool):

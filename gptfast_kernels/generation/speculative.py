@@ -73,8 +73,8 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
                                        min(common.input_vocab_size(model), common.input_vocab_size(draft_model)),
                                        streamer, repetition_penalty, min_new_tokens, output_logprobs)
     if assistant:
-        return rounds.run(lambda capacity, target_cache: AssistantProposer(draft_model, model, target_cache,
-                                                                          rounds.batch_size, compile, rounds.k))
+        return rounds.run(lambda capacity, target_cache: AssistantProposer(draft_model, model, target_cache, compile,
+                                                                          rounds.k))
     proposer = MtpProposer if mtp else DraftModelProposer
     return rounds.run(lambda capacity, target_cache: proposer(draft_model, rounds.batch_size, capacity, compile,
                                                               rounds.k))

@@ -12,7 +12,8 @@ from gptfast_kernels import Int8Linear, generate, patch_model, quantize_int8_, s
 from gptfast_kernels.generation import assistant as assistant_module
 from gptfast_kernels.generation import forward
 from python_tests.generation.test_speculative import (assert_compiled_rounds_equal_eager,
-                                                     assert_drafter_keeps_the_target_distribution)
+                                                     assert_drafter_keeps_the_target_distribution,
+                                                     assert_every_rounds_drafts, record_proposals)
 from python_tests.tiny_models import draw_zero_initialised_, ragged_prompts, tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -80,20 +81,6 @@ def _transformers_drafts(model, assistant, text: torch.Tensor, k: int) -> list[i
     return drafts
 
 
-def _rounds_recorded(monkeypatch):
-    rounds = []
-    propose = assistant_module.AssistantProposer.propose
-
-    def recording(self, rounds_, last, active, history):
-        tokens, probs = propose(self, rounds_, last, active, history)
-        rounds.append((history.generated.clone(), history.num_generated.clone(), active.clone(), tokens.clone(),
-                       self.cache.has_ring_layers))
-        return tokens, probs
-
-    monkeypatch.setattr(assistant_module.AssistantProposer, "propose", recording)
-    return rounds
-
-
 @pytest.mark.parametrize("family", ["gemma4_text", "gemma4_unified_text"])
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("ordered", [False, True], ids=["head", "centroids"])
@@ -107,19 +94,13 @@ def test_every_rounds_drafts_equal_transformers(family, side, ordered, ring, mon
     assistant = _assistant_for(model, ordered=ordered)
     ids, mask = ragged_prompts(3, 9, side, vocab=VOCAB)
     k = 3
-    rounds = _rounds_recorded(monkeypatch)
+    rounds = record_proposals(monkeypatch, assistant_module.AssistantProposer)
     out = speculative_generate(patched, assistant, ids, mask, max_new_tokens=NEW, speculate_k=k, eos_token_id=[])
     want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
     assert torch.equal(out.sequences, want)
-    checked = 0
-    for generated, num_generated, active, tokens, has_ring_layers in rounds:
-        assert has_ring_layers == ring
-        for b in range(ids.shape[0]):
-            if active[b]:
-                text = torch.cat([ids[b][mask[b].bool()], generated[b, :num_generated[b]]])
-                assert tokens[b].tolist() == _transformers_drafts(model, assistant, text, k), (b, text.tolist())
-                checked += 1
-    assert checked >= 3 * 4
+    assert all(proposer.cache.has_ring_layers == ring for *_, proposer in rounds)
+    reference = lambda text: _transformers_drafts(model, assistant, text, k)  # noqa: E731
+    assert assert_every_rounds_drafts(rounds, ids, mask, reference) >= 3 * 4
     assert 0 < int(out.num_accepted.sum()) < int(out.num_proposed.sum())
 
 

@@ -12,7 +12,8 @@ import torch
 from gptfast_kernels import generate, patch_model, speculative_generate
 from gptfast_kernels.generation import mtp as mtp_module
 from python_tests.generation.test_speculative import (assert_compiled_rounds_equal_eager,
-                                                     assert_drafter_keeps_the_target_distribution)
+                                                     assert_drafter_keeps_the_target_distribution,
+                                                     assert_every_rounds_drafts, record_proposals)
 from python_tests.tiny_models import draw_zero_initialised_, ragged_prompts, tiny_model
 
 MtpModel = pytest.importorskip("transformers.modeling_layers").__dict__.get("MtpModel")
@@ -82,24 +83,11 @@ def test_every_rounds_drafts_equal_transformers(family, side, monkeypatch):
     ids, mask = ragged_prompts(3, 7, side, vocab=VOCAB)
     model, mtp, patched, patched_mtp = _with_mtp(family)
     k = 3
-    rounds = []
-    propose = mtp_module.MtpProposer.propose
-
-    def recording(self, rounds_, last, active, history):
-        tokens, probs = propose(self, rounds_, last, active, history)
-        rounds.append((history.generated.clone(), history.num_generated.clone(), active.clone(), tokens.clone()))
-        return tokens, probs
-
-    monkeypatch.setattr(mtp_module.MtpProposer, "propose", recording)
+    rounds = record_proposals(monkeypatch, mtp_module.MtpProposer)
     out = speculative_generate(patched, patched_mtp, ids, mask, max_new_tokens=NEW, speculate_k=k, eos_token_id=[])
     want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
     assert torch.equal(out.sequences, want)
-    for generated, num_generated, active, tokens in rounds:
-        for b in range(ids.shape[0]):
-            if not active[b]:
-                continue
-            text = torch.cat([ids[b][mask[b].bool()], generated[b, :num_generated[b]]])
-            assert tokens[b].tolist() == _transformers_drafts(model, mtp, text, k), (b, text.tolist())
+    assert_every_rounds_drafts(rounds, ids, mask, lambda text: _transformers_drafts(model, mtp, text, k))
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])

@@ -191,6 +191,12 @@ AUTO_CONFIGS = {
     "hunyuan_v1_moe": lambda layers: dict(num_experts=4, moe_topk=2),  # an nn.Linear router (stays float)
     "hy_v3": lambda layers: dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1,
                                  mlp_layer_types=dense_then_sparse(layers)),  # score-correction bias in routing
+    # sliding-window (RoPE) and full-attention (NoPE, queries scaled by position) layers, one of each at least;
+    # layer 0 dense, the others experts; final-logit soft-capping
+    "beam": lambda layers: dict(num_hidden_layers=max(layers, 2), num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=48, n_group=1, topk_group=1, sliding_window=WINDOW,
+                                layer_types=alternating_layers(max(layers, 2)),
+                                mlp_layer_types=dense_then_sparse(max(layers, 2))),
     "aria_text": lambda layers: dict(moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1),
     # mixture of experts with local / global layers
     "kolibri1": lambda layers: dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,

@@ -83,6 +83,7 @@ class Family:
     kv_heads_attr: str | None       # config attribute with the KV-head count (None: MHA)
     head_dim_attr: str | None       # config attribute with the head size (None: hidden / heads)
     gated_mlp_class: str | None = None  # MLP class computing down(act(gate(x)) * up(x)), fused when int8
+    gated_mlp_in_float32: bool = False  # whether that MLP computes act(gate) * up in float32 (Beam's)
     # config flags that, when true ("name") or set to a value ("name=value"), break causal decoding
     refused_flags: tuple[str, ...] = ()
     # mixture of experts: the experts module class (names across transformers versions), int8 as Int8Experts
@@ -285,6 +286,10 @@ FAMILIES: dict[str, Family] = {
         Family("kolibri1", "Kolibri1Attention", "num_key_value_heads", "head_dim", "Kolibri1MLP",
                experts_class="Kolibri1Experts"),
         Family("flint", "FlintAttention", "num_key_value_heads", "head_dim", "FlintMLP", experts_class="FlintExperts"),
+        # sliding-window layers with RoPE, full-attention layers without (NoPE) with queries scaled by position; a
+        # sigmoid gate per head (biased) on the attention output; MLPs and experts gate in float32; grouped routing
+        Family("beam", "BeamAttention", "num_key_value_heads", "head_dim", "BeamMLP", experts_class="BeamExperts",
+               gated_mlp_in_float32=True),
         Family("aria_text", "AriaTextAttention", "num_key_value_heads", "head_dim", "AriaSharedExpertsMLP",
                experts_class="AriaExperts"),
         # local (sliding-window) and global layers

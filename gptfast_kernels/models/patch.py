@@ -53,7 +53,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         skip = (int8_skip,) if isinstance(int8_skip, str) else tuple(int8_skip)
         quantize_int8_(model, skip=(*skip, *family.float_linears), linear_subclasses=family.linear_subclasses)
         if family.gated_mlp_class is not None:
-            fuse_gated_mlps_(model, family.gated_mlp_class)
+            fuse_gated_mlps_(model, family.gated_mlp_class, family.gated_mlp_in_float32)
         fuse_qkv_(model, family.attention_class, attention_modules)
         if family.recurrent_input_projections:  # (ZAYA1's: inside its attention, not one of attention_modules)
             for mixer in mixers.values():

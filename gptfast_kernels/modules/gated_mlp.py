@@ -36,39 +36,45 @@ class GaussianTopK(nn.Module):
 class Int8GatedMLP(nn.Module):
     """down_proj(act_fn(gate) * up) with [gate | up] = gate_up_proj(x), the same function as the
     transformers MLP it replaces. gate_up_proj: Int8Linear [2 * intermediate, hidden]. ``sparsify``
-    (Gemma 3n's sparse layers: a GaussianTopK) goes over the gate before the activation."""
+    (Gemma 3n's sparse layers: a GaussianTopK) goes over the gate before the activation;
+    ``float32_activation`` (Beam's) computes act_fn(gate) * up in float32, rounded back to the
+    projections' dtype before down_proj."""
 
     def __init__(self, gate_up_proj: Int8Linear, down_proj: nn.Module, act_fn: nn.Module,
-                 sparsify: nn.Module | None = None):
+                 sparsify: nn.Module | None = None, float32_activation: bool = False):
         super().__init__()
         if gate_up_proj.out_features % 2:
             raise ValueError("Int8GatedMLP: gate_up_proj must have an even number of outputs (gate, up), "
                              f"got {gate_up_proj.out_features}")
         self.gate_up_proj, self.down_proj, self.act_fn, self.sparsify = gate_up_proj, down_proj, act_fn, sparsify
+        self.float32_activation = float32_activation
         self.intermediate_size = gate_up_proj.out_features // 2
 
     @classmethod
-    def from_mlp(cls, mlp: nn.Module) -> "Int8GatedMLP":
+    def from_mlp(cls, mlp: nn.Module, float32_activation: bool = False) -> "Int8GatedMLP":
         # the activation is act_fn in most families' MLPs, activation_fn in Phi-3-derived ones (Llama 4's)
         act_fn = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn
         sparsity = getattr(mlp, "activation_sparsity", 0.0)  # Gemma 3n's: 0.0 in its dense layers
         sparsify = GaussianTopK(sparsity).to(mlp.gate_proj.scales.device) if sparsity > 0.0 else None
-        return cls(Int8Linear.concat([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, act_fn, sparsify)
+        return cls(Int8Linear.concat([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, act_fn, sparsify, float32_activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         if self.sparsify is not None:
             gate = self.sparsify(gate)
+        if self.float32_activation:
+            return self.down_proj((self.act_fn(gate.float()) * up.float()).to(gate.dtype))
         return self.down_proj(self.act_fn(gate) * up)
 
 
-def fuse_gated_mlps_(model: nn.Module, mlp_class: str) -> int:
+def fuse_gated_mlps_(model: nn.Module, mlp_class: str, float32_activation: bool = False) -> int:
     """Replaces, in place, every module of class name ``mlp_class`` whose gate_proj and up_proj are
-    both Int8Linear (neither kept in float by int8_skip) with an Int8GatedMLP; returns how many."""
+    both Int8Linear (neither kept in float by int8_skip) with an Int8GatedMLP (``float32_activation``
+    as there); returns how many."""
     targets = [(name, module) for name, module in model.named_modules()
                if type(module).__name__ == mlp_class
                and isinstance(getattr(module, "gate_proj", None), Int8Linear)
                and isinstance(getattr(module, "up_proj", None), Int8Linear)]
     for name, module in targets:
-        model.set_submodule(name, Int8GatedMLP.from_mlp(module))
+        model.set_submodule(name, Int8GatedMLP.from_mlp(module, float32_activation))
     return len(targets)

@@ -111,13 +111,33 @@ def test_gemma3n_sparse_layers_fuse_with_their_gate_sparsified():
     for index in (0, 2):
         fused, original = mlps[index], model.model.layers[index].mlp
         # transformers' MLP running the fused module's int8 halves gives the same bits
-        halves = fused.gate_up_proj.qweight.chunk(2), fused.gate_up_proj.scales.chunk(2)
-        for name, qweight, scales in zip(("gate_proj", "up_proj"), halves[0], halves[1]):
-            part = Int8Linear(fused.gate_up_proj.in_features, fused.intermediate_size, bias=False)
-            part.qweight.copy_(qweight)
-            part.scales.copy_(scales)
-            setattr(original, name, part)
-        original.down_proj = fused.down_proj
+        _run_on_the_fused_halves_(original, fused)
         x = torch.randn(2, 5, model.config.hidden_size)
         with torch.no_grad():
             assert torch.equal(fused(x), original(x))
+
+
+def _run_on_the_fused_halves_(original, fused):
+    """Gives transformers' MLP ``original`` the int8 gate / up halves and the down projection of
+    ``fused`` (an Int8GatedMLP), in place."""
+    halves = fused.gate_up_proj.qweight.chunk(2), fused.gate_up_proj.scales.chunk(2)
+    for name, qweight, scales in zip(("gate_proj", "up_proj"), halves[0], halves[1]):
+        part = Int8Linear(fused.gate_up_proj.in_features, fused.intermediate_size, bias=False)
+        part.qweight.copy_(qweight)
+        part.scales.copy_(scales)
+        setattr(original, name, part.to(fused.gate_up_proj.scales.device))
+    original.down_proj = fused.down_proj
+
+
+def test_beam_mlps_fuse_with_their_activation_in_float32():
+    model = tiny_model("beam").to(torch.bfloat16)
+    patched = patched_copy(model, int8=True)
+    fused, original = patched.model.layers[0].mlp, model.model.layers[0].mlp  # (layer 0: dense)
+    assert isinstance(fused, Int8GatedMLP) and fused.float32_activation
+    _run_on_the_fused_halves_(original, fused)
+    x = torch.randn(2, 7, model.config.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(fused(x), original(x))
+        # (the activation in bfloat16 rounds differently: the float32 path is what makes them equal)
+        fused.float32_activation = False
+        assert not torch.equal(fused(x), original(x))

@@ -13,7 +13,10 @@ hold against the decode anchors.
 Cases (``--cases``): batch1, batch8, batch32; mla (a DeepSeek-V2-Lite-shaped model, multi-head latent
 attention, batch 1 and on a GPU 8: transformers expands its latent cache every step, ours attends over
 the latents); llama4 (4 of Llama-4-Scout's layers, batch 1 and on a GPU 8: chunked attention,
-NoPE layers, 16 experts top-1 beside a shared expert, which transformers runs densely on every token).
+NoPE layers, 16 experts top-1 beside a shared expert, which transformers runs densely on every token);
+mamba2 (Mamba-2 2.7B's shapes, attention-free, batch 1 and on a GPU 8: both run transformers' own
+mixer code, here without the mamba_ssm kernels, ours with int8 projections, compiled into one graph, and
+its states in the StaticKVCache; transformers' generate gets its default cache for it, not a static one).
 Published anchor for batch 1 (torchao int8 weight-only, Llama-3.1-8B, H100): 198.85 tok/s; the
 issue's target for ours is >= 260 tok/s.
 """
@@ -25,7 +28,7 @@ import copy
 import torch
 from torch._dynamo.utils import counters
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig,
-                          LlamaForCausalLM)
+                          LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM)
 
 from bench.harness import best_seconds, default_dtype
 
@@ -54,6 +57,12 @@ LLAMA4_GPU_CONFIG = dict(hidden_size=5120, intermediate_size=8192, intermediate_
 LLAMA4_CPU_CONFIG = dict(hidden_size=512, intermediate_size=512, intermediate_size_mlp=1024, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_local_experts=16,
                          num_experts_per_tok=1, vocab_size=32000, max_position_embeddings=2048, attention_chunk_size=32)
+# Mamba-2 2.7B's shapes (hidden 2560, 64 layers, 80 heads of 64 with a state of 128, one group, vocab 50288);
+# CPU: the same structure, smaller
+MAMBA2_GPU_CONFIG = dict(hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim=64, state_size=128,
+                         n_groups=1, expand=2, vocab_size=50288)
+MAMBA2_CPU_CONFIG = dict(hidden_size=512, num_hidden_layers=8, num_heads=16, head_dim=64, state_size=64, n_groups=1,
+                         expand=2, vocab_size=32000)
 PROMPT_LEN = 32
 
 
@@ -75,11 +84,18 @@ def run(h) -> None:
         llama4 = LLAMA4_GPU_CONFIG if on_gpu else LLAMA4_CPU_CONFIG
         _compare(h, lambda: Llama4ForCausalLM(Llama4TextConfig(**llama4)), "llama4-scout-layers",
                  (1, 8) if on_gpu else (1,))
+    if h.wants("mamba2"):
+        mamba2 = dict(MAMBA2_GPU_CONFIG if on_gpu else MAMBA2_CPU_CONFIG)
+        if h.quick and not on_gpu:
+            mamba2.update(num_hidden_layers=2)
+        _compare(h, lambda: Mamba2ForCausalLM(Mamba2Config(**mamba2)), "mamba2", (1, 8) if on_gpu else (1,),
+                 static_cache=False)
 
 
-def _compare(h, build, name: str, batches) -> None:
+def _compare(h, build, name: str, batches, *, static_cache: bool = True) -> None:
     """Times transformers' generate on the random-weight model ``build()`` makes against ours on
-    its patched copy, per batch size, and records both rows."""
+    its patched copy, per batch size, and records both rows. ``static_cache``: transformers' generate
+    runs with its static cache on a GPU (False: a model that has none, Mamba-2)."""
     from gptfast_kernels import generate, patch_model
 
     on_gpu = h.device.type == "cuda"
@@ -97,7 +113,7 @@ def _compare(h, build, name: str, batches) -> None:
         def hf_run(tokens):
             kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, attention_mask=mask,
                           pad_token_id=0)
-            if on_gpu:
+            if on_gpu and static_cache:
                 kwargs["cache_implementation"] = "static"
             return baseline.generate(input_ids, **kwargs)
 
@@ -110,7 +126,7 @@ def _compare(h, build, name: str, batches) -> None:
         hf_decode_tps = rows * steps / max(hf_seconds - hf_first, 1e-9)
         case = {"op": "generate_e2e", "model": f"{name}-{params / 1e6:.0f}M random", "batch": rows,
                 "dtype": str(dtype)[6:], "new_tokens": new_tokens, **h.meta}
-        h.rows.append({**case, "impl": "hf_generate" + ("_static_cache" if on_gpu else ""),
+        h.rows.append({**case, "impl": "hf_generate" + ("_static_cache" if on_gpu and static_cache else ""),
                        "tokens_per_s": hf_tps, "decode_tokens_per_s": hf_decode_tps, "speedup_vs_baseline": 1.0})
         # a GPU runs ours compiled (CUDA graphs); a CPU both eager, as the baseline runs, and compiled
         for impl, compiled in [("ours_int8_fused", on_gpu)] + ([] if on_gpu else [("ours_int8_fused_compiled", True)]):

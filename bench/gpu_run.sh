@@ -25,6 +25,8 @@
 #                                                                     -> ..._generate_mla.json
 #   generate-llama4    the same for Llama 4 (4 of Llama-4-Scout's layers), batch 1 and 8
 #                                                                     -> ..._generate_llama4.json
+#   generate-mamba2    the same for Mamba-2 2.7B's shapes (attention-free), batch 1 and 8
+#                                                                     -> ..._generate_mamba2.json
 #   speculative  rounds/s at B = 1 / 8 / 32, 8B-shape target + 4-layer draft -> ..._speculative_rounds.json
 #   speculative-hybrid a hybrid's verification forward with its state rollback (Qwen3.5-9B layout,
 #                compiled) against decode steps                       -> ..._speculative_hybrid.json
@@ -45,7 +47,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels int8-kernels tiles kv-tiles profile generate generate-batched generate-mla generate-llama4 speculative speculative-hybrid speculative-assistant speculative-demo}
+STAGES=${*:-build tests sanitize kernels int8-kernels tiles kv-tiles profile generate generate-batched generate-mla generate-llama4 generate-mamba2 speculative speculative-hybrid speculative-assistant speculative-demo}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -156,6 +158,7 @@ for stage in $STAGES; do
     generate-batched) bench generate --cases batch8,batch32 ;;
     generate-mla) bench generate --cases mla ;;
     generate-llama4) bench generate --cases llama4 ;;
+    generate-mamba2) bench generate --cases mamba2 ;;
     speculative) bench speculative --cases rounds ;;
     speculative-hybrid) bench speculative --cases hybrid ;;
     speculative-assistant) bench speculative --cases assistant ;;

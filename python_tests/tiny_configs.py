@@ -312,6 +312,11 @@ OWN_DIMS_CONFIGS = {
     # sinusoidal positions (offset by 2), scaled embeddings, LayerNorms
     "xglm": lambda layers: dict(d_model=64, ffn_dim=128, attention_heads=4, num_layers=layers,
                                 max_position_embeddings=256),
+    # attention-free: Mamba blocks alone (Mamba-2's multi-head, chunked scan)
+    "mamba": lambda layers: dict(hidden_size=64, num_hidden_layers=layers, state_size=8, expand=2),
+    "falcon_mamba": lambda layers: dict(hidden_size=64, num_hidden_layers=layers, state_size=8, expand=2),
+    "mamba2": lambda layers: dict(hidden_size=64, num_hidden_layers=layers, num_heads=8, head_dim=16, state_size=8,
+                                  n_groups=1, expand=2, chunk_size=8),
     # mixture of experts (w1 / v1 / w2 weights), clipped q / k / v, an nn.Linear router
     "dbrx": lambda layers: dict(d_model=64, n_heads=4, n_layers=layers, max_seq_len=256,
                                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),

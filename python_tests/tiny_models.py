@@ -37,7 +37,10 @@ KV_SHARING = ("gemma4_text", "gemma4_unified_text", "gemma3n_text")
 # hybrid families (recurrent layers: no right padding; speculative rounds roll their states back through the
 # cache's state history)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
-          "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "zaya", "kimi_linear", "lara_mini")
+          "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "zaya", "kimi_linear", "lara_mini", "mamba",
+          "falcon_mamba", "mamba2")
+# attention-free families (recurrent layers alone: Mamba), among HYBRID
+ATTENTION_FREE = ("mamba", "falcon_mamba", "mamba2")
 # hybrids whose layers run attention and a recurrent block side by side (every layer has both caches)
 PARALLEL_HYBRID = ("falcon_h1", "zaya")
 # families whose tiny configs soft-cap attention scores (ATTENTION_SOFTCAP) or have attention sinks

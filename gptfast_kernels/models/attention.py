@@ -35,8 +35,8 @@ UNFUSED = "gptfast_kernels_unfused"
 # lengths, T = 1, k + 1), a long-lived cache fed prompts of many lengths would collect one per length.
 MAX_CHECKED_SIGNATURES = 64
 # transformers' keywords for a forward's cache: "cache" from 5.24 on, "past_key_values" before (from
-# 5.24 deprecated, until 5.40)
-CACHE_KEYWORDS = ("cache", "past_key_values")
+# 5.24 deprecated, until 5.40), "cache_params" for Mamba models before 5.24
+CACHE_KEYWORDS = ("cache", "past_key_values", "cache_params")
 
 
 def _plain_attention(query, key, value, attention_mask, scaling, softcap=None, sinks=None):
@@ -215,8 +215,10 @@ def static_cache_in(kwargs, names: tuple[str, ...] = CACHE_KEYWORDS) -> StaticKV
 
 def cache_keyword(model) -> str:
     """The keyword ``model``'s forward takes its cache by: ``cache`` from transformers 5.24 on
-    (``past_key_values`` still works there, with a FutureWarning), ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    (``past_key_values`` still works there, with a FutureWarning), ``past_key_values`` before, but
+    ``cache_params`` for Mamba models (which ignore a ``past_key_values``)."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "cache_params") if name in parameters), "past_key_values")
 
 
 def before_forward(model, args, kwargs):

@@ -79,7 +79,7 @@ def kv_sources(config) -> list[int]:
 @dataclass(frozen=True)
 class Family:
     model_type: str
-    attention_class: str            # class name of the self-attention modules
+    attention_class: str | None     # class name of the self-attention modules (None: attention-free, Mamba)
     kv_heads_attr: str | None       # config attribute with the KV-head count (None: MHA)
     head_dim_attr: str | None       # config attribute with the head size (None: hidden / heads)
     gated_mlp_class: str | None = None  # MLP class computing down(act(gate(x)) * up(x)), fused when int8
@@ -163,7 +163,9 @@ class Family:
                         for layer, kind in zip(geometry, layer_types(config))]
         return geometry
 
-    def _geometry(self, config) -> tuple[int, ...]:
+    def _geometry(self, config) -> tuple[int, ...] | None:
+        if self.attention_class is None:  # an attention-free family: no keys or values anywhere
+            return None
         if self.latent_attention:  # one [latent, rope part] per token, shared by every head, values the latent
             return 1, config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank
         heads = config.num_attention_heads
@@ -415,6 +417,15 @@ FAMILIES: dict[str, Family] = {
         Family("zaya", "ZayaAttention", "num_key_value_heads", "head_dim", experts_class="ZayaExperts",
                float_linears=("*.mlp.gate.*",), recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
                recurrent_input_projections=("q_proj", "k_proj", "v_proj_current", "v_proj_delayed")),
+        # attention-free: every layer a Mamba (selective state-space) block; the cache holds transformers' conv
+        # and recurrent states alone. Their models cast the hidden states to lm_head.weight's dtype, and Mamba's
+        # and Falcon-Mamba's mixers multiply by dt_proj.weight: both stay float
+        Family("mamba", None, None, None, recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
+               float_linears=("lm_head", "*.mixer.dt_proj")),
+        Family("falcon_mamba", None, None, None, recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
+               float_linears=("lm_head", "*.mixer.dt_proj")),
+        Family("mamba2", None, None, None, recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
+               float_linears=("lm_head",)),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
         # learned positions; before 5.18 its model sizes a mask by the cache length (fused_length_zero makes it

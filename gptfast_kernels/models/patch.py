@@ -46,7 +46,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     attention_modules = _attention_modules(model, family)  # (patching below swaps their parts, not them)
     # a hybrid's recurrent blocks, per layer index (patching swaps their parts, not them)
     mixers = recurrent.recurrent_mixers(model, family) if recurrent.stateful_layers(family, model.config) else {}
-    if not attention_modules:
+    if not attention_modules and family.attention_class is not None:
         raise ValueError(f"patch_model: a {family.model_type} model should contain {family.attention_class} "
                          "modules and this one has none; its transformers version may be unsupported")
     if int8:

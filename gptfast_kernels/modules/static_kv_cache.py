@@ -156,13 +156,13 @@ class StaticKVCache(Cache):
         self.kv_sources = kv_sources(config)
         self.attention_modules = sum(kind in ("attention", "both", "shared") for kind in kinds)
         attention_indices = [i for i, layer in enumerate(layers) if isinstance(layer, StaticKVLayer)]
-        if not attention_indices:
-            raise ValueError("StaticKVCache: config has no attention layer (every layer is recurrent); the cache "
-                             "holds keys and values for attention layers")
         self.attention_layers = [layers[i] for i in attention_indices]
         # the unfused path (HF calling update) plans a forward at its first attention layer and
-        # commits it at its last (a hybrid model's first and last layers may be recurrent)
-        self._first_attention, self._last_attention = attention_indices[0], attention_indices[-1]
+        # commits it at its last (a hybrid model's first and last layers may be recurrent); an attention-free
+        # model's (Mamba's) cache has none: it holds transformers' recurrent states alone, and the positions
+        # and lengths of the rows, which only a patched model's forwards advance
+        self._first_attention, self._last_attention = (attention_indices[0], attention_indices[-1]) \
+            if attention_indices else (None, None)
         # whether some layers keep a recurrent state (a hybrid model) instead of keys and values
         self.has_recurrent_layers = any(isinstance(layer, LinearAttentionLayer) for layer in layers)
         # a hybrid's recurrent states after each token since the last checkpoint() (None: no rollback)
@@ -334,6 +334,22 @@ class StaticKVCache(Cache):
         if layer_idx == self._last_attention:
             self.commit_step()
         return layer.keys, values
+
+    def update_conv_state(self, *args, **kwargs):
+        self._check_state_update()
+        return super().update_conv_state(*args, **kwargs)
+
+    def update_recurrent_state(self, *args, **kwargs):
+        self._check_state_update()
+        return super().update_recurrent_state(*args, **kwargs)
+
+    def _check_state_update(self) -> None:
+        """An attention-free model's (Mamba's) forwards reach the cache through its recurrent states alone:
+        unpatched, nothing would plan their positions or advance the rows' lengths."""
+        if self._first_attention is None and self._step_positions is None:
+            raise ValueError("StaticKVCache: an attention-free model (Mamba) uses a StaticKVCache only once patched "
+                             "(patch_model): its forwards then plan each step's positions and advance the rows' "
+                             "lengths, which its recurrent states alone cannot")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The longest row's length (``seq_lengths`` has every row's); 0 inside a fused step planned

@@ -22,7 +22,7 @@ from gptfast_kernels import StaticKVCache, generate, patch_model, speculative_ge
 from gptfast_kernels.generation.prompt_lookup import prompt_lookup_generate
 from gptfast_kernels.models import recurrent
 from gptfast_kernels.models.families import family_of
-from python_tests.tiny_models import HYBRID, LATENT, VOCAB, draft_of, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import ATTENTION_FREE, HYBRID, LATENT, VOCAB, draft_of, patched_copy, ragged_prompts, tiny_model
 
 NEW = 16
 
@@ -121,7 +121,8 @@ def test_checkpoint_and_crop_refuse_what_they_cannot_do(hybrid):
     with pytest.raises(ValueError, match="more than rollback_tokens = 2 token columns"):
         cache.crop(start + 1)
 
-    if model.config.model_type not in LATENT:  # (unpatched latent attention cannot use the cache at all)
+    # (unpatched latent attention cannot use the cache at all, nor an unpatched attention-free model: test_patch)
+    if model.config.model_type not in LATENT + ATTENTION_FREE:
         cache = _prefilled(patched, ids, mask, rollback_tokens=2)
         cache.checkpoint()
         with torch.no_grad():  # transformers' model: its recurrent layers do not record their states

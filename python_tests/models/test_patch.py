@@ -12,9 +12,9 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, BertConfig, DynamicCache, Gemma3Config
 
 import gptfast_kernels.models.attention as attention
-from gptfast_kernels.models.families import PARALLEL, SLIDING, family_of, transformers_before
+from gptfast_kernels.models.families import FAMILIES as FAMILY_TABLE, PARALLEL, SLIDING, family_of, transformers_before
 from gptfast_kernels import Int8Linear, StaticKVCache, ops, patch_model
-from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, INDEX_POSITIONED, KV_SHARING, MOE,
+from python_tests.tiny_models import (ATTENTION_FREE, ATTENTION_SOFTCAP, FAMILIES, HYBRID, INDEX_POSITIONED, KV_SHARING, MOE,
                                      PARALLEL_HYBRID, SOFTCAPPED, WINDOW, WINDOWED, WITH_SINKS, dequantized_copy,
                                      experts_per_token, patched_copy, ragged_prompts, stepwise_logits, tiny_config,
                                      tiny_model)
@@ -22,9 +22,9 @@ from python_tests.tiny_models import (ATTENTION_SOFTCAP, FAMILIES, HYBRID, INDEX
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
-# Jamba's Mamba layers start from a fresh state on every multi-token input, cache or not (transformers'
+# Jamba's, Mamba's and Falcon-Mamba's Mamba layers start from a fresh state on every multi-token input, cache or not (transformers'
 # own model does; a prompt in one piece and then single tokens, as generate runs, is unaffected)
-CHUNKS_RESTART_STATE = ("jamba",)
+CHUNKS_RESTART_STATE = ("jamba", "mamba", "falcon_mamba")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -37,8 +37,8 @@ def test_patched_logits_match_unpatched(family, fused):
     with torch.no_grad():
         want = whole = model(ids).logits
         if family in CHUNKS_RESTART_STATE:  # transformers' own model gives these logits in chunks
-            hf_cache = DynamicCache(config=model.config)
-            want = torch.cat([model(ids[:, c], past_key_values=hf_cache, use_cache=True).logits for c in chunks], dim=1)
+            hf_cache = {attention.cache_keyword(model): DynamicCache(config=model.config)}  # (Mamba's: cache)
+            want = torch.cat([model(ids[:, c], **hf_cache, use_cache=True).logits for c in chunks], dim=1)
             assert not torch.allclose(want, whole, **TOL)
         cache = StaticKVCache(patched.config, 2, 16)
         got = torch.cat([patched(ids[:, c], past_key_values=cache).logits for c in chunks], dim=1)
@@ -88,7 +88,7 @@ def test_explicit_position_ids_and_padding_rows():
         torch.testing.assert_close(out[:, 0], model(ids).logits[:, 3], **TOL)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in ATTENTION_FREE])
 def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
     calls = []
     real = attention.run_kv_cache_attention  # what eager attention calls, once its inputs are checked
@@ -112,6 +112,27 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
         assert len(calls) == layers
         patched(torch.tensor([[6]]), past_key_values=cache)
         assert len(calls) == 2 * layers and set(calls) == {"cpu"}  # "auto"'s pick on a CPU
+
+
+@pytest.mark.parametrize("family", ATTENTION_FREE)
+def test_attention_free_models_advance_the_cache_without_attention(family, monkeypatch):
+    """Mamba's cache holds its recurrent states alone: a patched forward calls no attention kernel, plans
+    each row's positions and advances its length; transformers' unpatched model is refused the cache
+    (nothing would advance the lengths)."""
+    calls = []
+    monkeypatch.setattr(attention, "run_kv_cache_attention", lambda *args, **kwargs: calls.append(args))
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=True)
+    ids, mask = ragged_prompts(2, 6, "left")
+    with torch.no_grad():
+        cache = StaticKVCache(patched.config, 2, 12)
+        assert cache.attention_layers == [] and cache.attention_modules == 0 and cache.has_recurrent_layers
+        patched(ids, attention_mask=mask, past_key_values=cache)
+        assert cache.seq_lengths.tolist() == mask.sum(1).tolist()
+        patched(torch.tensor([[5], [6]]), past_key_values=cache)
+        assert cache.seq_lengths.tolist() == (mask.sum(1) + 1).tolist() and calls == []
+        with pytest.raises(ValueError, match="attention-free model .* only once patched"):
+            model(ids, **{attention.cache_keyword(model): StaticKVCache(model.config, 2, 12)})
 
 
 @pytest.mark.parametrize("family", ["llama", "gptj", "stablelm", "qwen3_5_text", "deepseek_v3", "llama4_text"])
@@ -178,7 +199,8 @@ def test_int8_logits_within_quantization_error(family):
     model = tiny_model(family)
     patched = patched_copy(model, int8=True)
     assert any(isinstance(m, Int8Linear) for m in patched.modules())
-    assert isinstance(patched.get_output_embeddings(), Int8Linear)  # lm_head too, unless skipped
+    # lm_head too, unless skipped (or read as a float weight by the family's code: Mamba's)
+    assert isinstance(patched.get_output_embeddings(), Int8Linear) != ("lm_head" in FAMILY_TABLE[family].float_linears)
     kept = patched_copy(model, int8=True, int8_skip=("lm_head",))
     assert not isinstance(kept.get_output_embeddings(), Int8Linear)
     ids, mask = ragged_prompts(2, 8, "left")

@@ -317,6 +317,20 @@ OWN_DIMS_CONFIGS = {
     "falcon_mamba": lambda layers: dict(hidden_size=64, num_hidden_layers=layers, state_size=8, expand=2),
     "mamba2": lambda layers: dict(hidden_size=64, num_hidden_layers=layers, num_heads=8, head_dim=16, state_size=8,
                                   n_groups=1, expand=2, chunk_size=8),
+    # Mamba-2 layers, the last three ("hybrid") each after a shared transformer block: blocks A, B, A (two
+    # blocks in turn, weights tied), per-use adapters, RoPE; attention over 2 x hidden (heads of 32)
+    "zamba2": lambda layers: dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                  n_mamba_heads=4, mamba_d_state=8, mamba_ngroups=1, num_mem_blocks=2,
+                                  adapter_rank=8, use_mem_rope=True, chunk_size=8, max_position_embeddings=256,
+                                  num_hidden_layers=max(layers, 4),
+                                  layers_block_type=["linear_attention"] * (max(layers, 4) - 3) + ["hybrid"] * 3),
+    # the same with Mamba layers (2 heads) and one shared block (a gated MLP), used by layers 0, 1 and 3 of 4 (a
+    # draft of the first 2 layers keeps 2 uses: transformers cannot build a Zamba with one)
+    "zamba": lambda layers: dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                 n_mamba_heads=2, mamba_d_state=8, use_mamba_kernels=False, max_position_embeddings=256,
+                                 num_hidden_layers=max(layers, 4),
+                                 layers_block_type=(["hybrid", "hybrid", "linear_attention", "hybrid"]
+                                                    + ["linear_attention"] * layers)[:max(layers, 4)]),
     # mixture of experts (w1 / v1 / w2 weights), clipped q / k / v, an nn.Linear router
     "dbrx": lambda layers: dict(d_model=64, n_heads=4, n_layers=layers, max_seq_len=256,
                                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),

@@ -38,7 +38,7 @@ KV_SHARING = ("gemma4_text", "gemma4_unified_text", "gemma3n_text")
 # cache's state history)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
           "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "zaya", "kimi_linear", "lara_mini", "mamba",
-          "falcon_mamba", "mamba2")
+          "falcon_mamba", "mamba2", "zamba2", "zamba")
 # attention-free families (recurrent layers alone: Mamba), among HYBRID
 ATTENTION_FREE = ("mamba", "falcon_mamba", "mamba2")
 # hybrids whose layers run attention and a recurrent block side by side (every layer has both caches)
@@ -203,6 +203,10 @@ def draft_of(target, layers: int = 1):
     config.num_hidden_layers = layers
     if getattr(config, "num_kv_shared_layers", 0):  # Gemma 4: the draft's layers keep their own keys and values
         config.num_kv_shared_layers = 0
+    if config.model_type in ("zamba", "zamba2"):  # Zamba builds its layers from its layer types
+        config.layers_block_type = config.layers_block_type[:layers]
+        if hasattr(config, "hybrid_layer_ids"):
+            config.hybrid_layer_ids = [i for i in config.hybrid_layer_ids if i < layers]
     draft = AutoModelForCausalLM.from_config(config).eval()
     own = draft.state_dict()
     # tables packing every layer's part (Gemma 4's per-layer embeddings, layer after layer): the first layers'

@@ -111,7 +111,8 @@ class Family:
     # (latent_attention.ROPES); its attention modules get the absorbed forward, its cache holds latents
     latent_attention: str | None = None
     # a family whose modules get forwards of ours beyond the attention function (models/<name>.py):
-    # "llama4" (chunked attention, per-row query temperature, experts on router-scaled inputs)
+    # "llama4" (chunked attention, per-row query temperature, experts on router-scaled inputs); "zamba" (Zamba's
+    # and Zamba2's hybrid layers' attention modules get their layer's index)
     own_forwards: str | None = None
     # the kv heads of its sliding-window layers, as a multiple of the config's (MiMo-V2-Flash: 2)
     sliding_kv_heads: int = 1
@@ -426,6 +427,13 @@ FAMILIES: dict[str, Family] = {
                float_linears=("lm_head", "*.mixer.dt_proj")),
         Family("mamba2", None, None, None, recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
                float_linears=("lm_head",)),
+        # Mamba-2 layers, some ("hybrid") after a shared transformer block (attention over the hidden state and the
+        # token embeddings side by side, a fused gate / up MLP; per-use low-rank adapters): models/zamba.py
+        Family("zamba2", "Zamba2Attention", "num_key_value_heads", "attention_head_dim", recurrent_layer_types=RECURRENT,
+               supported_from=HYBRID_FROM, own_forwards="zamba"),
+        # the same with Mamba layers (per-head x / dt projections) and one shared block
+        Family("zamba", "ZambaAttention", "num_key_value_heads", "attention_head_dim", "ZambaMLP",
+               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM, own_forwards="zamba"),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
         # learned positions; before 5.18 its model sizes a mask by the cache length (fused_length_zero makes it

@@ -85,17 +85,24 @@ def fuse_qkv_(model: nn.Module, attention_class: str, modules: list[nn.Module] |
     (q_a_proj or q_proj) and kv_a_proj_with_mqa. Returns how many attention modules were fused."""
     if modules is None:
         modules = [module for module in model.modules() if type(module).__name__ == attention_class]
-    return sum(fuse_projections_(module, _projection_names(module), "qkv_proj") for module in modules)
+    fused: dict = {}  # modules whose projections are the same Int8Linears (Zamba2's shared blocks) share one fusion
+    return sum(fuse_projections_(module, _projection_names(module), "qkv_proj", fused) for module in modules)
 
 
-def fuse_projections_(module: nn.Module, names: Sequence[str], owner_name: str) -> bool:
+def fuse_projections_(module: nn.Module, names: Sequence[str], owner_name: str, fused: dict | None = None) -> bool:
     """In place: ``module``'s projections ``names`` (of one input, called in that order) become the
     parts of one Int8FusedProjections, set as ``owner_name``, when there are two or more and all are
-    Int8Linear. Returns whether it fused them."""
+    Int8Linear. ``fused``: the fusions made so far, by their projections' identities, reused for a module
+    whose projections are the same modules. Returns whether it fused them."""
     projections = [getattr(module, name, None) for name in names]
     if len(names) < 2 or not all(isinstance(p, Int8Linear) for p in projections):
         return False
-    owner = Int8FusedProjections(Int8Linear.concat(projections), [p.out_features for p in projections])
+    key = tuple(id(p) for p in projections)
+    owner = None if fused is None else fused.get(key)
+    if owner is None:
+        owner = Int8FusedProjections(Int8Linear.concat(projections), [p.out_features for p in projections])
+        if fused is not None:
+            fused[key] = owner
     setattr(module, owner_name, owner)
     for index, name in enumerate(names):
         setattr(module, name, ProjectionPart(owner, index, owner_name))

@@ -70,11 +70,15 @@ class Int8GatedMLP(nn.Module):
 def fuse_gated_mlps_(model: nn.Module, mlp_class: str, float32_activation: bool = False) -> int:
     """Replaces, in place, every module of class name ``mlp_class`` whose gate_proj and up_proj are
     both Int8Linear (neither kept in float by int8_skip) with an Int8GatedMLP (``float32_activation``
-    as there); returns how many."""
+    as there), one for the MLPs over the same int8 layers (tied blocks); returns how many MLPs."""
     targets = [(name, module) for name, module in model.named_modules()
                if type(module).__name__ == mlp_class
                and isinstance(getattr(module, "gate_proj", None), Int8Linear)
                and isinstance(getattr(module, "up_proj", None), Int8Linear)]
+    fused: dict[tuple[int, int, int], Int8GatedMLP] = {}  # MLPs over the same int8 layers (Zamba's tied blocks)
     for name, module in targets:
-        model.set_submodule(name, Int8GatedMLP.from_mlp(module, float32_activation))
+        key = (id(module.gate_proj), id(module.up_proj), id(module.down_proj))
+        if key not in fused:
+            fused[key] = Int8GatedMLP.from_mlp(module, float32_activation)
+        model.set_submodule(name, fused[key])
     return len(targets)

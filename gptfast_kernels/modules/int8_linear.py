@@ -132,7 +132,10 @@ def quantize_int8_(model: nn.Module, skip: Iterable[str] = (OUTPUT_HEAD,), *,
     subclasses with a forward of their own (PhiMoE's router: they stay float) but for those named in
     ``linear_subclasses`` (FalconLinear: its forward is nn.Linear's product). The model's output
     head (``get_output_embeddings()``) also answers to "lm_head", whatever its attribute name
-    (GPT-NeoX's is ``embed_out`` before transformers 5.14). Returns model."""
+    (GPT-NeoX's is ``embed_out`` before transformers 5.14). Layers whose weight and bias are the same
+    tensors (tied weights in distinct modules: Zamba2's shared blocks, one module per use) become one
+    Int8Linear, set at each of their names, so the int8 weights are stored once, as the float ones
+    were. Returns model."""
     if isinstance(skip, str):
         skip = (skip,)
     skip = tuple(skip)
@@ -142,6 +145,10 @@ def quantize_int8_(model: nn.Module, skip: Iterable[str] = (OUTPUT_HEAD,), *,
     targets = [(name, module) for name, module in model.named_modules()
                if name and (_plain_linear(module, linear_subclasses) or _is_conv1d(module))
                and not _skipped(name, skip) and not (skip_head and module is head)]
+    converted: dict[tuple[int, int], Int8Linear] = {}  # by (weight, bias) identity
     for name, module in targets:
-        model.set_submodule(name, Int8Linear.from_float(module, linear_subclasses=linear_subclasses))
+        key = (id(module.weight), id(module.bias))
+        if key not in converted:
+            converted[key] = Int8Linear.from_float(module, linear_subclasses=linear_subclasses)
+        model.set_submodule(name, converted[key])
     return model

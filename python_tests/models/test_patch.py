@@ -22,9 +22,9 @@ from python_tests.tiny_models import (ATTENTION_FREE, ATTENTION_SOFTCAP, FAMILIE
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
-# Jamba's, Mamba's and Falcon-Mamba's Mamba layers start from a fresh state on every multi-token input, cache or not (transformers'
+# Jamba's, Mamba's, Falcon-Mamba's and Zamba's Mamba layers start from a fresh state on every multi-token input, cache or not (transformers'
 # own model does; a prompt in one piece and then single tokens, as generate runs, is unaffected)
-CHUNKS_RESTART_STATE = ("jamba", "mamba", "falcon_mamba")
+CHUNKS_RESTART_STATE = ("jamba", "mamba", "falcon_mamba", "zamba")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -103,10 +103,10 @@ def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
         cache = StaticKVCache(patched.config, 1, 8)
         layers = cache.attention_modules  # all 3, but for a hybrid model's recurrent layers
         # the tiny hybrids: recurrent, full, recurrent (LFM3: conv, sliding, full; LaraMini: gated delta net,
-        # sliding, full; Falcon-H1: both in each); Gemma 4's has 4 layers, of which the last 2 attend over the
-        # first 2's keys and values
+        # sliding, full; Falcon-H1: both in each; Zamba2 and Zamba: 4 layers, both in 3 of them); Gemma 4's has 4
+        # layers, of which the last 2 attend over the first 2's keys and values
         assert layers == (4 if family in KV_SHARING else 3 if family not in HYBRID or family in PARALLEL_HYBRID
-                          else 2 if family in ("lfm3", "lara_mini") else 1)
+                          or family in ("zamba2", "zamba") else 2 if family in ("lfm3", "lara_mini") else 1)
         assert len(cache.attention_layers) == (2 if family in KV_SHARING else layers)
         patched(torch.tensor([[3, 4, 5]]), past_key_values=cache)
         assert len(calls) == layers
@@ -421,6 +421,39 @@ def test_experts_warning_only_for_experts_kept_float():
     with pytest.warns(UserWarning, match="experts keep their float weights"), \
             mock.patch("gptfast_kernels.models.patch.quantize_experts_", return_value=0):
         patch_model(moe)
+
+
+# per family with tied blocks: the layers holding a block and the groups among them that share one, the
+# attribute holding a layer's block, and paths inside a block to int8 modules that must be shared
+TIED_BLOCKS = {"zamba2": ({1, 3}, {2}), "zamba": ({0, 1, 3},)}
+TIED_PATHS = {"zamba2": ("shared_transformer", ("self_attn.qkv_proj", "self_attn.o_proj", "feed_forward.gate_up_proj",
+                                                "feed_forward.down_proj")),
+              "zamba": ("shared_transf", ("self_attn.qkv_proj", "self_attn.o_proj", "feed_forward"))}
+
+
+@pytest.mark.parametrize("family", TIED_BLOCKS)
+def test_tied_blocks_keep_one_copy_of_their_int8_weights(family):
+    """Zamba2's hybrid layers 1 and 3 use block A, layer 2 block B (Zamba's 0, 1 and 3 its one block), as
+    distinct modules over tied weights: int8 keeps them tied (one Int8Linear, one q / k / v fusion, one fused
+    MLP per block), and each use has its own cache layer (and Zamba2's its own adapters)."""
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=True)
+    attribute, paths = TIED_PATHS[family]
+    groups = TIED_BLOCKS[family]
+    blocks = {i: getattr(patched.model.layers[i], attribute) for group in groups for i in group}
+    for path in paths:
+        modules = {i: block.get_submodule(path) for i, block in blocks.items()}
+        assert len({id(m) for m in modules.values()}) == len(groups), path
+        for group in groups:
+            assert len({id(modules[i]) for i in group}) == 1, path
+    assert isinstance(blocks[min(blocks)].self_attn.o_proj, Int8Linear)
+    assert [block.self_attn.layer_idx for _, block in sorted(blocks.items())] == sorted(blocks)
+    # the int8 model stores each block's weights once, as the float one did
+    unique = {id(t): t for t in patched.buffers()}
+    assert sum(t.numel() for t in unique.values()) < sum(t.numel() for _, t in patched.named_buffers(
+        remove_duplicate=False))
+    first, *others = (getattr(model.model.layers[i], attribute).self_attn for i in sorted(groups[0]))
+    assert all(first.q_proj.weight is other.q_proj.weight for other in others)  # (transformers' tie)
 
 
 def test_patch_is_idempotent_and_switchable():

@@ -21,7 +21,7 @@ GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwe
             "opt": (2, 4, 16), "gpt_bigcode": (2, 1, 16), "persimmon": (2, 4, 16), "modernbert-decoder": (2, 4, 16),
             **{family: (2, 4, 16) for family in ("gptj", "codegen", "biogpt", "ctrl")}, "falcon": (2, 2, 16),
             "gpt_neo": (2, 4, 16), "xglm": (2, 4, 16), "bloom": (2, 12, 8), "mpt": (2, 12, 8),
-            "nemotron_h": (4, 2, 16), **{family: (2, None, None) for family in ATTENTION_FREE},
+            "nemotron_h": (4, 2, 16), **{family: (2, None, None) for family in ATTENTION_FREE}, "zamba2": (4, 2, 32), "zamba": (4, 2, 32),
             "lfm3": (3, 2, 16), "lara_mini": (3, 2, 16), "dbrx": (2, 2, 16),
             **{family: (4, 2, 16) for family in KV_SHARING},
             # multi-head latent attention: one "kv head" of the latent (32) and rotary key (8), whose first
@@ -46,12 +46,14 @@ def test_buffers_follow_the_config(family):
     # a hybrid model's recurrent layers (layer 0 of the tiny Qwen3.5; every layer of Falcon-H1, which
     # also attends in each) hold transformers' state layer
     recurrent = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionLayer)]
-    want = list(range(layers)) if family in PARALLEL_HYBRID + ATTENTION_FREE else [0] if family in HYBRID else []
+    # (Zamba2's: Mamba-2 in every layer, attention beside it in 3 of 4; Zamba's likewise with Mamba)
+    want = list(range(layers)) if family in PARALLEL_HYBRID + ATTENTION_FREE + ("zamba2", "zamba") else [0] \
+        if family in HYBRID else []
     assert recurrent == want and cache.has_recurrent_layers == bool(recurrent)
     # Nemotron-H's MoE and MLP blocks are layers of their own (1 and 3 of its tiny config), with no cache
     cacheless = [i for i, layer in enumerate(cache.layers) if isinstance(layer, NoCacheLayer)]
     assert cacheless == ([1, 3] if family == "nemotron_h" else [2, 3] if family in KV_SHARING else [])
-    both = len(recurrent) if family in PARALLEL_HYBRID else 0
+    both = len(recurrent) if family in PARALLEL_HYBRID else 3 if family in ("zamba2", "zamba") else 0
     assert len(cache.attention_layers) == layers - len(recurrent) - len(cacheless) + both
     geometry = LAYER_GEOMETRY.get(family, [(kv_heads, head_dim)] * layers)
     value_dim = VALUE_DIM.get(family)

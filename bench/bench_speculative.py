@@ -20,7 +20,9 @@ k + 1 tokens under a checkpoint, plus the crop (``ours_verify_rollback``), again
 forward without a checkpoint (``ours_verify_no_rollback``: transformers' multi-token path, which
 cannot roll back), one decode step, and the k + 1 decode steps plain decoding spends on k + 1
 tokens (the baseline). ``decode_steps_per_verify``: the verification's time in decode steps; a
-round gains when its accepted tokens + 1 exceed that plus the draft's time.
+round gains when its accepted tokens + 1 exceed that plus the draft's time. The same rows for an
+attention-free model (case mamba2: Mamba-2 2.7B's shapes on a GPU, scaled down on the CPU), whose
+every layer steps.
 Rows "assistant_rounds": drafting with a Gemma 4 assistant (generation/assistant.py) on random
 weights: a Gemma 4 text target (transformers' default Gemma4TextConfig on a GPU, bf16, int8
 weights, compiled steps; scaled down in float32 on the CPU) and a 4-layer assistant over its keys
@@ -28,7 +30,7 @@ and values, greedy, at B = 1 and 8: rounds per second, tokens/s and the fraction
 the two models' forwards, against the same target decoding alone and, at B = 1, transformers'
 assisted generation with the same assistant (batch 1 only) and its plain generate. Random weights
 accept few drafts: these rows time the rounds, not the speed-up a trained assistant gives.
-Cases (``--cases``): demo, rounds, hybrid, assistant.
+Cases (``--cases``): demo, rounds, hybrid, mamba2, assistant.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import time
 
 import torch
 from torch._dynamo.utils import counters
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, Qwen3_5ForCausalLM,
+                          Qwen3_5TextConfig)
 
 import gptfast_kernels.generation.assistant as assistant_module
 import gptfast_kernels.generation.speculative as speculative_module
@@ -57,6 +60,11 @@ HYBRID_CPU = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
                   num_key_value_heads=2, head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8,
                   linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=32000)
 HYBRID_PROMPT = 128
+# hybrid_verify for Mamba-2: 2.7B's shapes on a GPU (as bench_generate's mamba2 case), scaled down on the CPU
+MAMBA2_GPU = dict(hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim=64, state_size=128, n_groups=1,
+                  expand=2, vocab_size=50288)
+MAMBA2_CPU = dict(hidden_size=1024, num_hidden_layers=8, num_heads=32, head_dim=64, state_size=64, n_groups=1,
+                  expand=2, vocab_size=32000)
 # assistant_rounds on the CPU: a Gemma 4 text layout scaled down (5 sliding layers to 1 global, as
 # transformers' default config), its 4-layer assistant at half the width
 GEMMA4_CPU = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
@@ -208,13 +216,13 @@ def _rounds_rows(h):
                        **h.meta})
 
 
-def _hybrid_rows(h):
+def _hybrid_rows(h, config, model_class, name: str):
+    """hybrid_verify rows for a random-weight ``model_class(config)`` (int8, patched)."""
     on_gpu = h.device.type == "cuda"
     torch.manual_seed(0)
-    config = Qwen3_5TextConfig(**({} if on_gpu else HYBRID_CPU))
     dtype = torch.bfloat16 if on_gpu else torch.float32
     with torch.device(h.device), default_dtype(dtype):
-        model = patch_model(Qwen3_5ForCausalLM(config).eval())
+        model = patch_model(model_class(config).eval())
     T = SPECULATE_K + 1
     for rows in ((1, 8) if not h.quick else (1,)):
         ids = torch.randint(0, config.vocab_size, (rows, HYBRID_PROMPT), device=h.device)
@@ -244,7 +252,7 @@ def _hybrid_rows(h):
             step(tokens, real, cache)
             cache.crop(start + 2, check=False)  # (a round that kept 2 tokens)
 
-        case = {"model": f"qwen3.5 layout random, hidden {config.hidden_size}, {config.num_hidden_layers} layers, int8",
+        case = {"model": f"{name} random, hidden {config.hidden_size}, {config.num_hidden_layers} layers, int8",
                 "batch": rows, "prompt": HYBRID_PROMPT, "speculate_k": SPECULATE_K, "compiled": on_gpu}
         with torch.no_grad():
             timed = {row["impl"]: row for row in h.compare(
@@ -322,7 +330,10 @@ def run(h) -> None:
         _e2e_rows(h)
     if h.device.type == "cuda" and h.wants("rounds"):
         _rounds_rows(h)
+    on_gpu = h.device.type == "cuda"
     if h.wants("hybrid"):
-        _hybrid_rows(h)
+        _hybrid_rows(h, Qwen3_5TextConfig(**({} if on_gpu else HYBRID_CPU)), Qwen3_5ForCausalLM, "qwen3.5 layout")
+    if h.wants("mamba2"):
+        _hybrid_rows(h, Mamba2Config(**(MAMBA2_GPU if on_gpu else MAMBA2_CPU)), Mamba2ForCausalLM, "mamba2")
     if h.wants("assistant"):
         _assistant_rows(h)

@@ -22,7 +22,8 @@ def _on_cuda(*tensors):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gpt2", "qwen3_5_text", "gemma4_text",
-                                    "deepseek_v3", "deepseek_v2", "mimo_v2_flash", "gptj", "falcon", "bloom", "mpt"])
+                                    "deepseek_v3", "deepseek_v2", "mimo_v2_flash", "gptj", "falcon", "bloom", "mpt",
+                                    "beam", "mamba2", "zamba2"])
 def test_greedy_equals_transformers(family):
     model = tiny_model(family).cuda()
     patched = patched_copy(model, int8=False)
@@ -34,14 +35,14 @@ def test_greedy_equals_transformers(family):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text", "lfm2", "falcon_h1", "stablelm", "dbrx",
                                     "gemma4_text", "gemma3n_text", "deepseek_v3", "mimo_v2_flash", "gptj",
-                                    "falcon", "bloom", "mpt"])
+                                    "falcon", "bloom", "mpt", "beam", "mamba", "mamba2", "zamba2"])
 def test_compiled_cuda_graph_decode_equals_eager(family):
     """compile=True: torch.compile(fullgraph=True, mode="reduce-overhead") per step, so the decode
     step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse).
     The hybrids' recurrent states (transformers' state layers, updated in place) must survive the
     graph's replays too, as must StableLM's per-attention-module cache hook, DBRX's Int8Experts
     on [B, T, H] hidden states, Gemma 4's layers attending over other layers' buffers and
-    DeepSeek-V3's absorbed latent attention."""
+    DeepSeek-V3's absorbed latent attention, and the attention-free Mamba models' states alone."""
     from torch._dynamo.utils import counters
 
     patched = patch_model(tiny_model(family).cuda(), int8=True)
@@ -70,7 +71,7 @@ def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatc
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5_text", "falcon_h1"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text", "falcon_h1", "mamba2", "zamba2"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_speculative_equals_target_greedy(family, compile):
     """Hybrids too: their recurrent states roll back through the cache's state history, whose slots

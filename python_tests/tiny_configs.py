@@ -331,6 +331,12 @@ OWN_DIMS_CONFIGS = {
                                  num_hidden_layers=max(layers, 4),
                                  layers_block_type=(["hybrid", "hybrid", "linear_attention", "hybrid"]
                                                     + ["linear_attention"] * layers)[:max(layers, 4)]),
+    # nGPT with a looped section: an input layer, 2 recurrent layers run twice (each run with its own keys and
+    # values: per_loop), an output layer; local / global layers in turn
+    "dory": lambda layers: dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=16, num_hidden_layers=4, n_input_layers=1, n_output_layers=1,
+                                n_recurrent_loops=2, sliding_window=WINDOW, layer_types=alternating_layers(4),
+                                max_position_embeddings=256),
     # mixture of experts (w1 / v1 / w2 weights), clipped q / k / v, an nn.Linear router
     "dbrx": lambda layers: dict(d_model=64, n_heads=4, n_layers=layers, max_seq_len=256,
                                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),

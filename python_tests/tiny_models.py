@@ -20,7 +20,8 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
 # gate / up interleaved and a clamped gate)
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss",
        "granitemoeshared", "minimax_m2", "solar_open", "dots1", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "laguna",
-       "mellum", "granitemoe_swa", "afmoe", "hy_v3", "beam", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text", "qwen3_next",
+       "mellum", "granitemoe_swa", "afmoe", "hy_v3", "beam", "aria_text", "kolibri1", "flint", "qwen3_5_moe_text",
+       "qwen3_next",
        "jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "dbrx", "phimoe", "gemma4_text", "deepseek_v3", "zaya",
        "deepseek_v2", "glm4_moe_lite", "axk1", "llama4_text", "kimi_linear", "mimo_v2_flash", "lara_mini",
        "sarvam_moe", "sarvam_mla")
@@ -31,7 +32,7 @@ WINDOWED = ("mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "starcoder2", "
             "exaone4", "gpt_oss", "exaone_moe", "cohere2_moe", "laguna", "mellum", "granitemoe_swa", "afmoe", "cwm",
             "vaultgemma", "granite_swa", "kolibri1", "flint", "beam", "lfm3", "gemma4_text", "gemma4_unified_text",
             "gemma3n_text", "modernbert-decoder", "zaya", "mimo_v2_flash", "gpt_neo", "cohere_compass_text",
-            "lara_mini")
+            "lara_mini", "dory")
 # families whose tiny configs' last 2 of 4 layers attend over the first 2's keys and values (Gemma 4)
 KV_SHARING = ("gemma4_text", "gemma4_unified_text", "gemma3n_text")
 # hybrid families (recurrent layers: no right padding; speculative rounds roll their states back through the

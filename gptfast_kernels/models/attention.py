@@ -68,13 +68,14 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
                       sliding_window: int | None = None, softcap: float | None = None,
                       s_aux: torch.Tensor | None = None, attention_chunk_size: int | None = None,
                       alibi_slopes: torch.Tensor | None = None, gptfast_cache: StaticKVCache | None = None,
-                      **kwargs):
+                      gptfast_cache_layer: int | None = None, **kwargs):
     """transformers attention-function signature; q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv]
     with Dv <= D (the new tokens only, when a StaticKVCache is active) -> ([B, T, Hq, Dv], None). ``attention_chunk_size``
     (Llama 4's chunked layers: passed by models/llama4.py with a StaticKVCache only) becomes the
     kernel's ``chunk_size``. A layer whose buffers are a ring (sized for a window or a chunk) passes
     ``ring=True`` with that window or chunk. ``alibi_slopes`` [Hq] (passed by the own-attention families
-    with ALiBi, with a StaticKVCache only) become the kernel's."""
+    with ALiBi, with a StaticKVCache only) become the kernel's. ``gptfast_cache_layer``: the cache layer
+    this call serves, where it is not the module's ``layer_idx`` (a looped model's later runs: models/dory.py)."""
     if gptfast_cache is None:
         if alibi_slopes is not None:  # (those families run transformers' own attention without one)
             raise ValueError("patch_model: alibi_slopes are served with a StaticKVCache only")
@@ -88,9 +89,10 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
     if not torch.compiler.is_compiling():
         gptfast_cache.attention_calls += 1  # checked by after_forward
     positions = gptfast_cache.step_positions()
-    source = gptfast_cache.kv_sources[module.layer_idx]
+    layer_idx = module.layer_idx if gptfast_cache_layer is None else gptfast_cache_layer
+    source = gptfast_cache.kv_sources[layer_idx]
     layer = gptfast_cache.layers[source]
-    if source != module.layer_idx:
+    if source != layer_idx:
         # a layer reusing an earlier layer's keys and values (Gemma 4) gets that layer's new ones, which
         # the kernel writes again to the same slots (no change), and attends over its buffers; transformers
         # may run such layers for the last queries alone (logits_to_keep): those take the last positions
@@ -99,10 +101,10 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
     ring = layer.is_ring
     # the cache read the window / chunk off the config: the layer must attend with that one
     if layer.ring_window is not None and sliding_window != layer.ring_window:
-        raise ValueError(f"StaticKVCache: layer {module.layer_idx}'s ring buffer was sized for a sliding window of "
+        raise ValueError(f"StaticKVCache: layer {layer_idx}'s ring buffer was sized for a sliding window of "
                          f"{layer.ring_window} (the config's), but the layer attends with window {sliding_window}")
     if layer.ring_chunk is not None and attention_chunk_size != layer.ring_chunk:
-        raise ValueError(f"StaticKVCache: layer {module.layer_idx}'s ring buffer was sized for an attention chunk of "
+        raise ValueError(f"StaticKVCache: layer {layer_idx}'s ring buffer was sized for an attention chunk of "
                          f"{layer.ring_chunk} (the config's), but the layer attends with attention_chunk_size "
                          f"{attention_chunk_size}")
     dtype = layer.keys.dtype
@@ -115,7 +117,7 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
         # values narrower than the keys (MiMo-V2-Flash): the layer's value buffers are as wide as its keys and
         # hold them zero-padded, and the output's columns past the values' width are dropped
         if value_width > key.shape[-1]:
-            raise ValueError(f"StaticKVCache: layer {module.layer_idx}'s values are {value_width} wide, wider than its "
+            raise ValueError(f"StaticKVCache: layer {layer_idx}'s values are {value_width} wide, wider than its "
                              f"keys ({key.shape[-1]}); the cache holds values at most as wide as the keys")
         value = torch.nn.functional.pad(value, (0, key.shape[-1] - value_width))
     out = _attend(layer, query.to(dtype), key.to(dtype), None if layer.value_dim else value.to(dtype), positions,

@@ -64,7 +64,8 @@ def kv_sharing_modes(config) -> list[str | None]:
 
 def kv_sources(config) -> list[int]:
     """Per decoder layer: the index of the layer whose keys and values it attends over, its own but
-    for the layers that reuse another's (kv_sharing_modes): the "store" layer of their layer type."""
+    for the layers that reuse another's (kv_sharing_modes): the "store" layer of their layer type.
+    A looped model's per-loop cache layers (cache_layer_sources) follow, each its own."""
     modes, types = kv_sharing_modes(config), layer_types(config)
     stores = {kind: i for i, (kind, mode) in enumerate(zip(types, modes)) if mode == "store"}
     sources = []
@@ -73,7 +74,26 @@ def kv_sources(config) -> list[int]:
             raise ValueError(f"layer {i} of this {config.model_type} config reuses the keys and values of a "
                              f"{kind!r} layer, but no layer of that type stores them (kv_sharing_modes)")
         sources.append(stores[kind] if mode == "reuse" else i)
-    return sources
+    return sources + list(range(len(sources), len(cache_layer_sources(config))))
+
+
+def recurrent_loop(config) -> tuple[list[int], int, bool]:
+    """A looped model's (Dory's) recurrent section: (its decoder layers, how many times it runs after the
+    first, whether each of those runs keeps keys and values of its own: ``recurrent_kv_cache_mode``
+    "per_loop", in cache layers after the model's own, one run after another); ([], 0, False) for the
+    others."""
+    if getattr(config, "model_type", None) != "dory":
+        return [], 0, False
+    start = config.n_input_layers
+    return (list(range(start, start + config.n_recurrent_layers)), config.n_recurrent_loops - 1,
+            config.recurrent_kv_cache_mode == "per_loop")
+
+
+def cache_layer_sources(config) -> list[int]:
+    """Per layer of a StaticKVCache for ``config``: the decoder layer it serves. The model's layers, then a
+    looped model's per-loop copies of its recurrent section (recurrent_loop)."""
+    section, extra_runs, per_loop = recurrent_loop(config)
+    return list(range(config.num_hidden_layers)) + (section * extra_runs if per_loop else [])
 
 
 @dataclass(frozen=True)
@@ -112,7 +132,7 @@ class Family:
     latent_attention: str | None = None
     # a family whose modules get forwards of ours beyond the attention function (models/<name>.py):
     # "llama4" (chunked attention, per-row query temperature, experts on router-scaled inputs); "zamba" (Zamba's
-    # and Zamba2's hybrid layers' attention modules get their layer's index)
+    # and Zamba2's hybrid layers' attention modules get their layer's index); "dory" (its looped attention)
     own_forwards: str | None = None
     # the kv heads of its sliding-window layers, as a multiple of the config's (MiMo-V2-Flash: 2)
     sliding_kv_heads: int = 1
@@ -429,11 +449,16 @@ FAMILIES: dict[str, Family] = {
                float_linears=("lm_head",)),
         # Mamba-2 layers, some ("hybrid") after a shared transformer block (attention over the hidden state and the
         # token embeddings side by side, a fused gate / up MLP; per-use low-rank adapters): models/zamba.py
-        Family("zamba2", "Zamba2Attention", "num_key_value_heads", "attention_head_dim", recurrent_layer_types=RECURRENT,
-               supported_from=HYBRID_FROM, own_forwards="zamba"),
+        Family("zamba2", "Zamba2Attention", "num_key_value_heads", "attention_head_dim",
+               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM, own_forwards="zamba"),
         # the same with Mamba layers (per-head x / dt projections) and one shared block
         Family("zamba", "ZambaAttention", "num_key_value_heads", "attention_head_dim", "ZambaMLP",
                recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM, own_forwards="zamba"),
+        # nGPT (unit-norm hidden states, queries and keys), local / global layers, a recurrent section of layers run
+        # several times, per run with keys and values of its own or the last run's (models/dory.py); its MLP scales
+        # gate and up before the activation (not fused), its output head scales its logits (stays float)
+        Family("dory", "DoryAttention", "num_key_value_heads", "head_dim", own_forwards="dory",
+               float_linears=("lm_head",)),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
         # learned positions; before 5.18 its model sizes a mask by the cache length (fused_length_zero makes it

@@ -81,8 +81,23 @@ def layer_kinds(config) -> list[str]:
     return family_of(config).layer_kinds(config.get_text_config(decoder=True))
 
 
+def cache_layer_sources(config) -> list[int]:
+    """Per layer of a StaticKVCache for ``config``: the decoder layer it serves (families.cache_layer_sources)."""
+    from gptfast_kernels.models import families
+
+    return families.cache_layer_sources(config.get_text_config(decoder=True))
+
+
+def recurrent_loop(config) -> tuple[list[int], int, bool]:
+    """A looped model's recurrent section, extra runs and whether they keep cache layers of their own
+    (families.recurrent_loop)."""
+    from gptfast_kernels.models import families
+
+    return families.recurrent_loop(config.get_text_config(decoder=True))
+
+
 def kv_sources(config) -> list[int]:
-    """Per decoder layer: the layer whose keys and values it attends over (see families.kv_sources)."""
+    """Per cache layer: the layer whose keys and values it attends over (see families.kv_sources)."""
     from gptfast_kernels.models import families
 
     return families.kv_sources(config.get_text_config(decoder=True))
@@ -142,19 +157,24 @@ class StaticKVCache(Cache):
             return attention[kind](batch_size, num_heads, max_cache_len, head_dim, value_dim, device=device,
                                    dtype=dtype)
 
-        kinds = layer_kinds(config)
+        # per cache layer, the decoder layer it serves (a looped model's extra runs of its recurrent section
+        # may keep layers of their own: families.cache_layer_sources)
+        sources = cache_layer_sources(config)
+        kinds, windows, chunks = layer_kinds(config), sliding_windows(config), attention_chunks(config)
         # per layer, the (kv heads, head dim[, value dim]) of its buffers, None for a layer without (a recurrent
         # one, or a "shared" layer, which attends over the keys and values of the layer kv_sources names)
         self.geometry = self.geometry_of(config)
-        layers = [LinearAttentionLayer() if kind == "recurrent" else NoCacheLayer() if geometry is None
-                  else attention_layer(kind, window, chunk, *geometry)
-                  for kind, window, chunk, geometry in zip(kinds, sliding_windows(config), attention_chunks(config),
-                                                           self.geometry)]
+        layers = [LinearAttentionLayer() if kinds[source] == "recurrent" else NoCacheLayer() if geometry is None
+                  else attention_layer(kinds[source], windows[source], chunks[source], *geometry)
+                  for source, geometry in zip(sources, self.geometry)]
         super().__init__(layers=layers)
         # per layer, the layer whose buffers its attention reads and writes (its own but for shared layers),
-        # and how many layers run attention in a forward (the fused path checks each one did)
+        # and how many attention calls a forward makes (the fused path checks each one came; a looped model's
+        # recurrent section calls its attention once per run)
         self.kv_sources = kv_sources(config)
-        self.attention_modules = sum(kind in ("attention", "both", "shared") for kind in kinds)
+        attending = [kind in ("attention", "both", "shared") for kind in kinds]
+        section, extra_runs, _ = recurrent_loop(config)
+        self.attention_modules = sum(attending) + extra_runs * sum(attending[i] for i in section)
         attention_indices = [i for i, layer in enumerate(layers) if isinstance(layer, StaticKVLayer)]
         self.attention_layers = [layers[i] for i in attention_indices]
         # the unfused path (HF calling update) plans a forward at its first attention layer and
@@ -192,12 +212,14 @@ class StaticKVCache(Cache):
 
     @staticmethod
     def geometry_of(config) -> tuple:
-        """Per decoder layer of ``config``: (kv heads, head dim) of the key / value buffers a
-        StaticKVCache holds there (and the value dim, for a layer whose values are its keys' first
-        numbers: layer_geometry), None for a layer without; a cache's ``geometry`` (a patched model
-        checks the cache it is given against its config's)."""
-        return tuple(geometry if kind in ("attention", "both") else None
-                     for kind, geometry in zip(layer_kinds(config), layer_geometry(config)))
+        """Per cache layer for ``config`` (its decoder layers', then a looped model's per-loop copies:
+        cache_layer_sources): (kv heads, head dim) of the key / value buffers a StaticKVCache holds
+        there (and the value dim, for a layer whose values are its keys' first numbers:
+        layer_geometry), None for a layer without; a cache's ``geometry`` (a patched model checks the
+        cache it is given against its config's)."""
+        geometry = [geometry if kind in ("attention", "both") else None
+                    for kind, geometry in zip(layer_kinds(config), layer_geometry(config))]
+        return tuple(geometry[source] for source in cache_layer_sources(config))
 
     # -- the per-forward protocol (driven by the hooks patch_model installs) -------------------------
 

@@ -22,7 +22,8 @@ from gptfast_kernels import StaticKVCache, generate, patch_model, speculative_ge
 from gptfast_kernels.generation.prompt_lookup import prompt_lookup_generate
 from gptfast_kernels.models import recurrent
 from gptfast_kernels.models.families import family_of
-from python_tests.tiny_models import ATTENTION_FREE, HYBRID, LATENT, VOCAB, draft_of, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import (ATTENTION_FREE, HYBRID, LATENT, VOCAB, draft_of, patched_copy, ragged_prompts,
+                                     tiny_model)
 
 NEW = 16
 

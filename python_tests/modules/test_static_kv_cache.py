@@ -8,8 +8,8 @@ from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from gptfast_kernels import StaticKVCache
 from gptfast_kernels.modules.cache_layers import NoCacheLayer, StaticKVLayer
-from python_tests.tiny_models import (ATTENTION_FREE, AUTO_CONFIGS, FAMILIES, HYBRID, KV_SHARING, LATENT, PARALLEL_HYBRID, tiny_config,
-                                     tiny_model)
+from python_tests.tiny_models import (ATTENTION_FREE, AUTO_CONFIGS, FAMILIES, HYBRID, KV_SHARING, LATENT,
+                                     PARALLEL_HYBRID, tiny_config, tiny_model)
 
 GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwen3": (2, 2, 16),
             "gemma": (2, 1, 32), "gemma2": (2, 2, 16), "gemma3_text": (2, 2, 16), "olmo2": (2, 2, 16),
@@ -21,7 +21,9 @@ GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwe
             "opt": (2, 4, 16), "gpt_bigcode": (2, 1, 16), "persimmon": (2, 4, 16), "modernbert-decoder": (2, 4, 16),
             **{family: (2, 4, 16) for family in ("gptj", "codegen", "biogpt", "ctrl")}, "falcon": (2, 2, 16),
             "gpt_neo": (2, 4, 16), "xglm": (2, 4, 16), "bloom": (2, 12, 8), "mpt": (2, 12, 8),
-            "nemotron_h": (4, 2, 16), **{family: (2, None, None) for family in ATTENTION_FREE}, "zamba2": (4, 2, 32), "zamba": (4, 2, 32),
+            "nemotron_h": (4, 2, 16), **{family: (2, None, None) for family in ATTENTION_FREE},
+            "zamba2": (4, 2, 32), "zamba": (4, 2, 32),
+            "dory": (6, 2, 16),  # (its 4 layers, then the second run of its recurrent layers 1 and 2)
             "lfm3": (3, 2, 16), "lara_mini": (3, 2, 16), "dbrx": (2, 2, 16),
             **{family: (4, 2, 16) for family in KV_SHARING},
             # multi-head latent attention: one "kv head" of the latent (32) and rotary key (8), whose first

@@ -126,7 +126,8 @@ def dequantized_copy(model):
             continue
         # new Parameters, not in-place writes: a head tied to the input embeddings must not round them
         # not nn.Linear subclasses with a forward of their own (PhiMoE's router), but for a family's plain ones
-        if _plain_linear(module, family.linear_subclasses):
+        # (Dory's output head: int8 as models/dory.py's Int8DoryLMHead, its logit scale float)
+        if _plain_linear(module, family.linear_subclasses) or type(module).__name__ == "DoryLMHead":
             module.weight = torch.nn.Parameter(rounded(module.weight.data))
         elif isinstance(module, Conv1D):  # weight [in, out]
             module.weight = torch.nn.Parameter(rounded(module.weight.data.t()).t().contiguous())

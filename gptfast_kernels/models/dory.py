@@ -20,16 +20,41 @@ from __future__ import annotations
 
 import types
 
+import torch
 from torch import nn
 
+from gptfast_kernels.modules.int8_linear import OUTPUT_HEAD, Int8Linear, _skipped
+
 ATTENTION_CLASS = "DoryAttention"
+HEAD_CLASS = "DoryLMHead"
 
 
-def patch_dory_(model: nn.Module, int8: bool) -> None:
-    """In place: the attention modules get ``attention_forward``."""
+def patch_dory_(model: nn.Module, int8: bool, skip: tuple[str, ...] = ()) -> None:
+    """In place: the attention modules get ``attention_forward``; with ``int8`` the output head becomes an
+    Int8DoryLMHead, unless ``skip`` (patch_model's int8_skip) names it."""
     for module in model.modules():
         if type(module).__name__ == ATTENTION_CLASS:
             module.forward = types.MethodType(attention_forward, module)
+    head = model.get_output_embeddings()
+    if int8 and type(head).__name__ == HEAD_CLASS and not _skipped(OUTPUT_HEAD, skip):
+        model.set_output_embeddings(Int8DoryLMHead.from_head(head))
+
+
+class Int8DoryLMHead(Int8Linear):
+    """Dory's output head with int8 weights: x @ W.T through int8_linear, in float32, times its learned
+    per-token logit scale (float32, the product DoryLMHead forms each call): [..., hidden] ->
+    [..., vocab] float32. (quantize_int8_ leaves DoryLMHead float: an nn.Linear subclass with a forward of
+    its own.) Its weights are a quarter of a 4B Dory's bytes in bfloat16."""
+
+    @classmethod
+    def from_head(cls, head: nn.Linear) -> "Int8DoryLMHead":
+        new = cls.from_float(head, linear_subclasses=(HEAD_CLASS,))  # (its product; the scale below)
+        scale = head.logit_scale.detach().float() * head.logit_scale_factor
+        new.register_buffer("logit_scale", scale)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).float() * self.logit_scale
 
 
 def attention_forward(self, hidden_states, *args, cache_offset: int = 0, shared_kv_states=None, **kwargs):

@@ -456,9 +456,8 @@ FAMILIES: dict[str, Family] = {
                recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM, own_forwards="zamba"),
         # nGPT (unit-norm hidden states, queries and keys), local / global layers, a recurrent section of layers run
         # several times, per run with keys and values of its own or the last run's (models/dory.py); its MLP scales
-        # gate and up before the activation (not fused), its output head scales its logits (stays float)
-        Family("dory", "DoryAttention", "num_key_value_heads", "head_dim", own_forwards="dory",
-               float_linears=("lm_head",)),
+        # gate and up before the activation (not fused), its output head scales its logits (int8: Int8DoryLMHead)
+        Family("dory", "DoryAttention", "num_key_value_heads", "head_dim", own_forwards="dory"),
         Family("gpt2", "GPT2Attention", None, None),
         Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
         # learned positions; before 5.18 its model sizes a mask by the cache length (fused_length_zero makes it

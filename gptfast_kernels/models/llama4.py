@@ -36,7 +36,7 @@ ATTENTION_CLASS = "Llama4TextAttention"
 MOE_CLASS = "Llama4TextMoe"
 
 
-def patch_llama4_(model: nn.Module, int8: bool) -> None:
+def patch_llama4_(model: nn.Module, int8: bool, skip: tuple[str, ...] = ()) -> None:
     """In place: the attention modules get ``attention_forward`` and their layer's chunk (the one the
     StaticKVCache sizes chunked layers by: ``attention_chunks``); with ``int8`` every MoE block
     becomes an Int8Llama4Moe (after patch_model's int8 pass, which left its router float and made

@@ -21,7 +21,7 @@ from gptfast_kernels.modules.int8_experts import quantize_experts_
 from gptfast_kernels.modules.int8_linear import quantize_int8_
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
-# Family.own_forwards: what patches such a family's modules, given the model and whether int8
+# Family.own_forwards: what patches such a family's modules, given the model, whether int8 and int8_skip
 OWN_FORWARDS = {"dory": patch_dory_, "llama4": patch_llama4_, "zamba": patch_zamba_}
 # Family.own_attention: the module whose fused_attention such a family's attention modules run on a
 # StaticKVCache (in place of transformers' forward, which bypasses the AttentionInterface; see
@@ -51,8 +51,8 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     if not attention_modules and family.attention_class is not None:
         raise ValueError(f"patch_model: a {family.model_type} model should contain {family.attention_class} "
                          "modules and this one has none; its transformers version may be unsupported")
+    skip = (int8_skip,) if isinstance(int8_skip, str) else tuple(int8_skip)
     if int8:
-        skip = (int8_skip,) if isinstance(int8_skip, str) else tuple(int8_skip)
         quantize_int8_(model, skip=(*skip, *family.float_linears), linear_subclasses=family.linear_subclasses)
         if family.gated_mlp_class is not None:
             fuse_gated_mlps_(model, family.gated_mlp_class, family.gated_mlp_in_float32)
@@ -61,7 +61,7 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
             for mixer in mixers.values():
                 fuse_projections_(mixer, family.recurrent_input_projections, "input_proj")
     if family.own_forwards:  # (with int8, after the int8 pass above: it may take the int8 modules in)
-        OWN_FORWARDS[family.own_forwards](model, int8)
+        OWN_FORWARDS[family.own_forwards](model, int8, skip)
     if int8:
         has_experts = any(type(m).__name__ in family.experts_classes for m in model.modules())
         if has_experts and quantize_experts_(model, family.experts_classes) == 0:

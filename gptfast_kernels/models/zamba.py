@@ -16,7 +16,7 @@ from torch import nn
 ATTENTION_CLASSES = ("ZambaAttention", "Zamba2Attention")
 
 
-def patch_zamba_(model: nn.Module, int8: bool) -> None:
+def patch_zamba_(model: nn.Module, int8: bool, skip: tuple[str, ...] = ()) -> None:
     """In place: each hybrid layer's attention module gets the layer's index as ``layer_idx``."""
     for index, layer in enumerate(model.model.layers):
         for module in layer.modules():

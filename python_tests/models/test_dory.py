@@ -1,14 +1,17 @@
 """Dory (models/dory.py) on a tiny config: its recurrent section (layers 1 and 2 of 4) runs twice, in
 both of transformers' cache modes: "per_loop" (the second run over cache layers of its own) and
-"last_loop" (one cache layer per section layer, the last run's). The family-wide tests
-(test_patch.py, generation/) cover the per_loop config; these cover both modes side by side."""
+"last_loop" (one cache layer per section layer, the last run's); and its int8 output head. The
+family-wide tests (test_patch.py, generation/) cover the per_loop config; these cover both modes side
+by side."""
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from gptfast_kernels import StaticKVCache, generate, patch_model, speculative_generate
-from python_tests.tiny_models import hf_greedy, patched_copy, ragged_prompts, stepwise_logits, tiny_model
+from gptfast_kernels import Int8Linear, StaticKVCache, generate, patch_model, speculative_generate
+from gptfast_kernels.models.dory import Int8DoryLMHead
+from python_tests.tiny_models import (dequantized_copy, hf_greedy, patched_copy, ragged_prompts, stepwise_logits,
+                                     tiny_model)
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 MODES = ("per_loop", "last_loop")
@@ -52,3 +55,22 @@ def test_greedy_and_speculative_equal_transformers(mode):
     want = generate(target, ids, mask, max_new_tokens=10, eos_token_id=[]).sequences
     out = speculative_generate(target, draft, ids, mask, max_new_tokens=10, speculate_k=3, eos_token_id=[])
     assert torch.equal(out.sequences, want)
+
+
+def test_int8_output_head_keeps_its_logit_scale():
+    """With int8 the output head (DoryLMHead: x @ W.T times a learned per-token scale) becomes an
+    Int8DoryLMHead: its logits equal transformers' head over the int8-rounded weight, the scale
+    included (drawn here: a fresh model's makes it 1); int8_skip=("lm_head",) keeps it float."""
+    model = tiny_model("dory")
+    with torch.no_grad():
+        model.lm_head.logit_scale.uniform_(0.05, 0.2)  # (times its factor 1 / 0.1: 0.5 to 2)
+    patched = patched_copy(model, int8=True)
+    head = patched.lm_head
+    assert isinstance(head, Int8DoryLMHead)
+    assert type(patched_copy(model, int8=True, int8_skip=("lm_head",)).lm_head).__name__ == "DoryLMHead"
+    rounded = dequantized_copy(model).lm_head
+    x = torch.randn(3, 5, model.config.hidden_size)
+    with torch.no_grad():
+        want = rounded(x)
+        torch.testing.assert_close(head(x), want, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(Int8Linear.forward(head, x).float(), want, atol=1e-3)  # (the scale matters)

@@ -132,7 +132,8 @@ class Family:
     latent_attention: str | None = None
     # a family whose modules get forwards of ours beyond the attention function (models/<name>.py):
     # "llama4" (chunked attention, per-row query temperature, experts on router-scaled inputs); "zamba" (Zamba's
-    # and Zamba2's hybrid layers' attention modules get their layer's index); "dory" (its looped attention)
+    # and Zamba2's hybrid layers' attention modules get their layer's index); "dory" (its looped attention);
+    # "mamba" (an int8 output head that says the float dtype)
     own_forwards: str | None = None
     # the kv heads of its sliding-window layers, as a multiple of the config's (MiMo-V2-Flash: 2)
     sliding_kv_heads: int = 1
@@ -439,14 +440,14 @@ FAMILIES: dict[str, Family] = {
                float_linears=("*.mlp.gate.*",), recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
                recurrent_input_projections=("q_proj", "k_proj", "v_proj_current", "v_proj_delayed")),
         # attention-free: every layer a Mamba (selective state-space) block; the cache holds transformers' conv
-        # and recurrent states alone. Their models cast the hidden states to lm_head.weight's dtype, and Mamba's
-        # and Falcon-Mamba's mixers multiply by dt_proj.weight: both stay float
+        # and recurrent states alone. Their models cast the hidden states to lm_head.weight's dtype (models/mamba.py:
+        # the int8 head says it), and Mamba's and Falcon-Mamba's mixers multiply by dt_proj.weight (stays float)
         Family("mamba", None, None, None, recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
-               float_linears=("lm_head", "*.mixer.dt_proj")),
+               float_linears=("*.mixer.dt_proj",), own_forwards="mamba"),
         Family("falcon_mamba", None, None, None, recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
-               float_linears=("lm_head", "*.mixer.dt_proj")),
+               float_linears=("*.mixer.dt_proj",), own_forwards="mamba"),
         Family("mamba2", None, None, None, recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
-               float_linears=("lm_head",)),
+               own_forwards="mamba"),
         # Mamba-2 layers, some ("hybrid") after a shared transformer block (attention over the hidden state and the
         # token embeddings side by side, a fused gate / up MLP; per-use low-rank adapters): models/zamba.py
         Family("zamba2", "Zamba2Attention", "num_key_value_heads", "attention_head_dim",

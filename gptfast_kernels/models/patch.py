@@ -14,6 +14,7 @@ from gptfast_kernels.models.families import family_of
 from gptfast_kernels.models.latent_attention import patch_latent_attention_
 from gptfast_kernels.models.dory import patch_dory_
 from gptfast_kernels.models.llama4 import patch_llama4_
+from gptfast_kernels.models.mamba import patch_mamba_
 from gptfast_kernels.models.zamba import patch_zamba_
 from gptfast_kernels.modules.fused_qkv import fuse_projections_, fuse_qkv_
 from gptfast_kernels.modules.gated_mlp import fuse_gated_mlps_
@@ -22,7 +23,7 @@ from gptfast_kernels.modules.int8_linear import quantize_int8_
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
 # Family.own_forwards: what patches such a family's modules, given the model, whether int8 and int8_skip
-OWN_FORWARDS = {"dory": patch_dory_, "llama4": patch_llama4_, "zamba": patch_zamba_}
+OWN_FORWARDS = {"dory": patch_dory_, "llama4": patch_llama4_, "mamba": patch_mamba_, "zamba": patch_zamba_}
 # Family.own_attention: the module whose fused_attention such a family's attention modules run on a
 # StaticKVCache (in place of transformers' forward, which bypasses the AttentionInterface; see
 # _own_attention_forward), and whose prepare_attention(module, config), where it has one, readies each

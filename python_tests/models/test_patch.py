@@ -15,6 +15,7 @@ import gptfast_kernels.models.attention as attention
 from gptfast_kernels.models.families import (FAMILIES as FAMILY_TABLE, PARALLEL, SLIDING, family_of, recurrent_loop,
                                              transformers_before)
 from gptfast_kernels import Int8Linear, StaticKVCache, ops, patch_model
+from gptfast_kernels.models.mamba import Int8OutputHead
 from python_tests.tiny_models import (ATTENTION_FREE, ATTENTION_SOFTCAP, FAMILIES, HYBRID, INDEX_POSITIONED, KV_SHARING,
                                      MOE, PARALLEL_HYBRID, SOFTCAPPED, WINDOW, WINDOWED, WITH_SINKS, dequantized_copy,
                                      experts_per_token, patched_copy, ragged_prompts, stepwise_logits, tiny_config,
@@ -137,6 +138,24 @@ def test_attention_free_models_advance_the_cache_without_attention(family, monke
         assert cache.seq_lengths.tolist() == (mask.sum(1) + 1).tolist() and calls == []
         with pytest.raises(ValueError, match="attention-free model .* only once patched"):
             model(ids, **{attention.cache_keyword(model): StaticKVCache(model.config, 2, 12)})
+
+
+@pytest.mark.parametrize("family", ATTENTION_FREE)
+def test_attention_free_output_heads_are_int8_and_say_the_float_dtype(family):
+    """Mamba's code casts the hidden states to lm_head.weight's dtype: the int8 head (models/mamba.py) has a
+    zero-size weight of the model's dtype for it, and bfloat16 logits equal the int8-rounded model's."""
+    model = tiny_model(family).to(torch.bfloat16)
+    patched = patched_copy(model, int8=True)
+    head = patched.get_output_embeddings()
+    assert isinstance(head, Int8OutputHead) and head.weight.dtype == torch.bfloat16 and head.weight.numel() == 0
+    assert "weight" not in head.state_dict()
+    ids = torch.randint(2, 90, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = dequantized_copy(model)(ids).logits
+        got = patched(ids, past_key_values=StaticKVCache(patched.config, 2, 8)).logits
+    # (the same products, rounded to bfloat16 in other places: 0.5 to 1% of the largest logit here, where
+    # transformers' own bfloat16 logits are 0.3 to 2% from its float32 ones)
+    torch.testing.assert_close(got, want, atol=0.03 * want.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("family", ["llama", "gptj", "stablelm", "qwen3_5_text", "deepseek_v3", "llama4_text"])

@@ -19,9 +19,7 @@ class Int8OutputHead(Int8Linear):
 
     @classmethod
     def of(cls, head: Int8Linear, dtype: torch.dtype) -> "Int8OutputHead":
-        new = cls(head.in_features, head.out_features, bias=head.bias is not None, device=head.qweight.device,
-                  dtype=head.bias.dtype if head.bias is not None else torch.float32)
-        new.load_state_dict(head.state_dict())
+        new = cls.concat([head])  # (a copy of its buffers, as this class)
         new.register_buffer("weight", torch.empty(0, dtype=dtype, device=head.qweight.device), persistent=False)
         return new
 

@@ -10,7 +10,8 @@ input projections: most of its weights) run once on all T columns, and each colu
 slice; only the rest (the convolution and recurrence, the output projection, which depend on the
 column before) runs per column. So a verification forward of T = k + 1 tokens reads a mixer's
 output projection T times, its other weights once: the price of exact rollback without per-family
-kernels.
+code. Mamba-2 mixers (models/recurrent_columns.py) have such code: they run all T columns in one
+pass, their recurrence alone stepping, and read every weight once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from gptfast_kernels.models.recurrent_columns import column_forward_of
 from gptfast_kernels.modules.int8_linear import Int8Linear
 
 # the keywords transformers' mixers take the cache by (5.24: cache; 5.17 to 5.23: cache_params; some
@@ -73,6 +75,7 @@ def install_stepped_mixers(model: nn.Module, family, mixers: dict[int, nn.Module
     for index in stateful:
         mixer = mixers[index]
         mixer._gptfast_columns = columns = StepColumns()
+        mixer._gptfast_column_forward = column_forward_of(mixer)
         mixer.forward = types.MethodType(_stepped_forward, mixer)
         for linear in mixer.modules():
             if isinstance(linear, (nn.Linear, Int8Linear)):
@@ -122,6 +125,10 @@ def _stepped_forward(self, hidden_states, *args, **kwargs):
     history = getattr(cache, "state_history", None)
     if history is None or not history.is_open:
         return type(self).forward(self, hidden_states, *args, **kwargs)
+    if self._gptfast_column_forward is not None:
+        output = self._gptfast_column_forward(self, hidden_states, history)
+        if output is not None:
+            return output
     B, T = hidden_states.shape[:2]
     if "attention_mask" in kwargs:
         kwargs["attention_mask"] = None

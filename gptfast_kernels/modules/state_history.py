@@ -155,6 +155,18 @@ class StateHistory:
         if not torch.compiler.is_compiling():
             self.steps_recorded += 1
 
+    def record_columns(self, layer_idx: int, after: list[torch.Tensor]) -> None:
+        """Layer ``layer_idx`` has run all the forward's token columns at once: ``after`` holds each of
+        its states (in ``slots``' order) after every column, [T, B, ...], a padding column already
+        leaving a row's state as it was. They go to the columns' slots; the states take the last."""
+        if self._step_slots is None:
+            raise RuntimeError("StaticKVCache: a recurrent layer ran outside a planned forward")
+        for (states_dict, key, slots), columns in zip(self.slots[layer_idx], after, strict=True):
+            slots.index_copy_(0, self._step_slots, columns)
+            states_dict[key].copy_(columns[-1])
+        if not torch.compiler.is_compiling():
+            self.steps_recorded += len(self._step_slots)
+
     def rollback(self, new_lengths: torch.Tensor, check: bool) -> None:
         """Every row's states as they were when it had ``new_lengths`` [B] tokens since the checkpoint
         (0: emptied); closes the checkpoint. ``check``: ValueError (after a host synchronisation)

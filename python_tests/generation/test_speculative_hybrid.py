@@ -310,8 +310,9 @@ def test_a_family_whose_states_no_module_steps_is_refused():
 
 
 # per family: the int8 layers of a recurrent block that take its input (with int8 its input projections are one
-# Int8Linear: Qwen3.5's four, Kimi's five beside its low-rank forget gate's first, ZAYA1's four), and the others
-SHARED_AND_OTHER = {"qwen3_5_text": (1, 1), "bamba": (1, 1), "kimi_linear": (2, 3), "zaya": (1, 0),
+# Int8Linear: Qwen3.5's four, Kimi's five beside its low-rank forget gate's first, ZAYA1's four), and the others;
+# Bamba's Mamba-2 mixer runs its columns in one pass (recurrent_columns.py): every layer once
+SHARED_AND_OTHER = {"qwen3_5_text": (1, 1), "bamba": (2, 0), "kimi_linear": (2, 3), "zaya": (1, 0),
                     "olmo_hybrid": (1, 1), "qwen3_next": (1, 1)}
 
 
@@ -320,7 +321,7 @@ def test_recurrent_blocks_run_their_input_projections_once(family, monkeypatch):
     """With int8 a recurrent block's input projections are one Int8Linear, one call per forward;
     under a checkpoint the block steps token by token, but that call (and any other linear layer
     taking the block's input) still runs once on all the forward's columns, the others (the output
-    projection ...) once per column."""
+    projection ...) once per column; a mixer with a one-pass forward (Mamba-2's) runs each once."""
     from gptfast_kernels.modules.int8_linear import Int8Linear
 
     patched = patched_copy(tiny_model(family, layers=3), int8=True)
@@ -347,3 +348,72 @@ def test_recurrent_blocks_run_their_input_projections_once(family, monkeypatch):
         patched(ids[:, :4], past_key_values=cache)
     for _, inner in per_mixer():
         assert sorted(inner, reverse=True) == [4] * shared + [1] * (4 * other)
+
+
+# the hybrid families whose recurrent blocks are Mamba-2 mixers (recurrent_columns.MAMBA2_MIXERS), with config
+# options: Falcon-H1's tiny config gates its read-out without a norm, "falcon_h1-norm" with its gated norm
+MAMBA2_FAMILIES = {"mamba2": {}, "bamba": {}, "granitemoehybrid": {}, "nemotron_h": {}, "zamba2": {},
+                   "falcon_h1": {}, "falcon_h1-norm": {"mamba_rms_norm": True}}
+
+
+@pytest.mark.parametrize("variant", sorted(MAMBA2_FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_mixers_run_a_round_in_one_pass_as_stepping_would(variant, dtype):
+    """A Mamba-2 mixer under a checkpoint runs all of a forward's columns in one pass: the logits,
+    the states after the forwards and after each row's crop equal those of the same model stepping
+    its mixers column by column (transformers' single-token path), padding columns included, in
+    float32 and bfloat16, and the one-pass forward is what ran."""
+    from gptfast_kernels.models import recurrent_columns
+
+    torch.manual_seed(0)
+    model = tiny_model(variant.split("-")[0], layers=3, **MAMBA2_FAMILIES[variant]).to(dtype)
+    one_pass, stepping = patched_copy(model, int8=False), patched_copy(model, int8=False)
+    found = recurrent.recurrent_mixers(stepping, family_of(stepping.config))
+    mixers = [found[index] for index in recurrent.stateful_layers(family_of(stepping.config), stepping.config)]
+    assert mixers and all(type(m).__name__ in recurrent_columns.MAMBA2_MIXERS for m in mixers)
+    for mixer in mixers:
+        mixer._gptfast_column_forward = None
+    B = len(COLUMNS)
+    ids, mask = ragged_prompts(B, 5, "left", seed=1)
+    new = torch.randint(2, VOCAB, (B, 4), generator=torch.Generator().manual_seed(2))
+    columns = torch.tensor(COLUMNS)
+    keep = torch.tensor(KEPT[1])
+    tolerance = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    results = []
+    for patched in (one_pass, stepping):
+        cache = _prefilled(patched, ids, mask, rollback_tokens=4)
+        start = cache.seq_lengths.clone()
+        cache.checkpoint()
+        with torch.no_grad():
+            logits = [patched(new[:, :3], attention_mask=columns[:, :3], past_key_values=cache).logits,
+                      patched(new[:, 3:], attention_mask=columns[:, 3:], past_key_values=cache).logits]
+        states = _states(cache)
+        assert cache.state_history.steps_recorded == 4 * len(mixers)
+        cache.crop(start + torch.minimum(keep, columns.sum(dim=1)))
+        results.append((logits, states, _states(cache)))
+    (got_logits, got_after, got_kept), (want_logits, want_after, want_kept) = results
+    real = columns.bool()
+    for got, want, which in zip(got_logits, want_logits, (real[:, :3], real[:, 3:])):
+        torch.testing.assert_close(got[which], want[which], **tolerance)
+    for got, want in zip(got_after + got_kept, want_after + want_kept):
+        torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_mamba2_one_pass_is_taken(monkeypatch):
+    """The one-pass forward runs (and stepping does not) for a Mamba-2 mixer under a checkpoint; without a
+    checkpoint the mixer takes transformers' path."""
+    from gptfast_kernels.models import recurrent_columns
+
+    calls = []
+    one_pass = recurrent_columns.mamba2_columns_forward
+    monkeypatch.setattr(recurrent_columns, "mamba2_columns_forward",
+                        lambda *args: calls.append(args[1].shape[1]) or one_pass(*args))
+    patched = patched_copy(tiny_model("mamba2", layers=2), int8=True)
+    ids, mask = ragged_prompts(2, 5, "left")
+    cache = _prefilled(patched, ids, mask, rollback_tokens=4)
+    with torch.no_grad():
+        patched(ids[:, :1], past_key_values=cache)
+        assert calls == []
+        cache.checkpoint()
+        patched(ids[:, :4], past_key_values=cache)
+    assert calls == [4, 4]

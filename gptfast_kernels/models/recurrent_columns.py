@@ -1,19 +1,21 @@
-"""A Mamba-2 mixer's verification forward in one pass: all of a speculative round's token columns at
-once, with its states after every column, in place of transformers' single-token path run once per
-column (models/recurrent.py).
+"""A recurrent block's verification forward in one pass: all of a speculative round's token columns
+at once, with its states after every column, in place of transformers' single-token path run once per
+column (models/recurrent.py). Mamba-2 mixers and gated delta nets have one.
 
-Stepping a Mamba-2 mixer column by column runs its whole single-token path k + 1 times: the output
-projection, the convolution and some fifteen small operations on the [B, H, P, N] recurrent state per
-column. Here the input and output projections, the convolution, the gated norm and the state's read-out
-run once over all T columns; only the recurrence itself (S_t = exp(dt_t A) S_{t-1} + dt_t B_t x_t, two
-operations on the state) goes column by column, and it leaves every column's states for the cache's
+Stepping a block column by column runs its whole single-token path k + 1 times: the output projection,
+the convolution and a dozen or more small operations on the recurrent state per column. Here the input
+and output projections, the convolution, the norms and gates run once over all T columns; only the
+recurrence itself goes column by column (Mamba-2: S_t = exp(dt_t A) S_{t-1} + dt_t B_t x_t; a gated
+delta net: decay, the delta rule's write, the read), leaving every column's states for the cache's
 history (StateHistory.record_columns). A padding column leaves a row's states as they were: its decay
-is 1, its input 0 and its convolution window the previous column's.
+is 1, its write 0 and its convolution window the previous column's.
 
-The arithmetic follows transformers' single-token path (causal_conv1d_update and
-selective_state_update in the model's dtypes; the decay in float32), so a round's states and logits
-equal the stepped ones within rounding. Mixers: Mamba-2's and its copies in Bamba, Nemotron-H,
-GraniteMoE-Hybrid and Zamba2, and Falcon-H1's (its input multipliers and optional norm).
+The arithmetic follows transformers' single-token path (causal_conv1d_update, then
+selective_state_update in the model's dtypes with the decay in float32, or
+torch_recurrent_gated_delta_rule in float32), so a round's states and logits equal the stepped ones
+within rounding. Blocks: Mamba-2's mixer and its copies in Bamba, Nemotron-H, GraniteMoE-Hybrid and
+Zamba2, Falcon-H1's (its input multipliers and optional norm); Qwen3.5's gated delta net and its copies
+in Qwen3.5-MoE and LaraMini, Qwen3-Next's (its interleaved input projections).
 """
 
 from __future__ import annotations
@@ -25,11 +27,17 @@ from transformers.activations import ACT2FN
 # transformers' Mamba-2 mixers (the same forward, copied per family; Falcon-H1's adds multipliers)
 MAMBA2_MIXERS = ("Mamba2Mixer", "BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer",
                  "Zamba2MambaMixer", "FalconH1Mixer")
+# transformers' gated delta nets of that form (Qwen3.5's, copied by Qwen3.5-MoE and LaraMini; Qwen3-Next's
+# projects its input in another layout)
+GATED_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "LaraMiniGatedDeltaNet",
+                    "Qwen3NextGatedDeltaNet")
 
 
 def column_forward_of(mixer) -> object | None:
     """The one-pass verification forward for ``mixer``'s class, or None (it steps column by column)."""
-    return mamba2_columns_forward if type(mixer).__name__ in MAMBA2_MIXERS else None
+    name = type(mixer).__name__
+    return (mamba2_columns_forward if name in MAMBA2_MIXERS else
+            gated_delta_columns_forward if name in GATED_DELTA_NETS else None)
 
 
 def _conv_windows(conv_state: torch.Tensor, inputs: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -45,18 +53,42 @@ def _conv_windows(conv_state: torch.Tensor, inputs: torch.Tensor, real: torch.Te
     return sequence.gather(2, index.view(B, 1, T * K).expand(B, C, T * K)).view(B, C, T, K)
 
 
-def mamba2_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
-    """``mixer``'s output for all the forward's columns [B, T, hidden], its states after each recorded
-    in ``history``; None when its cache layer does not hold the two states expected (then it steps)."""
+def _convolved(mixer, inputs: torch.Tensor, conv_state: torch.Tensor, real: torch.Tensor):
+    """``mixer``'s causal convolution of all the forward's columns ``inputs`` [B, T, C] as transformers'
+    single-token update runs it per column (in the weight's dtype, then its activation): (its output
+    [B, T, C], the conv state after each column [T, B, C, K])."""
+    weight = mixer.conv1d.weight.squeeze(1)  # [C, K]
+    C, K = weight.shape
+    B, T = inputs.shape[:2]
+    windows = _conv_windows(conv_state.to(weight.dtype), inputs.transpose(1, 2).to(weight.dtype), real)
+    flat = windows.permute(0, 2, 1, 3).reshape(B * T, C, K)
+    out = F.conv1d(flat, weight.unsqueeze(1), mixer.conv1d.bias, groups=C).view(B, T, C)
+    if mixer.activation is not None:
+        out = ACT2FN[mixer.activation](out)
+    return out.to(inputs.dtype), windows.permute(2, 0, 1, 3).to(conv_state.dtype)
+
+
+def _two_states(mixer, history, batch: int):
+    """(conv state, recurrent state) of ``mixer``'s cache layer, or None when it holds other states."""
     entries = history.slots.get(mixer.layer_idx, [])
     if len(entries) != 2:
         return None
     (conv_dict, conv_key, _), (state_dict, state_key, _) = entries
     conv_state, state = conv_dict[conv_key], state_dict[state_key]
+    if conv_state.shape != (batch, mixer.conv_dim, mixer.conv1d.weight.shape[-1]) or state.shape[0] != batch:
+        return None
+    return conv_state, state
+
+
+def mamba2_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
+    """``mixer``'s output for all the forward's columns [B, T, hidden], its states after each recorded
+    in ``history``; None when its cache layer does not hold the two states expected (then it steps)."""
     Bsz, T = hidden_states.shape[:2]
     H, P, N, G = mixer.num_heads, mixer.head_dim, mixer.ssm_state_size, mixer.n_groups
-    if conv_state.shape[:2] != (Bsz, mixer.conv_dim) or state.shape != (Bsz, H, P, N):
+    states = _two_states(mixer, history, Bsz)
+    if states is None or states[1].shape != (Bsz, H, P, N):
         return None
+    conv_state, state = states
     real = history._step_real  # [B, T]
     dtype = hidden_states.dtype
 
@@ -68,13 +100,8 @@ def mamba2_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch
         projected = projected * mixer.mup_vector
     gate, xBC, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, H], dim=-1)
 
-    # 2. the convolution: every column's window, its output, and the conv state it leaves
-    weight = mixer.conv1d.weight.squeeze(1)  # [C, K]
-    windows = _conv_windows(conv_state.to(weight.dtype), xBC.transpose(1, 2).to(weight.dtype), real)
-    C, K = weight.shape
-    flat = windows.permute(0, 2, 1, 3).reshape(Bsz * T, C, K)
-    convolved = F.conv1d(flat, weight.unsqueeze(1), mixer.conv1d.bias, groups=C).view(Bsz, T, C)
-    convolved = ACT2FN[mixer.activation](convolved).to(xBC.dtype)
+    # 2. the convolution
+    convolved, conv_after = _convolved(mixer, xBC, conv_state, real)
     x, Bmat, Cmat = convolved.split([mixer.intermediate_size, G * N, G * N], dim=-1)
 
     # 3. the recurrence: S_t = exp(dt_t A) S_{t-1} + dt_t B_t x_t per head, identity at padding
@@ -101,9 +128,66 @@ def mamba2_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch
     if not gated_norm:  # (Falcon-H1 without its norm: the gate multiplies the read-out)
         out = out * F.silu(gate.view(Bsz, T, H, P))
     out = out.to(dtype).view(Bsz, T, H * P)
-    if gated_norm:
-        out = mixer.norm(out, gate)
+    if gated_norm:  # (reshaped: Falcon-H1's norm drops the token axis of a single column before 5.24)
+        out = mixer.norm(out, gate).reshape(Bsz, T, H * P)
 
-    history.record_columns(mixer.layer_idx, [windows.permute(2, 0, 1, 3).to(conv_state.dtype),
-                                             stored])
+    history.record_columns(mixer.layer_idx, [conv_after, stored])
     return mixer.out_proj(out.to(dtype))
+
+
+def gated_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
+    """A gated delta net's (Qwen3.5's, Qwen3-Next's, LaraMini's) output for all the forward's columns
+    [B, T, hidden], its states after each recorded in ``history``, following transformers' single-token
+    path (torch_recurrent_gated_delta_rule in float32); None when its cache layer holds other states."""
+    Bsz, T = hidden_states.shape[:2]
+    Hk, Hv, Dk, Dv = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
+    states = _two_states(mixer, history, Bsz)
+    if states is None or states[1].shape != (Bsz, Hv, Dk, Dv):
+        return None
+    conv_state, state = states
+    real = history._step_real  # [B, T]
+
+    # 1. the input projections, called in transformers' order (with int8 they are parts of one matmul)
+    if hasattr(mixer, "in_proj_qkvz"):  # (Qwen3-Next: two projections, its heads' parts interleaved)
+        qkvz, ba = mixer.in_proj_qkvz(hidden_states), mixer.in_proj_ba(hidden_states)
+        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(qkvz, ba)
+        mixed = torch.cat([part.reshape(Bsz, T, -1) for part in (query, key, value)], dim=-1)
+    else:
+        mixed = mixer.in_proj_qkv(hidden_states)
+        z = mixer.in_proj_z(hidden_states)
+        b, a = mixer.in_proj_b(hidden_states), mixer.in_proj_a(hidden_states)
+    z = z.reshape(Bsz, T, Hv, Dv)
+
+    # 2. the convolution, then queries, keys and values per head in float32 (keys and queries shared by
+    # Hv / Hk value heads, unit length, queries over sqrt(Dk))
+    convolved, conv_after = _convolved(mixer, mixed, conv_state, real)
+    query, key, value = convolved.split([mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    out_dtype = query.dtype
+    query, key = (part.reshape(Bsz, T, Hk, Dk).repeat_interleave(Hv // Hk, dim=2).float() for part in (query, key))
+    value = value.reshape(Bsz, T, Hv, Dv).float()
+    query = query * torch.rsqrt((query * query).sum(dim=-1, keepdim=True) + 1e-6)
+    key = key * torch.rsqrt((key * key).sum(dim=-1, keepdim=True) + 1e-6)
+    query = query / (Dk ** 0.5)
+
+    # 3. the recurrence per column: decay, the delta rule's write, the read; a padding column decays by
+    # exp(0) = 1 and writes with strength 0
+    beta = torch.where(real[:, :, None], b.sigmoid(), 0).float()  # [B, T, Hv]
+    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+    decay = torch.where(real[:, :, None], g, 0).exp()
+    stored = state.new_empty((T, *state.shape))
+    reads = []
+    current = state.float()
+    for t in range(T):
+        current = current * decay[:, t, :, None, None]
+        remembered = (current * key[:, t, :, :, None]).sum(dim=-2)  # [B, Hv, Dv]
+        delta = (value[:, t] - remembered) * beta[:, t, :, None]
+        current = current + key[:, t, :, :, None] * delta[:, :, None, :]
+        reads.append((current * query[:, t, :, :, None]).sum(dim=-2))
+        stored[t] = current
+        current = stored[t].float()
+    out = torch.stack(reads, dim=1).to(out_dtype)  # [B, T, Hv, Dv]
+
+    # 4. the gated norm per head, the output projection
+    out = mixer.norm(out.reshape(-1, Dv), z.reshape(-1, Dv)).reshape(Bsz, T, -1)
+    history.record_columns(mixer.layer_idx, [conv_after, stored])
+    return mixer.out_proj(out)

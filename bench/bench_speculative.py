@@ -15,14 +15,15 @@ its lookup nothing to find).
 
 Rows "hybrid_verify": what a speculative round's verification costs a hybrid model (Qwen3.5's
 layout: three gated-delta-net layers to one attention layer; int8, random weights), where the
-recurrent blocks step token by token so that the round can roll their states back: one forward of
+recurrent blocks leave their states after every token so that the round can roll them back (in one
+pass, models/recurrent_columns.py, for these gated delta nets and Mamba-2 mixers): one forward of
 k + 1 tokens under a checkpoint, plus the crop (``ours_verify_rollback``), against the same
 forward without a checkpoint (``ours_verify_no_rollback``: transformers' multi-token path, which
 cannot roll back), one decode step, and the k + 1 decode steps plain decoding spends on k + 1
 tokens (the baseline). ``decode_steps_per_verify``: the verification's time in decode steps; a
 round gains when its accepted tokens + 1 exceed that plus the draft's time. The same rows for an
 attention-free model (case mamba2: Mamba-2 2.7B's shapes on a GPU, scaled down on the CPU), whose
-every layer steps.
+every layer is recurrent.
 Rows "assistant_rounds": drafting with a Gemma 4 assistant (generation/assistant.py) on random
 weights: a Gemma 4 text target (transformers' default Gemma4TextConfig on a GPU, bf16, int8
 weights, compiled steps; scaled down in float32 on the CPU) and a 4-layer assistant over its keys

@@ -23,7 +23,8 @@ cannot roll back), one decode step, and the k + 1 decode steps plain decoding sp
 tokens (the baseline). ``decode_steps_per_verify``: the verification's time in decode steps; a
 round gains when its accepted tokens + 1 exceed that plus the draft's time. The same rows for an
 attention-free model (case mamba2: Mamba-2 2.7B's shapes on a GPU, scaled down on the CPU), whose
-every layer is recurrent.
+every layer is recurrent, for LFM2 (case lfm2: LFM2-1.2B's shapes; short convolutions beside
+attention) and for Mamba (case mamba: Mamba-2.8B's shapes; Mamba-1 mixers, attention-free).
 Rows "assistant_rounds": drafting with a Gemma 4 assistant (generation/assistant.py) on random
 weights: a Gemma 4 text target (transformers' default Gemma4TextConfig on a GPU, bf16, int8
 weights, compiled steps; scaled down in float32 on the CPU) and a 4-layer assistant over its keys
@@ -31,7 +32,7 @@ and values, greedy, at B = 1 and 8: rounds per second, tokens/s and the fraction
 the two models' forwards, against the same target decoding alone and, at B = 1, transformers'
 assisted generation with the same assistant (batch 1 only) and its plain generate. Random weights
 accept few drafts: these rows time the rounds, not the speed-up a trained assistant gives.
-Cases (``--cases``): demo, rounds, hybrid, mamba2, assistant.
+Cases (``--cases``): demo, rounds, hybrid, mamba2, lfm2, mamba, assistant.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ import time
 
 import torch
 from torch._dynamo.utils import counters
-from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, Qwen3_5ForCausalLM,
-                          Qwen3_5TextConfig)
+from transformers import (Lfm2Config, Lfm2ForCausalLM, LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM,
+                          MambaConfig, MambaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig)
 
 import gptfast_kernels.generation.assistant as assistant_module
 import gptfast_kernels.generation.speculative as speculative_module
@@ -66,6 +67,14 @@ MAMBA2_GPU = dict(hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim
                   expand=2, vocab_size=50288)
 MAMBA2_CPU = dict(hidden_size=1024, num_hidden_layers=8, num_heads=32, head_dim=64, state_size=64, n_groups=1,
                   expand=2, vocab_size=32000)
+# hybrid_verify for LFM2 (short convolutions beside attention): LFM2-1.2B's shapes on a GPU, scaled down on the CPU
+LFM2_GPU = dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=12288, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=65536, full_attn_idxs=[2, 5, 8, 10, 12, 14])
+LFM2_CPU = dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=4096, num_attention_heads=16,
+                num_key_value_heads=4, vocab_size=32000, full_attn_idxs=[2, 5])
+# hybrid_verify for Mamba (attention-free, Mamba-1 mixers): Mamba-2.8B's shapes on a GPU, scaled down on the CPU
+MAMBA_GPU = dict(hidden_size=2560, num_hidden_layers=64, state_size=16, expand=2, vocab_size=50280)
+MAMBA_CPU = dict(hidden_size=1024, num_hidden_layers=8, state_size=16, expand=2, vocab_size=32000)
 # assistant_rounds on the CPU: a Gemma 4 text layout scaled down (5 sliding layers to 1 global, as
 # transformers' default config), its 4-layer assistant at half the width
 GEMMA4_CPU = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
@@ -336,5 +345,9 @@ def run(h) -> None:
         _hybrid_rows(h, Qwen3_5TextConfig(**({} if on_gpu else HYBRID_CPU)), Qwen3_5ForCausalLM, "qwen3.5 layout")
     if h.wants("mamba2"):
         _hybrid_rows(h, Mamba2Config(**(MAMBA2_GPU if on_gpu else MAMBA2_CPU)), Mamba2ForCausalLM, "mamba2")
+    if h.wants("lfm2"):
+        _hybrid_rows(h, Lfm2Config(**(LFM2_GPU if on_gpu else LFM2_CPU)), Lfm2ForCausalLM, "lfm2")
+    if h.wants("mamba"):
+        _hybrid_rows(h, MambaConfig(**(MAMBA_GPU if on_gpu else MAMBA_CPU)), MambaForCausalLM, "mamba")
     if h.wants("assistant"):
         _assistant_rows(h)

@@ -29,7 +29,8 @@
 #                                                                     -> ..._generate_mamba2.json
 #   speculative  rounds/s at B = 1 / 8 / 32, 8B-shape target + 4-layer draft -> ..._speculative_rounds.json
 #   speculative-hybrid a hybrid's verification forward with its state rollback (Qwen3.5-9B layout,
-#                and Mamba-2 2.7B's shapes; compiled) against decode steps -> ..._speculative_hybrid-mamba2.json
+#                Mamba-2 2.7B's, LFM2-1.2B's and Mamba-2.8B's shapes; compiled) against decode steps
+#                                                   -> ..._speculative_hybrid-lfm2-mamba-mamba2.json
 #   speculative-assistant   a Gemma 4 assistant drafting for a Gemma 4 target (random weights),
 #                B = 1 / 8, against transformers' assisted generation -> ..._speculative_assistant.json
 #   speculative-demo   the demo's trained models end to end           -> ..._speculative_demo.json
@@ -160,7 +161,7 @@ for stage in $STAGES; do
     generate-llama4) bench generate --cases llama4 ;;
     generate-mamba2) bench generate --cases mamba2 ;;
     speculative) bench speculative --cases rounds ;;
-    speculative-hybrid) bench speculative --cases hybrid,mamba2 ;;
+    speculative-hybrid) bench speculative --cases hybrid,mamba2,lfm2,mamba ;;
     speculative-assistant) bench speculative --cases assistant ;;
     speculative-demo) bench speculative --cases demo ;;
     *) echo "unknown stage $stage"; false ;;

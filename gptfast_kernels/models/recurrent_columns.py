@@ -31,13 +31,19 @@ MAMBA2_MIXERS = ("Mamba2Mixer", "BambaMixer", "NemotronHMamba2Mixer", "GraniteMo
 # projects its input in another layout)
 GATED_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "LaraMiniGatedDeltaNet",
                     "Qwen3NextGatedDeltaNet")
+# Mamba's mixer (Falcon-Mamba's and Jamba's add norms on dt, B and C)
+MAMBA_MIXERS = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
+# LFM2's short convolution (copied by LFM2-MoE and LFM3): a conv state alone
+SHORT_CONVOLUTIONS = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
 
 
 def column_forward_of(mixer) -> object | None:
     """The one-pass verification forward for ``mixer``'s class, or None (it steps column by column)."""
     name = type(mixer).__name__
     return (mamba2_columns_forward if name in MAMBA2_MIXERS else
-            gated_delta_columns_forward if name in GATED_DELTA_NETS else None)
+            gated_delta_columns_forward if name in GATED_DELTA_NETS else
+            mamba_columns_forward if name in MAMBA_MIXERS else
+            short_conv_columns_forward if name in SHORT_CONVOLUTIONS else None)
 
 
 def _conv_windows(conv_state: torch.Tensor, inputs: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -53,31 +59,32 @@ def _conv_windows(conv_state: torch.Tensor, inputs: torch.Tensor, real: torch.Te
     return sequence.gather(2, index.view(B, 1, T * K).expand(B, C, T * K)).view(B, C, T, K)
 
 
-def _convolved(mixer, inputs: torch.Tensor, conv_state: torch.Tensor, real: torch.Tensor):
-    """``mixer``'s causal convolution of all the forward's columns ``inputs`` [B, T, C] as transformers'
-    single-token update runs it per column (in the weight's dtype, then its activation): (its output
-    [B, T, C], the conv state after each column [T, B, C, K])."""
-    weight = mixer.conv1d.weight.squeeze(1)  # [C, K]
+def _convolved(conv: torch.nn.Conv1d, activation: str | None, inputs: torch.Tensor, conv_state: torch.Tensor,
+               real: torch.Tensor):
+    """The depthwise causal convolution ``conv`` of all the forward's columns ``inputs`` [B, T, C] as
+    transformers' single-token update runs it per column (in the weight's dtype, then ``activation``):
+    (its output [B, T, C], the conv state after each column [T, B, C, K])."""
+    weight = conv.weight.squeeze(1)  # [C, K]
     C, K = weight.shape
     B, T = inputs.shape[:2]
     windows = _conv_windows(conv_state.to(weight.dtype), inputs.transpose(1, 2).to(weight.dtype), real)
     flat = windows.permute(0, 2, 1, 3).reshape(B * T, C, K)
-    out = F.conv1d(flat, weight.unsqueeze(1), mixer.conv1d.bias, groups=C).view(B, T, C)
-    if mixer.activation is not None:
-        out = ACT2FN[mixer.activation](out)
+    out = F.conv1d(flat, weight.unsqueeze(1), conv.bias, groups=C).view(B, T, C)
+    if activation is not None:
+        out = ACT2FN[activation](out)
     return out.to(inputs.dtype), windows.permute(2, 0, 1, 3).to(conv_state.dtype)
 
 
-def _two_states(mixer, history, batch: int):
-    """(conv state, recurrent state) of ``mixer``'s cache layer, or None when it holds other states."""
+def _layer_states(mixer, history, conv: torch.nn.Conv1d, batch: int, count: int) -> list[torch.Tensor] | None:
+    """The conv state and then the recurrent states of ``mixer``'s cache layer (``count`` in all), or None
+    when it holds others (another number, or a conv state not of ``conv``'s shape)."""
     entries = history.slots.get(mixer.layer_idx, [])
-    if len(entries) != 2:
+    if len(entries) != count:
         return None
-    (conv_dict, conv_key, _), (state_dict, state_key, _) = entries
-    conv_state, state = conv_dict[conv_key], state_dict[state_key]
-    if conv_state.shape != (batch, mixer.conv_dim, mixer.conv1d.weight.shape[-1]) or state.shape[0] != batch:
+    states = [states_dict[key] for states_dict, key, _ in entries]
+    if states[0].shape != (batch, conv.in_channels, conv.weight.shape[-1]) or any(s.shape[0] != batch for s in states):
         return None
-    return conv_state, state
+    return states
 
 
 def mamba2_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
@@ -85,7 +92,7 @@ def mamba2_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch
     in ``history``; None when its cache layer does not hold the two states expected (then it steps)."""
     Bsz, T = hidden_states.shape[:2]
     H, P, N, G = mixer.num_heads, mixer.head_dim, mixer.ssm_state_size, mixer.n_groups
-    states = _two_states(mixer, history, Bsz)
+    states = _layer_states(mixer, history, mixer.conv1d, Bsz, 2)
     if states is None or states[1].shape != (Bsz, H, P, N):
         return None
     conv_state, state = states
@@ -101,7 +108,7 @@ def mamba2_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch
     gate, xBC, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, H], dim=-1)
 
     # 2. the convolution
-    convolved, conv_after = _convolved(mixer, xBC, conv_state, real)
+    convolved, conv_after = _convolved(mixer.conv1d, mixer.activation, xBC, conv_state, real)
     x, Bmat, Cmat = convolved.split([mixer.intermediate_size, G * N, G * N], dim=-1)
 
     # 3. the recurrence: S_t = exp(dt_t A) S_{t-1} + dt_t B_t x_t per head, identity at padding
@@ -141,7 +148,7 @@ def gated_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> 
     path (torch_recurrent_gated_delta_rule in float32); None when its cache layer holds other states."""
     Bsz, T = hidden_states.shape[:2]
     Hk, Hv, Dk, Dv = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
-    states = _two_states(mixer, history, Bsz)
+    states = _layer_states(mixer, history, mixer.conv1d, Bsz, 2)
     if states is None or states[1].shape != (Bsz, Hv, Dk, Dv):
         return None
     conv_state, state = states
@@ -160,7 +167,7 @@ def gated_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> 
 
     # 2. the convolution, then queries, keys and values per head in float32 (keys and queries shared by
     # Hv / Hk value heads, unit length, queries over sqrt(Dk))
-    convolved, conv_after = _convolved(mixer, mixed, conv_state, real)
+    convolved, conv_after = _convolved(mixer.conv1d, mixer.activation, mixed, conv_state, real)
     query, key, value = convolved.split([mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
     out_dtype = query.dtype
     query, key = (part.reshape(Bsz, T, Hk, Dk).repeat_interleave(Hv // Hk, dim=2).float() for part in (query, key))
@@ -191,3 +198,62 @@ def gated_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> 
     out = mixer.norm(out.reshape(-1, Dv), z.reshape(-1, Dv)).reshape(Bsz, T, -1)
     history.record_columns(mixer.layer_idx, [conv_after, stored])
     return mixer.out_proj(out)
+
+
+def short_conv_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
+    """An LFM2 short convolution's (LFM2's, LFM2-MoE's, LFM3's) output for all the forward's columns
+    [B, T, hidden], its conv state after each recorded in ``history``: B * x through the causal
+    convolution, times C; None when its cache layer holds other states."""
+    Bsz, T = hidden_states.shape[:2]
+    states = _layer_states(mixer, history, mixer.conv, Bsz, 1)
+    if states is None:
+        return None
+    gate_in, gate_out, x = mixer.in_proj(hidden_states).chunk(3, dim=-1)
+    convolved, conv_after = _convolved(mixer.conv, None, gate_in * x, states[0], history._step_real)
+    history.record_columns(mixer.layer_idx, [conv_after])
+    return mixer.out_proj((gate_out * convolved).contiguous())
+
+
+def mamba_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
+    """A Mamba mixer's (Mamba's, Falcon-Mamba's, Jamba's) output for all the forward's columns [B, T,
+    hidden], its states after each recorded in ``history``, following transformers' single-token path
+    (mamba_selective_state_update: the state's update in float32); None when its cache layer holds
+    other states."""
+    Bsz, T = hidden_states.shape[:2]
+    Di, N = mixer.intermediate_size, mixer.ssm_state_size
+    states = _layer_states(mixer, history, mixer.conv1d, Bsz, 2)
+    if states is None or states[1].shape != (Bsz, Di, N):
+        return None
+    conv_state, state = states
+    real = history._step_real
+    dtype = hidden_states.dtype
+
+    # 1. the input projection and the convolution
+    inputs, gate = mixer.in_proj(hidden_states).chunk(2, dim=-1)
+    x, conv_after = _convolved(mixer.conv1d, mixer.activation, inputs, conv_state, real)  # [B, T, Di]
+
+    # 2. the time steps, B and C (Falcon-Mamba, Jamba: normed), dt through the float dt_proj
+    time_step, Bmat, Cmat = mixer.x_proj(x).split([mixer.time_step_rank, N, N], dim=-1)
+    if hasattr(mixer, "dt_layernorm"):
+        time_step, Bmat, Cmat = mixer.dt_layernorm(time_step), mixer.b_layernorm(Bmat), mixer.c_layernorm(Cmat)
+    dt = (mixer.dt_proj.weight @ time_step.transpose(1, 2)).transpose(1, 2)  # [B, T, Di]
+    if mixer.dt_proj.bias is not None:
+        dt = dt + mixer.dt_proj.bias.float().to(dt.dtype)
+    dt = torch.where(real[:, :, None], F.softplus(dt), 0)  # (a padding column: decay exp(0) = 1, input 0)
+
+    # 3. the recurrence per column in float32: S_t = exp(dt_t A) S_{t-1} + dt_t B_t x_t
+    decay = torch.exp(dt.float()[..., None] * -torch.exp(mixer.A_log.float()))  # [B, T, Di, N]
+    added = (dt.float()[..., None] * Bmat.float()[:, :, None, :]) * x.float()[..., None]
+    stored = state.new_empty((T, *state.shape))
+    reads = []
+    current = state
+    for t in range(T):
+        new = current.float() * decay[:, t] + added[:, t]
+        stored[t] = new
+        current = stored[t]
+        reads.append(torch.matmul(new.to(Cmat.dtype), Cmat[:, t, :, None]).squeeze(-1))
+
+    # 4. the read-out, the skip, the gate, the output projection
+    out = (torch.stack(reads, dim=1) + x * mixer.D) * F.silu(gate)
+    history.record_columns(mixer.layer_idx, [conv_after, stored])
+    return mixer.out_proj(out.to(x.dtype).to(dtype))

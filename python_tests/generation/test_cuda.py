@@ -71,7 +71,7 @@ def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatc
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5_text", "falcon_h1", "mamba2", "zamba2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text", "falcon_h1", "mamba2", "zamba2", "lfm2"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_speculative_equals_target_greedy(family, compile):
     """Hybrids too: their recurrent states roll back through the cache's state history, whose slots

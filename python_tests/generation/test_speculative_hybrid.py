@@ -352,19 +352,20 @@ def test_recurrent_blocks_run_their_input_projections_once(family, monkeypatch):
         assert sorted(inner, reverse=True) == [4] * shared + [1] * (4 * other)
 
 
-# the hybrid families whose recurrent blocks run a round in one pass (recurrent_columns: Mamba-2 mixers and
-# gated delta nets), with config options: Falcon-H1's tiny config gates its read-out without a norm,
+# the hybrid families whose recurrent blocks run a round in one pass (recurrent_columns: Mamba-2 mixers, gated
+# delta nets, LFM2's short convolutions, Mamba mixers), with config options: Falcon-H1's tiny config gates its read-out without a norm,
 # "falcon_h1-norm" with its gated norm
 ONE_PASS_FAMILIES = {"mamba2": {}, "bamba": {}, "granitemoehybrid": {}, "nemotron_h": {}, "zamba2": {},
                      "falcon_h1": {}, "falcon_h1-norm": {"mamba_rms_norm": True}, "qwen3_5_text": {},
-                     "qwen3_5_moe_text": {}, "qwen3_next": {}, "lara_mini": {}}
+                     "qwen3_5_moe_text": {}, "qwen3_next": {}, "lara_mini": {}, "lfm2": {}, "lfm2_moe": {}, "lfm3": {},
+                     "mamba": {}, "falcon_mamba": {}, "jamba": {}}
 
 
 @pytest.mark.parametrize("variant", sorted(ONE_PASS_FAMILIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recurrent_blocks_run_a_round_in_one_pass_as_stepping_would(variant, dtype):
-    """A Mamba-2 mixer or gated delta net under a checkpoint runs all of a forward's columns in one
-    pass: the logits, the states after the forwards and after each row's crop equal those of the
+    """A Mamba-2 mixer, gated delta net, short convolution or Mamba mixer under a checkpoint runs all of
+    a forward's columns in one pass: the logits, the states after the forwards and after each row's crop equal those of the
     same model stepping its blocks column by column (transformers' single-token path), padding
     columns included, in float32 and bfloat16."""
     import transformers
@@ -410,7 +411,9 @@ def test_recurrent_blocks_run_a_round_in_one_pass_as_stepping_would(variant, dty
 
 
 @pytest.mark.parametrize("family, function", [("mamba2", "mamba2_columns_forward"),
-                                              ("qwen3_5_text", "gated_delta_columns_forward")])
+                                              ("qwen3_5_text", "gated_delta_columns_forward"),
+                                              ("lfm2", "short_conv_columns_forward"),
+                                              ("jamba", "mamba_columns_forward")])
 def test_the_one_pass_forward_is_what_runs(family, function, monkeypatch):
     """Under a checkpoint the one-pass forward runs, once per recurrent layer and forward, on all its
     columns; without a checkpoint the block takes transformers' path."""

@@ -75,25 +75,25 @@ def _convolved(conv: torch.nn.Conv1d, activation: str | None, inputs: torch.Tens
     return out.to(inputs.dtype), windows.permute(2, 0, 1, 3).to(conv_state.dtype)
 
 
-def _layer_states(mixer, history, conv: torch.nn.Conv1d, batch: int, count: int) -> list[torch.Tensor] | None:
-    """The conv state and then the recurrent states of ``mixer``'s cache layer (``count`` in all), or None
-    when it holds others (another number, or a conv state not of ``conv``'s shape)."""
+def _layer_states(mixer, history, conv: torch.nn.Conv1d, batch: int,
+                  recurrent: tuple[int, ...] | None = None) -> list[torch.Tensor] | None:
+    """The conv state of ``mixer``'s cache layer, then its recurrent state when ``recurrent`` gives that
+    state's shape (without the batch), or None when the layer holds other states (then it steps)."""
     entries = history.slots.get(mixer.layer_idx, [])
-    if len(entries) != count:
-        return None
+    shapes = [(batch, conv.in_channels, conv.weight.shape[-1])] + ([(batch, *recurrent)] if recurrent else [])
     states = [states_dict[key] for states_dict, key, _ in entries]
-    if states[0].shape != (batch, conv.in_channels, conv.weight.shape[-1]) or any(s.shape[0] != batch for s in states):
+    if [tuple(state.shape) for state in states] != shapes:
         return None
     return states
 
 
 def mamba2_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
-    """``mixer``'s output for all the forward's columns [B, T, hidden], its states after each recorded
-    in ``history``; None when its cache layer does not hold the two states expected (then it steps)."""
+    """A Mamba-2 mixer's output for all the forward's columns [B, T, hidden], its states after each
+    recorded in ``history``; None when its cache layer holds other states."""
     Bsz, T = hidden_states.shape[:2]
     H, P, N, G = mixer.num_heads, mixer.head_dim, mixer.ssm_state_size, mixer.n_groups
-    states = _layer_states(mixer, history, mixer.conv1d, Bsz, 2)
-    if states is None or states[1].shape != (Bsz, H, P, N):
+    states = _layer_states(mixer, history, mixer.conv1d, Bsz, (H, P, N))
+    if states is None:
         return None
     conv_state, state = states
     real = history._step_real  # [B, T]
@@ -148,8 +148,8 @@ def gated_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> 
     path (torch_recurrent_gated_delta_rule in float32); None when its cache layer holds other states."""
     Bsz, T = hidden_states.shape[:2]
     Hk, Hv, Dk, Dv = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
-    states = _layer_states(mixer, history, mixer.conv1d, Bsz, 2)
-    if states is None or states[1].shape != (Bsz, Hv, Dk, Dv):
+    states = _layer_states(mixer, history, mixer.conv1d, Bsz, (Hv, Dk, Dv))
+    if states is None:
         return None
     conv_state, state = states
     real = history._step_real  # [B, T]
@@ -205,7 +205,7 @@ def short_conv_columns_forward(mixer, hidden_states: torch.Tensor, history) -> t
     [B, T, hidden], its conv state after each recorded in ``history``: B * x through the causal
     convolution, times C; None when its cache layer holds other states."""
     Bsz, T = hidden_states.shape[:2]
-    states = _layer_states(mixer, history, mixer.conv, Bsz, 1)
+    states = _layer_states(mixer, history, mixer.conv, Bsz)
     if states is None:
         return None
     gate_in, gate_out, x = mixer.in_proj(hidden_states).chunk(3, dim=-1)
@@ -221,8 +221,8 @@ def mamba_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.
     other states."""
     Bsz, T = hidden_states.shape[:2]
     Di, N = mixer.intermediate_size, mixer.ssm_state_size
-    states = _layer_states(mixer, history, mixer.conv1d, Bsz, 2)
-    if states is None or states[1].shape != (Bsz, Di, N):
+    states = _layer_states(mixer, history, mixer.conv1d, Bsz, (Di, N))
+    if states is None:
         return None
     conv_state, state = states
     real = history._step_real

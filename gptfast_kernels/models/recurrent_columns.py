@@ -15,7 +15,9 @@ selective_state_update in the model's dtypes with the decay in float32, or
 torch_recurrent_gated_delta_rule in float32), so a round's states and logits equal the stepped ones
 within rounding. Blocks: Mamba-2's mixer and its copies in Bamba, Nemotron-H, GraniteMoE-Hybrid and
 Zamba2, Falcon-H1's (its input multipliers and optional norm); Qwen3.5's gated delta net and its copies
-in Qwen3.5-MoE and LaraMini, Qwen3-Next's (its interleaved input projections).
+in Qwen3.5-MoE and LaraMini, Qwen3-Next's (its interleaved input projections), OLMo-Hybrid's (six
+projections, beta up to 2), Kimi Linear's delta attention (a decay per key channel); LFM2's short
+convolution (LFM2-MoE's, LFM3's); Mamba's mixer (Falcon-Mamba's, Jamba's: norms on dt, B and C).
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from transformers.activations import ACT2FN
 # transformers' Mamba-2 mixers (the same forward, copied per family; Falcon-H1's adds multipliers)
 MAMBA2_MIXERS = ("Mamba2Mixer", "BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer",
                  "Zamba2MambaMixer", "FalconH1Mixer")
-# transformers' gated delta nets of that form (Qwen3.5's, copied by Qwen3.5-MoE and LaraMini; Qwen3-Next's
-# projects its input in another layout)
+# transformers' gated delta nets of that form (Qwen3.5's, copied by Qwen3.5-MoE and LaraMini; Qwen3-Next's and
+# OLMo-Hybrid's project their input in other layouts)
 GATED_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "LaraMiniGatedDeltaNet",
-                    "Qwen3NextGatedDeltaNet")
+                    "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet")
 # Mamba's mixer (Falcon-Mamba's and Jamba's add norms on dt, B and C)
 MAMBA_MIXERS = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
 # LFM2's short convolution (copied by LFM2-MoE and LFM3): a conv state alone
@@ -43,6 +45,7 @@ def column_forward_of(mixer) -> object | None:
     return (mamba2_columns_forward if name in MAMBA2_MIXERS else
             gated_delta_columns_forward if name in GATED_DELTA_NETS else
             mamba_columns_forward if name in MAMBA_MIXERS else
+            kimi_delta_columns_forward if name == "KimiLinearDeltaAttention" else
             short_conv_columns_forward if name in SHORT_CONVOLUTIONS else None)
 
 
@@ -142,10 +145,31 @@ def mamba2_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch
     return mixer.out_proj(out.to(dtype))
 
 
+def _delta_rule(query, key, value, decay, beta, state: torch.Tensor):
+    """The delta rule over all columns, as transformers' recurrent path runs it per token in float32:
+    per column the state [B, H, Dk, Dv] decays (``decay`` [B, T, H, 1] per head, or [B, T, H, Dk] per
+    key channel: already exponentiated), the key's value is rewritten with strength ``beta`` [B, T, H],
+    and the query reads it. -> (the reads [B, T, H, Dv], the states after each column [T, B, H, Dk, Dv]
+    in ``state``'s dtype, each column starting from the stored one)."""
+    stored = state.new_empty((query.shape[1], *state.shape))
+    reads = []
+    current = state.float()
+    for t in range(query.shape[1]):
+        current = current * decay[:, t, :, :, None]
+        remembered = (current * key[:, t, :, :, None]).sum(dim=-2)  # [B, H, Dv]
+        delta = (value[:, t] - remembered) * beta[:, t, :, None]
+        current = current + key[:, t, :, :, None] * delta[:, :, None, :]
+        reads.append((current * query[:, t, :, :, None]).sum(dim=-2))
+        stored[t] = current
+        current = stored[t].float()
+    return torch.stack(reads, dim=1), stored
+
+
 def gated_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
-    """A gated delta net's (Qwen3.5's, Qwen3-Next's, LaraMini's) output for all the forward's columns
-    [B, T, hidden], its states after each recorded in ``history``, following transformers' single-token
-    path (torch_recurrent_gated_delta_rule in float32); None when its cache layer holds other states."""
+    """A gated delta net's (Qwen3.5's, Qwen3-Next's, LaraMini's, OLMo-Hybrid's) output for all the
+    forward's columns [B, T, hidden], its states after each recorded in ``history``, following
+    transformers' single-token path (torch_recurrent_gated_delta_rule in float32); None when its cache
+    layer holds other states."""
     Bsz, T = hidden_states.shape[:2]
     Hk, Hv, Dk, Dv = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
     states = _layer_states(mixer, history, mixer.conv1d, Bsz, (Hv, Dk, Dv))
@@ -159,10 +183,15 @@ def gated_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> 
         qkvz, ba = mixer.in_proj_qkvz(hidden_states), mixer.in_proj_ba(hidden_states)
         query, key, value, z, b, a = mixer.fix_query_key_value_ordering(qkvz, ba)
         mixed = torch.cat([part.reshape(Bsz, T, -1) for part in (query, key, value)], dim=-1)
-    else:
+    elif hasattr(mixer, "in_proj_qkv"):
         mixed = mixer.in_proj_qkv(hidden_states)
         z = mixer.in_proj_z(hidden_states)
         b, a = mixer.in_proj_b(hidden_states), mixer.in_proj_a(hidden_states)
+    else:  # (OLMo-Hybrid: six projections, its output gate g_proj)
+        mixed = torch.cat([mixer.q_proj(hidden_states), mixer.k_proj(hidden_states), mixer.v_proj(hidden_states)],
+                          dim=-1)
+        b, a = mixer.b_proj(hidden_states), mixer.a_proj(hidden_states)
+        z = mixer.g_proj(hidden_states)
     z = z.reshape(Bsz, T, Hv, Dv)
 
     # 2. the convolution, then queries, keys and values per head in float32 (keys and queries shared by
@@ -176,28 +205,21 @@ def gated_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> 
     key = key * torch.rsqrt((key * key).sum(dim=-1, keepdim=True) + 1e-6)
     query = query / (Dk ** 0.5)
 
-    # 3. the recurrence per column: decay, the delta rule's write, the read; a padding column decays by
-    # exp(0) = 1 and writes with strength 0
-    beta = torch.where(real[:, :, None], b.sigmoid(), 0).float()  # [B, T, Hv]
+    # 3. the recurrence per column; a padding column decays by exp(0) = 1 and writes with strength 0
+    beta = b.sigmoid()
+    if getattr(mixer, "allow_neg_eigval", False):  # (OLMo-Hybrid's option: beta in [0, 2])
+        beta = beta * 2.0
+    beta = torch.where(real[:, :, None], beta, 0).float()  # [B, T, Hv]
     g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
-    decay = torch.where(real[:, :, None], g, 0).exp()
-    stored = state.new_empty((T, *state.shape))
-    reads = []
-    current = state.float()
-    for t in range(T):
-        current = current * decay[:, t, :, None, None]
-        remembered = (current * key[:, t, :, :, None]).sum(dim=-2)  # [B, Hv, Dv]
-        delta = (value[:, t] - remembered) * beta[:, t, :, None]
-        current = current + key[:, t, :, :, None] * delta[:, :, None, :]
-        reads.append((current * query[:, t, :, :, None]).sum(dim=-2))
-        stored[t] = current
-        current = stored[t].float()
-    out = torch.stack(reads, dim=1).to(out_dtype)  # [B, T, Hv, Dv]
+    decay = torch.where(real[:, :, None], g, 0).exp()[..., None]  # [B, T, Hv, 1]
+    out, stored = _delta_rule(query, key, value, decay, beta, state)
+    out = out.to(out_dtype)  # [B, T, Hv, Dv]
 
-    # 4. the gated norm per head, the output projection
-    out = mixer.norm(out.reshape(-1, Dv), z.reshape(-1, Dv)).reshape(Bsz, T, -1)
+    # 4. the gated norm per head, the output projection (OLMo-Hybrid's: o_norm, o_proj)
+    norm, projection = (mixer.o_norm, mixer.o_proj) if hasattr(mixer, "o_norm") else (mixer.norm, mixer.out_proj)
+    out = norm(out.reshape(-1, Dv), z.reshape(-1, Dv)).reshape(Bsz, T, -1)
     history.record_columns(mixer.layer_idx, [conv_after, stored])
-    return mixer.out_proj(out)
+    return projection(out)
 
 
 def short_conv_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
@@ -257,3 +279,39 @@ def mamba_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.
     out = (torch.stack(reads, dim=1) + x * mixer.D) * F.silu(gate)
     history.record_columns(mixer.layer_idx, [conv_after, stored])
     return mixer.out_proj(out.to(x.dtype).to(dtype))
+
+
+def kimi_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
+    """Kimi delta attention's output for all the forward's columns [B, T, hidden], its states after each
+    recorded in ``history``: a gated delta net whose decay is per key channel (its low-rank forget gate),
+    following transformers' recurrent_kimi_delta_attention in float32; None when its cache layer holds
+    other states."""
+    Bsz, T = hidden_states.shape[:2]
+    H, D = mixer.num_heads, mixer.head_dim
+    states = _layer_states(mixer, history, mixer.conv1d, Bsz, (H, D, D))
+    if states is None:
+        return None
+    conv_state, state = states
+    real = history._step_real
+
+    # the projections in transformers' order (with int8, q / k / v / b / g_a are parts of one matmul)
+    mixed = torch.cat([mixer.q_proj(hidden_states), mixer.k_proj(hidden_states), mixer.v_proj(hidden_states)],
+                      dim=-1)
+    convolved, conv_after = _convolved(mixer.conv1d, mixer.activation, mixed, conv_state, real)
+    query, key, value = (part.reshape(Bsz, T, H, D) for part in convolved.split([mixer.qkv_dim] * 3, dim=-1))
+    g = mixer.forget_gate(hidden_states)  # [B, T, H, D], float32
+    beta = torch.sigmoid(mixer.b_proj(hidden_states))
+    gate = mixer.g_b_proj(mixer.g_a_proj(hidden_states)).view(Bsz, T, H, D)
+
+    # queries and keys unit length (as x / sqrt(|x|^2 + eps)), queries over sqrt(D); the delta rule
+    out_dtype = query.dtype
+    query, key, value = query.float(), key.float(), value.float()
+    query = query / torch.sqrt((query * query).sum(dim=-1, keepdim=True) + 1e-6)
+    key = key / torch.sqrt((key * key).sum(dim=-1, keepdim=True) + 1e-6)
+    query = query * (1 / D ** 0.5)
+    beta = torch.where(real[:, :, None], beta, 0).float()
+    decay = torch.where(real[:, :, None, None], g, 0).exp()
+    out, stored = _delta_rule(query, key, value, decay, beta, state)
+
+    history.record_columns(mixer.layer_idx, [conv_after, stored])
+    return mixer.o_proj(mixer.o_norm(out.to(out_dtype), gate).reshape(Bsz, T, -1))

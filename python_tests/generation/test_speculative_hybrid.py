@@ -312,10 +312,9 @@ def test_a_family_whose_states_no_module_steps_is_refused():
 
 # per family: the int8 layers of a recurrent block that take its input (with int8 its input projections are one
 # Int8Linear: Qwen3.5's four, Kimi's five beside its low-rank forget gate's first, ZAYA1's four), and the others;
-# Bamba's Mamba-2 mixer and the gated delta nets of Qwen3.5 and Qwen3-Next run their columns in one pass
-# (recurrent_columns.py): every layer once
-SHARED_AND_OTHER = {"qwen3_5_text": (2, 0), "bamba": (2, 0), "kimi_linear": (2, 3), "zaya": (1, 0),
-                    "olmo_hybrid": (1, 1), "qwen3_next": (2, 0)}
+# the blocks with a one-pass forward (recurrent_columns.py: all here but ZAYA1's) run every layer once
+SHARED_AND_OTHER = {"qwen3_5_text": (2, 0), "bamba": (2, 0), "kimi_linear": (5, 0), "zaya": (1, 0),
+                    "olmo_hybrid": (2, 0), "qwen3_next": (2, 0)}
 
 
 @pytest.mark.parametrize("family", sorted(SHARED_AND_OTHER))
@@ -353,12 +352,13 @@ def test_recurrent_blocks_run_their_input_projections_once(family, monkeypatch):
 
 
 # the hybrid families whose recurrent blocks run a round in one pass (recurrent_columns: Mamba-2 mixers, gated
-# delta nets, LFM2's short convolutions, Mamba mixers), with config options: Falcon-H1's tiny config gates its read-out without a norm,
-# "falcon_h1-norm" with its gated norm
+# delta nets and Kimi's delta attention, LFM2's short convolutions, Mamba mixers), with config options: Falcon-H1's tiny config gates its
+# read-out without a norm, "falcon_h1-norm" with its gated norm; OLMo-Hybrid's lets beta reach 2, "-beta1" not
 ONE_PASS_FAMILIES = {"mamba2": {}, "bamba": {}, "granitemoehybrid": {}, "nemotron_h": {}, "zamba2": {},
                      "falcon_h1": {}, "falcon_h1-norm": {"mamba_rms_norm": True}, "qwen3_5_text": {},
                      "qwen3_5_moe_text": {}, "qwen3_next": {}, "lara_mini": {}, "lfm2": {}, "lfm2_moe": {}, "lfm3": {},
-                     "mamba": {}, "falcon_mamba": {}, "jamba": {}}
+                     "mamba": {}, "falcon_mamba": {}, "jamba": {}, "olmo_hybrid": {},
+                     "olmo_hybrid-beta1": {"linear_allow_neg_eigval": False}, "kimi_linear": {}}
 
 
 @pytest.mark.parametrize("variant", sorted(ONE_PASS_FAMILIES))
@@ -413,7 +413,8 @@ def test_recurrent_blocks_run_a_round_in_one_pass_as_stepping_would(variant, dty
 @pytest.mark.parametrize("family, function", [("mamba2", "mamba2_columns_forward"),
                                               ("qwen3_5_text", "gated_delta_columns_forward"),
                                               ("lfm2", "short_conv_columns_forward"),
-                                              ("jamba", "mamba_columns_forward")])
+                                              ("jamba", "mamba_columns_forward"),
+                                              ("olmo_hybrid", "gated_delta_columns_forward")])
 def test_the_one_pass_forward_is_what_runs(family, function, monkeypatch):
     """Under a checkpoint the one-pass forward runs, once per recurrent layer and forward, on all its
     columns; without a checkpoint the block takes transformers' path."""

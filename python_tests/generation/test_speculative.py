@@ -260,8 +260,9 @@ def test_a_compiled_model_drafting_for_itself_keeps_two_caches():
     assert patched._gptfast_cache is not patched._gptfast_cache_draft
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5_text", "bamba"])  # (hybrids: their states roll back in
-# the graph; Bamba's Mamba-2 mixers in one pass)
+# (hybrids: their states roll back in the graph, each kind of one-pass block: Qwen3.5's gated delta nets, Bamba's
+# Mamba-2 mixers, Jamba's Mamba mixers, LFM2's short convolutions, Kimi Linear's delta attention)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text", "bamba", "jamba", "lfm2", "kimi_linear"])
 def test_compiled_rounds_give_the_same_tokens(family):
     _, patched, draft = _pair(family, True)
     assert_compiled_rounds_equal_eager(patched, draft, ragged_prompts(2, 6, "left"))

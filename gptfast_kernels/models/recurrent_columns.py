@@ -17,7 +17,8 @@ within rounding. Blocks: Mamba-2's mixer and its copies in Bamba, Nemotron-H, Gr
 Zamba2, Falcon-H1's (its input multipliers and optional norm); Qwen3.5's gated delta net and its copies
 in Qwen3.5-MoE and LaraMini, Qwen3-Next's (its interleaved input projections), OLMo-Hybrid's (six
 projections, beta up to 2), Kimi Linear's delta attention (a decay per key channel); LFM2's short
-convolution (LFM2-MoE's, LFM3's); Mamba's mixer (Falcon-Mamba's, Jamba's: norms on dt, B and C).
+convolution (LFM2-MoE's, LFM3's); Mamba's mixer (Falcon-Mamba's, Jamba's: norms on dt, B and C;
+Zamba's: independent heads).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def column_forward_of(mixer) -> object | None:
     return (mamba2_columns_forward if name in MAMBA2_MIXERS else
             gated_delta_columns_forward if name in GATED_DELTA_NETS else
             mamba_columns_forward if name in MAMBA_MIXERS else
+            zamba_mamba_columns_forward if name == "ZambaMambaMixer" else
             kimi_delta_columns_forward if name == "KimiLinearDeltaAttention" else
             short_conv_columns_forward if name in SHORT_CONVOLUTIONS else None)
 
@@ -236,49 +238,80 @@ def short_conv_columns_forward(mixer, hidden_states: torch.Tensor, history) -> t
     return mixer.out_proj((gate_out * convolved).contiguous())
 
 
+def _selective_scan_columns(x, dt, dt_bias, A, Bmat, Cmat, D, gate, state: torch.Tensor, real: torch.Tensor):
+    """Mamba's selective scan over all columns, as transformers' mamba_selective_state_update runs it per
+    token: per head h and column t, S = exp(dt A) S + dt B x in float32, read out by C, plus D x, times
+    silu(gate). x, dt (before its bias and softplus), gate [B, T, H, Dh]; A [H, Dh, N]; B, C [B, T, H,
+    N]; D [H, Dh]; ``state`` [B, H, Dh, N]. -> (the output [B, T, H, Dh] in x's dtype, the states after
+    each column [T, B, H, Dh, N] in ``state``'s dtype)."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.float().to(dt.dtype)
+    dt = torch.where(real[:, :, None, None], F.softplus(dt), 0)  # (a padding column: decay exp(0) = 1, input 0)
+    decay = torch.exp(dt.float()[..., None] * A)  # [B, T, H, Dh, N]
+    added = (dt.float()[..., None] * Bmat.float()[:, :, :, None, :]) * x.float()[..., None]
+    stored = state.new_empty((x.shape[1], *state.shape))
+    reads = []
+    current = state
+    for t in range(x.shape[1]):
+        new = current.float() * decay[:, t] + added[:, t]
+        stored[t] = new
+        current = stored[t]
+        reads.append(torch.matmul(new.to(Cmat.dtype), Cmat[:, t, :, :, None]).squeeze(-1))
+    return ((torch.stack(reads, dim=1) + x * D) * F.silu(gate)).to(x.dtype), stored
+
+
 def mamba_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
     """A Mamba mixer's (Mamba's, Falcon-Mamba's, Jamba's) output for all the forward's columns [B, T,
-    hidden], its states after each recorded in ``history``, following transformers' single-token path
-    (mamba_selective_state_update: the state's update in float32); None when its cache layer holds
-    other states."""
+    hidden], its states after each recorded in ``history``, following transformers' single-token path;
+    None when its cache layer holds other states."""
     Bsz, T = hidden_states.shape[:2]
     Di, N = mixer.intermediate_size, mixer.ssm_state_size
     states = _layer_states(mixer, history, mixer.conv1d, Bsz, (Di, N))
     if states is None:
         return None
     conv_state, state = states
-    real = history._step_real
-    dtype = hidden_states.dtype
 
-    # 1. the input projection and the convolution
+    # the input projection and the convolution
     inputs, gate = mixer.in_proj(hidden_states).chunk(2, dim=-1)
-    x, conv_after = _convolved(mixer.conv1d, mixer.activation, inputs, conv_state, real)  # [B, T, Di]
+    x, conv_after = _convolved(mixer.conv1d, mixer.activation, inputs, conv_state, history._step_real)  # [B, T, Di]
 
-    # 2. the time steps, B and C (Falcon-Mamba, Jamba: normed), dt through the float dt_proj
+    # the time steps, B and C (Falcon-Mamba, Jamba: normed), dt through the float dt_proj; one scan "head"
     time_step, Bmat, Cmat = mixer.x_proj(x).split([mixer.time_step_rank, N, N], dim=-1)
     if hasattr(mixer, "dt_layernorm"):
         time_step, Bmat, Cmat = mixer.dt_layernorm(time_step), mixer.b_layernorm(Bmat), mixer.c_layernorm(Cmat)
     dt = (mixer.dt_proj.weight @ time_step.transpose(1, 2)).transpose(1, 2)  # [B, T, Di]
-    if mixer.dt_proj.bias is not None:
-        dt = dt + mixer.dt_proj.bias.float().to(dt.dtype)
-    dt = torch.where(real[:, :, None], F.softplus(dt), 0)  # (a padding column: decay exp(0) = 1, input 0)
+    A = -torch.exp(mixer.A_log.float())
+    out, stored = _selective_scan_columns(
+        x[:, :, None], dt[:, :, None], mixer.dt_proj.bias, A[None], Bmat[:, :, None], Cmat[:, :, None],
+        mixer.D[None], gate[:, :, None], state[:, None], history._step_real)
+    history.record_columns(mixer.layer_idx, [conv_after, stored[:, :, 0]])
+    return mixer.out_proj(out[:, :, 0].to(hidden_states.dtype))
 
-    # 3. the recurrence per column in float32: S_t = exp(dt_t A) S_{t-1} + dt_t B_t x_t
-    decay = torch.exp(dt.float()[..., None] * -torch.exp(mixer.A_log.float()))  # [B, T, Di, N]
-    added = (dt.float()[..., None] * Bmat.float()[:, :, None, :]) * x.float()[..., None]
-    stored = state.new_empty((T, *state.shape))
-    reads = []
-    current = state
-    for t in range(T):
-        new = current.float() * decay[:, t] + added[:, t]
-        stored[t] = new
-        current = stored[t]
-        reads.append(torch.matmul(new.to(Cmat.dtype), Cmat[:, t, :, None]).squeeze(-1))
 
-    # 4. the read-out, the skip, the gate, the output projection
-    out = (torch.stack(reads, dim=1) + x * mixer.D) * F.silu(gate)
+def zamba_mamba_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
+    """Zamba's Mamba mixer (independent Mamba heads, each with its own x_proj and dt_proj) for all the
+    forward's columns, as mamba_columns_forward."""
+    Bsz, T = hidden_states.shape[:2]
+    H, Dh, N = mixer.n_mamba_heads, mixer.mamba_head_dim, mixer.ssm_state_size
+    states = _layer_states(mixer, history, mixer.conv1d, Bsz, (H, Dh, N))
+    if states is None:
+        return None
+    conv_state, state = states
+
+    # the input projection (its features alternate input, gate) and the convolution
+    projected = mixer.in_proj(hidden_states).view(Bsz, T, -1, 2)
+    inputs, gate = projected[..., 0], projected[..., 1].reshape(Bsz, T, H, Dh)
+    x, conv_after = _convolved(mixer.conv1d, mixer.activation, inputs, conv_state, history._step_real)
+    x = x.view(Bsz, T, H, Dh)
+
+    # per head: B, C and dt from its own projections
+    parameters = torch.einsum("hrd,bthd->bthr", mixer.x_proj_weight, x)
+    time_step, Bmat, Cmat = parameters.split([mixer.time_step_rank, N, N], dim=-1)
+    dt = torch.einsum("hdr,bthr->bthd", mixer.dt_proj_weight, time_step)
+    out, stored = _selective_scan_columns(x, dt, mixer.dt_proj_bias, -torch.exp(mixer.A_log.float()), Bmat, Cmat,
+                                          mixer.D, gate, state, history._step_real)
     history.record_columns(mixer.layer_idx, [conv_after, stored])
-    return mixer.out_proj(out.to(x.dtype).to(dtype))
+    return mixer.out_proj(out.reshape(Bsz, T, H * Dh).to(hidden_states.dtype))
 
 
 def kimi_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:

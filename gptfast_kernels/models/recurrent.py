@@ -10,8 +10,9 @@ input projections: most of its weights) run once on all T columns, and each colu
 slice; only the rest (the convolution and recurrence, the output projection, which depend on the
 column before) runs per column. So a verification forward of T = k + 1 tokens reads a mixer's
 output projection T times, its other weights once: the price of exact rollback without per-family
-code. Mamba-2 mixers (models/recurrent_columns.py) have such code: they run all T columns in one
-pass, their recurrence alone stepping, and read every weight once.
+code. Every supported family's blocks have such code (models/recurrent_columns.py): they run all
+T columns in one pass, their recurrence alone stepping, and read every weight once; the column loop
+here stays for a block of another class or with states of other shapes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A recurrent block's verification forward in one pass: all of a speculative round's token columns
 at once, with its states after every column, in place of transformers' single-token path run once per
-column (models/recurrent.py). Mamba-2 mixers and gated delta nets have one.
+column (models/recurrent.py). Every recurrent block of the supported families has one.
 
 Stepping a block column by column runs its whole single-token path k + 1 times: the output projection,
 the convolution and a dozen or more small operations on the recurrent state per column. Here the input
@@ -18,7 +18,7 @@ Zamba2, Falcon-H1's (its input multipliers and optional norm); Qwen3.5's gated d
 in Qwen3.5-MoE and LaraMini, Qwen3-Next's (its interleaved input projections), OLMo-Hybrid's (six
 projections, beta up to 2), Kimi Linear's delta attention (a decay per key channel); LFM2's short
 convolution (LFM2-MoE's, LFM3's); Mamba's mixer (Falcon-Mamba's, Jamba's: norms on dt, B and C;
-Zamba's: independent heads).
+Zamba's: independent heads); ZAYA1's compressed convolutional attention projection.
 """
 
 from __future__ import annotations
@@ -48,20 +48,25 @@ def column_forward_of(mixer) -> object | None:
             mamba_columns_forward if name in MAMBA_MIXERS else
             zamba_mamba_columns_forward if name == "ZambaMambaMixer" else
             kimi_delta_columns_forward if name == "KimiLinearDeltaAttention" else
-            short_conv_columns_forward if name in SHORT_CONVOLUTIONS else None)
+            short_conv_columns_forward if name in SHORT_CONVOLUTIONS else
+            cca_columns_forward if name == "ZayaCCAProjection" else None)
 
 
-def _conv_windows(conv_state: torch.Tensor, inputs: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """Each column's convolution window [B, C, T, K]: the last K inputs up to it (its own if real),
-    from the state ``conv_state`` [B, C, K] followed by the real columns of ``inputs`` [B, C, T]."""
+def _conv_windows(conv_state: torch.Tensor, inputs: torch.Tensor, real: torch.Tensor,
+                  width: int | None = None) -> torch.Tensor:
+    """Each column's convolution window [B, C, T, width]: the last ``width`` inputs up to it (its own if
+    real), from the state ``conv_state`` [B, C, K] (the last K inputs) followed by the real columns of
+    ``inputs`` [B, C, T]. ``width``: K (the default) or K + 1; a window reaching before the state
+    (width K + 1, no real column yet) repeats its first input, so its last K are still the state."""
     B, C, K = conv_state.shape
     T = inputs.shape[-1]
+    width = K if width is None else width
     # the real columns first, in order (a padding column adds nothing to the sequence)
     order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)
     sequence = torch.cat([conv_state, inputs.gather(2, order[:, None, :].expand(B, C, T))], dim=-1)
     seen = real.to(torch.int64).cumsum(dim=1)  # [B, T]: real columns up to each
-    index = seen[:, :, None] + torch.arange(K, device=real.device)  # [B, T, K]
-    return sequence.gather(2, index.view(B, 1, T * K).expand(B, C, T * K)).view(B, C, T, K)
+    index = (seen[:, :, None] + torch.arange(K - width, K, device=real.device)).clamp(min=0)  # [B, T, width]
+    return sequence.gather(2, index.view(B, 1, T * width).expand(B, C, T * width)).view(B, C, T, width)
 
 
 def _convolved(conv: torch.nn.Conv1d, activation: str | None, inputs: torch.Tensor, conv_state: torch.Tensor,
@@ -80,16 +85,18 @@ def _convolved(conv: torch.nn.Conv1d, activation: str | None, inputs: torch.Tens
     return out.to(inputs.dtype), windows.permute(2, 0, 1, 3).to(conv_state.dtype)
 
 
-def _layer_states(mixer, history, conv: torch.nn.Conv1d, batch: int,
-                  recurrent: tuple[int, ...] | None = None) -> list[torch.Tensor] | None:
-    """The conv state of ``mixer``'s cache layer, then its recurrent state when ``recurrent`` gives that
-    state's shape (without the batch), or None when the layer holds other states (then it steps)."""
-    entries = history.slots.get(mixer.layer_idx, [])
-    shapes = [(batch, conv.in_channels, conv.weight.shape[-1])] + ([(batch, *recurrent)] if recurrent else [])
-    states = [states_dict[key] for states_dict, key, _ in entries]
-    if [tuple(state.shape) for state in states] != shapes:
+def _layer_states(mixer, history, *shapes: tuple[int, ...]) -> list[torch.Tensor] | None:
+    """The states of ``mixer``'s cache layer (its conv state, then any recurrent one), or None when they
+    are not of ``shapes`` (then it steps)."""
+    states = [states_dict[key] for states_dict, key, _ in history.slots.get(mixer.layer_idx, [])]
+    if [tuple(state.shape) for state in states] != list(shapes):
         return None
     return states
+
+
+def _conv_state_shape(conv: torch.nn.Conv1d, batch: int) -> tuple[int, int, int]:
+    """The conv state transformers keeps for the depthwise convolution ``conv``: its last K inputs."""
+    return batch, conv.in_channels, conv.weight.shape[-1]
 
 
 def mamba2_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.Tensor | None:
@@ -97,7 +104,7 @@ def mamba2_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch
     recorded in ``history``; None when its cache layer holds other states."""
     Bsz, T = hidden_states.shape[:2]
     H, P, N, G = mixer.num_heads, mixer.head_dim, mixer.ssm_state_size, mixer.n_groups
-    states = _layer_states(mixer, history, mixer.conv1d, Bsz, (H, P, N))
+    states = _layer_states(mixer, history, _conv_state_shape(mixer.conv1d, Bsz), (Bsz, H, P, N))
     if states is None:
         return None
     conv_state, state = states
@@ -174,7 +181,7 @@ def gated_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> 
     layer holds other states."""
     Bsz, T = hidden_states.shape[:2]
     Hk, Hv, Dk, Dv = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
-    states = _layer_states(mixer, history, mixer.conv1d, Bsz, (Hv, Dk, Dv))
+    states = _layer_states(mixer, history, _conv_state_shape(mixer.conv1d, Bsz), (Bsz, Hv, Dk, Dv))
     if states is None:
         return None
     conv_state, state = states
@@ -229,7 +236,7 @@ def short_conv_columns_forward(mixer, hidden_states: torch.Tensor, history) -> t
     [B, T, hidden], its conv state after each recorded in ``history``: B * x through the causal
     convolution, times C; None when its cache layer holds other states."""
     Bsz, T = hidden_states.shape[:2]
-    states = _layer_states(mixer, history, mixer.conv, Bsz)
+    states = _layer_states(mixer, history, _conv_state_shape(mixer.conv, Bsz))
     if states is None:
         return None
     gate_in, gate_out, x = mixer.in_proj(hidden_states).chunk(3, dim=-1)
@@ -266,7 +273,7 @@ def mamba_columns_forward(mixer, hidden_states: torch.Tensor, history) -> torch.
     None when its cache layer holds other states."""
     Bsz, T = hidden_states.shape[:2]
     Di, N = mixer.intermediate_size, mixer.ssm_state_size
-    states = _layer_states(mixer, history, mixer.conv1d, Bsz, (Di, N))
+    states = _layer_states(mixer, history, _conv_state_shape(mixer.conv1d, Bsz), (Bsz, Di, N))
     if states is None:
         return None
     conv_state, state = states
@@ -293,7 +300,7 @@ def zamba_mamba_columns_forward(mixer, hidden_states: torch.Tensor, history) -> 
     forward's columns, as mamba_columns_forward."""
     Bsz, T = hidden_states.shape[:2]
     H, Dh, N = mixer.n_mamba_heads, mixer.mamba_head_dim, mixer.ssm_state_size
-    states = _layer_states(mixer, history, mixer.conv1d, Bsz, (H, Dh, N))
+    states = _layer_states(mixer, history, _conv_state_shape(mixer.conv1d, Bsz), (Bsz, H, Dh, N))
     if states is None:
         return None
     conv_state, state = states
@@ -321,7 +328,7 @@ def kimi_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> t
     other states."""
     Bsz, T = hidden_states.shape[:2]
     H, D = mixer.num_heads, mixer.head_dim
-    states = _layer_states(mixer, history, mixer.conv1d, Bsz, (H, D, D))
+    states = _layer_states(mixer, history, _conv_state_shape(mixer.conv1d, Bsz), (Bsz, H, D, D))
     if states is None:
         return None
     conv_state, state = states
@@ -348,3 +355,49 @@ def kimi_delta_columns_forward(mixer, hidden_states: torch.Tensor, history) -> t
 
     history.record_columns(mixer.layer_idx, [conv_after, stored])
     return mixer.o_proj(mixer.o_norm(out.to(out_dtype), gate).reshape(Bsz, T, -1))
+
+
+def cca_columns_forward(mixer, hidden_states: torch.Tensor, history):
+    """ZAYA1's compressed convolutional attention projection for all the forward's columns: (queries,
+    keys, values) [B, T, heads, D] as transformers computes them, its states after each column recorded
+    in ``history``: the conv state (the last (K0 - 1) + (K1 - 1) query / key inputs, convolved depthwise
+    over K0 then per head over K1) and the delayed value projection of the last real token, which the
+    next token's values take half of. (Its conv_mask zeroes padding tokens' inputs; every real column
+    of a round has it 1, and a padding column changes no state.) None when the cache layer holds other
+    states."""
+    Bsz, T = hidden_states.shape[:2]
+    D, groups = mixer.head_dim, mixer.num_key_value_groups
+    channels, width = mixer.conv_qk_depthwise.in_channels, mixer.conv_kernel_size
+    half = mixer.v_proj_delayed.out_features
+    states = _layer_states(mixer, history, (Bsz, channels, width), (Bsz, half))
+    if states is None:
+        return None
+    conv_state, delayed_state = states
+    real = history._step_real
+
+    # the projections in transformers' order (with int8 they are parts of one matmul), the residual paths
+    queries, keys = mixer.q_proj(hidden_states), mixer.k_proj(hidden_states)
+    current, delayed = mixer.v_proj_current(hidden_states), mixer.v_proj_delayed(hidden_states)
+    query_residual = queries.view(Bsz, T, -1, D)
+    query_residual = (query_residual + keys.view(Bsz, T, -1, D).repeat_interleave(groups, dim=2)) * 0.5
+    key_residual = query_residual.view(Bsz, T, -1, groups, D).mean(dim=-2)
+
+    # the two convolutions over each column's window of its own input and the state before it
+    windows = _conv_windows(conv_state, torch.cat([queries, keys], dim=-1).transpose(1, 2), real, width + 1)
+    flat = windows.permute(0, 2, 1, 3).reshape(Bsz * T, channels, width + 1)
+    mixed = mixer.conv_qk_grouped(mixer.conv_qk_depthwise(flat)).view(Bsz, T, channels)
+    query = mixed[..., :queries.shape[-1]].view(Bsz, T, -1, D) + query_residual
+    key = mixed[..., queries.shape[-1]:].view(Bsz, T, -1, D) + key_residual
+
+    # values: half the current token's, half the last real token's before it (the state, at first)
+    sequence = torch.cat([delayed_state[:, None].to(delayed.dtype),
+                          delayed.gather(1, torch.argsort((~real).to(torch.int8), dim=1, stable=True)[:, :, None]
+                                         .expand(Bsz, T, half))], dim=1)  # [B, 1 + T, half]
+    seen = real.to(torch.int64).cumsum(dim=1)
+    before = sequence.gather(1, (seen - real.to(torch.int64))[:, :, None].expand(Bsz, T, half))
+    after = sequence.gather(1, seen[:, :, None].expand(Bsz, T, half))
+    value = torch.cat([current, before], dim=-1).view(Bsz, T, -1, D)
+
+    history.record_columns(mixer.layer_idx, [windows[..., 1:].permute(2, 0, 1, 3).to(conv_state.dtype),
+                                             after.transpose(0, 1).to(delayed_state.dtype)])
+    return query, key, value

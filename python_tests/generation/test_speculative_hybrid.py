@@ -358,7 +358,12 @@ ONE_PASS_FAMILIES = {"mamba2": {}, "bamba": {}, "granitemoehybrid": {}, "nemotro
                      "falcon_h1": {}, "falcon_h1-norm": {"mamba_rms_norm": True}, "qwen3_5_text": {},
                      "qwen3_5_moe_text": {}, "qwen3_next": {}, "lara_mini": {}, "lfm2": {}, "lfm2_moe": {}, "lfm3": {},
                      "mamba": {}, "falcon_mamba": {}, "jamba": {}, "olmo_hybrid": {},
-                     "olmo_hybrid-beta1": {"linear_allow_neg_eigval": False}, "kimi_linear": {}, "zamba": {}}
+                     "olmo_hybrid-beta1": {"linear_allow_neg_eigval": False}, "kimi_linear": {}, "zamba": {},
+                     "zaya": {}}
+
+
+def test_every_hybrid_family_has_a_one_pass_case():
+    assert {variant.split("-")[0] for variant in ONE_PASS_FAMILIES} == set(HYBRID)
 
 
 @pytest.mark.parametrize("variant", sorted(ONE_PASS_FAMILIES))
@@ -415,7 +420,8 @@ def test_recurrent_blocks_run_a_round_in_one_pass_as_stepping_would(variant, dty
                                               ("lfm2", "short_conv_columns_forward"),
                                               ("jamba", "mamba_columns_forward"),
                                               ("olmo_hybrid", "gated_delta_columns_forward"),
-                                              ("zamba", "zamba_mamba_columns_forward")])
+                                              ("zamba", "zamba_mamba_columns_forward"),
+                                              ("zaya", "cca_columns_forward")])
 def test_the_one_pass_forward_is_what_runs(family, function, monkeypatch):
     """Under a checkpoint the one-pass forward runs, once per recurrent layer and forward, on all its
     columns; without a checkpoint the block takes transformers' path."""

@@ -440,3 +440,22 @@ def test_the_one_pass_forward_is_what_runs(family, function, monkeypatch):
         cache.checkpoint()
         patched(ids[:, :4], past_key_values=cache)
     assert layers and calls == [4] * layers
+
+
+def test_a_block_whose_states_are_not_as_expected_steps(monkeypatch):
+    """When a block's cache layer holds states of other shapes than its one-pass forward expects (a
+    transformers change), the one-pass forward declines and the block steps: the same logits."""
+    from gptfast_kernels.models import recurrent_columns
+
+    patched = patched_copy(tiny_model("qwen3_5_text", layers=3), int8=False)
+    ids, mask = ragged_prompts(2, 5, "left")
+    logits = []
+    for declines in (False, True):
+        if declines:
+            monkeypatch.setattr(recurrent_columns, "_layer_states", lambda *args: None)
+        cache = _prefilled(patched, ids, mask, rollback_tokens=4)
+        cache.checkpoint()
+        with torch.no_grad():
+            logits.append(patched(ids[:, :4], past_key_values=cache).logits)
+        assert cache.state_history.steps_recorded == 4 * len(cache.state_history.slots)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-4)

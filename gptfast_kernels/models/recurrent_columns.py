@@ -52,6 +52,13 @@ def column_forward_of(mixer) -> object | None:
             cca_columns_forward if name == "ZayaCCAProjection" else None)
 
 
+def _real_first(real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``real`` [B, T] (which columns hold a token): (each row's columns reordered real ones first,
+    in order: a padding column adds nothing to a row's sequence of inputs; how many real columns each
+    column's row has up to and including it), both [B, T] int64."""
+    return torch.argsort((~real).to(torch.int8), dim=1, stable=True), real.to(torch.int64).cumsum(dim=1)
+
+
 def _conv_windows(conv_state: torch.Tensor, inputs: torch.Tensor, real: torch.Tensor,
                   width: int | None = None) -> torch.Tensor:
     """Each column's convolution window [B, C, T, width]: the last ``width`` inputs up to it (its own if
@@ -61,10 +68,8 @@ def _conv_windows(conv_state: torch.Tensor, inputs: torch.Tensor, real: torch.Te
     B, C, K = conv_state.shape
     T = inputs.shape[-1]
     width = K if width is None else width
-    # the real columns first, in order (a padding column adds nothing to the sequence)
-    order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)
+    order, seen = _real_first(real)
     sequence = torch.cat([conv_state, inputs.gather(2, order[:, None, :].expand(B, C, T))], dim=-1)
-    seen = real.to(torch.int64).cumsum(dim=1)  # [B, T]: real columns up to each
     index = (seen[:, :, None] + torch.arange(K - width, K, device=real.device)).clamp(min=0)  # [B, T, width]
     return sequence.gather(2, index.view(B, 1, T * width).expand(B, C, T * width)).view(B, C, T, width)
 
@@ -390,10 +395,9 @@ def cca_columns_forward(mixer, hidden_states: torch.Tensor, history):
     key = mixed[..., queries.shape[-1]:].view(Bsz, T, -1, D) + key_residual
 
     # values: half the current token's, half the last real token's before it (the state, at first)
+    order, seen = _real_first(real)
     sequence = torch.cat([delayed_state[:, None].to(delayed.dtype),
-                          delayed.gather(1, torch.argsort((~real).to(torch.int8), dim=1, stable=True)[:, :, None]
-                                         .expand(Bsz, T, half))], dim=1)  # [B, 1 + T, half]
-    seen = real.to(torch.int64).cumsum(dim=1)
+                          delayed.gather(1, order[:, :, None].expand(Bsz, T, half))], dim=1)  # [B, 1 + T, half]
     before = sequence.gather(1, (seen - real.to(torch.int64))[:, :, None].expand(Bsz, T, half))
     after = sequence.gather(1, seen[:, :, None].expand(Bsz, T, half))
     value = torch.cat([current, before], dim=-1).view(Bsz, T, -1, D)

@@ -19,6 +19,8 @@ _LAZY = {
     "speculative_generate": "gptfast_kernels.generation.speculative",
     "SpeculativeOutput": "gptfast_kernels.generation.speculative",
     "prompt_lookup_generate": "gptfast_kernels.generation.prompt_lookup",
+    "save_patched": "gptfast_kernels.models.serialization",
+    "load_patched": "gptfast_kernels.models.serialization",
 }
 
 __all__ = ["__version__", "ops", "Int8Linear", "quantize_int8_", *_LAZY]

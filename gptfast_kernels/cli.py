@@ -1,4 +1,4 @@
-"""``python -m gptfast_kernels <info|demo|bench>`` (installed as ``gptfast-kernels``)."""
+"""``python -m gptfast_kernels <info|demo|bench|quantize>`` (installed as ``gptfast-kernels``)."""
 
 from __future__ import annotations
 
@@ -57,12 +57,50 @@ def cmd_bench(bench_argv: list[str]) -> int:
     return bench_main(bench_argv)
 
 
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _add_quantize_parser(sub):
+    parser = sub.add_parser("quantize", help="patch a checkpoint (int8 weights) and save it for load_patched")
+    parser.add_argument("model", help="a local checkpoint or hub name (from_pretrained)")
+    parser.add_argument("output", help="the directory to write (save_patched), with the model's tokenizer")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
+                        help="the float weights' and activations' dtype (default bfloat16)")
+    parser.add_argument("--int8-skip", nargs="*", default=[], metavar="NAME",
+                        help="layers left float (names or patterns, as patch_model's int8_skip)")
+    parser.add_argument("--device", default="cpu",
+                        help="where to load and quantize (default cpu: the float model must fit there)")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    return cmd_quantize
+
+
+def cmd_quantize(args) -> int:
+    """from_pretrained, patch_model (int8), save_patched, and the tokenizer beside it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gptfast_kernels import patch_model, save_patched
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=_DTYPES[args.dtype],
+                                                 trust_remote_code=args.trust_remote_code).to(args.device).eval()
+    float_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    patch_model(model, int8=True, int8_skip=tuple(args.int8_skip))
+    save_patched(model, args.output)
+    int8_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    print(f"quantize: {args.model} -> {args.output}: {float_bytes / 1e9:.3f} GB of {args.dtype} weights -> "
+          f"{int8_bytes / 1e9:.3f} GB (load it with gptfast_kernels.load_patched)")
+    try:
+        AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code).save_pretrained(args.output)
+    except (OSError, ValueError) as error:  # a checkpoint without a tokenizer still quantizes
+        print(f"quantize: no tokenizer saved ({type(error).__name__}: {error})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gptfast_kernels")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions and which backends are compiled / usable")
     sub.add_parser("bench", help="kernel microbenchmarks (table + JSON); `bench --help` for options")
-    commands = {"info": cmd_info}
+    commands = {"info": cmd_info, "quantize": _add_quantize_parser(sub)}
     try:
         from gptfast_kernels.demo import add_demo_parser
     except ImportError:

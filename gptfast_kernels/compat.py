@@ -54,6 +54,7 @@ from gptfast_kernels.generation.common import model_device_dtype, output_vocab_s
 from gptfast_kernels.generation.generate import generate as _generate
 from gptfast_kernels.generation.speculative import SpeculativeOutput, speculative_generate
 from gptfast_kernels.models.patch import forward_with_cache, is_patched, patch_model
+from gptfast_kernels.models.serialization import is_saved_patched, load_patched, saved_patched_dtype
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 
@@ -78,9 +79,17 @@ def _default_device(device) -> torch.device:
 
 
 def _load(op: str, arg: str, name, *, device=None, dtype=None, trust_remote_code: bool = False) -> nn.Module:
+    """``name`` loaded with from_pretrained, or, where it is a directory ``save_patched`` wrote, with
+    ``load_patched``: patched as it was saved, its int8 weights read as they are."""
     from transformers import AutoModelForCausalLM
 
     name = _check_name(op, arg, name)
+    if is_saved_patched(name):
+        saved_dtype = saved_patched_dtype(name)
+        if dtype is not None and dtype != saved_dtype:
+            raise ValueError(f"{op}: {arg} {name!r} was saved patched in {saved_dtype}, and dtype asks for {dtype}; "
+                             "pass dtype=None (or patch and save it again in that dtype)")
+        return load_patched(name, device=_default_device(device), trust_remote_code=trust_remote_code)
     kwargs = {"trust_remote_code": trust_remote_code}
     if dtype is not None:
         kwargs["dtype"] = dtype
@@ -91,10 +100,11 @@ def _load(op: str, arg: str, name, *, device=None, dtype=None, trust_remote_code
 def load_int8(model_name, *, device=None, dtype=None, trust_remote_code: bool = False) -> nn.Module:
     """Loads a causal LM (``from_pretrained``) with int8 weight-only Linear layers (Int8Linear,
     lm_head included, as patch_model does) and the fused static-cache attention. The result is still an ordinary
-    transformers model: ``model(...)`` and ``model.generate(...)`` work as before."""
+    transformers model: ``model(...)`` and ``model.generate(...)`` work as before. A directory that
+    ``save_patched`` wrote loads as it was saved, its int8 weights straight onto the device."""
     model = _load("load_int8", "model_name", model_name, device=device, dtype=dtype,
                   trust_remote_code=trust_remote_code)
-    return patch_model(model, int8=True, fused_attention=True)
+    return model if is_patched(model) else patch_model(model, int8=True, fused_attention=True)
 
 
 # -- KVCacheModel ----------------------------------------------------------------------------------
@@ -324,7 +334,8 @@ def gpt_fast(model_name, draft_model_name=None, sample_function: Callable | None
     speculatively. ``draft_model_name=None``: plain decoding with the static cache.
     ``device``: default CUDA when available, else CPU. GPTFast's ``max_length`` and
     ``cache_config`` keywords are accepted and unused: caches are sized per ``generate`` call, and
-    patching needs no description of the model's source (supported families are built in)."""
+    patching needs no description of the model's source (supported families are built in). A
+    directory that ``save_patched`` wrote is used as saved (``int8`` does not apply to it)."""
     unknown = sorted(set(legacy_kwargs) - set(_IGNORED_GPT_FAST_KWARGS))
     if unknown:
         raise TypeError(f"gpt_fast: unexpected keyword argument(s) {unknown}")
@@ -336,7 +347,8 @@ def gpt_fast(model_name, draft_model_name=None, sample_function: Callable | None
         names["draft_model_name"] = draft_model_name
     loaded = {}
     for arg, name in names.items():
-        loaded[arg] = patch_model(_load("gpt_fast", arg, name, **options), int8=int8, fused_attention=True)
+        model = _load("gpt_fast", arg, name, **options)  # (a save_patched directory comes patched as saved)
+        loaded[arg] = model if is_patched(model) else patch_model(model, int8=int8, fused_attention=True)
     target = KVCacheModel(loaded["model_name"])
     if draft_model_name is None:
         return GPTFastModel(target, None, sample_function)

@@ -147,6 +147,27 @@ def test_load_int8(checkpoints):
     assert out.shape[1] <= 9
 
 
+def test_saved_patched_directories_load_as_saved(checkpoints, tmp_path, monkeypatch):
+    """A directory save_patched wrote loads through load_patched (no from_pretrained, no second patch):
+    load_int8 and gpt_fast give what the models they were saved from give."""
+    from gptfast_kernels import save_patched
+
+    saved = {}
+    for name in ("target", "draft"):
+        saved[name] = str(tmp_path / name)
+        save_patched(compat.load_int8(checkpoints[name], device="cpu"), saved[name])
+    from_float = compat.gpt_fast(checkpoints["target"], checkpoints["draft"], device="cpu")
+    monkeypatch.setattr(compat, "patch_model", lambda *args, **kwargs: pytest.fail("patched a second time"))
+    model = compat.load_int8(saved["target"], device="cpu")
+    assert isinstance(model.lm_head, Int8Linear)
+    fast = compat.gpt_fast(saved["target"], saved["draft"], device="cpu")
+    cur = _prompts(2, 5)
+    torch.testing.assert_close(fast.generate(cur, 5 + 12, 3), from_float.generate(cur, 5 + 12, 3), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="model_name .* was saved patched in torch.float32, and dtype asks for "
+                                         "torch.bfloat16"):
+        compat.load_int8(saved["target"], device="cpu", dtype=torch.bfloat16)
+
+
 def test_add_kv_cache_prefill_forward_rollback(checkpoints, monkeypatch):
     monkeypatch.setattr(compat, "_INITIAL_CACHE_SLOTS", 2)  # the cache must grow along the way
     kv = compat.add_kv_cache(checkpoints["target"], device="cpu")
@@ -180,6 +201,25 @@ def test_generate_text_fast(checkpoints):
     assert isinstance(text, str) and text.startswith("w3 w4 w5") and len(text.split()) > 3
     texts = compat.generate_text_fast(checkpoints["target"], checkpoints["draft"], ["w7", "w8 w9 w10"], 10, int8=False)
     assert isinstance(texts, list) and texts[0].startswith("w7") and texts[1].startswith("w8 w9 w10")
+
+
+def test_quantize_command_writes_what_generate_text_fast_loads(checkpoints, tmp_path, capsys):
+    """`python -m gptfast_kernels quantize` patches a checkpoint, saves it with its tokenizer, and the
+    saved directories give generate_text_fast the text the float checkpoints give it (int8 either way)."""
+    from gptfast_kernels.cli import main
+
+    out = {name: str(tmp_path / name) for name in ("target", "draft")}
+    for name in out:
+        assert main(["quantize", checkpoints[name], out[name], "--dtype", "float32"]) == 0
+    printed = capsys.readouterr().out
+    assert "no tokenizer saved" in printed  # (the draft checkpoint has none; the target's was copied)
+    assert (tmp_path / "target" / "tokenizer.json").exists()
+    prompts = ["w3 w4 w5", "w7"]
+    assert (compat.generate_text_fast(out["target"], out["draft"], prompts, 14)
+            == compat.generate_text_fast(checkpoints["target"], checkpoints["draft"], prompts, 14))
+    assert main(["quantize", checkpoints["draft"], str(tmp_path / "skip"), "--int8-skip", "lm_head"]) == 0
+    loaded = compat.load_int8(str(tmp_path / "skip"), device="cpu")
+    assert not isinstance(loaded.lm_head, Int8Linear) and loaded.dtype == torch.bfloat16
 
 
 def test_bad_arguments_name_the_argument(checkpoints):

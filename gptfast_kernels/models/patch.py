@@ -75,6 +75,9 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
         patch_latent_attention_(model, family.attention_class, family.latent_attention)
     # what a StaticKVCache for this model must hold (checked per forward by attention.before_forward)
     model._gptfast_cache_geometry = StaticKVCache.geometry_of(model.config)
+    # how it was patched, for save_patched / load_patched (models/serialization.py)
+    model._gptfast_patch_options = {"int8": bool(int8), "fused_attention": bool(fused_attention),
+                                    "int8_skip": list(skip)}
     model._gptfast_cache_keyword = attention.cache_keyword(model)
     model._gptfast_fused_length_zero = family.fused_length_zero
     # what readies the model for a cache before an eager forward (XGLM's position table), or None

@@ -80,8 +80,13 @@ def cmd_quantize(args) -> int:
 
     from gptfast_kernels import patch_model, save_patched
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=_DTYPES[args.dtype],
-                                                 trust_remote_code=args.trust_remote_code).to(args.device).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=_DTYPES[args.dtype],
+                                                     trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        print(f"quantize: cannot load model {args.model!r}: {error}", file=sys.stderr)
+        return 2
+    model = model.to(args.device).eval()
     float_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     patch_model(model, int8=True, int8_skip=tuple(args.int8_skip))
     save_patched(model, args.output)

@@ -220,6 +220,8 @@ def test_quantize_command_writes_what_generate_text_fast_loads(checkpoints, tmp_
     assert main(["quantize", checkpoints["draft"], str(tmp_path / "skip"), "--int8-skip", "lm_head"]) == 0
     loaded = compat.load_int8(str(tmp_path / "skip"), device="cpu")
     assert not isinstance(loaded.lm_head, Int8Linear) and loaded.dtype == torch.bfloat16
+    assert main(["quantize", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    assert "quantize: cannot load model" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_bad_arguments_name_the_argument(checkpoints):

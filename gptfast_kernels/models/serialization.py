@@ -35,6 +35,7 @@ PATCH_FILE = "gptfast_kernels.json"
 # bumped when what save_patched writes changes in a way an older load_patched could not read
 FORMAT_VERSION = 1
 _DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.float16, torch.bfloat16)}
+_PATCH_FILE_KEYS = ("model_class", "dtype", "patch", "weights", "aliases")
 
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -49,8 +50,8 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _view_key(tensor: torch.Tensor):
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
-            tensor.dtype)
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tuple(tensor.stride()), tensor.dtype)
 
 
 def _shard_name(index: int, count: int) -> str:
@@ -131,6 +132,9 @@ def _read_patch_file(directory: str) -> dict:
     if saved.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"load_patched: {path} has format version {saved.get('format_version')!r}; this "
                          f"gptfast_kernels {gptfast_kernels.__version__} reads version {FORMAT_VERSION}")
+    missing = [key for key in _PATCH_FILE_KEYS if key not in saved]
+    if missing:
+        raise ValueError(f"load_patched: {path} lacks {missing}: not as save_patched writes it")
     if saved.get("dtype") not in _DTYPES:
         raise ValueError(f"load_patched: {path} names dtype {saved.get('dtype')!r}, expected one of {list(_DTYPES)}")
     return saved

@@ -142,6 +142,9 @@ def test_bad_models_and_directories_raise(tmp_path):
     json.dump({**original, "dtype": "torch.int4"}, open(patch_file, "w"))
     with pytest.raises(ValueError, match="dtype 'torch.int4'"):
         load_patched(saved)
+    json.dump({key: value for key, value in original.items() if key != "weights"}, open(patch_file, "w"))
+    with pytest.raises(ValueError, match=r"lacks \['weights'\]"):
+        load_patched(saved)
     json.dump({**original, "model_class": "GPT2LMHeadModel"}, open(patch_file, "w"))
     with pytest.raises(ValueError, match="holds a GPT2LMHeadModel"):
         load_patched(saved)

@@ -8,8 +8,9 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import (check_repetition_penalty, check_sampling_args, eos_columns,
-                                                 pick_tokens, process_logits, seen_tokens, token_logprobs)
+from gptfast_kernels.generation.sampling import (check_additive_penalty, check_repetition_penalty,
+                                                 check_sampling_args, eos_columns, pick_tokens, process_logits,
+                                                 seen_tokens, token_logprobs)
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 
@@ -29,7 +30,8 @@ EOS_CHECK_STEPS = 8
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             min_p: float | None = None, repetition_penalty: float | None = None, min_new_tokens: int = 0,
+             min_p: float | None = None, repetition_penalty: float | None = None, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0, min_new_tokens: int = 0,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
              past_key_values: StaticKVCache | None = None, compile: bool = False, streamer=None,
              output_logprobs: bool = False) -> GenerateOutput:
@@ -48,6 +50,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     ``repetition_penalty``: as transformers' (CTRL's): before sampling, the logit of every token
     already in the row (its prompt, padding aside, and what it generated) is divided by it where
     positive and multiplied by it where negative; > 1 discourages repeats.
+    ``presence_penalty`` / ``frequency_penalty``: as the OpenAI API's and vLLM's: before sampling,
+    each token's logit loses ``frequency_penalty`` times the number of times the row generated it
+    (its prompt aside), and ``presence_penalty`` once if it generated it at all; > 0 discourages
+    repeats, < 0 encourages them. Applied after the repetition penalty.
     ``min_new_tokens``: no eos before that many new tokens per row (their logits are -inf until
     then), as transformers' ``min_new_tokens``.
     ``streamer``: as in transformers, ``put`` gets the prompt [B, P], then each step's tokens [B]
@@ -62,6 +68,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
     check_sampling_args(op, temperature, top_k, top_p, min_p)
     check_repetition_penalty(op, repetition_penalty)
+    check_additive_penalty(op, "presence_penalty", presence_penalty)
+    check_additive_penalty(op, "frequency_penalty", frequency_penalty)
     min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
     common.check_flag(op, "output_logprobs", output_logprobs)
     common.check_flag(op, "compile", compile)
@@ -93,14 +101,20 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     lengths = torch.zeros(B, dtype=torch.int64, device=device)  # new tokens up to each row's eos
     penalize = repetition_penalty is not None and repetition_penalty != 1
     seen = seen_tokens(prompt.input_ids, prompt.attention_mask, logits.shape[-1]) if penalize else None
+    # how often each row generated each token (presence / frequency penalties), or None
+    counts = torch.zeros(B, logits.shape[-1], dtype=torch.int32, device=device) \
+        if presence_penalty or frequency_penalty else None
     is_eos, all_rows = eos_columns(eos_ids, logits.shape[-1]), torch.ones(B, dtype=torch.bool, device=device)
     new_tokens, logprobs = [], []
     for step in range(max_new_tokens):
         early = all_rows if step < min_new_tokens and eos else None  # every row has made `step` tokens
-        processed = process_logits(logits, seen, repetition_penalty, is_eos, early)
+        processed = process_logits(logits, seen, repetition_penalty, is_eos, early, counts, presence_penalty,
+                                   frequency_penalty)
         tokens = pick_tokens(processed, temperature, top_k, top_p, min_p, generator)
         if penalize:
             seen.scatter_(1, tokens[:, None], True)
+        if counts is not None:  # (a finished row's count no longer matters: it emits the pad id)
+            counts.scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.int32))
         if output_logprobs:  # under the raw logits
             logprobs.append(torch.where(finished, 0.0, token_logprobs(logits, tokens)))
         tokens = torch.where(finished, pad, tokens)

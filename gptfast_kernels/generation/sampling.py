@@ -1,5 +1,5 @@
-"""Logits -> token distributions (the repetition penalty, min-new-tokens, temperature, top-k, top-p,
-min-p) and the checks every generator shares."""
+"""Logits -> token distributions (the repetition, presence and frequency penalties, min-new-tokens,
+temperature, top-k, top-p, min-p) and the checks every generator shares."""
 
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ def check_repetition_penalty(op: str, penalty) -> None:
         raise ValueError(f"{op}: repetition_penalty must be None or a finite number > 0 (1 = none), got {penalty!r}")
 
 
+def check_additive_penalty(op: str, name: str, penalty) -> None:
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
+        raise ValueError(f"{op}: {name} must be a finite number (0 = none), got {penalty!r}")
+
+
 def seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """input_ids [B, P] and their mask -> [B, vocab_size] bool: which tokens each row's real (not
     padding) tokens hold (ids past the output vocabulary, which no logit scores, are left out)."""
@@ -51,13 +56,26 @@ def eos_columns(eos_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return is_eos.scatter_(0, eos_ids.clamp(max=vocab_size), True)[:vocab_size]
 
 
+def apply_additive_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: float,
+                             frequency: float) -> torch.Tensor:
+    """[..., V] logits -> the same minus ``frequency`` times each token's count in ``counts`` [..., V]
+    (how often the row generated it) and minus ``presence`` for every token generated at all (the
+    OpenAI API's and vLLM's presence / frequency penalties: > 0 makes repeats less likely)."""
+    counts = counts.to(logits.dtype)
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
 def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float | None,
-                   is_eos: torch.Tensor | None, early: torch.Tensor | None) -> torch.Tensor:
+                   is_eos: torch.Tensor | None, early: torch.Tensor | None, counts: torch.Tensor | None = None,
+                   presence: float = 0.0, frequency: float = 0.0) -> torch.Tensor:
     """[..., V] logits before sampling: the repetition penalty over ``seen`` [..., V] (None: none),
-    then the eos columns ``is_eos`` [V] at -inf where ``early`` [...] holds (transformers'
-    ``min_new_tokens``: no eos before that many new tokens; None: nowhere)."""
+    the presence and frequency penalties over ``counts`` [..., V] (None: none), then the eos columns
+    ``is_eos`` [V] at -inf where ``early`` [...] holds (transformers' ``min_new_tokens``: no eos
+    before that many new tokens; None: nowhere); vLLM's order."""
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, penalty)
+    if counts is not None:
+        logits = apply_additive_penalties(logits, counts, presence, frequency)
     if early is not None:
         logits = logits.masked_fill(early[..., None] & is_eos, float("-inf"))
     return logits

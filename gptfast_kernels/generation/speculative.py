@@ -22,7 +22,8 @@ from gptfast_kernels.generation import common
 from gptfast_kernels.generation.assistant import AssistantProposer, check_assistant, is_gemma4_assistant
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
-from gptfast_kernels.generation.sampling import (check_repetition_penalty, check_sampling_args, eos_columns,
+from gptfast_kernels.generation.sampling import (check_additive_penalty, check_repetition_penalty,
+                                                 check_sampling_args, eos_columns,
                                                  logits_to_probs, process_logits, sample_from, seen_tokens,
                                                  token_logprobs)
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
@@ -45,7 +46,8 @@ class SpeculativeOutput:
 def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                          *, max_new_tokens: int, speculate_k: int = 4, temperature: float = 0.0,
                          top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-                         repetition_penalty: float | None = None, min_new_tokens: int = 0,
+                         repetition_penalty: float | None = None, presence_penalty: float = 0.0,
+                         frequency_penalty: float = 0.0, min_new_tokens: int = 0,
                          eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
                          compile: bool = False, streamer=None, output_logprobs: bool = False) -> SpeculativeOutput:
     """input_ids [B, P] (attention_mask [B, P], 0 = padding, left or right) -> SpeculativeOutput.
@@ -57,8 +59,10 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     gets the prompt [1, P], then each round's new tokens [1, n] on the CPU; then ``end()``.
     ``repetition_penalty`` as in ``generate``: the target's distribution at each position penalises
     the tokens before it (the drafts before it included), so the output is still exactly the
-    penalised target's; the draft's distributions are penalised the same way. ``min_new_tokens``
-    as in ``generate``, per position of a round likewise; ``output_logprobs`` as there."""
+    penalised target's; the draft's distributions are penalised the same way. ``presence_penalty``
+    and ``frequency_penalty`` likewise (each position counts the drafts before it as generated).
+    ``min_new_tokens`` as in ``generate``, per position of a round likewise; ``output_logprobs``
+    as there."""
     op = "speculative_generate"
     common.check_model(op, "model", model)
     mtp, assistant = is_mtp_model(draft_model), is_gemma4_assistant(draft_model)
@@ -71,7 +75,8 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
                                        temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
                                        min(common.input_vocab_size(model), common.input_vocab_size(draft_model)),
-                                       streamer, repetition_penalty, min_new_tokens, output_logprobs)
+                                       streamer, repetition_penalty, min_new_tokens, output_logprobs,
+                                       presence_penalty, frequency_penalty)
     if assistant:
         return rounds.run(lambda capacity, target_cache: AssistantProposer(draft_model, model, target_cache, compile,
                                                                           rounds.k))
@@ -148,10 +153,12 @@ class DraftModelProposer:
 class History:
     """What every row has generated so far (after its prompt): ``generated`` [B, W], valid up to
     ``num_generated`` [B] per row; with a repetition penalty, ``seen`` [B, V + 1] bool: the tokens
-    of each row's text so far (column V: a dump for masked writes), else None."""
+    of each row's text so far (column V: a dump for masked writes), else None; with a presence or
+    frequency penalty, ``counts`` [B, V + 1] int32: how often each row generated each token, else None."""
     generated: torch.Tensor
     num_generated: torch.Tensor
     seen: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
 
 
 @dataclass
@@ -176,11 +183,14 @@ class SpeculativeRounds:
     min_new_tokens: int = 0
     output_logprobs: bool = False
     is_eos: torch.Tensor | None = None  # [V] bool: the eos columns on the model's device (set by run)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @classmethod
     def checked(cls, op, model, input_ids, attention_mask, max_new_tokens, speculate_k, temperature, top_k, top_p,
                 min_p, eos_token_id, generator, compile, vocab_size, streamer,
-                repetition_penalty=None, min_new_tokens=0, output_logprobs=False) -> "SpeculativeRounds":
+                repetition_penalty=None, min_new_tokens=0, output_logprobs=False, presence_penalty=0.0,
+                frequency_penalty=0.0) -> "SpeculativeRounds":
         """Validates the arguments every speculative generator shares (``op`` names the caller)."""
         common.check_model(op, "model", model)
         common.check_rollback(op, "model", model)
@@ -190,6 +200,8 @@ class SpeculativeRounds:
         max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
         check_sampling_args(op, temperature, top_k, top_p, min_p)
         check_repetition_penalty(op, repetition_penalty)
+        check_additive_penalty(op, "presence_penalty", presence_penalty)
+        check_additive_penalty(op, "frequency_penalty", frequency_penalty)
         min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
         common.check_flag(op, "output_logprobs", output_logprobs)
         common.check_flag(op, "compile", compile)
@@ -200,7 +212,7 @@ class SpeculativeRounds:
                              f"per round), got a batch of {prompt.input_ids.shape[0]}")
         return cls(model, prompt, max_new_tokens, speculate_k, temperature, top_k, top_p, min_p, eos, pad, generator,
                    compile, streamer, None if repetition_penalty == 1 else repetition_penalty, min_new_tokens,
-                   output_logprobs)
+                   output_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
 
     @property
     def batch_size(self) -> int:
@@ -215,18 +227,27 @@ class SpeculativeRounds:
         eos (``min_new_tokens``); None when nothing is suppressed."""
         return made < self.min_new_tokens if self.min_new_tokens and self.eos else None
 
-    def processed(self, logits, seen, early):
-        """logits [..., V] with the repetition penalty over ``seen`` [..., V + 1] and the eos ids
-        suppressed where ``early`` [...] (each None: not applied; see sampling.process_logits)."""
-        return process_logits(logits, None if seen is None else seen[..., :logits.shape[-1]],
-                              self.repetition_penalty, self.is_eos, early)
+    @property
+    def counts_generated(self) -> bool:
+        """Whether the presence / frequency penalties need each row's counts of generated tokens."""
+        return bool(self.presence_penalty or self.frequency_penalty)
 
-    def pick(self, logits, seen=None, early=None):
+    def processed(self, logits, seen, early, counts=None):
+        """logits [..., V] with the repetition penalty over ``seen`` [..., V + 1], the presence and
+        frequency penalties over ``counts`` [..., V + 1] and the eos ids suppressed where ``early``
+        [...] (each None: not applied; see sampling.process_logits)."""
+        V = logits.shape[-1]
+        return process_logits(logits, None if seen is None else seen[..., :V], self.repetition_penalty, self.is_eos,
+                              early, None if counts is None else counts[..., :V], self.presence_penalty,
+                              self.frequency_penalty)
+
+    def pick(self, logits, seen=None, early=None, counts=None):
         """[B, V] logits -> ([B] tokens, [B, V] float32 probabilities, or None when greedy: greedy
         verification needs only the target's argmax, so no distribution is built). ``seen``: the
-        tokens the repetition penalty applies to, [B, V + 1]; ``early`` [B]: rows whose eos ids are
-        suppressed (see ``processed``)."""
-        logits = self.processed(logits, seen, early)
+        tokens the repetition penalty applies to, [B, V + 1]; ``counts``: the generated tokens' counts
+        the presence / frequency penalties apply to, [B, V + 1]; ``early`` [B]: rows whose eos ids
+        are suppressed (see ``processed``)."""
+        logits = self.processed(logits, seen, early, counts)
         if self.greedy:
             return logits.argmax(dim=-1), None
         probs = logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
@@ -238,11 +259,14 @@ class SpeculativeRounds:
         from ``advance(token [B])`` -> logits [B, V] (the penalties and eos suppression as at those
         positions of the target) -> (tokens [B, k], distributions [B, k, V] or None when greedy)."""
         seen = None if history.seen is None else history.seen.clone()  # and the drafts, as they come
+        counts = None if history.counts is None else history.counts.clone()  # likewise
         tokens, probs = [], []
         for i in range(self.k):
-            token, distribution = self.pick(logits, seen, self.too_early(history.num_generated + i))
+            token, distribution = self.pick(logits, seen, self.too_early(history.num_generated + i), counts)
             if seen is not None:
                 seen.scatter_(1, token[:, None], True)
+            if counts is not None:
+                counts.scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
             tokens.append(token)
             probs.append(distribution)
             if i < self.k - 1:
@@ -281,9 +305,13 @@ class SpeculativeRounds:
         seen = None
         if self.repetition_penalty is not None:  # [B, V + 1]: column V absorbs masked writes
             seen = torch.nn.functional.pad(seen_tokens(prompt.input_ids, prompt.attention_mask, V), (0, 1))
-        last, _ = self.pick(logits, seen, self.too_early(zeros))
+        # how often each row generated each token (column V absorbs masked writes), or None
+        counts = torch.zeros(B, V + 1, dtype=torch.int32, device=device) if self.counts_generated else None
+        last, _ = self.pick(logits, seen, self.too_early(zeros), counts)
         if seen is not None:
             seen.scatter_(1, last[:, None], True)
+        if counts is not None:
+            counts.scatter_add_(1, last[:, None], torch.ones_like(last[:, None], dtype=torch.int32))
 
         # generated tokens; a round writes up to k + 1 more, and column `dump` absorbs masked writes
         out = torch.full((B, self.max_new_tokens + 2 * (k + 1)), pad, dtype=torch.int64, device=device)
@@ -303,7 +331,7 @@ class SpeculativeRounds:
         while not bool(finished.all()):
             active = ~finished
             # 1. k proposals per row (finished rows are padding: nothing written)
-            draft_tokens, draft_probs = proposer.propose(self, last, active, History(out, num_generated, seen))
+            draft_tokens, draft_probs = proposer.propose(self, last, active, History(out, num_generated, seen, counts))
 
             # 2. the target scores last + k drafts in one forward, 3. verify every row at once
             target_input = torch.cat([last[:, None], draft_tokens], dim=1)
@@ -316,9 +344,15 @@ class SpeculativeRounds:
                 round_seen = seen[:, None].repeat(1, k + 1, 1)  # [B, k + 1, V + 1]
                 for i in range(k):  # draft i is before positions i + 1 ..
                     round_seen[:, i + 1:].scatter_(2, draft_tokens[:, i, None, None].expand(B, k - i, 1), True)
+            round_counts = None
+            if counts is not None:  # likewise: position i counts the drafts before it as generated
+                round_counts = counts[:, None].repeat(1, k + 1, 1)  # [B, k + 1, V + 1]
+                for i in range(k):
+                    round_counts[:, i + 1:].scatter_add_(2, draft_tokens[:, i, None, None].expand(B, k - i, 1),
+                                                         torch.ones(B, k - i, 1, dtype=torch.int32, device=device))
             # position i scores new token number num_generated + i of its row
             processed = self.processed(target_logits, round_seen,
-                                       self.too_early(num_generated[:, None] + columns[None, :]))
+                                       self.too_early(num_generated[:, None] + columns[None, :]), round_counts)
             # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync).
             # Greedy verification compares the drafts with the target's argmax, which the logits give
             # as they are (the target's own greedy decoding takes the argmax of its logits, too).
@@ -352,6 +386,8 @@ class SpeculativeRounds:
                 out_logprobs.scatter_(1, slots, torch.where(emitted, chosen, 0.0))
             if seen is not None:
                 seen.scatter_(1, torch.where(emitted, tokens, V), True)
+            if counts is not None:
+                counts.scatter_add_(1, torch.where(emitted, tokens, V), emitted.to(torch.int32))
             if streamer is not None:  # one row: its new tokens, up to max_new_tokens
                 room = self.max_new_tokens - int(num_generated[0])
                 streamer.put(tokens[:, :min(int(emitted.sum()), room)].cpu())

@@ -179,11 +179,13 @@ def test_bad_assistants_are_refused(monkeypatch):
 
 
 def test_penalised_greedy_and_min_new_tokens_equal_generate():
-    """The round's shared machinery with an assistant drafting: the repetition penalty (drafts
-    included in what later positions penalise) and min_new_tokens (eos suppressed) as generate."""
+    """The round's shared machinery with an assistant drafting: the repetition, presence and
+    frequency penalties (drafts included in what later positions penalise) and min_new_tokens (eos
+    suppressed) as generate."""
     model, patched = _target()
     ids, mask = ragged_prompts(3, 7, "left", vocab=VOCAB)
-    options = dict(max_new_tokens=10, repetition_penalty=1.7, min_new_tokens=6, eos_token_id=[1])
+    options = dict(max_new_tokens=10, repetition_penalty=1.7, presence_penalty=0.4, frequency_penalty=0.3,
+                   min_new_tokens=6, eos_token_id=[1])
     want = generate(patched, ids, mask, **options).sequences
     out = speculative_generate(patched, _assistant_for(model), ids, mask, speculate_k=3, **options)
     assert torch.equal(out.sequences, want)

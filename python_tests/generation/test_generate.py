@@ -2,12 +2,14 @@
 right-padded ragged batches), int8 equal to HF on the dequantised weights, eos per row, sampling
 (temperature / top-k / top-p as transformers' warpers), reproducibility and bad inputs."""
 
+import collections
 import copy
 
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList, MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 from gptfast_kernels import Int8Linear, StaticKVCache, generate
 from gptfast_kernels.models.families import family_of, transformers_before
@@ -256,6 +258,39 @@ def test_greedy_with_repetition_penalty_equals_transformers(family, penalty):
     assert not torch.equal(got, generate(patched, ids, max_new_tokens=NEW, eos_token_id=[]).sequences)
 
 
+class OpenAIPenalties(LogitsProcessor):
+    """The OpenAI API's presence / frequency penalties as a transformers logits processor, written
+    out token by token: each token generated so far (after the first ``prompt_length`` columns)
+    costs its logit ``frequency`` per occurrence and ``presence`` once."""
+
+    def __init__(self, prompt_length, presence, frequency):
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        for b in range(input_ids.shape[0]):
+            for token, count in collections.Counter(input_ids[b, self.prompt_length:].tolist()).items():
+                scores[b, token] -= self.frequency * count + self.presence
+        return scores
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text"])
+@pytest.mark.parametrize("presence, frequency", [(0.0, 2.0), (2.5, 0.0), (1.0, -0.7)])
+def test_greedy_with_presence_and_frequency_penalties_equals_transformers(family, presence, frequency):
+    """Greedy decoding with presence / frequency penalties (left-padded rows: only generated tokens
+    count) equals transformers' generate with the same penalties as a logits processor, and differs
+    from decoding without them (the penalties acted)."""
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=False)
+    ids, mask = ragged_prompts(3, 7, "left")
+    got = generate(patched, ids, mask, max_new_tokens=NEW, presence_penalty=presence, frequency_penalty=frequency,
+                   eos_token_id=[]).sequences
+    want = hf_greedy(model, ids, mask, logits_processor=LogitsProcessorList([OpenAIPenalties(7, presence, frequency)]),
+                     eos_token_id=None, pad_token_id=PAD)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences)
+
+
 def test_repetition_penalty_ignores_padding_and_rows_stay_independent():
     """A left-padded row with the penalty decodes as it does alone: its padding tokens are not
     "seen", and no row's tokens count for another."""
@@ -314,6 +349,10 @@ def test_sampled_tokens_follow_the_distribution():
     (dict(repetition_penalty=-1.2), "repetition_penalty", ValueError),
     (dict(repetition_penalty=float("inf")), "repetition_penalty", ValueError),
     (dict(repetition_penalty=True), "repetition_penalty", ValueError),
+    (dict(presence_penalty=float("nan")), "presence_penalty", ValueError),
+    (dict(presence_penalty=None), "presence_penalty", ValueError),
+    (dict(frequency_penalty=float("-inf")), "frequency_penalty", ValueError),
+    (dict(frequency_penalty=True), "frequency_penalty", ValueError),
     (dict(min_new_tokens=-1), "min_new_tokens", ValueError),
     (dict(min_new_tokens=1.5), "min_new_tokens", ValueError),
     (dict(output_logprobs=1), "output_logprobs", ValueError),

@@ -7,8 +7,9 @@ import itertools
 import pytest
 import torch
 
-from gptfast_kernels import generate, patch_model, speculative_generate
-from gptfast_kernels.generation.sampling import apply_repetition_penalty, logits_to_probs, seen_tokens
+from gptfast_kernels import generate, patch_model, prompt_lookup_generate, speculative_generate
+from gptfast_kernels.generation.sampling import (apply_additive_penalties, apply_repetition_penalty, logits_to_probs,
+                                                 seen_tokens)
 from python_tests.tiny_models import INDEX_POSITIONED, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 
 NEW = 20
@@ -72,9 +73,11 @@ def test_identical_draft_accepts_everything():
     assert out.acceptance_rate == 1.0
 
 
-def _exact_target_distribution(model, prompt, steps, vocab, temperature, min_p=None, repetition_penalty=None):
+def _exact_target_distribution(model, prompt, steps, vocab, temperature, min_p=None, repetition_penalty=None,
+                               additive=None):
     """P(t1..t_steps | prompt) for every sequence, by enumeration: [vocab] * steps array (with a
-    repetition penalty, each step's logits penalise the prompt and the tokens before it)."""
+    repetition penalty, each step's logits penalise the prompt and the tokens before it; with
+    ``additive`` (presence, frequency) penalties, the tokens generated before it)."""
     seqs = torch.tensor(list(itertools.product(range(vocab), repeat=steps - 1)), dtype=torch.int64)
     full = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
     P = prompt.shape[1]
@@ -84,6 +87,10 @@ def _exact_target_distribution(model, prompt, steps, vocab, temperature, min_p=N
             logits = torch.stack([apply_repetition_penalty(logits[:, i], seen_tokens(
                 full[:, :P + i], torch.ones_like(full[:, :P + i]), vocab), repetition_penalty)
                 for i in range(steps)], dim=1)
+        if additive is not None:
+            counts = torch.nn.functional.one_hot(seqs, vocab).cumsum(dim=1)  # [N, steps - 1, V]: up to each draft
+            counts = torch.cat([torch.zeros_like(counts[:, :1]), counts], dim=1)  # before each step
+            logits = apply_additive_penalties(logits, counts, *additive)
         probs = logits_to_probs(logits, temperature, min_p=min_p)
     joint = torch.ones(len(seqs), vocab, dtype=torch.float64)
     for i in range(steps - 1):
@@ -111,6 +118,21 @@ def test_sampling_follows_the_target_distribution(family, int8, min_p, penalty):
                                generator=g, eos_token_id=[])
     assert 0.05 < out.acceptance_rate < 0.95
     assert_samples_follow_the_target(target, prompt, out.sequences[:, 2:], vocab, temperature, min_p, penalty)
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.0, 1.5), (1.2, -0.8)])
+def test_sampling_with_presence_and_frequency_penalties_follows_the_penalised_target(presence, frequency):
+    """As above, with presence / frequency penalties: the tokens fit the target's distribution with
+    each step penalising the tokens generated before it (the prompt's aside)."""
+    vocab, rows, steps = 6, 20000, 3
+    target = patched_copy(tiny_model("llama", vocab=vocab, seed=1), int8=False)
+    draft = patch_model(tiny_model("llama", vocab=vocab, layers=2, seed=2), int8=False)
+    prompt = torch.tensor([[2, 3]])
+    out = speculative_generate(target, draft, prompt.expand(rows, -1).contiguous(), max_new_tokens=steps,
+                               speculate_k=2, temperature=1.0, presence_penalty=presence, frequency_penalty=frequency,
+                               generator=torch.Generator().manual_seed(0), eos_token_id=[])
+    assert 0.05 < out.acceptance_rate < 0.95
+    assert_samples_follow_the_target(target, prompt, out.sequences[:, 2:], vocab, 1.0, additive=(presence, frequency))
 
 
 def record_proposals(monkeypatch, proposer_class) -> list:
@@ -153,7 +175,8 @@ def assert_drafter_keeps_the_target_distribution(target, draft_model, vocab):
     assert_samples_follow_the_target(target, prompt, out.sequences[:, 2:], vocab, 1.0)
 
 
-def assert_samples_follow_the_target(target, prompt, tokens, vocab, temperature, min_p=None, penalty=None):
+def assert_samples_follow_the_target(target, prompt, tokens, vocab, temperature, min_p=None, penalty=None,
+                                     additive=None):
     """The rows of ``tokens`` [rows, steps] (sampled after ``prompt`` [1, P]) fit the target's exact
     joint distribution: chi-square over the cells with enough mass (the rare ones pooled), and no
     sample in a cell without any (with min_p, which must remove some)."""
@@ -162,7 +185,8 @@ def assert_samples_follow_the_target(target, prompt, tokens, vocab, temperature,
     rows, steps = tokens.shape
     cells = (tokens * vocab ** torch.arange(steps - 1, -1, -1)).sum(1)
     counts = torch.bincount(cells, minlength=vocab ** steps).double()
-    expected = _exact_target_distribution(target, prompt, steps, vocab, temperature, min_p, penalty).flatten() * rows
+    expected = _exact_target_distribution(target, prompt, steps, vocab, temperature, min_p, penalty,
+                                          additive).flatten() * rows
     assert counts[expected == 0].sum() == 0
     if min_p:
         assert (expected == 0).any()  # min_p removed some continuations
@@ -188,6 +212,24 @@ def test_greedy_with_repetition_penalty_equals_generate(k, penalty):
     assert torch.equal(out.sequences, want)
     assert not torch.equal(want, generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences)
     assert 0 < out.acceptance_rate < 1
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("presence, frequency", [(0.0, 2.0), (3.0, 0.0), (1.5, -0.5)])
+def test_greedy_with_presence_and_frequency_penalties_equals_generate(k, presence, frequency):
+    """Each position of a round counts the drafts before it as generated: greedy output equals
+    generate's with the same penalties, with a draft model and with prompt lookup; an identical
+    draft, penalised the same way, is always accepted."""
+    _, patched, draft = _pair("llama", False)
+    ids, mask = ragged_prompts(4, 6, "left", seed=2)
+    options = dict(max_new_tokens=NEW, presence_penalty=presence, frequency_penalty=frequency, eos_token_id=[])
+    want = generate(patched, ids, mask, **options).sequences
+    assert not torch.equal(want, generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences)
+    out = speculative_generate(patched, draft, ids, mask, speculate_k=k, **options)
+    assert torch.equal(out.sequences, want)
+    assert 0 < out.acceptance_rate < 1
+    assert torch.equal(prompt_lookup_generate(patched, ids, mask, speculate_k=k, **options).sequences, want)
+    assert speculative_generate(patched, patched, ids, mask, speculate_k=k, **options).acceptance_rate == 1.0
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -242,6 +284,10 @@ def test_bad_inputs_raise_before_any_work():
         speculative_generate(patched, draft, ids, max_new_tokens=2, temperature=1.0, top_p=1.5)
     with pytest.raises(ValueError, match="repetition_penalty"):
         speculative_generate(patched, draft, ids, max_new_tokens=2, repetition_penalty=0)
+    with pytest.raises(ValueError, match="presence_penalty"):
+        speculative_generate(patched, draft, ids, max_new_tokens=2, presence_penalty=float("inf"))
+    with pytest.raises(ValueError, match="frequency_penalty"):
+        prompt_lookup_generate(patched, ids, max_new_tokens=2, frequency_penalty="high")
     with pytest.raises(ValueError, match="min_new_tokens"):
         speculative_generate(patched, draft, ids, max_new_tokens=2, min_new_tokens=-3)
     out = speculative_generate(patched, draft, ids, max_new_tokens=0)

@@ -87,6 +87,21 @@ def test_speculative_equals_target_greedy(family, compile):
     assert 0 < out.acceptance_rate < 1
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_penalised_speculative_equals_penalised_generate(compile):
+    """The penalties' per-row state (seen tokens, generated counts) lives on the GPU beside the
+    compiled steps: penalised speculative greedy equals penalised generate."""
+    target = tiny_model("llama", layers=3).cuda()
+    patched = patched_copy(target, int8=True)
+    draft = patch_model(draft_of(target, 2).cuda(), int8=True)
+    ids, mask = _on_cuda(*ragged_prompts(4, 6, "left", seed=4))
+    options = dict(max_new_tokens=NEW, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.8,
+                   eos_token_id=[])
+    want = generate(patched, ids, mask, compile=compile, **options).sequences
+    out = speculative_generate(patched, draft, ids, mask, speculate_k=4, compile=compile, **options)
+    assert torch.equal(out.sequences, want)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_bf16_logits_within_twice_transformers_error(family):
     """Prefill then two decode steps in bf16 through the CUDA kernels, against float64: our error is

@@ -29,8 +29,10 @@ What differs, and why:
   ``probabilities``: [V] float32, the softmax of the target's logits. GPTFast instead ran a
   ratio test against the draft's softmax, which could reject the target's own argmax.
 - Without ``sample_function``, ``**sampling_kwargs`` are ours: ``temperature`` (default 0:
-  greedy), ``top_k``, ``top_p``, ``min_p``, ``generator`` (speculative sampling, exact target distribution)
-  and ``eos_token_id`` (rows stop there and are padded; default: no stop, as in GPTFast).
+  greedy), ``top_k``, ``top_p``, ``min_p``, ``generator`` (speculative sampling, exact target distribution),
+  ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``min_new_tokens``, and
+  ``eos_token_id`` and ``stop_sequences`` (rows stop there and are padded; default: no stop, as in
+  GPTFast), as ``gptfast_kernels.generate`` takes them.
 - int8 is our weight-only ``Int8Linear`` (GPTFast used bitsandbytes), applied to the draft as
   well (it only changes how fast drafts come, never the output); ``int8=False`` turns it off.
   Nothing is torch.compile'd: the fused kernels give the speed-up eagerly.
@@ -61,7 +63,8 @@ from gptfast_kernels.ops._dispatch import check_int
 __all__ = ["KVCacheModel", "GPTFastModel", "gpt_fast", "load_int8", "add_kv_cache",
            "add_speculative_decode_kv_cache", "generate_text_fast"]
 
-_OUR_SAMPLING_KWARGS = ("temperature", "top_k", "top_p", "min_p", "generator", "eos_token_id")
+_OUR_SAMPLING_KWARGS = ("temperature", "top_k", "top_p", "min_p", "generator", "repetition_penalty", "presence_penalty",
+                        "frequency_penalty", "min_new_tokens", "eos_token_id", "stop_sequences")
 _INITIAL_CACHE_SLOTS = 256  # KVCacheModel's first allocation beyond the prompt; it doubles when full
 
 

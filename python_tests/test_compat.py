@@ -133,6 +133,17 @@ def test_sampling_kwargs_without_sample_function(checkpoints):
     assert out.shape == (2, 15) and int(out.min()) >= 0 and int(out.max()) < VOCAB
     stopped = model.generate(_prompts(2, 3), 40, 3, eos_token_id=list(range(VOCAB)))  # every token ends a row
     assert stopped.shape == (2, 40) and bool((stopped[:, 4:] == PAD).all())
+    # the penalties, min_new_tokens and stop sequences reach our generators: as generate with them, padded
+    # to max_tokens (GPTFast's length) once every row has stopped
+    cur = _prompts(2, 4)
+    options = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5, min_new_tokens=3)
+    free = model.generate(cur, 24, 3, **options)
+    options["stop_sequences"] = [free[0, 6:8].tolist(), [int(free[1, 9])]]
+    want = generate(model.model.model, cur, max_new_tokens=20, eos_token_id=[], **options).sequences
+    assert want.shape[1] < 24  # (both rows stopped)
+    got = model.generate(cur, 24, 3, **options)
+    assert torch.equal(got[:, :want.shape[1]], want) and bool((got[:, want.shape[1]:] == PAD).all())
+    assert not torch.equal(free, model.generate(cur, 24, 3))  # (the penalties acted)
 
 
 def test_load_int8(checkpoints):

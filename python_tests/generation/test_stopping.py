@@ -1,0 +1,112 @@
+"""stop_sequences: a row ends when its generated tokens end with one of them (kept, then padding):
+transformers' greedy tokens cut by the rule written out in Python; not before min_new_tokens; the
+speculative generators stop exactly where generate does; bad values name the argument."""
+
+import pytest
+import torch
+
+from gptfast_kernels import generate, patch_model, prompt_lookup_generate, speculative_generate
+from gptfast_kernels.generation.stopping import StopSequences
+from python_tests.tiny_models import PAD, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
+
+NEW, P = 16, 7
+
+
+def cut_at_stops(sequences, prompt_length, stops, min_new_tokens=0):
+    """``sequences`` [B, prompt_length + n] of free-running decoding -> each row cut after the first
+    new token i >= min_new_tokens at which its new tokens end with one of ``stops`` (pad after it),
+    the whole trimmed to the longest row that stopped (untrimmed if one never did)."""
+    rows, ends = [], []
+    for row in sequences[:, prompt_length:].tolist():
+        end = next((i + 1 for i in range(min_new_tokens, len(row))
+                    if any(row[:i + 1][-len(seq):] == seq for seq in stops)), None)
+        ends.append(end)
+        rows.append(row if end is None else row[:end] + [PAD] * (len(row) - end))
+    width = len(rows[0]) if None in ends else max(ends)
+    return torch.cat([sequences[:, :prompt_length], torch.tensor(rows)[:, :width]], dim=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
+@pytest.mark.parametrize("min_new_tokens", [0, 6])
+def test_greedy_stops_as_transformers_tokens_cut_by_the_rule(family, min_new_tokens):
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=False)
+    ids, mask = ragged_prompts(3, P, "left")
+    free = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    new = free[:, P:].tolist()
+    row, token, first, later = _repeated_token(new, min_new_tokens)
+    stops = [[token], new[(row + 1) % 3][2:4]]  # (from the outputs: they occur)
+    got = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], stop_sequences=stops,
+                   min_new_tokens=min_new_tokens).sequences
+    want = cut_at_stops(hf_greedy(model, ids, mask, NEW, eos_token_id=None, pad_token_id=PAD), P, stops,
+                        min_new_tokens)
+    assert torch.equal(got, want)
+    if min_new_tokens == 0:  # the row ended at its first new token
+        assert int(got[row, P]) == token and (got[row, P + 1:] == PAD).all()
+    else:  # it made the token before min_new_tokens and went on
+        assert int(got[row, P + first]) == token and (got[row, P:P + later + 1] != PAD).all()
+
+
+def _repeated_token(new, min_new_tokens):
+    """(row, token, its first index, a later index >= min_new_tokens) of a token some row made at
+    index < min_new_tokens for the first time and again later (tiny models repeat themselves); without
+    min_new_tokens, row 0's first new token."""
+    if min_new_tokens == 0:
+        return 0, new[0][0], 0, 0
+    for row, tokens in enumerate(new):
+        for first, token in enumerate(tokens[:min_new_tokens]):
+            later = [i for i in range(min_new_tokens, len(tokens)) if tokens[i] == token]
+            if tokens.index(token) == first and later:
+                return row, token, first, later[0]
+    raise AssertionError(f"no repeated token in {new}")
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("min_new_tokens", [0, 6])
+def test_speculative_generators_stop_where_generate_does(k, min_new_tokens):
+    """A round that completes a stop sequence keeps the tokens up to its end, whatever position of
+    the round it ends at: output equal to generate's, with a draft model and with prompt lookup."""
+    target = tiny_model("llama", layers=3)
+    patched = patched_copy(target, int8=False)
+    draft = patch_model(draft_of(target, 2), int8=False)
+    ids, mask = ragged_prompts(4, P, "left", seed=2)
+    free = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+    stops = [free[2, P + 2:P + 4].tolist(), [int(free[0, P + 7])]]  # (from the outputs: they occur)
+    options = dict(max_new_tokens=NEW, eos_token_id=[], stop_sequences=stops, min_new_tokens=min_new_tokens)
+    want = generate(patched, ids, mask, **options).sequences
+    assert (want[:, P:] == PAD).any()
+    out = speculative_generate(patched, draft, ids, mask, speculate_k=k, **options)
+    assert torch.equal(out.sequences, want) and 0 < out.acceptance_rate
+    assert torch.equal(prompt_lookup_generate(patched, ids, mask, speculate_k=k, **options).sequences, want)
+
+
+def test_a_one_token_stop_ends_a_row_at_its_first_token():
+    patched = patched_copy(tiny_model("llama", layers=3), int8=False)
+    ids, mask = ragged_prompts(2, P, "left")
+    first = generate(patched, ids, mask, max_new_tokens=1, eos_token_id=[]).sequences[0, P]
+    want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], stop_sequences=[[int(first)]])
+    assert torch.equal(want.sequences[0, P + 1:], torch.full_like(want.sequences[0, P + 1:], PAD))
+    out = speculative_generate(patched, patched, ids, mask, max_new_tokens=NEW, eos_token_id=[],
+                               stop_sequences=[[int(first)]])
+    assert torch.equal(out.sequences, want.sequences)
+
+
+def test_matching_is_right_aligned_and_never_reaches_before_the_first_generated_token():
+    stop = StopSequences([[5, 6, 7], [9]], torch.device("cpu"))
+    tail = torch.tensor([[-1, -1], [-1, 5], [4, 4]])  # row 0: nothing generated yet
+    tokens = torch.tensor([[6, 7, 9], [6, 7, 1], [6, 7, 1]])
+    assert stop.ends(tail, tokens).tolist() == [[False, False, True], [False, True, False], [False, False, False]]
+    assert stop.roll(tail, tokens[:, :1]).tolist() == [[-1, 6], [5, 6], [4, 6]]
+    generated = torch.tensor([[3, 4, 5, 0], [8, 0, 0, 0]])
+    assert stop.tail_of(generated, torch.tensor([3, 1])).tolist() == [[4, 5], [-1, 8]]
+
+
+@pytest.mark.parametrize("bad", [[[]], [[-1]], [[97]], [1, 2], "stop", [[1.0]], [[True]]])
+def test_bad_stop_sequences_name_the_argument(bad):
+    patched = patched_copy(tiny_model("llama"), int8=False)
+    ids = torch.tensor([[2, 3, 4]])
+    for run in (lambda: generate(patched, ids, max_new_tokens=2, stop_sequences=bad),
+                lambda: speculative_generate(patched, patched, ids, max_new_tokens=2, stop_sequences=bad),
+                lambda: prompt_lookup_generate(patched, ids, max_new_tokens=2, stop_sequences=bad)):
+        with pytest.raises(ValueError, match="stop_sequences must be None or a list of non-empty lists"):
+            run()

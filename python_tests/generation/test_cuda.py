@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gptfast_kernels import StaticKVCache, _extension, generate, patch_model, speculative_generate
-from python_tests.tiny_models import draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import PAD, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and not _extension.ops_without_kernel("CUDA")),
@@ -89,15 +89,19 @@ def test_speculative_equals_target_greedy(family, compile):
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_penalised_speculative_equals_penalised_generate(compile):
-    """The penalties' per-row state (seen tokens, generated counts) lives on the GPU beside the
-    compiled steps: penalised speculative greedy equals penalised generate."""
+    """The penalties' per-row state (seen tokens, generated counts) and the stop sequences' tails live
+    on the GPU beside the compiled steps: penalised speculative greedy equals penalised generate, and
+    both stop at the same stop sequence."""
     target = tiny_model("llama", layers=3).cuda()
     patched = patched_copy(target, int8=True)
     draft = patch_model(draft_of(target, 2).cuda(), int8=True)
     ids, mask = _on_cuda(*ragged_prompts(4, 6, "left", seed=4))
     options = dict(max_new_tokens=NEW, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.8,
                    eos_token_id=[])
+    free = generate(patched, ids, mask, compile=compile, **options).sequences
+    options["stop_sequences"] = [free[1, 6 + 4:6 + 6].tolist()]  # (row 1 makes it: it stops by new token 5)
     want = generate(patched, ids, mask, compile=compile, **options).sequences
+    assert want.shape[1] < free.shape[1] or bool((want[1, 6 + 6:] == PAD).all())
     out = speculative_generate(patched, draft, ids, mask, speculate_k=4, compile=compile, **options)
     assert torch.equal(out.sequences, want)
 

@@ -8,9 +8,9 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import (check_additive_penalty, check_repetition_penalty,
+from gptfast_kernels.generation.sampling import (TokenRecord, check_additive_penalty, check_repetition_penalty,
                                                  check_sampling_args, eos_columns, pick_tokens, process_logits,
-                                                 seen_tokens, token_logprobs)
+                                                 token_logprobs)
 from gptfast_kernels.generation.stopping import StopSequences, check_stop_sequences
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
@@ -105,24 +105,19 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.zeros(B, dtype=torch.int64, device=device)  # new tokens up to each row's eos
-    penalize = repetition_penalty is not None and repetition_penalty != 1
-    seen = seen_tokens(prompt.input_ids, prompt.attention_mask, logits.shape[-1]) if penalize else None
-    # how often each row generated each token (presence / frequency penalties), or None
-    counts = torch.zeros(B, logits.shape[-1], dtype=torch.int32, device=device) \
-        if presence_penalty or frequency_penalty else None
+    record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, logits.shape[-1],
+                               seen=repetition_penalty is not None and repetition_penalty != 1,
+                               counts=bool(presence_penalty or frequency_penalty))
     is_eos, all_rows = eos_columns(eos_ids, logits.shape[-1]), torch.ones(B, dtype=torch.bool, device=device)
     stop = StopSequences(stops, device) if stops else None
     tail = stop.empty_tail(B) if stop else None  # each row's last generated tokens, for the stop sequences
     new_tokens, logprobs = [], []
     for step in range(max_new_tokens):
         early = all_rows if step < min_new_tokens and eos else None  # every row has made `step` tokens
-        processed = process_logits(logits, seen, repetition_penalty, is_eos, early, counts, presence_penalty,
+        processed = process_logits(logits, record, repetition_penalty, is_eos, early, presence_penalty,
                                    frequency_penalty)
         tokens = pick_tokens(processed, temperature, top_k, top_p, min_p, generator)
-        if penalize:
-            seen.scatter_(1, tokens[:, None], True)
-        if counts is not None:  # (a finished row's count no longer matters: it emits the pad id)
-            counts.scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.int32))
+        record.add(tokens[:, None])  # (a finished row's record no longer matters: it emits the pad id)
         if output_logprobs:  # under the raw logits
             logprobs.append(torch.where(finished, 0.0, token_logprobs(logits, tokens)))
         tokens = torch.where(finished, pad, tokens)

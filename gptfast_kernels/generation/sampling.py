@@ -4,6 +4,7 @@ temperature, top-k, top-p, min-p) and the checks every generator shares."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +43,45 @@ def seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_siz
     return seen[:, :vocab_size]
 
 
+@dataclass
+class TokenRecord:
+    """What the penalties read of each row's text, per row ([B, V + 1]) or per row and position of a
+    speculative round ([B, k + 1, V + 1]): ``seen`` bool, the tokens of its prompt and of what it
+    generated (the repetition penalty), ``counts`` int32, how often it generated each token (the
+    presence / frequency penalties); each None while its penalty is off. Column V absorbs masked
+    writes (a token V is recorded nowhere that a logit reads)."""
+    seen: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+    @classmethod
+    def start(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_size: int, *, seen: bool,
+              counts: bool) -> "TokenRecord":
+        """The record after the prompt input_ids [B, P] (mask: 0 = padding), nothing generated."""
+        prompt = seen_tokens(input_ids, attention_mask, vocab_size) if seen else None
+        return cls(None if prompt is None else torch.nn.functional.pad(prompt, (0, 1)),
+                   input_ids.new_zeros(input_ids.shape[0], vocab_size + 1, dtype=torch.int32) if counts else None)
+
+    def map(self, fn) -> "TokenRecord":
+        """A record of ``fn`` applied to each tensor kept."""
+        return TokenRecord(*(None if t is None else fn(t) for t in (self.seen, self.counts)))
+
+    def add(self, tokens: torch.Tensor) -> None:
+        """Records generated tokens [..., T] (ids in [0, V]), in place (through views too)."""
+        if self.seen is not None:
+            self.seen.scatter_(-1, tokens, True)
+        if self.counts is not None:
+            self.counts.scatter_add_(-1, tokens, torch.ones_like(tokens, dtype=torch.int32))
+
+    def before_each(self, drafts: torch.Tensor) -> "TokenRecord":
+        """drafts [B, k] -> the record at each of the k + 1 positions of a round: position i has the
+        drafts before it, 0 .. i - 1, recorded too."""
+        B, k = drafts.shape
+        record = self.map(lambda t: t[:, None].repeat(1, k + 1, 1))
+        for i in range(k):  # draft i is before positions i + 1 ..
+            record.map(lambda t: t[:, i + 1:]).add(drafts[:, i, None, None].expand(B, k - i, 1))  # noqa: B023
+        return record
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """[B, V] logits -> the same with each ``seen`` token's logit divided by ``penalty`` where it is
     positive and multiplied by it where negative (CTRL's repetition penalty, as transformers'
@@ -65,17 +105,17 @@ def apply_additive_penalties(logits: torch.Tensor, counts: torch.Tensor, presenc
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
-def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float | None,
-                   is_eos: torch.Tensor | None, early: torch.Tensor | None, counts: torch.Tensor | None = None,
-                   presence: float = 0.0, frequency: float = 0.0) -> torch.Tensor:
-    """[..., V] logits before sampling: the repetition penalty over ``seen`` [..., V] (None: none),
-    the presence and frequency penalties over ``counts`` [..., V] (None: none), then the eos columns
+def process_logits(logits: torch.Tensor, record: TokenRecord, penalty: float | None, is_eos: torch.Tensor | None,
+                   early: torch.Tensor | None, presence: float = 0.0, frequency: float = 0.0) -> torch.Tensor:
+    """[..., V] logits before sampling: the repetition penalty over ``record.seen`` (None: none),
+    the presence and frequency penalties over ``record.counts`` (None: none), then the eos columns
     ``is_eos`` [V] at -inf where ``early`` [...] holds (transformers' ``min_new_tokens``: no eos
     before that many new tokens; None: nowhere); vLLM's order."""
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, penalty)
-    if counts is not None:
-        logits = apply_additive_penalties(logits, counts, presence, frequency)
+    V = logits.shape[-1]
+    if record.seen is not None:
+        logits = apply_repetition_penalty(logits, record.seen[..., :V], penalty)
+    if record.counts is not None:
+        logits = apply_additive_penalties(logits, record.counts[..., :V], presence, frequency)
     if early is not None:
         logits = logits.masked_fill(early[..., None] & is_eos, float("-inf"))
     return logits

@@ -22,10 +22,9 @@ from gptfast_kernels.generation import common
 from gptfast_kernels.generation.assistant import AssistantProposer, check_assistant, is_gemma4_assistant
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
-from gptfast_kernels.generation.sampling import (check_additive_penalty, check_repetition_penalty,
-                                                 check_sampling_args, eos_columns,
-                                                 logits_to_probs, process_logits, sample_from, seen_tokens,
-                                                 token_logprobs)
+from gptfast_kernels.generation.sampling import (TokenRecord, check_additive_penalty, check_repetition_penalty,
+                                                 check_sampling_args, eos_columns, logits_to_probs, process_logits,
+                                                 sample_from, token_logprobs)
 from gptfast_kernels.generation.stopping import StopSequences, check_stop_sequences
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
@@ -155,13 +154,10 @@ class DraftModelProposer:
 @dataclass
 class History:
     """What every row has generated so far (after its prompt): ``generated`` [B, W], valid up to
-    ``num_generated`` [B] per row; with a repetition penalty, ``seen`` [B, V + 1] bool: the tokens
-    of each row's text so far (column V: a dump for masked writes), else None; with a presence or
-    frequency penalty, ``counts`` [B, V + 1] int32: how often each row generated each token, else None."""
+    ``num_generated`` [B] per row; ``record``: what the penalties read of each row's text so far."""
     generated: torch.Tensor
     num_generated: torch.Tensor
-    seen: torch.Tensor | None = None
-    counts: torch.Tensor | None = None
+    record: TokenRecord = field(default_factory=TokenRecord)
 
 
 @dataclass
@@ -233,27 +229,18 @@ class SpeculativeRounds:
         eos (``min_new_tokens``); None when nothing is suppressed."""
         return made < self.min_new_tokens if self.min_new_tokens and self.eos else None
 
-    @property
-    def counts_generated(self) -> bool:
-        """Whether the presence / frequency penalties need each row's counts of generated tokens."""
-        return bool(self.presence_penalty or self.frequency_penalty)
-
-    def processed(self, logits, seen, early, counts=None):
-        """logits [..., V] with the repetition penalty over ``seen`` [..., V + 1], the presence and
-        frequency penalties over ``counts`` [..., V + 1] and the eos ids suppressed where ``early``
-        [...] (each None: not applied; see sampling.process_logits)."""
-        V = logits.shape[-1]
-        return process_logits(logits, None if seen is None else seen[..., :V], self.repetition_penalty, self.is_eos,
-                              early, None if counts is None else counts[..., :V], self.presence_penalty,
+    def processed(self, logits, record: TokenRecord, early):
+        """logits [..., V] with the penalties over ``record`` (per row or per row and position) and the
+        eos ids suppressed where ``early`` [...] (None: nowhere; see sampling.process_logits)."""
+        return process_logits(logits, record, self.repetition_penalty, self.is_eos, early, self.presence_penalty,
                               self.frequency_penalty)
 
-    def pick(self, logits, seen=None, early=None, counts=None):
+    def pick(self, logits, record: TokenRecord, early=None):
         """[B, V] logits -> ([B] tokens, [B, V] float32 probabilities, or None when greedy: greedy
-        verification needs only the target's argmax, so no distribution is built). ``seen``: the
-        tokens the repetition penalty applies to, [B, V + 1]; ``counts``: the generated tokens' counts
-        the presence / frequency penalties apply to, [B, V + 1]; ``early`` [B]: rows whose eos ids
-        are suppressed (see ``processed``)."""
-        logits = self.processed(logits, seen, early, counts)
+        verification needs only the target's argmax, so no distribution is built). ``record``: what
+        the penalties read of each row's text; ``early`` [B]: rows whose eos ids are suppressed (see
+        ``processed``)."""
+        logits = self.processed(logits, record, early)
         if self.greedy:
             return logits.argmax(dim=-1), None
         probs = logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
@@ -264,15 +251,11 @@ class SpeculativeRounds:
         """k drafts per row, one at a time: the first picked from ``logits`` [B, V], each next one
         from ``advance(token [B])`` -> logits [B, V] (the penalties and eos suppression as at those
         positions of the target) -> (tokens [B, k], distributions [B, k, V] or None when greedy)."""
-        seen = None if history.seen is None else history.seen.clone()  # and the drafts, as they come
-        counts = None if history.counts is None else history.counts.clone()  # likewise
+        record = history.record.map(torch.clone)  # and the drafts, as they come
         tokens, probs = [], []
         for i in range(self.k):
-            token, distribution = self.pick(logits, seen, self.too_early(history.num_generated + i), counts)
-            if seen is not None:
-                seen.scatter_(1, token[:, None], True)
-            if counts is not None:
-                counts.scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
+            token, distribution = self.pick(logits, record, self.too_early(history.num_generated + i))
+            record.add(token[:, None])
             tokens.append(token)
             probs.append(distribution)
             if i < self.k - 1:
@@ -308,16 +291,11 @@ class SpeculativeRounds:
             proposer.prefill(prompt)
         V = logits.shape[-1]
         self.is_eos = eos_columns(eos_ids, V)
-        seen = None
-        if self.repetition_penalty is not None:  # [B, V + 1]: column V absorbs masked writes
-            seen = torch.nn.functional.pad(seen_tokens(prompt.input_ids, prompt.attention_mask, V), (0, 1))
-        # how often each row generated each token (column V absorbs masked writes), or None
-        counts = torch.zeros(B, V + 1, dtype=torch.int32, device=device) if self.counts_generated else None
-        last, _ = self.pick(logits, seen, self.too_early(zeros), counts)
-        if seen is not None:
-            seen.scatter_(1, last[:, None], True)
-        if counts is not None:
-            counts.scatter_add_(1, last[:, None], torch.ones_like(last[:, None], dtype=torch.int32))
+        record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, V,
+                                   seen=self.repetition_penalty is not None,
+                                   counts=bool(self.presence_penalty or self.frequency_penalty))
+        last, _ = self.pick(logits, record, self.too_early(zeros))
+        record.add(last[:, None])
 
         # generated tokens; a round writes up to k + 1 more, and column `dump` absorbs masked writes
         out = torch.full((B, self.max_new_tokens + 2 * (k + 1)), pad, dtype=torch.int64, device=device)
@@ -340,7 +318,7 @@ class SpeculativeRounds:
         while not bool(finished.all()):
             active = ~finished
             # 1. k proposals per row (finished rows are padding: nothing written)
-            draft_tokens, draft_probs = proposer.propose(self, last, active, History(out, num_generated, seen, counts))
+            draft_tokens, draft_probs = proposer.propose(self, last, active, History(out, num_generated, record))
 
             # 2. the target scores last + k drafts in one forward, 3. verify every row at once
             target_input = torch.cat([last[:, None], draft_tokens], dim=1)
@@ -348,20 +326,10 @@ class SpeculativeRounds:
             target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
             if takes_hidden:
                 target_logits, target_hidden = target_logits
-            round_seen = None
-            if seen is not None:  # position i penalises the text so far and the drafts before it
-                round_seen = seen[:, None].repeat(1, k + 1, 1)  # [B, k + 1, V + 1]
-                for i in range(k):  # draft i is before positions i + 1 ..
-                    round_seen[:, i + 1:].scatter_(2, draft_tokens[:, i, None, None].expand(B, k - i, 1), True)
-            round_counts = None
-            if counts is not None:  # likewise: position i counts the drafts before it as generated
-                round_counts = counts[:, None].repeat(1, k + 1, 1)  # [B, k + 1, V + 1]
-                for i in range(k):
-                    round_counts[:, i + 1:].scatter_add_(2, draft_tokens[:, i, None, None].expand(B, k - i, 1),
-                                                         torch.ones(B, k - i, 1, dtype=torch.int32, device=device))
+            round_record = record.before_each(draft_tokens)  # position i: the drafts before it too
             # position i scores new token number num_generated + i of its row
-            processed = self.processed(target_logits, round_seen,
-                                       self.too_early(num_generated[:, None] + columns[None, :]), round_counts)
+            processed = self.processed(target_logits, round_record,
+                                       self.too_early(num_generated[:, None] + columns[None, :]))
             # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync).
             # Greedy verification compares the drafts with the target's argmax, which the logits give
             # as they are (the target's own greedy decoding takes the argmax of its logits, too).
@@ -396,10 +364,7 @@ class SpeculativeRounds:
             if out_logprobs is not None:
                 chosen = token_logprobs(target_logits, tokens.clamp(min=0))  # under the raw logits
                 out_logprobs.scatter_(1, slots, torch.where(emitted, chosen, 0.0))
-            if seen is not None:
-                seen.scatter_(1, torch.where(emitted, tokens, V), True)
-            if counts is not None:
-                counts.scatter_add_(1, torch.where(emitted, tokens, V), emitted.to(torch.int32))
+            record.add(torch.where(emitted, tokens, V))
             if streamer is not None:  # one row: its new tokens, up to max_new_tokens
                 room = self.max_new_tokens - int(num_generated[0])
                 streamer.put(tokens[:, :min(int(emitted.sum()), room)].cpu())

@@ -80,6 +80,24 @@ def test_speculative_generators_stop_where_generate_does(k, min_new_tokens):
     assert torch.equal(prompt_lookup_generate(patched, ids, mask, speculate_k=k, **options).sequences, want)
 
 
+def test_compiled_steps_with_penalties_and_stops_equal_eager():
+    """The penalties' record and the stop sequences' tails live outside the compiled steps: compiled
+    generate and speculative rounds give the eager tokens."""
+    target = tiny_model("llama", layers=3)
+    patched = patched_copy(target, int8=True)
+    draft = patch_model(draft_of(target, 2), int8=True)
+    ids, mask = ragged_prompts(3, P, "left", seed=5)
+    options = dict(max_new_tokens=NEW, repetition_penalty=1.2, presence_penalty=0.4, frequency_penalty=0.6,
+                   eos_token_id=[])
+    free = generate(patched, ids, mask, **options).sequences
+    options["stop_sequences"] = [free[1, P + 3:P + 5].tolist()]
+    want = generate(patched, ids, mask, **options).sequences
+    assert (want[1, P + 5:] == PAD).all() and not torch.equal(want[:, :free.shape[1]], free[:, :want.shape[1]])
+    assert torch.equal(generate(patched, ids, mask, compile=True, **options).sequences, want)
+    assert torch.equal(speculative_generate(patched, draft, ids, mask, speculate_k=3, compile=True,
+                                            **options).sequences, want)
+
+
 def test_a_one_token_stop_ends_a_row_at_its_first_token():
     patched = patched_copy(tiny_model("llama", layers=3), int8=False)
     ids, mask = ragged_prompts(2, P, "left")

@@ -101,4 +101,6 @@ CASES: dict[str, Case] = {
     "spec_draft_unpatched": Case(_speculative(draft_model=lambda: _models()[0]), "draft_model"),
     "spec_ids_too_big": Case(_speculative(input_ids=lambda: torch.tensor([[2, 300]])), "input_ids"),
     "spec_negative_temperature": Case(_speculative(temperature=-1.0), "temperature"),
+    "generate_stop_token_past_vocab": Case(_generate(stop_sequences=[[3, 97]]), "stop_sequences"),
+    "spec_nan_presence_penalty": Case(_speculative(presence_penalty=float("nan")), "presence_penalty"),
 }

@@ -102,8 +102,13 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, *, max_shard_by
     shards = _shards({name: t.numel() * t.element_size() for name, t in stored.items()}, max_shard_bytes)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
-    for old in os.listdir(directory):  # a model saved here before: its index goes first, its files with it
-        if old == PATCH_FILE or _SHARD_FILE.fullmatch(old):
+    present = os.listdir(directory)
+    weights = [name for name in present if _SHARD_FILE.fullmatch(name)]
+    if weights and PATCH_FILE not in present:  # (another checkpoint's weights: never overwritten or removed)
+        raise ValueError(f"save_patched: directory {directory!r} holds {weights[0]!r} that save_patched did not "
+                         "write (another checkpoint?); choose a new or empty directory")
+    for old in present:  # a model saved here before: its index goes first, its files with it
+        if old == PATCH_FILE or old in weights:
             os.remove(os.path.join(directory, old))
     model.config.save_pretrained(directory)
     generation_config = getattr(model, "generation_config", None)

@@ -130,6 +130,10 @@ def test_bad_models_and_directories_raise(tmp_path):
     model.save_pretrained(tmp_path / "float")  # transformers' own checkpoint: not ours
     with pytest.raises(ValueError, match="no gptfast_kernels.json"):
         load_patched(tmp_path / "float")
+    with pytest.raises(ValueError, match="holds 'model.safetensors' that save_patched did not write"):
+        save_patched(model, tmp_path / "float")  # (which would have replaced its weights)
+    assert (tmp_path / "float" / "model.safetensors").exists()
+    assert not (tmp_path / "float" / serialization.PATCH_FILE).exists()
     saved = tmp_path / "saved"
     save_patched(model, saved)
     with pytest.raises(ValueError, match="device must hold data"):

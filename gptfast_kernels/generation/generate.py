@@ -8,9 +8,8 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import (TokenRecord, check_additive_penalty, check_repetition_penalty,
-                                                 check_sampling_args, eos_columns, pick_tokens, process_logits,
-                                                 token_logprobs)
+from gptfast_kernels.generation.sampling import (TokenRecord, check_penalties, check_sampling_args, eos_columns,
+                                                 pick_tokens, process_logits, token_logprobs)
 from gptfast_kernels.generation.stopping import StopSequences, check_stop_sequences
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
@@ -72,9 +71,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     prompt = common.check_prompt(op, input_ids, attention_mask, device, common.input_vocab_size(model))
     max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
     check_sampling_args(op, temperature, top_k, top_p, min_p)
-    check_repetition_penalty(op, repetition_penalty)
-    check_additive_penalty(op, "presence_penalty", presence_penalty)
-    check_additive_penalty(op, "frequency_penalty", frequency_penalty)
+    check_penalties(op, repetition_penalty, presence_penalty, frequency_penalty)
     min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
     common.check_flag(op, "output_logprobs", output_logprobs)
     common.check_flag(op, "compile", compile)
@@ -105,9 +102,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.zeros(B, dtype=torch.int64, device=device)  # new tokens up to each row's eos
-    record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, logits.shape[-1],
-                               seen=repetition_penalty is not None and repetition_penalty != 1,
-                               counts=bool(presence_penalty or frequency_penalty))
+    record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, logits.shape[-1], repetition_penalty,
+                               presence_penalty, frequency_penalty)
     is_eos, all_rows = eos_columns(eos_ids, logits.shape[-1]), torch.ones(B, dtype=torch.bool, device=device)
     stop = StopSequences(stops, device) if stops else None
     tail = stop.empty_tail(B) if stop else None  # each row's last generated tokens, for the stop sequences

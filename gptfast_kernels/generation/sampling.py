@@ -23,15 +23,15 @@ def check_sampling_args(op: str, temperature, top_k, top_p, min_p=None) -> None:
         raise ValueError(f"{op}: min_p must be None or a number in [0, 1], got {min_p!r}")
 
 
-def check_repetition_penalty(op: str, penalty) -> None:
-    if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float))
-                                or not math.isfinite(penalty) or penalty <= 0):
-        raise ValueError(f"{op}: repetition_penalty must be None or a finite number > 0 (1 = none), got {penalty!r}")
-
-
-def check_additive_penalty(op: str, name: str, penalty) -> None:
-    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
-        raise ValueError(f"{op}: {name} must be a finite number (0 = none), got {penalty!r}")
+def check_penalties(op: str, repetition, presence, frequency) -> None:
+    """The repetition penalty (None or > 0) and the presence / frequency penalties (any finite number)."""
+    if repetition is not None and (isinstance(repetition, bool) or not isinstance(repetition, (int, float))
+                                   or not math.isfinite(repetition) or repetition <= 0):
+        raise ValueError(f"{op}: repetition_penalty must be None or a finite number > 0 (1 = none), "
+                         f"got {repetition!r}")
+    for name, penalty in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
+            raise ValueError(f"{op}: {name} must be a finite number (0 = none), got {penalty!r}")
 
 
 def seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -54,12 +54,16 @@ class TokenRecord:
     counts: torch.Tensor | None = None
 
     @classmethod
-    def start(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_size: int, *, seen: bool,
-              counts: bool) -> "TokenRecord":
-        """The record after the prompt input_ids [B, P] (mask: 0 = padding), nothing generated."""
+    def start(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_size: int,
+              repetition_penalty: float | None, presence_penalty: float, frequency_penalty: float) -> "TokenRecord":
+        """The record after the prompt input_ids [B, P] (mask: 0 = padding), nothing generated,
+        keeping what the penalties in use read (a repetition penalty of None or 1 and presence /
+        frequency penalties of 0 are off)."""
+        seen = repetition_penalty is not None and repetition_penalty != 1
         prompt = seen_tokens(input_ids, attention_mask, vocab_size) if seen else None
         return cls(None if prompt is None else torch.nn.functional.pad(prompt, (0, 1)),
-                   input_ids.new_zeros(input_ids.shape[0], vocab_size + 1, dtype=torch.int32) if counts else None)
+                   input_ids.new_zeros(input_ids.shape[0], vocab_size + 1, dtype=torch.int32)
+                   if presence_penalty or frequency_penalty else None)
 
     def map(self, fn) -> "TokenRecord":
         """A record of ``fn`` applied to each tensor kept."""

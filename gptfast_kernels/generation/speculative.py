@@ -22,9 +22,8 @@ from gptfast_kernels.generation import common
 from gptfast_kernels.generation.assistant import AssistantProposer, check_assistant, is_gemma4_assistant
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
-from gptfast_kernels.generation.sampling import (TokenRecord, check_additive_penalty, check_repetition_penalty,
-                                                 check_sampling_args, eos_columns, logits_to_probs, process_logits,
-                                                 sample_from, token_logprobs)
+from gptfast_kernels.generation.sampling import (TokenRecord, check_penalties, check_sampling_args, eos_columns,
+                                                 logits_to_probs, process_logits, sample_from, token_logprobs)
 from gptfast_kernels.generation.stopping import StopSequences, check_stop_sequences
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
@@ -199,9 +198,7 @@ class SpeculativeRounds:
         prompt = common.check_prompt(op, input_ids, attention_mask, device, vocab_size)
         max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
         check_sampling_args(op, temperature, top_k, top_p, min_p)
-        check_repetition_penalty(op, repetition_penalty)
-        check_additive_penalty(op, "presence_penalty", presence_penalty)
-        check_additive_penalty(op, "frequency_penalty", frequency_penalty)
+        check_penalties(op, repetition_penalty, presence_penalty, frequency_penalty)
         min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
         common.check_flag(op, "output_logprobs", output_logprobs)
         common.check_flag(op, "compile", compile)
@@ -291,9 +288,8 @@ class SpeculativeRounds:
             proposer.prefill(prompt)
         V = logits.shape[-1]
         self.is_eos = eos_columns(eos_ids, V)
-        record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, V,
-                                   seen=self.repetition_penalty is not None,
-                                   counts=bool(self.presence_penalty or self.frequency_penalty))
+        record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, V, self.repetition_penalty,
+                                   self.presence_penalty, self.frequency_penalty)
         last, _ = self.pick(logits, record, self.too_early(zeros))
         record.add(last[:, None])
 

@@ -31,8 +31,8 @@ What differs, and why:
 - Without ``sample_function``, ``**sampling_kwargs`` are ours: ``temperature`` (default 0:
   greedy), ``top_k``, ``top_p``, ``min_p``, ``generator`` (speculative sampling, exact target distribution),
   ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``min_new_tokens``, and
-  ``eos_token_id`` and ``stop_sequences`` (rows stop there and are padded; default: no stop, as in
-  GPTFast), as ``gptfast_kernels.generate`` takes them.
+  ``eos_token_id``, ``stop_sequences`` and ``stop_strings`` with ``tokenizer`` (rows stop there
+  and are padded; default: no stop, as in GPTFast), as ``gptfast_kernels.generate`` takes them.
 - int8 is our weight-only ``Int8Linear`` (GPTFast used bitsandbytes), applied to the draft as
   well (it only changes how fast drafts come, never the output); ``int8=False`` turns it off.
   Nothing is torch.compile'd: the fused kernels give the speed-up eagerly.
@@ -64,7 +64,8 @@ __all__ = ["KVCacheModel", "GPTFastModel", "gpt_fast", "load_int8", "add_kv_cach
            "add_speculative_decode_kv_cache", "generate_text_fast"]
 
 _OUR_SAMPLING_KWARGS = ("temperature", "top_k", "top_p", "min_p", "generator", "repetition_penalty", "presence_penalty",
-                        "frequency_penalty", "min_new_tokens", "eos_token_id", "stop_sequences")
+                        "frequency_penalty", "min_new_tokens", "eos_token_id", "stop_sequences",
+                        "stop_strings", "tokenizer")
 _INITIAL_CACHE_SLOTS = 256  # KVCacheModel's first allocation beyond the prompt; it doubles when full
 
 
@@ -359,11 +360,13 @@ def gpt_fast(model_name, draft_model_name=None, sample_function: Callable | None
 
 
 def generate_text_fast(model_path, draft_model_name, sequence, max_length: int, *, speculate_k: int = 6,
-                       int8: bool = True, device=None, trust_remote_code: bool = False):
+                       int8: bool = True, device=None, trust_remote_code: bool = False, stop_strings=None):
     """Text in, text out: loads both models (``gpt_fast``) and ``model_path``'s tokenizer, decodes
     greedily and speculatively until ``max_length`` tokens (prompt included) or the model's
     end-of-sequence token, and returns prompt + continuation decoded without special tokens.
-    ``sequence``: a str, or a list of str (a batch: returns a list)."""
+    ``sequence``: a str, or a list of str (a batch: returns a list). ``stop_strings``: a str or a
+    list of str; a row's continuation also ends with the token within which one of them is
+    complete (see ``gptfast_kernels.generate``)."""
     op = "generate_text_fast"
     batch = isinstance(sequence, (list, tuple))
     texts = list(sequence) if batch else [sequence]
@@ -390,6 +393,6 @@ def generate_text_fast(model_path, draft_model_name, sequence, max_length: int, 
     if eos is None:
         eos = tokenizer.eos_token_id
     output = fast.generate(encoded["input_ids"], max_length, speculate_k, attention_mask=encoded["attention_mask"],
-                           eos_token_id=[] if eos is None else eos)
+                           eos_token_id=[] if eos is None else eos, stop_strings=stop_strings, tokenizer=tokenizer)
     decoded = tokenizer.batch_decode(output, skip_special_tokens=True)
     return decoded if batch else decoded[0]

@@ -212,6 +212,11 @@ def test_generate_text_fast(checkpoints):
     assert isinstance(text, str) and text.startswith("w3 w4 w5") and len(text.split()) > 3
     texts = compat.generate_text_fast(checkpoints["target"], checkpoints["draft"], ["w7", "w8 w9 w10"], 10, int8=False)
     assert isinstance(texts, list) and texts[0].startswith("w7") and texts[1].startswith("w8 w9 w10")
+    # a stop string: the text up to the word that completes it
+    word = text.split()[5]
+    cut = compat.generate_text_fast(checkpoints["target"], checkpoints["draft"], "w3 w4 w5", 12, stop_strings=[word])
+    continuation = text.split()[3:]
+    assert cut.split() == text.split()[:3] + continuation[:continuation.index(word) + 1] != text.split()
 
 
 def test_quantize_command_writes_what_generate_text_fast_loads(checkpoints, tmp_path, capsys):

@@ -10,7 +10,7 @@ from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.sampling import (TokenRecord, check_penalties, check_sampling_args, eos_columns,
                                                  pick_tokens, process_logits, token_logprobs)
-from gptfast_kernels.generation.stopping import StopSequences, check_stop_sequences
+from gptfast_kernels.generation.stopping import StopMatcher, check_stop_sequences, check_stop_strings
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 
@@ -33,7 +33,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              min_p: float | None = None, repetition_penalty: float | None = None, presence_penalty: float = 0.0,
              frequency_penalty: float = 0.0, min_new_tokens: int = 0,
              eos_token_id: int | list[int] | None = None, stop_sequences: list[list[int]] | None = None,
-             generator: torch.Generator | None = None,
+             stop_strings: str | list[str] | None = None, tokenizer=None, generator: torch.Generator | None = None,
              past_key_values: StaticKVCache | None = None, compile: bool = False, streamer=None,
              output_logprobs: bool = False) -> GenerateOutput:
     """Decodes up to ``max_new_tokens`` per row from a model patched with ``patch_model``.
@@ -59,7 +59,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     then), as transformers' ``min_new_tokens``.
     ``stop_sequences``: lists of token ids; a row whose generated tokens come to end with one of
     them is finished as by an eos (the sequence kept, then the pad id), unless that happens before
-    ``min_new_tokens`` (see generation/stopping.py).
+    ``min_new_tokens`` (see generation/stopping.py). ``stop_strings`` likewise, with the model's
+    ``tokenizer`` (as in transformers): a row stops at the token within which the text of its
+    generated tokens comes to contain one of them.
     ``streamer``: as in transformers, ``put`` gets the prompt [B, P], then each step's tokens [B]
     (the pad id for finished rows), on the CPU; then ``end()``. Each put waits for the device.
     Returns GenerateOutput(sequences [B, P + n]) with n <= max_new_tokens; with ``output_logprobs``
@@ -76,7 +78,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     common.check_flag(op, "output_logprobs", output_logprobs)
     common.check_flag(op, "compile", compile)
     eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
-    stops = check_stop_sequences(op, stop_sequences, common.output_vocab_size(model))
+    vocab = common.output_vocab_size(model)
+    stop = StopMatcher.build(check_stop_sequences(op, stop_sequences, vocab),
+                             check_stop_strings(op, stop_strings, tokenizer), tokenizer, vocab, device)
     common.check_streamer(op, streamer)
     B = prompt.input_ids.shape[0]
     if max_new_tokens == 0:
@@ -105,8 +109,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, logits.shape[-1], repetition_penalty,
                                presence_penalty, frequency_penalty)
     is_eos, all_rows = eos_columns(eos_ids, logits.shape[-1]), torch.ones(B, dtype=torch.bool, device=device)
-    stop = StopSequences(stops, device) if stops else None
-    tail = stop.empty_tail(B) if stop else None  # each row's last generated tokens, for the stop sequences
+    stop_state = stop.start(B) if stop else None  # each row's state in the stop patterns
     new_tokens, logprobs = [], []
     for step in range(max_new_tokens):
         early = all_rows if step < min_new_tokens and eos else None  # every row has made `step` tokens
@@ -121,9 +124,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         lengths += ~finished
         finished |= torch.isin(tokens, eos_ids)
         if stop is not None:
+            hits, states = stop.scan(stop_state, tokens[:, None])
             if step >= min_new_tokens:
-                finished |= stop.ends(tail, tokens[:, None])[:, 0]
-            tail = stop.roll(tail, tokens[:, None])
+                finished |= hits[:, 0]
+            stop_state = states[:, 0]
         if streamer is not None:
             streamer.put(tokens.cpu())
         if step == max_new_tokens - 1:
@@ -131,13 +135,13 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         # Whether every row has finished is a GPU sync, so it is asked every EOS_CHECK_STEPS steps
         # (never without eos ids; every step when a streamer waits for each step anyway); the few
         # steps run past the end are cut off below.
-        if (eos or stops) and (streamer is not None or (step + 1) % EOS_CHECK_STEPS == 0) and bool(finished.all()):
+        if (eos or stop is not None) and (streamer is not None or (step + 1) % EOS_CHECK_STEPS == 0) and bool(finished.all()):
             break
         # finished rows are padding from now on: nothing written, their lengths stay put
         logits = forward_step(tokens[:, None], ~finished[:, None], cache)[:, -1]
     if streamer is not None:
         streamer.end()
     generated = torch.stack(new_tokens, dim=1)
-    new = int(lengths.max()) if eos or stops else generated.shape[1]  # as transformers: up to the last row's eos
+    new = int(lengths.max()) if eos or stop is not None else generated.shape[1]  # as transformers: up to the last row's eos
     return GenerateOutput(torch.cat([prompt.input_ids, generated[:, :new]], dim=1),
                           torch.stack(logprobs, dim=1)[:, :new] if output_logprobs else None)

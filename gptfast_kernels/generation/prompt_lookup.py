@@ -25,19 +25,21 @@ def prompt_lookup_generate(model, input_ids: torch.Tensor, attention_mask: torch
                            min_p: float | None = None, repetition_penalty: float | None = None,
                            presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_new_tokens: int = 0,
                            eos_token_id: int | list[int] | None = None, stop_sequences: list[list[int]] | None = None,
+                           stop_strings: str | list[str] | None = None, tokenizer=None,
                            generator: torch.Generator | None = None, compile: bool = False, streamer=None,
                            output_logprobs: bool = False) -> SpeculativeOutput:
     """input_ids [B, P] (attention_mask [B, P], 0 = padding, left or right) -> SpeculativeOutput,
     as ``speculative_generate`` but with proposals looked up in each row's own tokens (n-grams of
     up to ``max_ngram_size`` tokens). ``model`` must be patched (patch_model); ``streamer``, the
-    repetition, presence and frequency penalties, ``min_new_tokens``, ``stop_sequences`` and
-    ``output_logprobs`` as there (one prompt for a streamer)."""
+    repetition, presence and frequency penalties, ``min_new_tokens``, ``stop_sequences``,
+    ``stop_strings`` (with ``tokenizer``) and ``output_logprobs`` as there (one prompt for a streamer)."""
     op = "prompt_lookup_generate"
     check_int(op, "max_ngram_size", max_ngram_size, 1)
     rounds = SpeculativeRounds.checked(op, model, input_ids, attention_mask, max_new_tokens, speculate_k,
                                        temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
                                        common.input_vocab_size(model), streamer, repetition_penalty, min_new_tokens,
-                                       output_logprobs, presence_penalty, frequency_penalty, stop_sequences)
+                                       output_logprobs, presence_penalty, frequency_penalty, stop_sequences,
+                                       stop_strings, tokenizer)
     vocab = common.output_vocab_size(model)
     return rounds.run(lambda capacity, target_cache: PromptLookupProposer(max_ngram_size, vocab))
 

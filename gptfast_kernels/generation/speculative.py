@@ -24,7 +24,7 @@ from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
 from gptfast_kernels.generation.sampling import (TokenRecord, check_penalties, check_sampling_args, eos_columns,
                                                  logits_to_probs, process_logits, sample_from, token_logprobs)
-from gptfast_kernels.generation.stopping import StopSequences, check_stop_sequences
+from gptfast_kernels.generation.stopping import StopMatcher, check_stop_sequences, check_stop_strings
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 from gptfast_kernels.ops.verify_draft import verify_draft
@@ -48,6 +48,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
                          repetition_penalty: float | None = None, presence_penalty: float = 0.0,
                          frequency_penalty: float = 0.0, min_new_tokens: int = 0,
                          eos_token_id: int | list[int] | None = None, stop_sequences: list[list[int]] | None = None,
+                         stop_strings: str | list[str] | None = None, tokenizer=None,
                          generator: torch.Generator | None = None, compile: bool = False, streamer=None,
                          output_logprobs: bool = False) -> SpeculativeOutput:
     """input_ids [B, P] (attention_mask [B, P], 0 = padding, left or right) -> SpeculativeOutput.
@@ -61,9 +62,9 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     the tokens before it (the drafts before it included), so the output is still exactly the
     penalised target's; the draft's distributions are penalised the same way. ``presence_penalty``
     and ``frequency_penalty`` likewise (each position counts the drafts before it as generated).
-    ``min_new_tokens`` as in ``generate``, per position of a round likewise; ``stop_sequences``
-    and ``output_logprobs`` as there (a round that completes a stop sequence keeps the tokens up to
-    its end)."""
+    ``min_new_tokens`` as in ``generate``, per position of a round likewise; ``stop_sequences``,
+    ``stop_strings`` (with ``tokenizer``) and ``output_logprobs`` as there (a round that completes
+    a stop sequence or string keeps the tokens up to the one that completes it)."""
     op = "speculative_generate"
     common.check_model(op, "model", model)
     mtp, assistant = is_mtp_model(draft_model), is_gemma4_assistant(draft_model)
@@ -77,7 +78,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
                                        temperature, top_k, top_p, min_p, eos_token_id, generator, compile,
                                        min(common.input_vocab_size(model), common.input_vocab_size(draft_model)),
                                        streamer, repetition_penalty, min_new_tokens, output_logprobs,
-                                       presence_penalty, frequency_penalty, stop_sequences)
+                                       presence_penalty, frequency_penalty, stop_sequences, stop_strings, tokenizer)
     if assistant:
         return rounds.run(lambda capacity, target_cache: AssistantProposer(draft_model, model, target_cache, compile,
                                                                           rounds.k))
@@ -183,13 +184,13 @@ class SpeculativeRounds:
     is_eos: torch.Tensor | None = None  # [V] bool: the eos columns on the model's device (set by run)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    stop_sequences: list[list[int]] = field(default_factory=list)
+    stop: StopMatcher | None = None  # the stop sequences and strings, or None
 
     @classmethod
     def checked(cls, op, model, input_ids, attention_mask, max_new_tokens, speculate_k, temperature, top_k, top_p,
                 min_p, eos_token_id, generator, compile, vocab_size, streamer,
                 repetition_penalty=None, min_new_tokens=0, output_logprobs=False, presence_penalty=0.0,
-                frequency_penalty=0.0, stop_sequences=None) -> "SpeculativeRounds":
+                frequency_penalty=0.0, stop_sequences=None, stop_strings=None, tokenizer=None) -> "SpeculativeRounds":
         """Validates the arguments every speculative generator shares (``op`` names the caller)."""
         common.check_model(op, "model", model)
         common.check_rollback(op, "model", model)
@@ -203,7 +204,9 @@ class SpeculativeRounds:
         common.check_flag(op, "output_logprobs", output_logprobs)
         common.check_flag(op, "compile", compile)
         eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
-        stops = check_stop_sequences(op, stop_sequences, common.output_vocab_size(model))
+        vocab = common.output_vocab_size(model)
+        stop = StopMatcher.build(check_stop_sequences(op, stop_sequences, vocab),
+                                 check_stop_strings(op, stop_strings, tokenizer), tokenizer, vocab, device)
         common.check_streamer(op, streamer)
         if streamer is not None and prompt.input_ids.shape[0] != 1:
             raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
@@ -211,7 +214,7 @@ class SpeculativeRounds:
         return cls(model, prompt, max_new_tokens, speculate_k, temperature, top_k, top_p, min_p, eos, pad, generator,
                    compile, streamer, None if repetition_penalty == 1 else repetition_penalty, min_new_tokens,
                    output_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                   stop_sequences=stops)
+                   stop=stop)
 
     @property
     def batch_size(self) -> int:
@@ -305,9 +308,12 @@ class SpeculativeRounds:
             streamer.put(last[:, None].cpu())
         num_generated = torch.ones(B, dtype=torch.int64, device=device)
         finished = torch.isin(last, eos_ids) | (num_generated >= self.max_new_tokens)
-        stop = StopSequences(self.stop_sequences, device) if self.stop_sequences else None
-        if stop is not None and self.min_new_tokens == 0:
-            finished |= stop.ends(stop.empty_tail(B), last[:, None])[:, 0]
+        stop, stop_state = self.stop, None  # (stop_state: each row's state in the stop patterns)
+        if stop is not None:
+            hits, states = stop.scan(stop.start(B), last[:, None])
+            if self.min_new_tokens == 0:
+                finished |= hits[:, 0]
+            stop_state = states[:, 0]
         proposed, accepted = zeros.clone(), zeros.clone()
         columns = torch.arange(k + 1, device=device)
 
@@ -350,11 +356,14 @@ class SpeculativeRounds:
             # 5. append the emitted tokens, cut each row at its first eos and at max_new_tokens
             emitted = columns[None, :] < num_emitted[:, None]
             is_eos = torch.isin(tokens, eos_ids) & emitted
-            if stop is not None:  # (before min_new_tokens a stop sequence does not count)
+            if stop is not None:  # (before min_new_tokens a stop sequence or string does not count)
                 made = num_generated[:, None] + columns[None, :]  # each position's new token number
-                is_eos |= stop.ends(stop.tail_of(out, num_generated), tokens) & emitted & (made >= self.min_new_tokens)
+                hits, states = stop.scan(stop_state, tokens)
+                is_eos |= hits & emitted & (made >= self.min_new_tokens)
             after_eos = (is_eos.to(torch.int64).cumsum(dim=1) - is_eos.to(torch.int64)) > 0
             emitted &= ~after_eos
+            if stop is not None:
+                stop_state = stop.after(states, stop_state, emitted.sum(dim=1))
             slots = torch.where(emitted, num_generated[:, None] + columns[None, :], dump)
             out.scatter_(1, slots, torch.where(emitted, tokens, pad))
             if out_logprobs is not None:

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from gptfast_kernels import StaticKVCache, _extension, generate, patch_model, speculative_generate
+from gptfast_kernels.generation.stopping import token_bytes
 from python_tests.tiny_models import PAD, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_tokenizers import byte_level_tokenizer, stop_string_from
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and not _extension.ops_without_kernel("CUDA")),
@@ -89,9 +91,9 @@ def test_speculative_equals_target_greedy(family, compile):
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_penalised_speculative_equals_penalised_generate(compile):
-    """The penalties' per-row state (seen tokens, generated counts) and the stop sequences' tails live
+    """The penalties' per-row state (seen tokens, generated counts) and the stop patterns' states live
     on the GPU beside the compiled steps: penalised speculative greedy equals penalised generate, and
-    both stop at the same stop sequence."""
+    both stop at the same stop sequence and stop string."""
     target = tiny_model("llama", layers=3).cuda()
     patched = patched_copy(target, int8=True)
     draft = patch_model(draft_of(target, 2).cuda(), int8=True)
@@ -100,8 +102,11 @@ def test_penalised_speculative_equals_penalised_generate(compile):
                    eos_token_id=[])
     free = generate(patched, ids, mask, compile=compile, **options).sequences
     options["stop_sequences"] = [free[1, 6 + 4:6 + 6].tolist()]  # (row 1 makes it: it stops by new token 5)
+    tokenizer = byte_level_tokenizer()  # and a stop string row 2 makes (the automaton's tables on the GPU)
+    options.update(stop_strings=[stop_string_from(token_bytes(tokenizer), free[2, 6:].tolist())], tokenizer=tokenizer)
     want = generate(patched, ids, mask, compile=compile, **options).sequences
     assert want.shape[1] < free.shape[1] or bool((want[1, 6 + 6:] == PAD).all())
+    assert bool((want[2, 6:] == PAD).any())
     out = speculative_generate(patched, draft, ids, mask, speculate_k=4, compile=compile, **options)
     assert torch.equal(out.sequences, want)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gptfast_kernels import generate, patch_model, prompt_lookup_generate, speculative_generate
-from gptfast_kernels.generation.stopping import StopSequences
+from gptfast_kernels.generation.stopping import StopMatcher
 from python_tests.tiny_models import PAD, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 
 NEW, P = 16, 7
@@ -109,14 +109,26 @@ def test_a_one_token_stop_ends_a_row_at_its_first_token():
     assert torch.equal(out.sequences, want.sequences)
 
 
-def test_matching_is_right_aligned_and_never_reaches_before_the_first_generated_token():
-    stop = StopSequences([[5, 6, 7], [9]], torch.device("cpu"))
-    tail = torch.tensor([[-1, -1], [-1, 5], [4, 4]])  # row 0: nothing generated yet
-    tokens = torch.tensor([[6, 7, 9], [6, 7, 1], [6, 7, 1]])
-    assert stop.ends(tail, tokens).tolist() == [[False, False, True], [False, True, False], [False, False, False]]
-    assert stop.roll(tail, tokens[:, :1]).tolist() == [[-1, 6], [5, 6], [4, 6]]
-    generated = torch.tensor([[3, 4, 5, 0], [8, 0, 0, 0]])
-    assert stop.tail_of(generated, torch.tensor([3, 1])).tolist() == [[4, 5], [-1, 8]]
+def test_matching_counts_the_token_that_completes_a_sequence_and_never_reaches_before_the_first():
+    stop = StopMatcher.build([[5, 6, 7], [9], [6, 6]], [], None, 12, torch.device("cpu"))
+    state = stop.start(3)
+    state = stop.after(*reversed(stop.scan(state, torch.tensor([[4], [5], [4]]))), torch.tensor([0, 1, 1]))
+    # row 0 has generated nothing (a 5 before its first token would be its prompt's): 6, 7 does not complete
+    hits, states = stop.scan(state, torch.tensor([[6, 7, 9], [6, 7, 1], [6, 6, 6]]))
+    assert hits.tolist() == [[False, False, True], [False, True, False], [False, True, True]]
+    # the state after each row's first n tokens: what the next round starts from
+    later = stop.after(states, state, torch.tensor([1, 0, 2]))
+    assert stop.scan(later, torch.tensor([[7], [6], [6]]))[0].tolist() == [[False], [False], [True]]
+
+
+def test_a_sequence_inside_another_is_found_by_the_automaton():
+    """Aho-Corasick's failure links: after 1, 2, 1, 2 the text ends with [2, 1, 2] too."""
+    stop = StopMatcher.build([[1, 2, 1, 3], [2, 1, 2]], [], None, 4, torch.device("cpu"))
+    hits, _ = stop.scan(stop.start(1), torch.tensor([[1, 2, 1, 2, 1, 3]]))
+    assert hits.tolist() == [[False, False, False, True, False, True]]
+    # a state deep in one sequence whose tokens end with another: [1, 2] ends with [2]
+    stop = StopMatcher.build([[1, 2, 3], [2]], [], None, 4, torch.device("cpu"))
+    assert stop.scan(stop.start(1), torch.tensor([[1, 2, 3]]))[0].tolist() == [[False, True, True]]
 
 
 @pytest.mark.parametrize("bad", [[[]], [[-1]], [[97]], [1, 2], "stop", [[1.0]], [[True]]])

@@ -46,6 +46,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     reuse (its rows are emptied first); by default one of the needed size is allocated, its
     sliding-window layers as ring buffers (max_step_tokens = forward.PREFILL_CHUNK). A cache with
     ring buffers takes the prompt in chunks of its max_step_tokens.
+    ``temperature``, ``top_k``, ``top_p``, ``min_p`` and the three penalties: each a number for
+    every row, or a list (or 1-D tensor) of one value per row, None for off (per-request sampling):
+    each row samples as it would with its own values for the whole batch, greedy rows (temperature
+    0) beside sampled ones.
     ``compile``: run each decode step through torch.compile (a CUDA graph on GPUs); the model then
     keeps its compiled step and its cache for later calls (see generation/forward.py).
     ``repetition_penalty``: as transformers' (CTRL's): before sampling, the logit of every token
@@ -72,8 +76,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     device, dtype = common.model_device_dtype(model)
     prompt = common.check_prompt(op, input_ids, attention_mask, device, common.input_vocab_size(model))
     max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
-    check_sampling_args(op, temperature, top_k, top_p, min_p)
-    check_penalties(op, repetition_penalty, presence_penalty, frequency_penalty)
+    temperature, top_k, top_p, min_p = check_sampling_args(op, temperature, top_k, top_p, min_p,
+                                                           prompt.input_ids.shape[0], device)
+    repetition_penalty, presence_penalty, frequency_penalty = check_penalties(
+        op, repetition_penalty, presence_penalty, frequency_penalty, prompt.input_ids.shape[0], device)
     min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
     common.check_flag(op, "output_logprobs", output_logprobs)
     common.check_flag(op, "compile", compile)

@@ -9,29 +9,88 @@ from dataclasses import dataclass
 import torch
 
 
-def check_sampling_args(op: str, temperature, top_k, top_p, min_p=None) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature < 0:
-        raise ValueError(f"{op}: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"{op}: top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                              or not 0 < top_p <= 1):
-        raise ValueError(f"{op}: top_p must be None or a number in (0, 1], got {top_p!r}")
-    if min_p is not None and (isinstance(min_p, bool) or not isinstance(min_p, (int, float))
-                              or not 0 <= min_p <= 1):
-        raise ValueError(f"{op}: min_p must be None or a number in [0, 1], got {min_p!r}")
+def check_sampling_args(op: str, temperature, top_k, top_p, min_p, batch_size: int, device: torch.device) -> tuple:
+    """Checks temperature / top-k / top-p / min-p -> (temperature, top_k, top_p, min_p) as sampling
+    reads them. Each is a number (None: off, for the filters) for every row, or a list (or 1-D
+    tensor) of one per row of the batch (None entries: off), as vLLM's per-request sampling
+    parameters; per-row values become [B] tensors on ``device`` (top_k int64, the others float32;
+    off: top_k 0, top_p 1, min_p 0), and the same value for every row becomes that number, so a
+    uniform list samples exactly as the number does."""
+    rules = (("temperature", temperature, _check_temperature), ("top_k", top_k, _check_top_k),
+             ("top_p", top_p, _check_top_p), ("min_p", min_p, _check_min_p))
+    return tuple(_number_or_rows(op, name, value, check, batch_size, device) for name, value, check in rules)
 
 
-def check_penalties(op: str, repetition, presence, frequency) -> None:
-    """The repetition penalty (None or > 0) and the presence / frequency penalties (any finite number)."""
-    if repetition is not None and (isinstance(repetition, bool) or not isinstance(repetition, (int, float))
-                                   or not math.isfinite(repetition) or repetition <= 0):
-        raise ValueError(f"{op}: repetition_penalty must be None or a finite number > 0 (1 = none), "
-                         f"got {repetition!r}")
-    for name, penalty in (("presence_penalty", presence), ("frequency_penalty", frequency)):
-        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
-            raise ValueError(f"{op}: {name} must be a finite number (0 = none), got {penalty!r}")
+def _check_temperature(op: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{op}: {name} must be a finite number >= 0 (0 = greedy), got {value!r}")
+    return value
+
+
+def _check_top_k(op: str, name: str, value) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{op}: {name} must be None or an int >= 1, got {value!r}")
+    return value
+
+
+def _check_top_p(op: str, name: str, value) -> float | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+        raise ValueError(f"{op}: {name} must be None or a number in (0, 1], got {value!r}")
+    return value
+
+
+def _check_min_p(op: str, name: str, value) -> float | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+        raise ValueError(f"{op}: {name} must be None or a number in [0, 1], got {value!r}")
+    return value
+
+
+# what a per-row tensor holds for a row whose filter or penalty is off (top_k 0: logits_to_probs
+# reads it as the whole vocabulary)
+_OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+        "frequency_penalty": 0.0}
+
+
+def _number_or_rows(op: str, name: str, value, check, batch_size: int, device):
+    """One sampling argument -> a number (or None) for every row, or a [B] tensor of per-row values."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise ValueError(f"{op}: {name} as a tensor must be 1-D and real, one value per row, got "
+                             f"{tuple(value.shape)} {value.dtype}")
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return check(op, name, value)
+    if len(value) != batch_size:
+        raise ValueError(f"{op}: {name} has {len(value)} values, and takes one per row of the batch ({batch_size})")
+    rows = [check(op, f"{name}[{i}]", v) for i, v in enumerate(value)]
+    if all(v == rows[0] for v in rows):
+        return rows[0]  # (one value for every row: sampled exactly as that number)
+    return torch.tensor([_OFF[name] if v is None else v for v in rows],
+                        dtype=torch.int64 if name == "top_k" else torch.float32, device=device)
+
+
+def check_penalties(op: str, repetition, presence, frequency, batch_size: int, device: torch.device) -> tuple:
+    """The repetition penalty (None or > 0) and the presence / frequency penalties (any finite
+    number) -> (repetition, presence, frequency) as process_logits reads them: each a number for
+    every row (the repetition penalty None when it is 1), or, given as a list (or 1-D tensor) of one
+    per row (None entries: off), a [B] float32 tensor on ``device``, as check_sampling_args."""
+    repetition = _number_or_rows(op, "repetition_penalty", repetition, _check_repetition, batch_size, device)
+    presence, frequency = (_number_or_rows(op, name, value, _check_additive, batch_size, device)
+                           for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)))
+    return (repetition if _on(repetition, 1) else None), presence, frequency
+
+
+def _check_repetition(op: str, name: str, value) -> float | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{op}: {name} must be None or a finite number > 0 (1 = none), got {value!r}")
+    return value
+
+
+def _check_additive(op: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{op}: {name} must be a finite number (0 = none), got {value!r}")
+    return value
 
 
 def seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -59,11 +118,11 @@ class TokenRecord:
         """The record after the prompt input_ids [B, P] (mask: 0 = padding), nothing generated,
         keeping what the penalties in use read (a repetition penalty of None or 1 and presence /
         frequency penalties of 0 are off)."""
-        seen = repetition_penalty is not None and repetition_penalty != 1
+        seen = _on(repetition_penalty, 1)
         prompt = seen_tokens(input_ids, attention_mask, vocab_size) if seen else None
         return cls(None if prompt is None else torch.nn.functional.pad(prompt, (0, 1)),
                    input_ids.new_zeros(input_ids.shape[0], vocab_size + 1, dtype=torch.int32)
-                   if presence_penalty or frequency_penalty else None)
+                   if _on(presence_penalty, 0) or _on(frequency_penalty, 0) else None)
 
     def map(self, fn) -> "TokenRecord":
         """A record of ``fn`` applied to each tensor kept."""
@@ -86,7 +145,17 @@ class TokenRecord:
         return record
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+def _on(value, off) -> bool:
+    """Whether a penalty (a number, None, or per-row values that differ) does anything."""
+    return isinstance(value, torch.Tensor) or (value is not None and value != off)
+
+
+def _broadcast(value, logits: torch.Tensor):
+    """A number as it is, per-row values [B] as [B, 1, ..., 1] against ``logits`` [B, ..., V]."""
+    return _per_row(value, logits) if isinstance(value, torch.Tensor) else value
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty) -> torch.Tensor:
     """[B, V] logits -> the same with each ``seen`` token's logit divided by ``penalty`` where it is
     positive and multiplied by it where negative (CTRL's repetition penalty, as transformers'
     ``repetition_penalty``: > 1 makes repeats less likely)."""
@@ -109,17 +178,19 @@ def apply_additive_penalties(logits: torch.Tensor, counts: torch.Tensor, presenc
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
-def process_logits(logits: torch.Tensor, record: TokenRecord, penalty: float | None, is_eos: torch.Tensor | None,
-                   early: torch.Tensor | None, presence: float = 0.0, frequency: float = 0.0) -> torch.Tensor:
-    """[..., V] logits before sampling: the repetition penalty over ``record.seen`` (None: none),
+def process_logits(logits: torch.Tensor, record: TokenRecord, penalty, is_eos: torch.Tensor | None,
+                   early: torch.Tensor | None, presence=0.0, frequency=0.0) -> torch.Tensor:
+    """[B, ..., V] logits before sampling: the repetition penalty over ``record.seen`` (None: none),
     the presence and frequency penalties over ``record.counts`` (None: none), then the eos columns
-    ``is_eos`` [V] at -inf where ``early`` [...] holds (transformers' ``min_new_tokens``: no eos
-    before that many new tokens; None: nowhere); vLLM's order."""
+    ``is_eos`` [V] at -inf where ``early`` [B, ...] holds (transformers' ``min_new_tokens``: no eos
+    before that many new tokens; None: nowhere); vLLM's order. Each penalty is a number or per-row
+    values [B] (check_penalties)."""
     V = logits.shape[-1]
     if record.seen is not None:
-        logits = apply_repetition_penalty(logits, record.seen[..., :V], penalty)
+        logits = apply_repetition_penalty(logits, record.seen[..., :V], _broadcast(penalty, logits))
     if record.counts is not None:
-        logits = apply_additive_penalties(logits, record.counts[..., :V], presence, frequency)
+        logits = apply_additive_penalties(logits, record.counts[..., :V], _broadcast(presence, logits),
+                                          _broadcast(frequency, logits))
     if early is not None:
         logits = logits.masked_fill(early[..., None] & is_eos, float("-inf"))
     return logits
@@ -130,31 +201,59 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None])[..., 0]
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
-                    top_p: float | None = None, min_p: float | None = None) -> torch.Tensor:
-    """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k, top-p (nucleus:
-    the smallest set of most likely tokens whose mass reaches top_p, at least one) and min-p (the
-    tokens at least min_p times as likely as the most likely one), in transformers' order.
-    temperature 0 gives a one-hot distribution on the argmax."""
+def logits_to_probs(logits: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """[B, ..., V] logits -> [B, ..., V] float32 probabilities after temperature, top-k, top-p
+    (nucleus: the smallest set of most likely tokens whose mass reaches top_p, at least one) and
+    min-p (the tokens at least min_p times as likely as the most likely one), in transformers'
+    order. Each argument is a number (None: off) or, per row, a [B] tensor (check_sampling_args's:
+    0 in top_k is off). Temperature 0 gives a one-hot distribution on the argmax."""
     logits = logits.float()
-    if temperature == 0:
+    one_hot = None
+    if isinstance(temperature, torch.Tensor):
+        temperature = _per_row(temperature, logits)
+        greedy = temperature == 0
+        one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+        logits = logits / torch.where(greedy, 1.0, temperature)
+    elif temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
+    else:
+        logits = logits / temperature
+    if isinstance(top_k, torch.Tensor):
+        k = _per_row(top_k, logits)
+        k = torch.where(k == 0, logits.shape[-1], k.clamp(max=logits.shape[-1]))
+        kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1).expand(*logits.shape[:-1], 1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    elif top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if top_p is not None and top_p < 1:
+    if isinstance(top_p, torch.Tensor) or (top_p is not None and top_p < 1):
+        on = _per_row(top_p, logits) if isinstance(top_p, torch.Tensor) else top_p
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
-        drop_sorted = mass_before >= top_p                        # never drops the first token
+        drop_sorted = (mass_before >= on) & (on < 1)              # never drops the first token
         drop = drop_sorted.scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    if min_p:  # relative to the most likely token, which every filter keeps: renormalising cannot move it
-        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = _renormalised(probs.masked_fill(drop, 0.0), on < 1)
+    if isinstance(min_p, torch.Tensor) or min_p:
+        # relative to the most likely token, which every filter keeps: renormalising cannot move it
+        on = _per_row(min_p, logits) if isinstance(min_p, torch.Tensor) else min_p
+        probs = _renormalised(probs.masked_fill(probs < on * probs.amax(dim=-1, keepdim=True), 0.0), on > 0)
+    if one_hot is not None:
+        probs = torch.where(greedy, one_hot, probs)
     return probs
+
+
+def _per_row(values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B, 1, ..., 1], broadcasting over ``logits`` [B, ..., V]."""
+    return values.view(values.shape[0], *([1] * (logits.dim() - 1)))
+
+
+def _renormalised(probs: torch.Tensor, where) -> torch.Tensor:
+    """probs divided by their sum where ``where`` ([B, 1, ..] or a bool for every row) holds; other
+    rows as they are (a filter that is off leaves a row's numbers untouched)."""
+    if isinstance(where, bool):
+        return probs / probs.sum(dim=-1, keepdim=True) if where else probs
+    return torch.where(where, probs / probs.sum(dim=-1, keepdim=True), probs)
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -162,9 +261,10 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def pick_tokens(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                min_p: float | None, generator: torch.Generator | None) -> torch.Tensor:
-    """[B, V] logits -> [B] int64 tokens: argmax when temperature is 0, else a sample."""
-    if temperature == 0:
+def pick_tokens(logits: torch.Tensor, temperature, top_k, top_p, min_p,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """[B, V] logits -> [B] int64 tokens: argmax when temperature is 0, else a sample (per row
+    with per-row arguments: a row of temperature 0 gets its argmax, from a one-hot distribution)."""
+    if not isinstance(temperature, torch.Tensor) and temperature == 0:
         return logits.argmax(dim=-1)
     return sample_from(logits_to_probs(logits, temperature, top_k, top_p, min_p), generator)

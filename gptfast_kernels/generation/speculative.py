@@ -62,7 +62,9 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     the tokens before it (the drafts before it included), so the output is still exactly the
     penalised target's; the draft's distributions are penalised the same way. ``presence_penalty``
     and ``frequency_penalty`` likewise (each position counts the drafts before it as generated).
-    ``min_new_tokens`` as in ``generate``, per position of a round likewise; ``stop_sequences``,
+    ``min_new_tokens`` as in ``generate``, per position of a round likewise; the sampling arguments
+    and penalties per row as there (a batch with any sampled row is verified by sampling, its greedy rows'
+    distributions one-hot: they still get the target's greedy tokens); ``stop_sequences``,
     ``stop_strings`` (with ``tokenizer``) and ``output_logprobs`` as there (a round that completes
     a stop sequence or string keeps the tokens up to the one that completes it)."""
     op = "speculative_generate"
@@ -169,21 +171,23 @@ class SpeculativeRounds:
     prompt: common.Prompt
     max_new_tokens: int
     k: int
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    min_p: float | None
+    # each a number for every row or a [B] tensor of per-row values (sampling.check_sampling_args)
+    temperature: float | torch.Tensor
+    top_k: int | torch.Tensor | None
+    top_p: float | torch.Tensor | None
+    min_p: float | torch.Tensor | None
     eos: list[int]
     pad: int
     generator: torch.Generator | None
     compile: bool
     streamer: object = None
-    repetition_penalty: float | None = None
+    # the penalties: each a number for every row or a [B] tensor of per-row values (check_penalties)
+    repetition_penalty: float | torch.Tensor | None = None
     min_new_tokens: int = 0
     output_logprobs: bool = False
     is_eos: torch.Tensor | None = None  # [V] bool: the eos columns on the model's device (set by run)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | torch.Tensor = 0.0
+    frequency_penalty: float | torch.Tensor = 0.0
     stop: StopMatcher | None = None  # the stop sequences and strings, or None
 
     @classmethod
@@ -198,8 +202,10 @@ class SpeculativeRounds:
         device, _ = common.model_device_dtype(model)
         prompt = common.check_prompt(op, input_ids, attention_mask, device, vocab_size)
         max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
-        check_sampling_args(op, temperature, top_k, top_p, min_p)
-        check_penalties(op, repetition_penalty, presence_penalty, frequency_penalty)
+        temperature, top_k, top_p, min_p = check_sampling_args(op, temperature, top_k, top_p, min_p,
+                                                               prompt.input_ids.shape[0], device)
+        repetition_penalty, presence_penalty, frequency_penalty = check_penalties(
+            op, repetition_penalty, presence_penalty, frequency_penalty, prompt.input_ids.shape[0], device)
         min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
         common.check_flag(op, "output_logprobs", output_logprobs)
         common.check_flag(op, "compile", compile)
@@ -212,7 +218,7 @@ class SpeculativeRounds:
             raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
                              f"per round), got a batch of {prompt.input_ids.shape[0]}")
         return cls(model, prompt, max_new_tokens, speculate_k, temperature, top_k, top_p, min_p, eos, pad, generator,
-                   compile, streamer, None if repetition_penalty == 1 else repetition_penalty, min_new_tokens,
+                   compile, streamer, repetition_penalty, min_new_tokens,
                    output_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                    stop=stop)
 
@@ -222,7 +228,9 @@ class SpeculativeRounds:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether every row decodes greedily (a batch of greedy and sampled rows is verified by
+        sampling, its greedy rows' distributions one-hot: exact for them too)."""
+        return not isinstance(self.temperature, torch.Tensor) and self.temperature == 0
 
     def too_early(self, made: torch.Tensor) -> torch.Tensor | None:
         """Where a token would be new token number ``made`` (from 0) of its row, and so may not be an

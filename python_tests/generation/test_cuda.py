@@ -111,6 +111,28 @@ def test_penalised_speculative_equals_penalised_generate(compile):
     assert torch.equal(out.sequences, want)
 
 
+def test_per_row_sampling_rows_sample_as_alone():
+    """Per-row temperature / top-k / top-p on the GPU, compiled rounds: each row of a batch of greedy
+    and sampled rows samples as it would with its values for the whole batch (the GPU's
+    multinomial draws the same noise whatever the distributions)."""
+    target = tiny_model("llama", layers=3).cuda()
+    patched = patched_copy(target, int8=True)
+    draft = patch_model(draft_of(target, 2).cuda(), int8=True)
+    ids, mask = _on_cuda(*ragged_prompts(3, 6, "left", seed=6))
+    rows = [(0.0, None, None), (0.8, 5, None), (1.2, None, 0.8)]
+
+    def run(per_row):
+        columns = dict(zip(("temperature", "top_k", "top_p"), map(list, zip(*per_row))))
+        return speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=3, eos_token_id=[],
+                                    compile=True, generator=torch.Generator("cuda").manual_seed(5),
+                                    **columns).sequences
+
+    mixed = run(rows)
+    for b, row in enumerate(rows):
+        assert torch.equal(mixed[b], run([row] * 3)[b])
+    assert torch.equal(mixed[0], generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences[0])
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_bf16_logits_within_twice_transformers_error(family):
     """Prefill then two decode steps in bf16 through the CUDA kernels, against float64: our error is

@@ -1,0 +1,137 @@
+"""Per-row sampling arguments (vLLM's per-request temperature / top-k / top-p / min-p and
+repetition / presence / frequency penalties): each row of a batch samples exactly as it would with
+its own values for the whole batch, from the same generator, greedy rows beside sampled ones
+included, in generate and in the speculative generators; one value for every row samples as that
+number; bad values name the argument and row."""
+
+import pytest
+import torch
+
+from gptfast_kernels import generate, patch_model, prompt_lookup_generate, speculative_generate
+from gptfast_kernels.generation.sampling import logits_to_probs
+from python_tests.tiny_models import draft_of, patched_copy, ragged_prompts, tiny_model
+
+NEW, P = 12, 6
+# per row: temperature, top_k, top_p, min_p (greedy, top-k, top-p, min-p, all three)
+ROWS = [(0.0, None, None, None), (0.8, 5, None, None), (1.3, None, 0.7, None), (1.0, None, None, 0.2),
+        (0.6, 20, 0.9, 0.05)]
+
+
+def _columns(rows):
+    return {name: [row[i] for row in rows] for i, name in enumerate(("temperature", "top_k", "top_p", "min_p"))}
+
+
+def _alone(row):
+    return dict(zip(("temperature", "top_k", "top_p", "min_p"), row))
+
+
+def test_per_row_distributions_equal_each_row_alone_bit_for_bit():
+    logits = torch.randn(len(ROWS) + 1, 3, 97, generator=torch.Generator().manual_seed(0)) * 3
+    rows = [*ROWS, (0.9, 500, None, None)]  # (top_k past the vocabulary: off)
+    # a peaked last row: its float32 mass reaches 1 after the first token, so a top-p of 1 applied
+    # (not off) would drop the rest
+    logits[-1] = 0.0
+    logits[-1, :, 0] = 80.0
+    columns = _columns(rows)
+    per_row = logits_to_probs(logits, torch.tensor(columns["temperature"]),
+                              torch.tensor([k or 0 for k in columns["top_k"]]),
+                              torch.tensor([1.0 if p is None else p for p in columns["top_p"]]),
+                              torch.tensor([m or 0.0 for m in columns["min_p"]]))
+    for b, row in enumerate(rows):
+        assert torch.equal(per_row[b], logits_to_probs(logits[b:b + 1], *row)[0])
+    assert (per_row[0].sum(-1) == 1).all() and ((per_row[1] > 0).sum(-1) == 5).all()
+    assert (per_row[-1] > 0).all()
+
+
+def _run(fn, rows, seed=7, **kwargs):
+    return fn(generator=torch.Generator().manual_seed(seed), **_columns(rows), **kwargs).sequences
+
+
+@pytest.mark.parametrize("generator_name", ["generate", "speculative", "prompt_lookup"])
+def test_each_row_samples_as_it_would_alone(generator_name):
+    target = tiny_model("llama", layers=3)
+    patched = patched_copy(target, int8=False)
+    draft = patch_model(draft_of(target, 2), int8=False)
+    ids, mask = ragged_prompts(len(ROWS), P, "left", seed=2)
+    options = dict(max_new_tokens=NEW, eos_token_id=[])
+
+    def run(**kw):
+        if generator_name == "generate":
+            return generate(patched, ids, mask, **options, **kw)
+        if generator_name == "speculative":
+            return speculative_generate(patched, draft, ids, mask, speculate_k=3, **options, **kw)
+        return prompt_lookup_generate(patched, ids, mask, speculate_k=3, **options, **kw)
+
+    mixed = _run(run, ROWS)
+    for b, row in enumerate(ROWS):
+        alone = _run(run, [row] * len(ROWS))
+        assert torch.equal(mixed[b], alone[b]), (b, row)
+    greedy = generate(patched, ids, mask, **options).sequences
+    assert torch.equal(mixed[0], greedy[0])  # (the greedy row: the target's own greedy decoding)
+    assert not torch.equal(mixed[1:], greedy[1:])  # (the others sampled)
+
+
+PENALTIES = [(None, 0.0, 0.0), (1.3, 0.0, 0.0), (None, 0.5, 0.0), (1.1, -0.2, 0.7)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("generator_name", ["generate", "speculative", "prompt_lookup"])
+def test_per_row_penalties_penalise_each_row_as_alone(generator_name, temperature):
+    """Repetition / presence / frequency penalties per row (vLLM's per-request penalties)."""
+    target = tiny_model("llama", layers=3)
+    patched = patched_copy(target, int8=False)
+    draft = patch_model(draft_of(target, 2), int8=False)
+    ids, mask = ragged_prompts(len(PENALTIES), P, "left", seed=4)
+    options = dict(max_new_tokens=NEW, eos_token_id=[], temperature=temperature)
+
+    def run(rows):
+        names = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+        kw = dict(options, generator=torch.Generator().manual_seed(9), **dict(zip(names, map(list, zip(*rows)))))
+        if generator_name == "generate":
+            return generate(patched, ids, mask, **kw).sequences
+        if generator_name == "speculative":
+            return speculative_generate(patched, draft, ids, mask, speculate_k=3, **kw).sequences
+        return prompt_lookup_generate(patched, ids, mask, speculate_k=3, **kw).sequences
+
+    mixed = run(PENALTIES)
+    alone = [run([row] * len(PENALTIES)) for row in PENALTIES]
+    for b in range(len(PENALTIES)):
+        assert torch.equal(mixed[b], alone[b][b])
+    assert not all(torch.equal(alone[0][b], alone[1][b]) for b in range(len(PENALTIES)))  # (penalties bite)
+
+
+def test_one_value_for_every_row_samples_as_that_number():
+    patched = patched_copy(tiny_model("llama", layers=2), int8=False)
+    ids, mask = ragged_prompts(3, P, "left", seed=1)
+    number = generate(patched, ids, mask, max_new_tokens=NEW, temperature=0.9, top_k=7, top_p=0.8,
+                      generator=torch.Generator().manual_seed(3)).sequences
+    rows = generate(patched, ids, mask, max_new_tokens=NEW, temperature=torch.tensor([0.9] * 3), top_k=[7] * 3,
+                    top_p=(0.8, 0.8, 0.8), generator=torch.Generator().manual_seed(3)).sequences
+    assert torch.equal(number, rows)
+    greedy = generate(patched, ids, mask, max_new_tokens=NEW).sequences
+    assert torch.equal(generate(patched, ids, mask, max_new_tokens=NEW, temperature=[0, 0, 0], top_k=[3, None, 5]
+                                ).sequences, greedy)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(temperature=[0.5, 1.0]), "temperature has 2 values"),
+    (dict(temperature=[0.5, -1.0, 1.0]), r"temperature\[1\]"),
+    (dict(temperature=[0.5, float("nan"), 1.0]), r"temperature\[1\]"),
+    (dict(temperature=1.0, top_k=[1, 0, 2]), r"top_k\[1\]"),
+    (dict(temperature=1.0, top_k=[1, 2.0, 2]), r"top_k\[1\]"),
+    (dict(temperature=1.0, top_p=[0.5, 0.5, 1.5]), r"top_p\[2\]"),
+    (dict(temperature=1.0, min_p=[True, 0.1, 0.1]), r"min_p\[0\]"),
+    (dict(temperature=torch.ones(3, 1)), "temperature as a tensor must be 1-D"),
+    (dict(temperature=torch.ones(3, dtype=torch.bool)), "temperature as a tensor must be 1-D and real"),
+    (dict(repetition_penalty=[1.0, 0.0, 1.0]), r"repetition_penalty\[1\]"),
+    (dict(presence_penalty=[0.1, 0.2]), "presence_penalty has 2 values"),
+    (dict(frequency_penalty=[0.1, float("inf"), 0.0]), r"frequency_penalty\[1\]"),
+])
+def test_bad_per_row_values_name_the_argument_and_row(kwargs, words):
+    patched = patched_copy(tiny_model("llama"), int8=False)
+    ids = torch.tensor([[3, 4, 5]] * 3)
+    for run in (lambda **kw: generate(patched, ids, **kw),
+                lambda **kw: speculative_generate(patched, patched, ids, **kw),
+                lambda **kw: prompt_lookup_generate(patched, ids, **kw)):
+        with pytest.raises(ValueError, match=words):
+            run(max_new_tokens=2, **kwargs)

@@ -8,11 +8,11 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import (TokenRecord, check_penalties, check_sampling_args, eos_columns,
-                                                 pick_tokens, process_logits, token_logprobs)
+from gptfast_kernels.generation.sampling import (TokenRecord, check_new_token_counts, check_penalties,
+                                                 check_sampling_args, eos_columns, pick_tokens, process_logits,
+                                                 token_logprobs, too_early)
 from gptfast_kernels.generation.stopping import StopMatcher, check_stop_sequences, check_stop_strings
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
-from gptfast_kernels.ops._dispatch import check_int
 
 
 @dataclass
@@ -46,10 +46,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     reuse (its rows are emptied first); by default one of the needed size is allocated, its
     sliding-window layers as ring buffers (max_step_tokens = forward.PREFILL_CHUNK). A cache with
     ring buffers takes the prompt in chunks of its max_step_tokens.
-    ``temperature``, ``top_k``, ``top_p``, ``min_p`` and the three penalties: each a number for
-    every row, or a list (or 1-D tensor) of one value per row, None for off (per-request sampling):
-    each row samples as it would with its own values for the whole batch, greedy rows (temperature
-    0) beside sampled ones.
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``, the three penalties, ``max_new_tokens`` and
+    ``min_new_tokens``: each a number for every row, or a list (or 1-D tensor) of one value per
+    row, None for off (per-request sampling and limits): each row samples as it would with its own
+    values for the whole batch, greedy rows (temperature 0) beside sampled ones, and a row that
+    reaches its own ``max_new_tokens`` ends as at an eos (pad ids after it).
     ``compile``: run each decode step through torch.compile (a CUDA graph on GPUs); the model then
     keeps its compiled step and its cache for later calls (see generation/forward.py).
     ``repetition_penalty``: as transformers' (CTRL's): before sampling, the logit of every token
@@ -68,19 +69,19 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     generated tokens comes to contain one of them.
     ``streamer``: as in transformers, ``put`` gets the prompt [B, P], then each step's tokens [B]
     (the pad id for finished rows), on the CPU; then ``end()``. Each put waits for the device.
-    Returns GenerateOutput(sequences [B, P + n]) with n <= max_new_tokens; with ``output_logprobs``
+    Returns GenerateOutput(sequences [B, P + n]) with n <= max_new_tokens (the largest); with ``output_logprobs``
     also ``logprobs`` [B, n] (see GenerateOutput).
     """
     op = "generate"
     common.check_model(op, "model", model)
     device, dtype = common.model_device_dtype(model)
     prompt = common.check_prompt(op, input_ids, attention_mask, device, common.input_vocab_size(model))
-    max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
+    max_new_tokens, most_new, min_new_tokens = check_new_token_counts(op, max_new_tokens, min_new_tokens,
+                                                                      prompt.input_ids.shape[0], device)
     temperature, top_k, top_p, min_p = check_sampling_args(op, temperature, top_k, top_p, min_p,
                                                            prompt.input_ids.shape[0], device)
     repetition_penalty, presence_penalty, frequency_penalty = check_penalties(
         op, repetition_penalty, presence_penalty, frequency_penalty, prompt.input_ids.shape[0], device)
-    min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
     common.check_flag(op, "output_logprobs", output_logprobs)
     common.check_flag(op, "compile", compile)
     eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
@@ -89,13 +90,13 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                              check_stop_strings(op, stop_strings, tokenizer), tokenizer, vocab, device)
     common.check_streamer(op, streamer)
     B = prompt.input_ids.shape[0]
-    if max_new_tokens == 0:
+    if most_new == 0:
         if streamer is not None:
             streamer.put(prompt.input_ids.cpu())
             streamer.end()
         return GenerateOutput(prompt.input_ids.clone(), prompt.input_ids.new_zeros(B, 0, dtype=torch.float32)
                               if output_logprobs else None)
-    needed = max(prompt.lengths) + max_new_tokens - 1  # the last token is emitted, never cached
+    needed = max(prompt.lengths) + most_new - 1  # the last token is emitted, never cached
     if past_key_values is None:
         cache = cache_for(model, B, needed, device, dtype, reuse=compile)
     else:
@@ -110,15 +111,16 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
     logits = common.prefill(model, prompt, cache)
     eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.zeros(B, dtype=torch.int64, device=device)  # new tokens up to each row's eos
+    finished = lengths >= max_new_tokens  # (per-row limits: rows of limit 0 make nothing)
+    per_row_limits = isinstance(max_new_tokens, torch.Tensor)
     record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, logits.shape[-1], repetition_penalty,
                                presence_penalty, frequency_penalty)
-    is_eos, all_rows = eos_columns(eos_ids, logits.shape[-1]), torch.ones(B, dtype=torch.bool, device=device)
+    is_eos = eos_columns(eos_ids, logits.shape[-1])
     stop_state = stop.start(B) if stop else None  # each row's state in the stop patterns
     new_tokens, logprobs = [], []
-    for step in range(max_new_tokens):
-        early = all_rows if step < min_new_tokens and eos else None  # every row has made `step` tokens
+    for step in range(most_new):
+        early = too_early(step, min_new_tokens, B, device) if eos else None  # (every row has made `step` tokens)
         processed = process_logits(logits, record, repetition_penalty, is_eos, early, presence_penalty,
                                    frequency_penalty)
         tokens = pick_tokens(processed, temperature, top_k, top_p, min_p, generator)
@@ -129,25 +131,28 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         new_tokens.append(tokens)
         lengths += ~finished
         finished |= torch.isin(tokens, eos_ids)
+        if per_row_limits:
+            finished |= lengths >= max_new_tokens
         if stop is not None:
             hits, states = stop.scan(stop_state, tokens[:, None])
-            if step >= min_new_tokens:
-                finished |= hits[:, 0]
+            finished |= hits[:, 0] & (step >= min_new_tokens)
             stop_state = states[:, 0]
         if streamer is not None:
             streamer.put(tokens.cpu())
-        if step == max_new_tokens - 1:
+        if step == most_new - 1:
             break
         # Whether every row has finished is a GPU sync, so it is asked every EOS_CHECK_STEPS steps
         # (never without eos ids; every step when a streamer waits for each step anyway); the few
         # steps run past the end are cut off below.
-        if (eos or stop is not None) and (streamer is not None or (step + 1) % EOS_CHECK_STEPS == 0) and bool(finished.all()):
+        ends_early = eos or stop is not None or per_row_limits
+        if ends_early and (streamer is not None or (step + 1) % EOS_CHECK_STEPS == 0) and bool(finished.all()):
             break
         # finished rows are padding from now on: nothing written, their lengths stay put
         logits = forward_step(tokens[:, None], ~finished[:, None], cache)[:, -1]
     if streamer is not None:
         streamer.end()
     generated = torch.stack(new_tokens, dim=1)
-    new = int(lengths.max()) if eos or stop is not None else generated.shape[1]  # as transformers: up to the last row's eos
+    # as transformers: up to the last row's eos (or stop, or limit)
+    new = int(lengths.max()) if eos or stop is not None or per_row_limits else generated.shape[1]
     return GenerateOutput(torch.cat([prompt.input_ids, generated[:, :new]], dim=1),
                           torch.stack(logprobs, dim=1)[:, :new] if output_logprobs else None)

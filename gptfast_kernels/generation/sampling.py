@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gptfast_kernels.ops._dispatch import check_int
+
 
 def check_sampling_args(op: str, temperature, top_k, top_p, min_p, batch_size: int, device: torch.device) -> tuple:
     """Checks temperature / top-k / top-p / min-p -> (temperature, top_k, top_p, min_p) as sampling
@@ -18,7 +20,20 @@ def check_sampling_args(op: str, temperature, top_k, top_p, min_p, batch_size: i
     uniform list samples exactly as the number does."""
     rules = (("temperature", temperature, _check_temperature), ("top_k", top_k, _check_top_k),
              ("top_p", top_p, _check_top_p), ("min_p", min_p, _check_min_p))
-    return tuple(_number_or_rows(op, name, value, check, batch_size, device) for name, value, check in rules)
+    return tuple(number_or_rows(op, name, value, check, batch_size, device) for name, value, check in rules)
+
+
+def check_new_token_counts(op: str, max_new_tokens, min_new_tokens, batch_size: int,
+                           device: torch.device) -> tuple:
+    """``max_new_tokens`` and ``min_new_tokens``: each an int >= 0 for every row or one per row ->
+    (max_new_tokens, the largest of them, min_new_tokens), per-row values as [B] int64 tensors
+    (per-request limits: a row stops at its own maximum, as at an eos)."""
+    def count(op, name, value):
+        return check_int(op, name, value, 0)
+
+    maximum = number_or_rows(op, "max_new_tokens", max_new_tokens, count, batch_size, device)
+    largest = int(maximum.max()) if isinstance(maximum, torch.Tensor) else maximum
+    return maximum, largest, number_or_rows(op, "min_new_tokens", min_new_tokens, count, batch_size, device)
 
 
 def _check_temperature(op: str, name: str, value) -> float:
@@ -49,10 +64,13 @@ def _check_min_p(op: str, name: str, value) -> float | None:
 # reads it as the whole vocabulary)
 _OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
         "frequency_penalty": 0.0}
+# arguments whose per-row tensor is float32 even when every value given is an int
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
-def _number_or_rows(op: str, name: str, value, check, batch_size: int, device):
-    """One sampling argument -> a number (or None) for every row, or a [B] tensor of per-row values."""
+def number_or_rows(op: str, name: str, value, check, batch_size: int, device):
+    """One argument, ``check(op, name, value)`` validating each value -> a number (or None) for every
+    row, or a [B] tensor of per-row values (int64 for ints, else float32; None entries as _OFF)."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.dtype == torch.bool or value.is_complex():
             raise ValueError(f"{op}: {name} as a tensor must be 1-D and real, one value per row, got "
@@ -65,8 +83,9 @@ def _number_or_rows(op: str, name: str, value, check, batch_size: int, device):
     rows = [check(op, f"{name}[{i}]", v) for i, v in enumerate(value)]
     if all(v == rows[0] for v in rows):
         return rows[0]  # (one value for every row: sampled exactly as that number)
-    return torch.tensor([_OFF[name] if v is None else v for v in rows],
-                        dtype=torch.int64 if name == "top_k" else torch.float32, device=device)
+    rows = [_OFF[name] if v is None else v for v in rows]
+    integers = all(isinstance(v, int) for v in rows) and name not in _FLOATS
+    return torch.tensor(rows, dtype=torch.int64 if integers else torch.float32, device=device)
 
 
 def check_penalties(op: str, repetition, presence, frequency, batch_size: int, device: torch.device) -> tuple:
@@ -74,8 +93,8 @@ def check_penalties(op: str, repetition, presence, frequency, batch_size: int, d
     number) -> (repetition, presence, frequency) as process_logits reads them: each a number for
     every row (the repetition penalty None when it is 1), or, given as a list (or 1-D tensor) of one
     per row (None entries: off), a [B] float32 tensor on ``device``, as check_sampling_args."""
-    repetition = _number_or_rows(op, "repetition_penalty", repetition, _check_repetition, batch_size, device)
-    presence, frequency = (_number_or_rows(op, name, value, _check_additive, batch_size, device)
+    repetition = number_or_rows(op, "repetition_penalty", repetition, _check_repetition, batch_size, device)
+    presence, frequency = (number_or_rows(op, name, value, _check_additive, batch_size, device)
                            for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)))
     return (repetition if _on(repetition, 1) else None), presence, frequency
 
@@ -150,9 +169,20 @@ def _on(value, off) -> bool:
     return isinstance(value, torch.Tensor) or (value is not None and value != off)
 
 
-def _broadcast(value, logits: torch.Tensor):
-    """A number as it is, per-row values [B] as [B, 1, ..., 1] against ``logits`` [B, ..., V]."""
-    return _per_row(value, logits) if isinstance(value, torch.Tensor) else value
+def too_early(made, min_new_tokens, batch_size: int, device: torch.device) -> torch.Tensor | None:
+    """Where a token would be new token number ``made`` (an int for every row, or [B] / [B, T]) of
+    its row and so may not be an eos (``min_new_tokens``, a number or [B]): a bool tensor, or None
+    where no row is held back (an int for every row past a number)."""
+    if not isinstance(made, torch.Tensor) and not isinstance(min_new_tokens, torch.Tensor):
+        return torch.ones(batch_size, dtype=torch.bool, device=device) if made < min_new_tokens else None
+    if not isinstance(made, torch.Tensor):
+        return made < min_new_tokens
+    return made < per_row(min_new_tokens, made) if isinstance(min_new_tokens, torch.Tensor) or min_new_tokens else None
+
+
+def per_row(value, like: torch.Tensor):
+    """A number as it is, per-row values [B] as [B, 1, ..., 1] against ``like`` [B, ...]."""
+    return _per_row(value, like) if isinstance(value, torch.Tensor) else value
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty) -> torch.Tensor:
@@ -187,10 +217,10 @@ def process_logits(logits: torch.Tensor, record: TokenRecord, penalty, is_eos: t
     values [B] (check_penalties)."""
     V = logits.shape[-1]
     if record.seen is not None:
-        logits = apply_repetition_penalty(logits, record.seen[..., :V], _broadcast(penalty, logits))
+        logits = apply_repetition_penalty(logits, record.seen[..., :V], per_row(penalty, logits))
     if record.counts is not None:
-        logits = apply_additive_penalties(logits, record.counts[..., :V], _broadcast(presence, logits),
-                                          _broadcast(frequency, logits))
+        logits = apply_additive_penalties(logits, record.counts[..., :V], per_row(presence, logits),
+                                          per_row(frequency, logits))
     if early is not None:
         logits = logits.masked_fill(early[..., None] & is_eos, float("-inf"))
     return logits
@@ -228,7 +258,7 @@ def logits_to_probs(logits: torch.Tensor, temperature, top_k=None, top_p=None, m
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if isinstance(top_p, torch.Tensor) or (top_p is not None and top_p < 1):
-        on = _per_row(top_p, logits) if isinstance(top_p, torch.Tensor) else top_p
+        on = per_row(top_p, logits)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
         drop_sorted = (mass_before >= on) & (on < 1)              # never drops the first token
@@ -236,7 +266,7 @@ def logits_to_probs(logits: torch.Tensor, temperature, top_k=None, top_p=None, m
         probs = _renormalised(probs.masked_fill(drop, 0.0), on < 1)
     if isinstance(min_p, torch.Tensor) or min_p:
         # relative to the most likely token, which every filter keeps: renormalising cannot move it
-        on = _per_row(min_p, logits) if isinstance(min_p, torch.Tensor) else min_p
+        on = per_row(min_p, logits)
         probs = _renormalised(probs.masked_fill(probs < on * probs.amax(dim=-1, keepdim=True), 0.0), on > 0)
     if one_hot is not None:
         probs = torch.where(greedy, one_hot, probs)

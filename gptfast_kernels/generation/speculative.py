@@ -22,8 +22,9 @@ from gptfast_kernels.generation import common
 from gptfast_kernels.generation.assistant import AssistantProposer, check_assistant, is_gemma4_assistant
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
-from gptfast_kernels.generation.sampling import (TokenRecord, check_penalties, check_sampling_args, eos_columns,
-                                                 logits_to_probs, process_logits, sample_from, token_logprobs)
+from gptfast_kernels.generation.sampling import (TokenRecord, check_new_token_counts, check_penalties,
+                                                 check_sampling_args, eos_columns, logits_to_probs, per_row,
+                                                 process_logits, sample_from, token_logprobs, too_early)
 from gptfast_kernels.generation.stopping import StopMatcher, check_stop_sequences, check_stop_strings
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
@@ -62,8 +63,8 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
     the tokens before it (the drafts before it included), so the output is still exactly the
     penalised target's; the draft's distributions are penalised the same way. ``presence_penalty``
     and ``frequency_penalty`` likewise (each position counts the drafts before it as generated).
-    ``min_new_tokens`` as in ``generate``, per position of a round likewise; the sampling arguments
-    and penalties per row as there (a batch with any sampled row is verified by sampling, its greedy rows'
+    ``min_new_tokens`` as in ``generate``, per position of a round likewise; the sampling arguments,
+    penalties and token limits per row as there (a batch with any sampled row is verified by sampling, its greedy rows'
     distributions one-hot: they still get the target's greedy tokens); ``stop_sequences``,
     ``stop_strings`` (with ``tokenizer``) and ``output_logprobs`` as there (a round that completes
     a stop sequence or string keeps the tokens up to the one that completes it)."""
@@ -169,7 +170,8 @@ class SpeculativeRounds:
     except the last one emitted (``last``)."""
     model: object
     prompt: common.Prompt
-    max_new_tokens: int
+    max_new_tokens: int | torch.Tensor  # for every row, or [B] per row
+    most_new_tokens: int  # the largest of them
     k: int
     # each a number for every row or a [B] tensor of per-row values (sampling.check_sampling_args)
     temperature: float | torch.Tensor
@@ -183,7 +185,7 @@ class SpeculativeRounds:
     streamer: object = None
     # the penalties: each a number for every row or a [B] tensor of per-row values (check_penalties)
     repetition_penalty: float | torch.Tensor | None = None
-    min_new_tokens: int = 0
+    min_new_tokens: int | torch.Tensor = 0  # for every row, or [B] per row
     output_logprobs: bool = False
     is_eos: torch.Tensor | None = None  # [V] bool: the eos columns on the model's device (set by run)
     presence_penalty: float | torch.Tensor = 0.0
@@ -201,12 +203,12 @@ class SpeculativeRounds:
         check_int(op, "speculate_k", speculate_k, 1)
         device, _ = common.model_device_dtype(model)
         prompt = common.check_prompt(op, input_ids, attention_mask, device, vocab_size)
-        max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 0)
+        max_new_tokens, most_new, min_new_tokens = check_new_token_counts(op, max_new_tokens, min_new_tokens,
+                                                                          prompt.input_ids.shape[0], device)
         temperature, top_k, top_p, min_p = check_sampling_args(op, temperature, top_k, top_p, min_p,
                                                                prompt.input_ids.shape[0], device)
         repetition_penalty, presence_penalty, frequency_penalty = check_penalties(
             op, repetition_penalty, presence_penalty, frequency_penalty, prompt.input_ids.shape[0], device)
-        min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
         common.check_flag(op, "output_logprobs", output_logprobs)
         common.check_flag(op, "compile", compile)
         eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
@@ -217,7 +219,7 @@ class SpeculativeRounds:
         if streamer is not None and prompt.input_ids.shape[0] != 1:
             raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
                              f"per round), got a batch of {prompt.input_ids.shape[0]}")
-        return cls(model, prompt, max_new_tokens, speculate_k, temperature, top_k, top_p, min_p, eos, pad, generator,
+        return cls(model, prompt, max_new_tokens, most_new, speculate_k, temperature, top_k, top_p, min_p, eos, pad, generator,
                    compile, streamer, repetition_penalty, min_new_tokens,
                    output_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                    stop=stop)
@@ -235,7 +237,7 @@ class SpeculativeRounds:
     def too_early(self, made: torch.Tensor) -> torch.Tensor | None:
         """Where a token would be new token number ``made`` (from 0) of its row, and so may not be an
         eos (``min_new_tokens``); None when nothing is suppressed."""
-        return made < self.min_new_tokens if self.min_new_tokens and self.eos else None
+        return too_early(made, self.min_new_tokens, self.batch_size, made.device) if self.eos else None
 
     def processed(self, logits, record: TokenRecord, early):
         """logits [..., V] with the penalties over ``record`` (per row or per row and position) and the
@@ -280,12 +282,12 @@ class SpeculativeRounds:
         streamer = self.streamer
         if streamer is not None:
             streamer.put(prompt.input_ids.cpu())
-        if self.max_new_tokens == 0:
+        if self.most_new_tokens == 0:
             if streamer is not None:
                 streamer.end()
             return SpeculativeOutput(prompt.input_ids.clone(), zeros, zeros.clone(), 0.0,
                                      zeros.new_zeros(B, 0, dtype=torch.float32) if self.output_logprobs else None)
-        capacity = max(prompt.lengths) + self.max_new_tokens + k
+        capacity = max(prompt.lengths) + self.most_new_tokens + k
         target_cache = cache_for(model, B, capacity, device, dtype, reuse=self.compile, step_tokens=k + 1)
         proposer = make_proposer(capacity, target_cache)
         takes_hidden = getattr(proposer, "takes_target_hidden", False)
@@ -305,7 +307,7 @@ class SpeculativeRounds:
         record.add(last[:, None])
 
         # generated tokens; a round writes up to k + 1 more, and column `dump` absorbs masked writes
-        out = torch.full((B, self.max_new_tokens + 2 * (k + 1)), pad, dtype=torch.int64, device=device)
+        out = torch.full((B, self.most_new_tokens + 2 * (k + 1)), pad, dtype=torch.int64, device=device)
         dump = out.shape[1] - 1
         out[:, 0] = last
         out_logprobs = None
@@ -319,8 +321,7 @@ class SpeculativeRounds:
         stop, stop_state = self.stop, None  # (stop_state: each row's state in the stop patterns)
         if stop is not None:
             hits, states = stop.scan(stop.start(B), last[:, None])
-            if self.min_new_tokens == 0:
-                finished |= hits[:, 0]
+            finished |= hits[:, 0] & (self.min_new_tokens == 0)
             stop_state = states[:, 0]
         proposed, accepted = zeros.clone(), zeros.clone()
         columns = torch.arange(k + 1, device=device)
@@ -367,7 +368,7 @@ class SpeculativeRounds:
             if stop is not None:  # (before min_new_tokens a stop sequence or string does not count)
                 made = num_generated[:, None] + columns[None, :]  # each position's new token number
                 hits, states = stop.scan(stop_state, tokens)
-                is_eos |= hits & emitted & (made >= self.min_new_tokens)
+                is_eos |= hits & emitted & (made >= per_row(self.min_new_tokens, made))
             after_eos = (is_eos.to(torch.int64).cumsum(dim=1) - is_eos.to(torch.int64)) > 0
             emitted &= ~after_eos
             if stop is not None:
@@ -386,9 +387,9 @@ class SpeculativeRounds:
 
         if streamer is not None:
             streamer.end()
-        new = min(int(num_generated.max()), self.max_new_tokens)
+        new = min(int(num_generated.max()), self.most_new_tokens)
         # positions past a row's own length hold pad already; rows cut by max_new_tokens lose the rest
-        kept = torch.arange(new, device=device)[None, :] < num_generated[:, None].clamp(max=self.max_new_tokens)
+        kept = torch.arange(new, device=device)[None, :] < num_generated.clamp(max=self.max_new_tokens)[:, None]
         generated = torch.where(kept, out[:, :new], pad)
         logprobs = None if out_logprobs is None else torch.where(kept, out_logprobs[:, :new], 0.0)
         total_proposed = int(proposed.sum())

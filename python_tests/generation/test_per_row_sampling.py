@@ -9,7 +9,7 @@ import torch
 
 from gptfast_kernels import generate, patch_model, prompt_lookup_generate, speculative_generate
 from gptfast_kernels.generation.sampling import logits_to_probs
-from python_tests.tiny_models import draft_of, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import PAD, draft_of, patched_copy, ragged_prompts, tiny_model
 
 NEW, P = 12, 6
 # per row: temperature, top_k, top_p, min_p (greedy, top-k, top-p, min-p, all three)
@@ -100,6 +100,58 @@ def test_per_row_penalties_penalise_each_row_as_alone(generator_name, temperatur
     assert not all(torch.equal(alone[0][b], alone[1][b]) for b in range(len(PENALTIES)))  # (penalties bite)
 
 
+def _generators(target, patched, k=3):
+    draft = patch_model(draft_of(target, 2), int8=False)
+    return {"generate": lambda *a, **kw: generate(patched, *a, **kw),
+            "speculative": lambda *a, **kw: speculative_generate(patched, draft, *a, speculate_k=k, **kw),
+            "prompt_lookup": lambda *a, **kw: prompt_lookup_generate(patched, *a, speculate_k=k, **kw)}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_per_row_max_new_tokens_end_each_row_at_its_own_limit(temperature):
+    target = tiny_model("llama", layers=3)
+    patched = patched_copy(target, int8=False)
+    ids, mask = ragged_prompts(4, P, "left", seed=3)
+    limits = [3, 0, 9, 5]
+    for name, run in _generators(target, patched).items():
+        if name != "generate" and temperature:  # (sampled: generate's rows as alone suffice below)
+            continue
+        got = run(ids, mask, max_new_tokens=limits, eos_token_id=[], temperature=temperature,
+                  generator=torch.Generator().manual_seed(2))
+        assert got.sequences.shape[1] == P + max(limits), name
+        if not temperature:  # (greedy: the speculative generators equal generate)
+            assert torch.equal(got.sequences, generate(patched, ids, mask, max_new_tokens=limits,
+                                                       eos_token_id=[]).sequences), name
+        for b, limit in enumerate(limits):
+            alone = run(ids, mask, max_new_tokens=limit, eos_token_id=[], temperature=temperature,
+                        generator=torch.Generator().manual_seed(2)).sequences
+            assert torch.equal(got.sequences[b, :P + limit], alone[b]), (name, b)
+            assert (got.sequences[b, P + limit:] == PAD).all(), (name, b)
+
+
+def test_per_row_min_new_tokens_hold_each_rows_eos_and_stops_back_as_alone():
+    target = tiny_model("llama", layers=3)
+    patched = patched_copy(target, int8=False)
+    ids, mask = ragged_prompts(4, P, "left", seed=5)
+    free = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences[:, P:]
+    eos = int(free[1, 1])  # (row 1 makes it before its minimum)
+    stops = [free[2, 0:2].tolist()]  # (row 2 completes it before its minimum)
+    minimums = [0, 6, 3, 0]
+    options = dict(max_new_tokens=NEW, eos_token_id=eos, stop_sequences=stops)
+    want = generate(patched, ids, mask, min_new_tokens=minimums, **options).sequences
+    for name, run in _generators(target, patched).items():
+        got = run(ids, mask, min_new_tokens=minimums, **options).sequences
+        assert torch.equal(got, want), name  # (greedy: the speculative generators equal generate)
+        for b, minimum in enumerate(minimums):
+            alone = run(ids, mask, min_new_tokens=minimum, **options).sequences
+            width = min(got.shape[1], alone.shape[1])
+            assert torch.equal(got[b, :width], alone[b, :width]), (name, b)
+            assert (got[b, width:] == PAD).all() and (alone[b, width:] == PAD).all(), (name, b)
+    held = generate(patched, ids, mask, min_new_tokens=minimums, **options).sequences
+    unheld = generate(patched, ids, mask, **options).sequences
+    assert (unheld[1:3, P + 2:] == PAD).all() and not (held[1:3, P + 2:] == PAD).all(dim=1).any()  # (held back)
+
+
 def test_one_value_for_every_row_samples_as_that_number():
     patched = patched_copy(tiny_model("llama", layers=2), int8=False)
     ids, mask = ragged_prompts(3, P, "left", seed=1)
@@ -124,6 +176,9 @@ def test_one_value_for_every_row_samples_as_that_number():
     (dict(temperature=torch.ones(3, 1)), "temperature as a tensor must be 1-D"),
     (dict(temperature=torch.ones(3, dtype=torch.bool)), "temperature as a tensor must be 1-D and real"),
     (dict(repetition_penalty=[1.0, 0.0, 1.0]), r"repetition_penalty\[1\]"),
+    (dict(max_new_tokens=[2, -1, 2]), r"max_new_tokens\[1\]"),
+    (dict(max_new_tokens=[2, 2]), "max_new_tokens has 2 values"),
+    (dict(min_new_tokens=[0, 1, 2.0]), r"min_new_tokens\[2\]"),
     (dict(presence_penalty=[0.1, 0.2]), "presence_penalty has 2 values"),
     (dict(frequency_penalty=[0.1, float("inf"), 0.0]), r"frequency_penalty\[1\]"),
 ])
@@ -134,4 +189,4 @@ def test_bad_per_row_values_name_the_argument_and_row(kwargs, words):
                 lambda **kw: speculative_generate(patched, patched, ids, **kw),
                 lambda **kw: prompt_lookup_generate(patched, ids, **kw)):
         with pytest.raises(ValueError, match=words):
-            run(max_new_tokens=2, **kwargs)
+            run(**{"max_new_tokens": 2, **kwargs})

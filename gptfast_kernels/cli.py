@@ -1,4 +1,4 @@
-"""``python -m gptfast_kernels <info|demo|bench|quantize>`` (installed as ``gptfast-kernels``)."""
+"""``python -m gptfast_kernels <info|demo|bench|quantize|generate>`` (installed as ``gptfast-kernels``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 import sys
 
 import torch
+
+from gptfast_kernels.generate_cli import DTYPES, add_generate_parser
 
 
 def _version(package: str) -> str:
@@ -57,14 +59,13 @@ def cmd_bench(bench_argv: list[str]) -> int:
     return bench_main(bench_argv)
 
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _add_quantize_parser(sub):
     parser = sub.add_parser("quantize", help="patch a checkpoint (int8 weights) and save it for load_patched")
     parser.add_argument("model", help="a local checkpoint or hub name (from_pretrained)")
     parser.add_argument("output", help="the directory to write (save_patched), with the model's tokenizer")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="the float weights' and activations' dtype (default bfloat16)")
     parser.add_argument("--int8-skip", nargs="*", default=[], metavar="NAME",
                         help="layers left float (names or patterns, as patch_model's int8_skip)")
@@ -81,7 +82,7 @@ def cmd_quantize(args) -> int:
     from gptfast_kernels import patch_model, save_patched
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=_DTYPES[args.dtype],
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype],
                                                      trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as error:
         print(f"quantize: cannot load model {args.model!r}: {error}", file=sys.stderr)
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions and which backends are compiled / usable")
     sub.add_parser("bench", help="kernel microbenchmarks (table + JSON); `bench --help` for options")
-    commands = {"info": cmd_info, "quantize": _add_quantize_parser(sub)}
+    commands = {"info": cmd_info, "quantize": _add_quantize_parser(sub), "generate": add_generate_parser(sub)}
     try:
         from gptfast_kernels.demo import add_demo_parser
     except ImportError:

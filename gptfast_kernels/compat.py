@@ -375,24 +375,37 @@ def generate_text_fast(model_path, draft_model_name, sequence, max_length: int, 
     check_int(op, "max_length", max_length, 1)
     _check_name(op, "model_path", model_path)
     _check_name(op, "draft_model_name", draft_model_name)
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(os.fspath(model_path), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{op}: model_path {os.fspath(model_path)!r} has no loadable tokenizer: {error}") from error
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
-    tokenizer.padding_side = "left"
+    tokenizer = padding_tokenizer(op, "model_path", model_path, trust_remote_code)
     fast = gpt_fast(model_path, draft_model_name, int8=int8, device=device, trust_remote_code=trust_remote_code)
     encoded = tokenizer(texts, return_tensors="pt", padding=True)
     if max_length <= encoded["input_ids"].shape[1]:
         raise ValueError(f"{op}: max_length counts the prompt too and must exceed its {encoded['input_ids'].shape[1]} "
                          f"tokens, got {max_length}")
-    eos = fast.model.model.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
     output = fast.generate(encoded["input_ids"], max_length, speculate_k, attention_mask=encoded["attention_mask"],
-                           eos_token_id=[] if eos is None else eos, stop_strings=stop_strings, tokenizer=tokenizer)
+                           eos_token_id=text_eos_ids(fast.model.model, tokenizer), stop_strings=stop_strings,
+                           tokenizer=tokenizer)
     decoded = tokenizer.batch_decode(output, skip_special_tokens=True)
     return decoded if batch else decoded[0]
+
+
+def padding_tokenizer(op: str, arg: str, path, trust_remote_code: bool = False):
+    """``path``'s tokenizer, set to pad on the left (a batch of prompts then ends in one column),
+    with a pad token (its eos, else unk, where it has none)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{op}: {arg} {os.fspath(path)!r} has no loadable tokenizer: {error}") from error
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def text_eos_ids(model, tokenizer) -> int | list[int]:
+    """Where text generation stops: the model's eos ids, else the tokenizer's eos, else nowhere ([])."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [] if eos is None else eos

@@ -2,6 +2,8 @@
 (no downloads). Greedy outputs are checked against transformers' own greedy decoding of the
 unpatched target (int8 off) or against our ``generate`` on the same patched model (int8 on)."""
 
+import io
+
 import pytest
 import torch
 
@@ -238,6 +240,54 @@ def test_quantize_command_writes_what_generate_text_fast_loads(checkpoints, tmp_
     assert not isinstance(loaded.lm_head, Int8Linear) and loaded.dtype == torch.bfloat16
     assert main(["quantize", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
     assert "quantize: cannot load model" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def _continuation(text: str, prompt: str) -> str:
+    assert text.startswith(prompt)
+    return text[len(prompt):].strip()
+
+
+def test_generate_command_prints_what_generate_text_fast_continues(checkpoints, tmp_path, capsys, monkeypatch):
+    """`python -m gptfast_kernels generate`: one prompt streamed, several printed in turn; plain,
+    draft and prompt-lookup decoding print the same greedy text (int8, as generate_text_fast's), a
+    stop string cuts it, a save_patched directory gives the same, standard input is a prompt."""
+    from gptfast_kernels.cli import main
+
+    target, draft = checkpoints["target"], checkpoints["draft"]
+    prompts = ["w3 w4 w5", "w7 w8"]
+    want = [_continuation(text, prompt) for text, prompt in
+            zip(compat.generate_text_fast(target, draft, prompts, 14, device="cpu"), prompts)]
+    base = ["--max-new-tokens", str(14 - 3), "--device", "cpu"]
+    assert main(["generate", target, prompts[0], *base]) == 0
+    streamed = capsys.readouterr()
+    assert streamed.out.strip() == want[0] and "tokens/s" in streamed.err
+    for extra in ([], ["--draft", draft], ["--prompt-lookup", "--speculate-k", "2"]):
+        assert main(["generate", target, *prompts, *base, *extra]) == 0
+        printed = capsys.readouterr()
+        assert printed.out == f"--- 0\n{want[0]}\n--- 1\n{want[1]}\n", extra
+        assert ("accepted" in printed.err) == bool(extra)
+    word = want[0].split()[2]
+    assert main(["generate", target, prompts[0], *base, "--stop", word]) == 0
+    assert capsys.readouterr().out.split() == want[0].split()[:want[0].split().index(word) + 1]
+    assert main(["quantize", target, str(tmp_path / "saved"), "--dtype", "float32"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO(prompts[0]))
+    assert main(["generate", str(tmp_path / "saved"), "-", *base]) == 0
+    assert capsys.readouterr().out.strip() == want[0]
+
+
+def test_generate_command_refuses_what_it_cannot_do(checkpoints, tmp_path, capsys):
+    from gptfast_kernels.cli import main
+
+    target, draft = checkpoints["target"], checkpoints["draft"]
+    assert main(["generate", str(tmp_path / "nowhere"), "w3", "--device", "cpu"]) == 2
+    assert "generate: cannot load model" in capsys.readouterr().err
+    assert main(["generate", draft, "w3", "--device", "cpu"]) == 2  # (the draft checkpoint has no tokenizer)
+    assert "no loadable tokenizer" in capsys.readouterr().err
+    assert main(["generate", target, "w3", "--device", "cpu", "--temperature", "-1"]) == 2
+    assert "temperature must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", target, "w3", "--draft", draft, "--prompt-lookup"])
 
 
 def test_bad_arguments_name_the_argument(checkpoints):

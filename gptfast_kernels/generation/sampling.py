@@ -31,8 +31,11 @@ def check_new_token_counts(op: str, max_new_tokens, min_new_tokens, batch_size: 
     def count(op, name, value):
         return check_int(op, name, value, 0)
 
-    maximum = number_or_rows(op, "max_new_tokens", max_new_tokens, count, batch_size, device)
-    largest = int(maximum.max()) if isinstance(maximum, torch.Tensor) else maximum
+    maximum = number_or_rows(op, "max_new_tokens", max_new_tokens, count, batch_size, torch.device("cpu"))
+    if isinstance(maximum, torch.Tensor):  # (the largest read on the host, not from the device: no sync)
+        largest, maximum = int(maximum.max()), maximum.to(device)
+    else:
+        largest = maximum
     return maximum, largest, number_or_rows(op, "min_new_tokens", min_new_tokens, count, batch_size, device)
 
 

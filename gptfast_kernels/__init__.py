@@ -19,6 +19,7 @@ _LAZY = {
     "speculative_generate": "gptfast_kernels.generation.speculative",
     "SpeculativeOutput": "gptfast_kernels.generation.speculative",
     "prompt_lookup_generate": "gptfast_kernels.generation.prompt_lookup",
+    "ContinuousBatcher": "gptfast_kernels.generation.continuous",
     "save_patched": "gptfast_kernels.models.serialization",
     "load_patched": "gptfast_kernels.models.serialization",
 }

@@ -1,0 +1,170 @@
+"""Continuous batching: requests join a running batch as soon as a row frees up.
+
+``generate`` decodes one batch until its last row ends; rows that end early idle. A
+``ContinuousBatcher`` keeps ``batch_size`` rows of one StaticKVCache busy instead (the scheduling of
+Orca and vLLM, on a static cache): each ``step`` samples one token for every running request,
+retires the requests that ended (an eos id, or their own ``max_new_tokens``), prefills waiting
+requests into the freed rows (their cache rows emptied, their prompts in one forward, the other rows
+padding that writes nothing), and runs one decode forward (a CUDA graph with ``compile``) over the
+rows that go on. Each request keeps its own sampling arguments (per-row temperature / top-k / top-p
+/ min-p, as ``generate`` takes them). Greedy requests get the tokens ``generate`` gives each prompt
+alone. Every step reads the sampled tokens on the host (to retire requests and free rows).
+
+Not served: hybrid models (a recurrent state per row cannot be emptied mid-batch yet), the
+penalties and stop sequences (``generate``'s per-call options), speculative decoding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from gptfast_kernels.generation import common
+from gptfast_kernels.generation.forward import cache_for, step_function
+from gptfast_kernels.generation.sampling import check_sampling_args, pick_tokens
+from gptfast_kernels.models.patch import forward_with_cache
+from gptfast_kernels.ops._dispatch import check_int
+
+
+@dataclass
+class Request:
+    """One submitted prompt: its id (submission order), tokens, limits and sampling arguments."""
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: tuple  # (temperature, top_k, top_p, min_p), numbers / None
+    tokens: list[int] = field(default_factory=list)  # what it has generated so far
+
+
+class ContinuousBatcher:
+    """``ContinuousBatcher(model, batch_size=8, max_length=2048)``; ``submit(prompt_ids, ...)`` ->
+    request id; ``step()`` -> the requests that ended in it, as {id: new token ids}; ``run()`` steps
+    until every submitted request has ended and returns {id: new token ids} for all of them.
+
+    ``max_length``: the most cache slots one request may take (its prompt + max_new_tokens - 1).
+    ``eos_token_id`` None: the model's generation_config's, as in ``generate``; a request's tokens
+    end with the eos that ended it. ``compile``: decode steps through torch.compile (CUDA graphs)."""
+
+    def __init__(self, model, *, batch_size: int = 8, max_length: int = 2048,
+                 eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
+                 compile: bool = False):
+        op = "ContinuousBatcher"
+        common.check_model(op, "model", model)
+        self.batch_size = check_int(op, "batch_size", batch_size, 1)
+        self.max_length = check_int(op, "max_length", max_length, 1)
+        common.check_flag(op, "compile", compile)
+        self.model, self.generator = model, generator
+        self.device, dtype = common.model_device_dtype(model)
+        self.eos, _ = common.resolve_special_tokens(op, model, eos_token_id)
+        self.vocab_size = common.input_vocab_size(model)
+        self.cache = cache_for(model, batch_size, max_length, self.device, dtype, reuse=compile)
+        if self.cache.has_recurrent_layers:
+            raise ValueError(f"{op}: {model.config.model_type} is a hybrid model; its rows' recurrent states cannot "
+                             "be emptied one at a time, so it cannot be batched continuously: use generate")
+        self.step_forward = step_function(model, compile)
+        self.waiting: deque[Request] = deque()
+        self.rows: list[Request | None] = [None] * batch_size  # the request in each cache row
+        self.logits = None  # [B, V]: each running row's next-token logits
+        self.submitted = 0
+
+    def submit(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None, min_p: float | None = None) -> int:
+        """Queues one prompt (a list of token ids or a 1-D tensor) -> its request id."""
+        op = "ContinuousBatcher.submit"
+        if isinstance(prompt_ids, torch.Tensor):
+            if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex():
+                raise ValueError(f"{op}: prompt_ids as a tensor must be 1-D token ids, got {tuple(prompt_ids.shape)} "
+                                 f"{prompt_ids.dtype}")
+            prompt_ids = prompt_ids.tolist()
+        if (not isinstance(prompt_ids, (list, tuple)) or not prompt_ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                           for t in prompt_ids)):
+            raise ValueError(f"{op}: prompt_ids must be a non-empty list of token ids in [0, {self.vocab_size})")
+        max_new_tokens = check_int(op, "max_new_tokens", max_new_tokens, 1)
+        if len(prompt_ids) + max_new_tokens - 1 > self.max_length:
+            raise ValueError(f"{op}: the prompt ({len(prompt_ids)} tokens) and max_new_tokens ({max_new_tokens}) "
+                             f"need {len(prompt_ids) + max_new_tokens - 1} cache slots, more than max_length "
+                             f"({self.max_length})")
+        sampling = check_sampling_args(op, temperature, top_k, top_p, min_p, 1, self.device)
+        request = Request(self.submitted, list(prompt_ids), max_new_tokens, sampling)
+        self.submitted += 1
+        self.waiting.append(request)
+        return request.id
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    @torch.no_grad()
+    def step(self) -> dict[int, list[int]]:
+        """One token for every running request; the requests that ended, and new ones in their rows."""
+        ended = {}
+        going = [b for b, r in enumerate(self.rows) if r is not None]
+        if going:
+            tokens = self._sample(going)
+            for b in going:
+                request = self.rows[b]
+                request.tokens.append(tokens[b])
+                if tokens[b] in self.eos or len(request.tokens) >= request.max_new_tokens:
+                    ended[request.id] = request.tokens
+                    self.rows[b] = None
+            going = [b for b in going if self.rows[b] is not None]
+        self._admit()
+        if going:
+            mask = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+            mask[going] = True
+            fed = torch.tensor([[r.tokens[-1] if r is not None and r.tokens else 0] for r in self.rows],
+                               device=self.device)
+            logits = self.step_forward(fed, mask[:, None], self.cache)[:, -1]
+            rows = torch.tensor(going, device=self.device)
+            self.logits[rows] = logits[rows].float()
+        return ended
+
+    def run(self) -> dict[int, list[int]]:
+        """Steps until every submitted request has ended -> {id: new token ids}, in submission order."""
+        done = {}
+        while self.waiting or self.running:
+            done.update(self.step())
+        return dict(sorted(done.items()))
+
+    def _admit(self) -> None:
+        """Prefills waiting requests into free rows (one forward; chunks for ring-buffer caches)."""
+        free = [b for b, r in enumerate(self.rows) if r is None]
+        taken = []
+        while free and self.waiting:
+            b = free.pop(0)
+            self.rows[b] = self.waiting.popleft()
+            taken.append(b)
+        if not taken:
+            return
+        width = max(len(self.rows[b].prompt) for b in taken)
+        ids = torch.zeros(self.batch_size, width, dtype=torch.int64)
+        mask = torch.zeros(self.batch_size, width, dtype=torch.bool)
+        for b in taken:  # left-padded: every new prompt ends in the last column
+            prompt = self.rows[b].prompt
+            ids[b, width - len(prompt):] = torch.tensor(prompt)
+            mask[b, width - len(prompt):] = True
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        lengths = self.cache.seq_lengths.clone()
+        lengths[torch.tensor(taken, device=lengths.device)] = 0
+        self.cache.crop(lengths, check=False)  # the new rows start empty; the others keep theirs
+        prompt = common.Prompt(ids, mask, mask.sum(dim=1).tolist())
+        for start, stop in common.prompt_chunks(prompt, self.cache):
+            out = forward_with_cache(self.model, ids[:, start:stop], self.cache, attention_mask=mask[:, :stop],
+                                     logits_to_keep=1)
+        logits = out.logits[:, -1].float()
+        if self.logits is None:
+            self.logits = torch.zeros_like(logits)
+        rows = torch.tensor(taken, device=self.device)
+        self.logits[rows] = logits[rows]
+
+    def _sample(self, going: list[int]) -> list[int]:
+        """Each running row's next token (its request's sampling arguments), read on the host. Idle
+        rows take the first running row's arguments, so a batch whose requests all sample alike
+        samples as with numbers (all greedy: an argmax)."""
+        spare = self.rows[going[0]].sampling
+        columns = [list(c) for c in zip(*[r.sampling if r is not None else spare for r in self.rows])]
+        arguments = check_sampling_args("ContinuousBatcher", *columns, self.batch_size, self.device)
+        return pick_tokens(self.logits, *arguments, self.generator).tolist()

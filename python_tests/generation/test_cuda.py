@@ -133,6 +133,24 @@ def test_per_row_sampling_rows_sample_as_alone():
     assert torch.equal(mixed[0], generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences[0])
 
 
+def test_continuous_batching_requests_equal_generate_alone():
+    """ContinuousBatcher on the GPU, compiled (CUDA-graph) decode steps: rows reused mid-batch give
+    every greedy request the tokens generate gives its prompt alone."""
+    from gptfast_kernels import ContinuousBatcher
+
+    patched = patched_copy(tiny_model("llama", layers=3).cuda(), int8=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4)]
+    limits = (6, 3, 9, 4, 7)
+    batcher = ContinuousBatcher(patched, batch_size=2, max_length=24, eos_token_id=[], compile=True)
+    for p, n in zip(prompts, limits):
+        batcher.submit(p, max_new_tokens=n)
+    out = batcher.run()
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+        alone = generate(patched, torch.tensor([p], device="cuda"), max_new_tokens=n, eos_token_id=[]).sequences
+        assert out[i] == alone[0, len(p):].tolist()
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_bf16_logits_within_twice_transformers_error(family):
     """Prefill then two decode steps in bf16 through the CUDA kernels, against float64: our error is

@@ -3,10 +3,10 @@
 ``generate`` decodes one batch until its last row ends; rows that end early idle. A
 ``ContinuousBatcher`` keeps ``batch_size`` rows of one StaticKVCache busy instead (the scheduling of
 Orca and vLLM, on a static cache): each ``step`` samples one token for every running request,
-retires the requests that ended (an eos id, or their own ``max_new_tokens``), prefills waiting
-requests into the freed rows (their cache rows emptied, their prompts in one forward, the other rows
-padding that writes nothing), and runs one decode forward (a CUDA graph with ``compile``) over the
-rows that go on. Each request keeps its own sampling arguments (per-row temperature / top-k / top-p
+retires the requests that ended (an eos id, or their own ``max_new_tokens``), puts waiting requests
+into the freed rows (their cache rows emptied) and runs one forward: each going row's new token and
+each new row's prompt, left-padded into one [B, W] input (idle rows are padding, which writes
+nothing); a step without new prompts is the decode step (a CUDA graph with ``compile``). Each request keeps its own sampling arguments (per-row temperature / top-k / top-p
 / min-p, as ``generate`` takes them). Greedy requests get the tokens ``generate`` gives each prompt
 alone. Every step reads the sampled tokens on the host (to retire requests and free rows).
 
@@ -111,15 +111,9 @@ class ContinuousBatcher:
                     ended[request.id] = request.tokens
                     self.rows[b] = None
             going = [b for b in going if self.rows[b] is not None]
-        self._admit()
-        if going:
-            mask = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
-            mask[going] = True
-            fed = torch.tensor([[r.tokens[-1] if r is not None and r.tokens else 0] for r in self.rows],
-                               device=self.device)
-            logits = self.step_forward(fed, mask[:, None], self.cache)[:, -1]
-            rows = torch.tensor(going, device=self.device)
-            self.logits[rows] = logits[rows].float()
+        admitted = self._admit()
+        if going or admitted:
+            self._forward(going, admitted)
         return ended
 
     def run(self) -> dict[int, list[int]]:
@@ -129,36 +123,47 @@ class ContinuousBatcher:
             done.update(self.step())
         return dict(sorted(done.items()))
 
-    def _admit(self) -> None:
-        """Prefills waiting requests into free rows (one forward; chunks for ring-buffer caches)."""
+    def _admit(self) -> list[int]:
+        """Waiting requests into free rows, those rows' caches emptied -> the rows taken."""
         free = [b for b, r in enumerate(self.rows) if r is None]
         taken = []
         while free and self.waiting:
             b = free.pop(0)
             self.rows[b] = self.waiting.popleft()
             taken.append(b)
-        if not taken:
-            return
-        width = max(len(self.rows[b].prompt) for b in taken)
+        if taken:
+            lengths = self.cache.seq_lengths.clone()
+            lengths[torch.tensor(taken, device=lengths.device)] = 0
+            self.cache.crop(lengths, check=False)  # the new rows start empty; the others keep theirs
+        return taken
+
+    def _forward(self, going: list[int], admitted: list[int]) -> None:
+        """One forward: each going row's last token and each admitted row's prompt, left-padded so
+        that every row ends in the last column (idle rows are padding: nothing written) -> their
+        next-token logits. Without new prompts, the decode step (compiled with ``compile``)."""
+        width = max([len(self.rows[b].prompt) for b in admitted], default=1)
         ids = torch.zeros(self.batch_size, width, dtype=torch.int64)
         mask = torch.zeros(self.batch_size, width, dtype=torch.bool)
-        for b in taken:  # left-padded: every new prompt ends in the last column
+        for b in going:
+            ids[b, -1] = self.rows[b].tokens[-1]
+            mask[b, -1] = True
+        for b in admitted:
             prompt = self.rows[b].prompt
             ids[b, width - len(prompt):] = torch.tensor(prompt)
             mask[b, width - len(prompt):] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
-        lengths = self.cache.seq_lengths.clone()
-        lengths[torch.tensor(taken, device=lengths.device)] = 0
-        self.cache.crop(lengths, check=False)  # the new rows start empty; the others keep theirs
-        prompt = common.Prompt(ids, mask, mask.sum(dim=1).tolist())
-        for start, stop in common.prompt_chunks(prompt, self.cache):
-            out = forward_with_cache(self.model, ids[:, start:stop], self.cache, attention_mask=mask[:, :stop],
-                                     logits_to_keep=1)
-        logits = out.logits[:, -1].float()
+        if not admitted:
+            logits = self.step_forward(ids, mask, self.cache)[:, -1]
+        else:  # (a ring-buffer cache takes at most max_step_tokens a forward: chunks, the going rows' in the last)
+            prompt = common.Prompt(ids, mask, mask.sum(dim=1).tolist())
+            for start, stop in common.prompt_chunks(prompt, self.cache):
+                out = forward_with_cache(self.model, ids[:, start:stop], self.cache, attention_mask=mask[:, :stop],
+                                         logits_to_keep=1)
+            logits = out.logits[:, -1]
         if self.logits is None:
-            self.logits = torch.zeros_like(logits)
-        rows = torch.tensor(taken, device=self.device)
-        self.logits[rows] = logits[rows]
+            self.logits = torch.zeros(logits.shape, dtype=torch.float32, device=self.device)
+        rows = torch.tensor(going + admitted, device=self.device)
+        self.logits[rows] = logits[rows].float()
 
     def _sample(self, going: list[int]) -> list[int]:
         """Each running row's next token (its request's sampling arguments), read on the host. Idle

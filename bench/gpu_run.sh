@@ -33,6 +33,8 @@
 #                                                   -> ..._speculative_hybrid-lfm2-mamba-mamba2.json
 #   speculative-assistant   a Gemma 4 assistant drafting for a Gemma 4 target (random weights),
 #                B = 1 / 8, against transformers' assisted generation -> ..._speculative_assistant.json
+#   continuous   ContinuousBatcher against generate over static batches, 32 requests of mixed
+#                lengths, Llama-3.2-1B shapes, compiled                -> ..._continuous.json
 #   speculative-demo   the demo's trained models end to end           -> ..._speculative_demo.json
 #                (carry .demo_cache to skip the demo's training)
 #
@@ -48,7 +50,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels int8-kernels tiles kv-tiles profile generate generate-batched generate-mla generate-llama4 generate-mamba2 speculative speculative-hybrid speculative-assistant speculative-demo}
+STAGES=${*:-build tests sanitize kernels int8-kernels tiles kv-tiles profile generate generate-batched generate-mla generate-llama4 generate-mamba2 speculative speculative-hybrid speculative-assistant continuous speculative-demo}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -163,6 +165,7 @@ for stage in $STAGES; do
     speculative) bench speculative --cases rounds ;;
     speculative-hybrid) bench speculative --cases hybrid,mamba2,lfm2,mamba ;;
     speculative-assistant) bench speculative --cases assistant ;;
+    continuous) bench continuous ;;
     speculative-demo) bench speculative --cases demo ;;
     *) echo "unknown stage $stage"; false ;;
   esac

@@ -71,12 +71,15 @@ def rule_hits(tokens: list[int], pieces: list[bytes], strings: list[str]) -> lis
 
 def stop_string_from(pieces: list[bytes], tokens: list[int]) -> str:
     """A string that occurs in the text of ``tokens`` from the middle of token 2 into token 4 (or the
-    nearest such span that is whole characters), for a stop string the output does contain."""
+    nearest such span that is whole characters, else the longest), for a stop string the output
+    does contain."""
     text = [pieces[t] if t < len(pieces) else b"" for t in tokens]
     start = sum(len(p) for p in text[:2]) + len(text[2]) // 2
     end = sum(len(p) for p in text[:4]) + max(1, len(text[4]) // 2)
     joined = b"".join(text)
-    for a, z in ((start, end), (start - 1, end + 1), (start - 2, end + 2), (0, len(joined))):
+    spans = [(start, end), (start - 1, end + 1), (start - 2, end + 2)]
+    spans += [(a, a + width) for width in range(len(joined), 0, -1) for a in range(len(joined) - width + 1)]
+    for a, z in spans:  # (else the longest span of whole characters)
         try:
             candidate = joined[max(a, 0):z].decode("utf-8")
         except UnicodeDecodeError:

@@ -6,12 +6,18 @@ Orca and vLLM, on a static cache): each ``step`` samples one token for every run
 retires the requests that ended (an eos id, or their own ``max_new_tokens``), puts waiting requests
 into the freed rows (their cache rows emptied) and runs one forward: each going row's new token and
 each new row's prompt, left-padded into one [B, W] input (idle rows are padding, which writes
-nothing); a step without new prompts is the decode step (a CUDA graph with ``compile``). Each request keeps its own sampling arguments (per-row temperature / top-k / top-p
-/ min-p, as ``generate`` takes them). Greedy requests get the tokens ``generate`` gives each prompt
-alone. Every step reads the sampled tokens on the host (to retire requests and free rows).
+nothing); a step without new prompts is the decode step (a CUDA graph with ``compile``).
 
-Not served: hybrid models (a recurrent state per row cannot be emptied mid-batch yet), the
-penalties and stop sequences (``generate``'s per-call options), speculative decoding.
+Each request keeps its own options, as ``generate`` takes them for a call: sampling arguments
+(per-row temperature / top-k / top-p / min-p), penalties (repetition / presence / frequency, each
+row's record emptied when a request takes it), ``min_new_tokens``, ``max_new_tokens``, stop
+sequences and stop strings. Greedy requests get the tokens ``generate`` gives each prompt alone with
+the same options. Every step reads the sampled tokens on the host (to retire requests and free
+rows), so the stops are matched there, per request, by generate's rule (a match ends within the
+new token; the prompt is never part of one).
+
+Not served: hybrid models (a recurrent state per row cannot be emptied mid-batch yet), speculative
+decoding.
 """
 
 from __future__ import annotations
@@ -23,19 +29,35 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import check_sampling_args, pick_tokens
+from gptfast_kernels.generation.sampling import (TokenRecord, check_penalties, check_sampling_args, eos_columns,
+                                                 pick_tokens, process_logits)
+from gptfast_kernels.generation.stopping import check_stop_sequences, check_stop_strings, token_bytes
 from gptfast_kernels.models.patch import forward_with_cache
 from gptfast_kernels.ops._dispatch import check_int
 
 
 @dataclass
 class Request:
-    """One submitted prompt: its id (submission order), tokens, limits and sampling arguments."""
+    """One submitted prompt: its id (submission order), tokens, limits and options."""
     id: int
     prompt: list[int]
     max_new_tokens: int
+    min_new_tokens: int
     sampling: tuple  # (temperature, top_k, top_p, min_p), numbers / None
+    penalties: tuple  # (repetition, presence, frequency), numbers (repetition None: off)
+    stop_sequences: list[list[int]]
+    stop_strings: list[bytes]  # (UTF-8)
     tokens: list[int] = field(default_factory=list)  # what it has generated so far
+    text: bytes = b""  # their text, with stop strings
+
+    def stops_at(self, token_text: bytes) -> bool:
+        """Whether the token just appended (``token_text``: its bytes) completes a stop sequence or
+        string (one ending within it), counted from new token number ``min_new_tokens`` on."""
+        if len(self.tokens) <= self.min_new_tokens:
+            return False
+        before = len(self.text) - len(token_text)
+        return (any(self.tokens[-len(seq):] == seq for seq in self.stop_sequences)
+                or any(s in self.text[max(0, before - len(s) + 1):] for s in self.stop_strings))
 
 
 class ContinuousBatcher:
@@ -45,11 +67,13 @@ class ContinuousBatcher:
 
     ``max_length``: the most cache slots one request may take (its prompt + max_new_tokens - 1).
     ``eos_token_id`` None: the model's generation_config's, as in ``generate``; a request's tokens
-    end with the eos that ended it. ``compile``: decode steps through torch.compile (CUDA graphs)."""
+    end with the eos (or stop) that ended it. ``tokenizer``: the model's, for requests with stop
+    strings. ``compile``: decode steps through torch.compile (CUDA graphs). After each step,
+    ``last_tokens`` holds {id: token} of every request that got one (for streaming)."""
 
     def __init__(self, model, *, batch_size: int = 8, max_length: int = 2048,
                  eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
-                 compile: bool = False):
+                 compile: bool = False, tokenizer=None):
         op = "ContinuousBatcher"
         common.check_model(op, "model", model)
         self.batch_size = check_int(op, "batch_size", batch_size, 1)
@@ -64,14 +88,24 @@ class ContinuousBatcher:
             raise ValueError(f"{op}: {model.config.model_type} is a hybrid model; its rows' recurrent states cannot "
                              "be emptied one at a time, so it cannot be batched continuously: use generate")
         self.step_forward = step_function(model, compile)
+        self.output_vocab = common.output_vocab_size(model)
+        self.tokenizer = tokenizer
+        self.token_text = None  # each token id's bytes (token_bytes), read when a stop string first comes
         self.waiting: deque[Request] = deque()
         self.rows: list[Request | None] = [None] * batch_size  # the request in each cache row
         self.logits = None  # [B, V]: each running row's next-token logits
+        self.record = TokenRecord()  # what the penalties read, per row (each part made when first needed)
+        self.is_eos = eos_columns(torch.tensor(self.eos, dtype=torch.int64, device=self.device), self.output_vocab)
+        self.last_tokens: dict[int, int] = {}
         self.submitted = 0
 
-    def submit(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-               top_p: float | None = None, min_p: float | None = None) -> int:
-        """Queues one prompt (a list of token ids or a 1-D tensor) -> its request id."""
+    def submit(self, prompt_ids, *, max_new_tokens: int, min_new_tokens: int = 0, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+               repetition_penalty: float | None = None, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, stop_sequences: list[list[int]] | None = None,
+               stop_strings: str | list[str] | None = None) -> int:
+        """Queues one prompt (a list of token ids or a 1-D tensor) -> its request id. The options
+        are ``generate``'s, for this request alone (stop strings need the batcher's ``tokenizer``)."""
         op = "ContinuousBatcher.submit"
         if isinstance(prompt_ids, torch.Tensor):
             if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex():
@@ -87,8 +121,15 @@ class ContinuousBatcher:
             raise ValueError(f"{op}: the prompt ({len(prompt_ids)} tokens) and max_new_tokens ({max_new_tokens}) "
                              f"need {len(prompt_ids) + max_new_tokens - 1} cache slots, more than max_length "
                              f"({self.max_length})")
+        min_new_tokens = check_int(op, "min_new_tokens", min_new_tokens, 0)
         sampling = check_sampling_args(op, temperature, top_k, top_p, min_p, 1, self.device)
-        request = Request(self.submitted, list(prompt_ids), max_new_tokens, sampling)
+        penalties = check_penalties(op, repetition_penalty, presence_penalty, frequency_penalty, 1, self.device)
+        sequences = check_stop_sequences(op, stop_sequences, self.output_vocab)
+        strings = check_stop_strings(op, stop_strings, self.tokenizer)
+        if strings and self.token_text is None:
+            self.token_text = token_bytes(self.tokenizer)
+        request = Request(self.submitted, list(prompt_ids), max_new_tokens, min_new_tokens, sampling, penalties,
+                          sequences, [s.encode("utf-8") for s in strings])
         self.submitted += 1
         self.waiting.append(request)
         return request.id
@@ -100,14 +141,20 @@ class ContinuousBatcher:
     @torch.no_grad()
     def step(self) -> dict[int, list[int]]:
         """One token for every running request; the requests that ended, and new ones in their rows."""
-        ended = {}
+        ended, self.last_tokens = {}, {}
         going = [b for b, r in enumerate(self.rows) if r is not None]
         if going:
             tokens = self._sample(going)
             for b in going:
                 request = self.rows[b]
                 request.tokens.append(tokens[b])
-                if tokens[b] in self.eos or len(request.tokens) >= request.max_new_tokens:
+                self.last_tokens[request.id] = tokens[b]
+                text = b""
+                if request.stop_strings:
+                    text = self.token_text[tokens[b]] if tokens[b] < len(self.token_text) else b""
+                    request.text += text
+                if (tokens[b] in self.eos or len(request.tokens) >= request.max_new_tokens
+                        or request.stops_at(text)):
                     ended[request.id] = request.tokens
                     self.rows[b] = None
             going = [b for b in going if self.rows[b] is not None]
@@ -135,7 +182,24 @@ class ContinuousBatcher:
             lengths = self.cache.seq_lengths.clone()
             lengths[torch.tensor(taken, device=lengths.device)] = 0
             self.cache.crop(lengths, check=False)  # the new rows start empty; the others keep theirs
+            self._reset_records(taken)
         return taken
+
+    def _reset_records(self, rows: list[int]) -> None:
+        """The penalties' record of new rows: their prompts seen, nothing generated (each part made,
+        for every row, when the first request that reads it arrives)."""
+        V = self.output_vocab
+        if self.record.seen is None and any(self.rows[b].penalties[0] is not None for b in rows):
+            self.record.seen = torch.zeros(self.batch_size, V + 1, dtype=torch.bool, device=self.device)
+        if self.record.counts is None and any(any(self.rows[b].penalties[1:]) for b in rows):
+            self.record.counts = torch.zeros(self.batch_size, V + 1, dtype=torch.int32, device=self.device)
+        for b in rows:
+            if self.record.seen is not None:
+                prompt = torch.tensor(self.rows[b].prompt, device=self.device)
+                self.record.seen[b] = False
+                self.record.seen[b, prompt.clamp(max=V)] = True  # (ids past the output vocabulary: column V)
+            if self.record.counts is not None:
+                self.record.counts[b] = 0
 
     def _forward(self, going: list[int], admitted: list[int]) -> None:
         """One forward: each going row's last token and each admitted row's prompt, left-padded so
@@ -166,10 +230,17 @@ class ContinuousBatcher:
         self.logits[rows] = logits[rows].float()
 
     def _sample(self, going: list[int]) -> list[int]:
-        """Each running row's next token (its request's sampling arguments), read on the host. Idle
-        rows take the first running row's arguments, so a batch whose requests all sample alike
-        samples as with numbers (all greedy: an argmax)."""
-        spare = self.rows[going[0]].sampling
-        columns = [list(c) for c in zip(*[r.sampling if r is not None else spare for r in self.rows])]
-        arguments = check_sampling_args("ContinuousBatcher", *columns, self.batch_size, self.device)
-        return pick_tokens(self.logits, *arguments, self.generator).tolist()
+        """Each running row's next token (its request's penalties, min_new_tokens and sampling
+        arguments), read on the host. Idle rows take the first running row's options, so a batch
+        whose requests all sample alike samples as with numbers (all greedy: an argmax)."""
+        op, spare = "ContinuousBatcher", self.rows[going[0]]
+        rows = [r if r is not None else spare for r in self.rows]
+        sampling = check_sampling_args(op, *map(list, zip(*[r.sampling for r in rows])), self.batch_size, self.device)
+        penalties = check_penalties(op, *map(list, zip(*[r.penalties for r in rows])), self.batch_size, self.device)
+        early = None
+        if self.eos and any(len(r.tokens) < r.min_new_tokens for r in rows):
+            early = torch.tensor([len(r.tokens) < r.min_new_tokens for r in rows], device=self.device)
+        processed = process_logits(self.logits, self.record, penalties[0], self.is_eos, early, *penalties[1:])
+        tokens = pick_tokens(processed, *sampling, self.generator)
+        self.record.add(tokens[:, None])  # (an idle row's entries are emptied before a request reads them)
+        return tokens.tolist()

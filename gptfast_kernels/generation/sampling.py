@@ -219,9 +219,9 @@ def process_logits(logits: torch.Tensor, record: TokenRecord, penalty, is_eos: t
     before that many new tokens; None: nowhere); vLLM's order. Each penalty is a number or per-row
     values [B] (check_penalties)."""
     V = logits.shape[-1]
-    if record.seen is not None:
+    if record.seen is not None and _on(penalty, 1):
         logits = apply_repetition_penalty(logits, record.seen[..., :V], per_row(penalty, logits))
-    if record.counts is not None:
+    if record.counts is not None and (_on(presence, 0) or _on(frequency, 0)):
         logits = apply_additive_penalties(logits, record.counts[..., :V], per_row(presence, logits),
                                           per_row(frequency, logits))
     if early is not None:

@@ -10,7 +10,9 @@ import torch
 from gptfast_kernels import generate
 from gptfast_kernels.generation import forward
 from gptfast_kernels.generation.continuous import ContinuousBatcher
+from gptfast_kernels.generation.stopping import token_bytes
 from python_tests.tiny_models import patched_copy, tiny_model
+from python_tests.tiny_tokenizers import byte_level_tokenizer, stop_string_from
 
 LENGTHS = (5, 9, 3, 7, 4, 6, 8)
 LIMITS = (6, 3, 9, 4, 7, 5, 2)
@@ -45,6 +47,35 @@ def test_every_request_gets_what_generate_gives_its_prompt_alone(family, monkeyp
     for request, prompt, limit in zip(ids, prompts, LIMITS):
         assert out[request] == _alone(model, prompt, limit, eos), (family, request)
     assert any(out[r][-1] == eos[0] and len(out[r]) < n for r, n in zip(ids, LIMITS))  # (an eos ended one)
+
+
+def test_each_request_gets_generate_with_its_own_options():
+    """Penalties, min_new_tokens, stop sequences and stop strings per request: each equals generate on
+    its prompt alone with those options (rows that held other requests' records before included)."""
+    tokenizer = byte_level_tokenizer()
+    pieces = token_bytes(tokenizer)
+    model = patched_copy(tiny_model("llama", layers=3), int8=False)
+    prompts = _prompts(3)
+    free = [_alone(model, p, 12, []) for p in prompts]
+    eos = [free[0][1]]
+    options = [dict(repetition_penalty=1.5), dict(presence_penalty=0.7, frequency_penalty=0.4),
+               dict(stop_sequences=[free[2][3:5]]), dict(stop_strings=[stop_string_from(pieces, free[3])]),
+               dict(min_new_tokens=5, stop_sequences=[[free[4][1]]]),  # (a stop held back: it comes at 1)
+               dict(repetition_penalty=1.2, presence_penalty=1.0, frequency_penalty=2.0, min_new_tokens=2), dict()]
+    batcher = ContinuousBatcher(model, batch_size=3, max_length=24, eos_token_id=eos, tokenizer=tokenizer)
+    for p, o in zip(prompts, options):
+        batcher.submit(p, max_new_tokens=12, **o)
+    streamed = {}
+    while batcher.waiting or batcher.running:
+        out = batcher.step()
+        for request, token in batcher.last_tokens.items():
+            streamed.setdefault(request, []).append(token)
+        for request, tokens in out.items():
+            assert streamed[request] == tokens  # (last_tokens streamed every token)
+            o = options[request]
+            want = _alone(model, prompts[request], 12, eos, tokenizer=tokenizer if "stop_strings" in o else None, **o)
+            assert tokens == want, (request, o)
+    assert len(streamed) == len(prompts) and any(len(t) < 12 for t in streamed.values())
 
 
 def test_int8_and_compiled_steps_give_the_eager_tokens():
@@ -93,6 +124,14 @@ def test_what_it_cannot_serve_is_refused():
         batcher.submit([3], max_new_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
         batcher.submit([3], max_new_tokens=2, temperature=-1.0)
+    with pytest.raises(ValueError, match="presence_penalty"):
+        batcher.submit([3], max_new_tokens=2, presence_penalty=float("nan"))
+    with pytest.raises(ValueError, match="stop_sequences"):
+        batcher.submit([3], max_new_tokens=2, stop_sequences=[[]])
+    with pytest.raises(ValueError, match="tokenizer"):
+        batcher.submit([3], max_new_tokens=2, stop_strings=["x"])  # (this batcher has no tokenizer)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        batcher.submit([3], max_new_tokens=2, min_new_tokens=-1)
     with pytest.raises(ValueError, match="batch_size"):
         ContinuousBatcher(model, batch_size=0)
     with pytest.raises(ValueError, match="not patched"):

@@ -56,7 +56,7 @@ from gptfast_kernels.generation.common import model_device_dtype, output_vocab_s
 from gptfast_kernels.generation.generate import generate as _generate
 from gptfast_kernels.generation.speculative import SpeculativeOutput, speculative_generate
 from gptfast_kernels.models.patch import forward_with_cache, is_patched, patch_model
-from gptfast_kernels.models.serialization import is_saved_patched, load_patched, saved_patched_dtype
+from gptfast_kernels.models.serialization import is_saved_patched, load_patched
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 
@@ -88,12 +88,8 @@ def _load(op: str, arg: str, name, *, device=None, dtype=None, trust_remote_code
     from transformers import AutoModelForCausalLM
 
     name = _check_name(op, arg, name)
-    if is_saved_patched(name):
-        saved_dtype = saved_patched_dtype(name)
-        if dtype is not None and dtype != saved_dtype:
-            raise ValueError(f"{op}: {arg} {name!r} was saved patched in {saved_dtype}, and dtype asks for {dtype}; "
-                             "pass dtype=None (or patch and save it again in that dtype)")
-        return load_patched(name, device=_default_device(device), trust_remote_code=trust_remote_code)
+    if is_saved_patched(name):  # (in ``dtype`` where given: its float tensors converted as they are read)
+        return load_patched(name, device=_default_device(device), dtype=dtype, trust_remote_code=trust_remote_code)
     kwargs = {"trust_remote_code": trust_remote_code}
     if dtype is not None:
         kwargs["dtype"] = dtype

@@ -35,7 +35,7 @@ def add_generate_parser(sub):
     parser.add_argument("--seed", type=int, help="for sampling (default: unseeded)")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="the float weights' and activations' dtype (default: bfloat16 on a GPU, float32 on "
-                             "the CPU; a save_patched directory keeps its own)")
+                             "the CPU; a save_patched directory its own unless this is given)")
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     parser.add_argument("--no-int8", action="store_true", help="keep the checkpoint's float weights")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode steps (CUDA graphs on GPUs)")
@@ -59,7 +59,7 @@ def cmd_generate(args) -> int:
     for role, name in models.items():
         try:
             model = _load("generate", role, name, device=device, trust_remote_code=args.trust_remote_code,
-                          dtype=None if is_saved_patched(name) else dtype)
+                          dtype=None if is_saved_patched(name) and not args.dtype else dtype)
         except (OSError, ValueError) as error:
             print(f"generate: cannot load {role} {name!r}: {error}", file=sys.stderr)
             return 2

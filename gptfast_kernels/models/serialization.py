@@ -150,16 +150,14 @@ def is_saved_patched(directory) -> bool:
     return isinstance(directory, (str, os.PathLike)) and os.path.isfile(os.path.join(os.fspath(directory), PATCH_FILE))
 
 
-def saved_patched_dtype(directory) -> torch.dtype:
-    """The dtype of the model ``save_patched`` wrote to ``directory`` (its float parameters' and activations')."""
-    return _DTYPES[_read_patch_file(os.fspath(directory))["dtype"]]
-
-
 def load_patched(directory: str | os.PathLike, *, device: str | torch.device | None = None,
-                 trust_remote_code: bool = False) -> nn.Module:
+                 dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> nn.Module:
     """The model ``save_patched`` wrote to ``directory``, patched as it was, its tensors on ``device``
     (default: CUDA where available, else the CPU), in eval mode. No float copy of an int8 weight is
-    made on the way."""
+    made on the way. ``dtype`` (float32 / float16 / bfloat16; default: the saved one): the model is
+    built in it, and each saved float tensor is converted to the dtype its place in that model has
+    (weights and activations in ``dtype``; what the model keeps in float32 whatever its dtype, such
+    as RoPE frequencies, stays so); int8 weights are read as they are."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -169,12 +167,15 @@ def load_patched(directory: str | os.PathLike, *, device: str | torch.device | N
     if not os.path.isdir(directory):
         raise ValueError(f"load_patched: directory {directory!r} does not exist")
     saved = _read_patch_file(directory)
+    if dtype is not None and dtype not in _DTYPES.values():
+        raise ValueError(f"load_patched: dtype must be None or one of {list(_DTYPES)}, got {dtype!r}")
+    convert = dtype is not None and dtype != _DTYPES[saved["dtype"]]
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "meta":
         raise ValueError("load_patched: device must hold data (cpu, cuda, ...), got meta")
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[saved["dtype"]],
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype if convert else _DTYPES[saved["dtype"]],
                                                  trust_remote_code=trust_remote_code)
     if type(model).__name__ != saved["model_class"]:
         raise ValueError(f"load_patched: {directory!r} holds a {saved['model_class']}, but its config builds a "
@@ -194,7 +195,7 @@ def load_patched(directory: str | os.PathLike, *, device: str | torch.device | N
             raise ValueError(f"load_patched: {os.path.join(directory, file)!r} does not hold the tensors "
                              f"{PATCH_FILE} lists for it")
         for name in names:
-            _assign(model, name, tensors.pop(name), directory)
+            _assign(model, name, tensors.pop(name), directory, convert)
     for alias, name in aliases.items():  # the very tensor (Parameter) of its name: tied as saved
         slot, leaf = _slot(model, name)
         _assign(model, alias, slot[leaf], directory)
@@ -204,10 +205,13 @@ def load_patched(directory: str | os.PathLike, *, device: str | torch.device | N
     return model.eval()
 
 
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor, directory: str) -> None:
-    """Puts ``tensor`` in the place of the model's meta tensor ``name`` (a Parameter stays a Parameter)."""
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor, directory: str, convert: bool = False) -> None:
+    """Puts ``tensor`` in the place of the model's meta tensor ``name`` (a Parameter stays a Parameter);
+    with ``convert``, a float tensor in the dtype of that place."""
     slot, leaf = _slot(model, name)
     old = slot[leaf]
+    if convert and old.dtype.is_floating_point and tensor.dtype.is_floating_point:
+        tensor = tensor.to(old.dtype)
     # (a float tensor may come in another float dtype: the saved model's, after model.to(dtype), is kept)
     if tuple(old.shape) != tuple(tensor.shape) or (old.dtype != tensor.dtype and not (
             old.dtype.is_floating_point and tensor.dtype.is_floating_point)):

@@ -86,6 +86,36 @@ def test_options_dtype_and_layer_kinds_survive(dtype, int8, int8_skip, tmp_path)
     assert torch.equal(_decode(loaded, ids, mask).logprobs, _decode(model, ids, mask).logprobs)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3_text", "falcon", "deepseek_v3"])
+@pytest.mark.parametrize("saved_dtype, dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                (torch.bfloat16, torch.float16)])
+def test_loads_in_another_dtype(family, saved_dtype, dtype, tmp_path):
+    """dtype=: every tensor is the saved one in the dtype its place has in a model built and patched
+    in that dtype (float weights converted, int8 weights as they are, float32 buffers kept), and
+    the model decodes in it."""
+    from transformers import AutoModelForCausalLM
+
+    model = patch_model(tiny_model(family).to(saved_dtype))
+    save_patched(model, tmp_path)
+    loaded = load_patched(tmp_path, device="cpu", dtype=dtype)
+    assert loaded.dtype == dtype
+    with torch.device("meta"):
+        fresh = patch_model(AutoModelForCausalLM.from_config(model.config, dtype=dtype),
+                            **model._gptfast_patch_options)
+    places, saved = serialization._named_tensors(fresh), serialization._named_tensors(model)
+    got = serialization._named_tensors(loaded)
+    assert set(got) == set(saved)
+    for name, tensor in got.items():
+        assert tensor.dtype == places[name].dtype, name
+        assert torch.equal(tensor, saved[name].to(tensor.dtype)), name
+    assert any(t.dtype == torch.int8 for t in got.values()) and any(t.dtype == dtype for t in got.values())
+    ids, mask = ragged_prompts(2, 5, "left")
+    out = _decode(loaded, ids, mask)
+    assert out.sequences.shape == (2, 9) and torch.isfinite(out.logprobs).all()
+    with pytest.raises(ValueError, match="dtype"):
+        load_patched(tmp_path, device="cpu", dtype=torch.int8)
+
+
 def test_tied_weights_stay_one_tensor(tmp_path):
     # float head tied to the input embeddings: one tensor, saved once, loaded as one Parameter
     model = patch_model(tiny_model("llama", tie_word_embeddings=True), int8_skip=("lm_head",))

@@ -8,10 +8,9 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
-from gptfast_kernels.generation.sampling import (TokenRecord, check_new_token_counts, check_penalties,
-                                                 check_sampling_args, eos_columns, pick_tokens, process_logits,
-                                                 token_logprobs, too_early)
-from gptfast_kernels.generation.stopping import StopMatcher, check_stop_sequences, check_stop_strings
+from gptfast_kernels.generation.options import check_decode_options
+from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, pick_tokens, process_logits, token_logprobs,
+                                                 too_early)
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
 
@@ -76,19 +75,13 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     common.check_model(op, "model", model)
     device, dtype = common.model_device_dtype(model)
     prompt = common.check_prompt(op, input_ids, attention_mask, device, common.input_vocab_size(model))
-    max_new_tokens, most_new, min_new_tokens = check_new_token_counts(op, max_new_tokens, min_new_tokens,
-                                                                      prompt.input_ids.shape[0], device)
-    temperature, top_k, top_p, min_p = check_sampling_args(op, temperature, top_k, top_p, min_p,
-                                                           prompt.input_ids.shape[0], device)
-    repetition_penalty, presence_penalty, frequency_penalty = check_penalties(
-        op, repetition_penalty, presence_penalty, frequency_penalty, prompt.input_ids.shape[0], device)
-    common.check_flag(op, "output_logprobs", output_logprobs)
-    common.check_flag(op, "compile", compile)
-    eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
-    vocab = common.output_vocab_size(model)
-    stop = StopMatcher.build(check_stop_sequences(op, stop_sequences, vocab),
-                             check_stop_strings(op, stop_strings, tokenizer), tokenizer, vocab, device)
-    common.check_streamer(op, streamer)
+    (max_new_tokens, most_new, min_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+     frequency_penalty, eos, pad, stop) = check_decode_options(
+        op, model, prompt, device, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, eos_token_id=eos_token_id,
+        stop_sequences=stop_sequences, stop_strings=stop_strings, tokenizer=tokenizer,
+        output_logprobs=output_logprobs, compile=compile, streamer=streamer).unpacked()
     B = prompt.input_ids.shape[0]
     if most_new == 0:
         if streamer is not None:

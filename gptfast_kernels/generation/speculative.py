@@ -22,10 +22,10 @@ from gptfast_kernels.generation import common
 from gptfast_kernels.generation.assistant import AssistantProposer, check_assistant, is_gemma4_assistant
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
-from gptfast_kernels.generation.sampling import (TokenRecord, check_new_token_counts, check_penalties,
-                                                 check_sampling_args, eos_columns, logits_to_probs, per_row,
-                                                 process_logits, sample_from, token_logprobs, too_early)
-from gptfast_kernels.generation.stopping import StopMatcher, check_stop_sequences, check_stop_strings
+from gptfast_kernels.generation.options import check_decode_options
+from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, logits_to_probs, per_row, process_logits,
+                                                 sample_from, token_logprobs, too_early)
+from gptfast_kernels.generation.stopping import StopMatcher
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 from gptfast_kernels.ops.verify_draft import verify_draft
@@ -203,26 +203,20 @@ class SpeculativeRounds:
         check_int(op, "speculate_k", speculate_k, 1)
         device, _ = common.model_device_dtype(model)
         prompt = common.check_prompt(op, input_ids, attention_mask, device, vocab_size)
-        max_new_tokens, most_new, min_new_tokens = check_new_token_counts(op, max_new_tokens, min_new_tokens,
-                                                                          prompt.input_ids.shape[0], device)
-        temperature, top_k, top_p, min_p = check_sampling_args(op, temperature, top_k, top_p, min_p,
-                                                               prompt.input_ids.shape[0], device)
-        repetition_penalty, presence_penalty, frequency_penalty = check_penalties(
-            op, repetition_penalty, presence_penalty, frequency_penalty, prompt.input_ids.shape[0], device)
-        common.check_flag(op, "output_logprobs", output_logprobs)
-        common.check_flag(op, "compile", compile)
-        eos, pad = common.resolve_special_tokens(op, model, eos_token_id)
-        vocab = common.output_vocab_size(model)
-        stop = StopMatcher.build(check_stop_sequences(op, stop_sequences, vocab),
-                                 check_stop_strings(op, stop_strings, tokenizer), tokenizer, vocab, device)
-        common.check_streamer(op, streamer)
+        options = check_decode_options(
+            op, model, prompt, device, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, eos_token_id=eos_token_id,
+            stop_sequences=stop_sequences, stop_strings=stop_strings, tokenizer=tokenizer,
+            output_logprobs=output_logprobs, compile=compile, streamer=streamer)
         if streamer is not None and prompt.input_ids.shape[0] != 1:
             raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
                              f"per round), got a batch of {prompt.input_ids.shape[0]}")
-        return cls(model, prompt, max_new_tokens, most_new, speculate_k, temperature, top_k, top_p, min_p, eos, pad, generator,
-                   compile, streamer, repetition_penalty, min_new_tokens,
-                   output_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                   stop=stop)
+        o = options
+        return cls(model, prompt, o.max_new_tokens, o.most_new_tokens, speculate_k, o.temperature, o.top_k, o.top_p,
+                   o.min_p, o.eos, o.pad, generator, compile, streamer, o.repetition_penalty, o.min_new_tokens,
+                   output_logprobs, presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
+                   stop=o.stop)
 
     @property
     def batch_size(self) -> int:

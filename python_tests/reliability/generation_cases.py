@@ -38,6 +38,20 @@ def _speculative(**overrides):
     return run
 
 
+def _batcher_prompt_past_vocab():
+    from gptfast_kernels import ContinuousBatcher
+
+    _, patched, _ = _models()
+    ContinuousBatcher(patched, batch_size=2, max_length=8).submit([2, 97], max_new_tokens=2)
+
+
+def _stop_strings_without_a_tokenizer():
+    from gptfast_kernels import prompt_lookup_generate
+
+    _, patched, _ = _models()
+    prompt_lookup_generate(patched, torch.tensor([[2, 3, 4]]), max_new_tokens=2, stop_strings=["x"])
+
+
 def _patch_unsupported():
     from transformers import AutoModelForCausalLM, BertConfig
 
@@ -103,4 +117,10 @@ CASES: dict[str, Case] = {
     "spec_negative_temperature": Case(_speculative(temperature=-1.0), "temperature"),
     "generate_stop_token_past_vocab": Case(_generate(stop_sequences=[[3, 97]]), "stop_sequences"),
     "spec_nan_presence_penalty": Case(_speculative(presence_penalty=float("nan")), "presence_penalty"),
+    "generate_nan_temperature_of_one_row": Case(_generate(temperature=[0.5, float("nan")]), "temperature[1]"),
+    "spec_max_new_tokens_per_row_too_many": Case(_speculative(max_new_tokens=[2, 3]), "max_new_tokens"),
+    "generate_top_k_tensor_2d": Case(_generate(temperature=1.0, top_k=lambda: torch.ones(2, 1, dtype=torch.int64)),
+                                     "top_k"),
+    "prompt_lookup_stop_strings_without_tokenizer": Case(_stop_strings_without_a_tokenizer, "tokenizer"),
+    "batcher_prompt_past_vocab": Case(_batcher_prompt_past_vocab, "prompt_ids"),
 }

@@ -3,7 +3,9 @@
 Loads MODEL (a checkpoint from_pretrained loads, patched here, or a directory save_patched wrote,
 loaded as saved) and its tokenizer, decodes every prompt in one batch (left padding) with
 ``generate``, or ``speculative_generate`` with ``--draft`` or ``prompt_lookup_generate`` with
-``--prompt-lookup``, and prints each continuation. A single prompt is streamed as it is decoded.
+``--prompt-lookup``, or through a ``ContinuousBatcher`` with ``--batch-size N`` (more prompts than
+one batch: a freed row takes the next prompt), and prints each continuation. A single prompt is
+streamed as it is decoded.
 Speed (and the acceptance rate of a speculative run) goes to standard error.
 """
 
@@ -20,10 +22,14 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def add_generate_parser(sub):
     parser = sub.add_parser("generate", help="generate text from prompts with a (patched) checkpoint")
     parser.add_argument("model", help="a local checkpoint or hub name, or a directory save_patched wrote")
-    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts ('-': standard input)")
-    spec = parser.add_mutually_exclusive_group()
-    spec.add_argument("--draft", metavar="MODEL", help="a draft model (same tokenizer): speculative decoding")
-    spec.add_argument("--prompt-lookup", action="store_true", help="speculate from the prompt's own n-grams")
+    parser.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts ('-': standard input)")
+    parser.add_argument("--prompts-file", metavar="FILE", help="more prompts, one per line (blank lines skipped)")
+    way = parser.add_mutually_exclusive_group()
+    way.add_argument("--draft", metavar="MODEL", help="a draft model (same tokenizer): speculative decoding")
+    way.add_argument("--prompt-lookup", action="store_true", help="speculate from the prompt's own n-grams")
+    way.add_argument("--batch-size", type=int, metavar="N",
+                     help="continuous batching over N rows (ContinuousBatcher), for more prompts than fit one "
+                          "batch; default: every prompt in one batch")
     parser.add_argument("--speculate-k", type=int, default=4, help="draft tokens per round (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
@@ -52,6 +58,16 @@ def cmd_generate(args) -> int:
     from gptfast_kernels.models.serialization import is_saved_patched
 
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as error:
+            print(f"generate: cannot read --prompts-file: {error}", file=sys.stderr)
+            return 2
+    if not prompts:
+        print("generate: no prompt given (PROMPT ..., '-' for standard input, or --prompts-file)", file=sys.stderr)
+        return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     models = {"model": args.model, **({"draft": args.draft} if args.draft else {})}
@@ -69,6 +85,8 @@ def cmd_generate(args) -> int:
     except ValueError as error:
         print(str(error), file=sys.stderr)
         return 2
+    if args.batch_size is not None:
+        return _continuous(args, loaded["model"], tokenizer, prompts, device)
     batch = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if len(prompts) == 1 else None
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -99,6 +117,37 @@ def cmd_generate(args) -> int:
     made = int(sum(_made(row, tokenizer.pad_token_id) for row in new))
     rate = f", {out.acceptance_rate:.1%} of drafts accepted" if hasattr(out, "acceptance_rate") else ""
     print(f"generate: {made} new tokens in {seconds:.2f} s ({made / seconds:.1f} tokens/s{rate})", file=sys.stderr)
+    return 0
+
+
+def _continuous(args, model, tokenizer, prompts: list[str], device: torch.device) -> int:
+    """Every prompt through a ContinuousBatcher of ``args.batch_size`` rows; each continuation printed
+    in the prompts' order."""
+    from gptfast_kernels import ContinuousBatcher
+    from gptfast_kernels.compat import text_eos_ids
+
+    encoded = [tokenizer(p)["input_ids"] for p in prompts]
+    started = time.perf_counter()
+    try:
+        batcher = ContinuousBatcher(model, batch_size=args.batch_size,
+                                    max_length=max(map(len, encoded)) + args.max_new_tokens - 1,
+                                    eos_token_id=text_eos_ids(model, tokenizer), tokenizer=tokenizer,
+                                    compile=args.compile,
+                                    generator=None if args.seed is None else torch.Generator(device).manual_seed(args.seed))
+        for ids in encoded:
+            batcher.submit(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                           stop_strings=args.stop)
+    except (TypeError, ValueError) as error:
+        print(f"generate: {error}", file=sys.stderr)
+        return 2
+    out = batcher.run()
+    seconds = time.perf_counter() - started
+    for i, tokens in out.items():
+        print(f"--- {i}\n{tokenizer.decode(tokens, skip_special_tokens=True)}")
+    made = sum(map(len, out.values()))
+    print(f"generate: {made} new tokens in {seconds:.2f} s ({made / seconds:.1f} tokens/s, continuous batching over "
+          f"{args.batch_size} rows)", file=sys.stderr)
     return 0
 
 

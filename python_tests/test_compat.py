@@ -260,11 +260,17 @@ def test_generate_command_prints_what_generate_text_fast_continues(checkpoints, 
     assert main(["generate", target, prompts[0], *base]) == 0
     streamed = capsys.readouterr()
     assert streamed.out.strip() == want[0] and "tokens/s" in streamed.err
-    for extra in ([], ["--draft", draft], ["--prompt-lookup", "--speculate-k", "2"]):
+    for extra in ([], ["--draft", draft], ["--prompt-lookup", "--speculate-k", "2"], ["--batch-size", "1"]):
         assert main(["generate", target, *prompts, *base, *extra]) == 0
         printed = capsys.readouterr()
         assert printed.out == f"--- 0\n{want[0]}\n--- 1\n{want[1]}\n", extra
-        assert ("accepted" in printed.err) == bool(extra)
+        assert ("accepted" in printed.err) == bool(extra[:1] in (["--draft"], ["--prompt-lookup"])), extra
+    # prompts from a file, continuous batching over 2 rows for 3 prompts
+    (tmp_path / "prompts.txt").write_text(f"{prompts[1]}\n\n{prompts[0]}\n{prompts[1]}\n")
+    assert main(["generate", target, "--prompts-file", str(tmp_path / "prompts.txt"), *base, "--batch-size", "2"]) == 0
+    printed = capsys.readouterr()
+    assert printed.out == f"--- 0\n{want[1]}\n--- 1\n{want[0]}\n--- 2\n{want[1]}\n"
+    assert "continuous batching over 2 rows" in printed.err
     word = want[0].split()[2]
     assert main(["generate", target, prompts[0], *base, "--stop", word]) == 0
     assert capsys.readouterr().out.split() == want[0].split()[:want[0].split().index(word) + 1]
@@ -287,6 +293,14 @@ def test_generate_command_refuses_what_it_cannot_do(checkpoints, tmp_path, capsy
     assert "temperature must be" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", target, "w3", "--draft", draft, "--prompt-lookup"])
+    with pytest.raises(SystemExit):
+        main(["generate", target, "w3", "--draft", draft, "--batch-size", "2"])
+    assert main(["generate", target, "--device", "cpu"]) == 2
+    assert "no prompt given" in capsys.readouterr().err
+    assert main(["generate", target, "--prompts-file", str(tmp_path / "none.txt"), "--device", "cpu"]) == 2
+    assert "--prompts-file" in capsys.readouterr().err
+    assert main(["generate", target, "w3", "--device", "cpu", "--batch-size", "0"]) == 2
+    assert "batch_size" in capsys.readouterr().err
 
 
 def test_bad_arguments_name_the_argument(checkpoints):

@@ -97,6 +97,7 @@ class ContinuousBatcher:
         self.record = TokenRecord()  # what the penalties read, per row (each part made when first needed)
         self.is_eos = eos_columns(torch.tensor(self.eos, dtype=torch.int64, device=self.device), self.output_vocab)
         self.last_tokens: dict[int, int] = {}
+        self.arguments = None  # (sampling, penalties) per row, as _sample reads them; None: to be built
         self.submitted = 0
 
     def submit(self, prompt_ids, *, max_new_tokens: int, min_new_tokens: int = 0, temperature: float = 0.0,
@@ -157,6 +158,7 @@ class ContinuousBatcher:
                         or request.stops_at(text)):
                     ended[request.id] = request.tokens
                     self.rows[b] = None
+                    self.arguments = None
             going = [b for b in going if self.rows[b] is not None]
         admitted = self._admit()
         if going or admitted:
@@ -183,6 +185,7 @@ class ContinuousBatcher:
             lengths[torch.tensor(taken, device=lengths.device)] = 0
             self.cache.crop(lengths, check=False)  # the new rows start empty; the others keep theirs
             self._reset_records(taken)
+            self.arguments = None
         return taken
 
     def _reset_records(self, rows: list[int]) -> None:
@@ -235,8 +238,11 @@ class ContinuousBatcher:
         whose requests all sample alike samples as with numbers (all greedy: an argmax)."""
         op, spare = "ContinuousBatcher", self.rows[going[0]]
         rows = [r if r is not None else spare for r in self.rows]
-        sampling = check_sampling_args(op, *map(list, zip(*[r.sampling for r in rows])), self.batch_size, self.device)
-        penalties = check_penalties(op, *map(list, zip(*[r.penalties for r in rows])), self.batch_size, self.device)
+        if self.arguments is None:  # (the rows changed: built once until they change again)
+            self.arguments = (
+                check_sampling_args(op, *map(list, zip(*[r.sampling for r in rows])), self.batch_size, self.device),
+                check_penalties(op, *map(list, zip(*[r.penalties for r in rows])), self.batch_size, self.device))
+        sampling, penalties = self.arguments
         early = None
         if self.eos and any(len(r.tokens) < r.min_new_tokens for r in rows):
             early = torch.tensor([len(r.tokens) < r.min_new_tokens for r in rows], device=self.device)

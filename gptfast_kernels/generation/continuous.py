@@ -32,7 +32,6 @@ from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.sampling import (TokenRecord, check_penalties, check_sampling_args, eos_columns,
                                                  pick_tokens, process_logits)
 from gptfast_kernels.generation.stopping import check_stop_sequences, check_stop_strings, token_bytes
-from gptfast_kernels.models.patch import forward_with_cache
 from gptfast_kernels.ops._dispatch import check_int
 
 
@@ -224,9 +223,8 @@ class ContinuousBatcher:
         else:  # (a ring-buffer cache takes at most max_step_tokens a forward: chunks, the going rows' in the last)
             prompt = common.Prompt(ids, mask, mask.sum(dim=1).tolist())
             for start, stop in common.prompt_chunks(prompt, self.cache):
-                out = forward_with_cache(self.model, ids[:, start:stop], self.cache, attention_mask=mask[:, :stop],
-                                         logits_to_keep=1)
-            logits = out.logits[:, -1]
+                logits, _ = common._prefill_chunk(self.model, prompt, self.cache, start, stop, 1)
+            logits = logits[:, -1]
         if self.logits is None:
             self.logits = torch.zeros(logits.shape, dtype=torch.float32, device=self.device)
         rows = torch.tensor(going + admitted, device=self.device)

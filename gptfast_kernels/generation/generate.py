@@ -106,7 +106,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)
     lengths = torch.zeros(B, dtype=torch.int64, device=device)  # new tokens up to each row's eos
     finished = lengths >= max_new_tokens  # (per-row limits: rows of limit 0 make nothing)
-    per_row_limits = isinstance(max_new_tokens, torch.Tensor)
+    # whether rows may end before most_new steps (an eos, a stop or a per-row limit); without that no
+    # step asks whether all have (a GPU sync), and the output keeps every step's column
+    ends_early = bool(eos) or stop is not None or isinstance(max_new_tokens, torch.Tensor)
     record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, logits.shape[-1], repetition_penalty,
                                presence_penalty, frequency_penalty)
     is_eos = eos_columns(eos_ids, logits.shape[-1])
@@ -124,7 +126,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         new_tokens.append(tokens)
         lengths += ~finished
         finished |= torch.isin(tokens, eos_ids)
-        if per_row_limits:
+        if isinstance(max_new_tokens, torch.Tensor):
             finished |= lengths >= max_new_tokens
         if stop is not None:
             hits, states = stop.scan(stop_state, tokens[:, None])
@@ -137,7 +139,6 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         # Whether every row has finished is a GPU sync, so it is asked every EOS_CHECK_STEPS steps
         # (never without eos ids; every step when a streamer waits for each step anyway); the few
         # steps run past the end are cut off below.
-        ends_early = eos or stop is not None or per_row_limits
         if ends_early and (streamer is not None or (step + 1) % EOS_CHECK_STEPS == 0) and bool(finished.all()):
             break
         # finished rows are padding from now on: nothing written, their lengths stay put
@@ -146,6 +147,6 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         streamer.end()
     generated = torch.stack(new_tokens, dim=1)
     # as transformers: up to the last row's eos (or stop, or limit)
-    new = int(lengths.max()) if eos or stop is not None or per_row_limits else generated.shape[1]
+    new = int(lengths.max()) if ends_early else generated.shape[1]
     return GenerateOutput(torch.cat([prompt.input_ids, generated[:, :new]], dim=1),
                           torch.stack(logprobs, dim=1)[:, :new] if output_logprobs else None)

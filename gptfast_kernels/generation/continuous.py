@@ -11,13 +11,18 @@ nothing); a step without new prompts is the decode step (a CUDA graph with ``com
 Each request keeps its own options, as ``generate`` takes them for a call: sampling arguments
 (per-row temperature / top-k / top-p / min-p), penalties (repetition / presence / frequency, each
 row's record emptied when a request takes it), ``min_new_tokens``, ``max_new_tokens``, stop
-sequences and stop strings. Greedy requests get the tokens ``generate`` gives each prompt alone with
-the same options. Every step reads the sampled tokens on the host (to retire requests and free
+sequences, stop strings and ``output_logprobs``. Greedy requests get the tokens ``generate`` gives
+each prompt alone with the same options. Every step reads the sampled tokens on the host (to retire requests and free
 rows), so the stops are matched there, per request, by generate's rule (a match ends within the
 new token; the prompt is never part of one).
 
-Not served: hybrid models (a recurrent state per row cannot be emptied mid-batch yet), speculative
-decoding.
+Hybrid models (linear-attention, Mamba or short-convolution layers beside attention, or alone) are
+served too, but a step that takes new prompts runs two forwards: padding before a going row's token
+would still advance its recurrent state (a decay applies to any input). The decode step comes first
+(the new rows as padding); then the new rows are emptied (their recurrent states zeroed) and their
+prompts run with the going rows as padding, whose states are put back as they were after it.
+
+Not served: speculative decoding.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ import torch
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.sampling import (TokenRecord, check_penalties, check_sampling_args, eos_columns,
-                                                 pick_tokens, process_logits)
+                                                 pick_tokens, process_logits, token_logprobs)
 from gptfast_kernels.generation.stopping import check_stop_sequences, check_stop_strings, token_bytes
+from gptfast_kernels.modules.state_history import row_mask
 from gptfast_kernels.ops._dispatch import check_int
 
 
@@ -46,6 +52,7 @@ class Request:
     penalties: tuple  # (repetition, presence, frequency), numbers (repetition None: off)
     stop_sequences: list[list[int]]
     stop_strings: list[bytes]  # (UTF-8)
+    logprobs: list[float] | None  # with output_logprobs: each new token's, under the raw logits (else None)
     tokens: list[int] = field(default_factory=list)  # what it has generated so far
     text: bytes = b""  # their text, with stop strings
 
@@ -68,7 +75,10 @@ class ContinuousBatcher:
     ``eos_token_id`` None: the model's generation_config's, as in ``generate``; a request's tokens
     end with the eos (or stop) that ended it. ``tokenizer``: the model's, for requests with stop
     strings. ``compile``: decode steps through torch.compile (CUDA graphs). After each step,
-    ``last_tokens`` holds {id: token} of every request that got one (for streaming)."""
+    ``last_tokens`` holds {id: token} of every request that got one (for streaming), and
+    ``last_logprobs`` {id: log-probability} of those submitted with ``output_logprobs``; when such a
+    request ends, ``logprobs[id]`` holds its tokens' log-probabilities (as generate's ``logprobs``:
+    under the model's raw distribution)."""
 
     def __init__(self, model, *, batch_size: int = 8, max_length: int = 2048,
                  eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
@@ -83,9 +93,6 @@ class ContinuousBatcher:
         self.eos, _ = common.resolve_special_tokens(op, model, eos_token_id)
         self.vocab_size = common.input_vocab_size(model)
         self.cache = cache_for(model, batch_size, max_length, self.device, dtype, reuse=compile)
-        if self.cache.has_recurrent_layers:
-            raise ValueError(f"{op}: {model.config.model_type} is a hybrid model; its rows' recurrent states cannot "
-                             "be emptied one at a time, so it cannot be batched continuously: use generate")
         self.step_forward = step_function(model, compile)
         self.output_vocab = common.output_vocab_size(model)
         self.tokenizer = tokenizer
@@ -96,6 +103,8 @@ class ContinuousBatcher:
         self.record = TokenRecord()  # what the penalties read, per row (each part made when first needed)
         self.is_eos = eos_columns(torch.tensor(self.eos, dtype=torch.int64, device=self.device), self.output_vocab)
         self.last_tokens: dict[int, int] = {}
+        self.last_logprobs: dict[int, float] = {}
+        self.logprobs: dict[int, list[float]] = {}  # of the ended requests that asked for them
         self.arguments = None  # (sampling, penalties) per row, as _sample reads them; None: to be built
         self.submitted = 0
 
@@ -103,7 +112,7 @@ class ContinuousBatcher:
                top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                repetition_penalty: float | None = None, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, stop_sequences: list[list[int]] | None = None,
-               stop_strings: str | list[str] | None = None) -> int:
+               stop_strings: str | list[str] | None = None, output_logprobs: bool = False) -> int:
         """Queues one prompt (a list of token ids or a 1-D tensor) -> its request id. The options
         are ``generate``'s, for this request alone (stop strings need the batcher's ``tokenizer``)."""
         op = "ContinuousBatcher.submit"
@@ -126,10 +135,11 @@ class ContinuousBatcher:
         penalties = check_penalties(op, repetition_penalty, presence_penalty, frequency_penalty, 1, self.device)
         sequences = check_stop_sequences(op, stop_sequences, self.output_vocab)
         strings = check_stop_strings(op, stop_strings, self.tokenizer)
+        common.check_flag(op, "output_logprobs", output_logprobs)
         if strings and self.token_text is None:
             self.token_text = token_bytes(self.tokenizer)
         request = Request(self.submitted, list(prompt_ids), max_new_tokens, min_new_tokens, sampling, penalties,
-                          sequences, [s.encode("utf-8") for s in strings])
+                          sequences, [s.encode("utf-8") for s in strings], [] if output_logprobs else None)
         self.submitted += 1
         self.waiting.append(request)
         return request.id
@@ -141,14 +151,17 @@ class ContinuousBatcher:
     @torch.no_grad()
     def step(self) -> dict[int, list[int]]:
         """One token for every running request; the requests that ended, and new ones in their rows."""
-        ended, self.last_tokens = {}, {}
+        ended, self.last_tokens, self.last_logprobs = {}, {}, {}
         going = [b for b, r in enumerate(self.rows) if r is not None]
         if going:
-            tokens = self._sample(going)
+            tokens, logprobs = self._sample(going)
             for b in going:
                 request = self.rows[b]
                 request.tokens.append(tokens[b])
                 self.last_tokens[request.id] = tokens[b]
+                if request.logprobs is not None:
+                    request.logprobs.append(logprobs[b])
+                    self.last_logprobs[request.id] = logprobs[b]
                 text = b""
                 if request.stop_strings:
                     text = self.token_text[tokens[b]] if tokens[b] < len(self.token_text) else b""
@@ -156,6 +169,8 @@ class ContinuousBatcher:
                 if (tokens[b] in self.eos or len(request.tokens) >= request.max_new_tokens
                         or request.stops_at(text)):
                     ended[request.id] = request.tokens
+                    if request.logprobs is not None:
+                        self.logprobs[request.id] = request.logprobs
                     self.rows[b] = None
                     self.arguments = None
             going = [b for b in going if self.rows[b] is not None]
@@ -180,12 +195,15 @@ class ContinuousBatcher:
             self.rows[b] = self.waiting.popleft()
             taken.append(b)
         if taken:
-            lengths = self.cache.seq_lengths.clone()
-            lengths[torch.tensor(taken, device=lengths.device)] = 0
-            self.cache.crop(lengths, check=False)  # the new rows start empty; the others keep theirs
             self._reset_records(taken)
             self.arguments = None
         return taken
+
+    def _empty(self, rows: list[int]) -> None:
+        """Rows' caches emptied (a hybrid's recurrent states zeroed); the other rows keep theirs."""
+        lengths = self.cache.seq_lengths.clone()
+        lengths[torch.tensor(rows, device=lengths.device)] = 0
+        self.cache.crop(lengths, check=False)
 
     def _reset_records(self, rows: list[int]) -> None:
         """The penalties' record of new rows: their prompts seen, nothing generated (each part made,
@@ -204,8 +222,27 @@ class ContinuousBatcher:
                 self.record.counts[b] = 0
 
     def _forward(self, going: list[int], admitted: list[int]) -> None:
+        """The next-token logits of the going rows (after their last token) and of the admitted rows
+        (after their prompts, in emptied rows): one forward, or for a hybrid model with both, the
+        decode step and then the prompts, the going rows' recurrent states kept through the second."""
+        if not (going and admitted and self.cache.has_recurrent_layers):
+            if admitted:
+                self._empty(admitted)
+            self._run(going, admitted)
+            return
+        self._run(going, [])
+        self._empty(admitted)
+        states = self.cache.recurrent_state_tensors()
+        kept = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+        kept[torch.tensor(going, device=self.device)] = True
+        before = [state.clone() for state in states]
+        self._run([], admitted)
+        for state, old in zip(states, before):
+            state.copy_(torch.where(row_mask(kept, state), old, state))
+
+    def _run(self, going: list[int], admitted: list[int]) -> None:
         """One forward: each going row's last token and each admitted row's prompt, left-padded so
-        that every row ends in the last column (idle rows are padding: nothing written) -> their
+        that every row ends in the last column (other rows are padding: nothing written) -> their
         next-token logits. Without new prompts, the decode step (compiled with ``compile``)."""
         width = max([len(self.rows[b].prompt) for b in admitted], default=1)
         ids = torch.zeros(self.batch_size, width, dtype=torch.int64)
@@ -230,10 +267,11 @@ class ContinuousBatcher:
         rows = torch.tensor(going + admitted, device=self.device)
         self.logits[rows] = logits[rows].float()
 
-    def _sample(self, going: list[int]) -> list[int]:
+    def _sample(self, going: list[int]) -> tuple[list[int], list[float] | None]:
         """Each running row's next token (its request's penalties, min_new_tokens and sampling
-        arguments), read on the host. Idle rows take the first running row's options, so a batch
-        whose requests all sample alike samples as with numbers (all greedy: an argmax)."""
+        arguments) and, if a request asks, its log-probability under the raw logits, read on the
+        host. Idle rows take the first running row's options, so a batch whose requests all sample
+        alike samples as with numbers (all greedy: an argmax)."""
         op, spare = "ContinuousBatcher", self.rows[going[0]]
         rows = [r if r is not None else spare for r in self.rows]
         if self.arguments is None:  # (the rows changed: built once until they change again)
@@ -247,4 +285,6 @@ class ContinuousBatcher:
         processed = process_logits(self.logits, self.record, penalties[0], self.is_eos, early, *penalties[1:])
         tokens = pick_tokens(processed, *sampling, self.generator)
         self.record.add(tokens[:, None])  # (an idle row's entries are emptied before a request reads them)
-        return tokens.tolist()
+        if not any(self.rows[b].logprobs is not None for b in going):
+            return tokens.tolist(), None
+        return tokens.tolist(), token_logprobs(self.logits, tokens).tolist()

@@ -25,7 +25,7 @@ from transformers.cache_utils import LinearAttentionLayer
 UNWRITTEN = torch.iinfo(torch.int64).max
 
 
-def _per_row(mask: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+def row_mask(mask: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """``mask`` [B] shaped to broadcast over ``state`` [B, ...]."""
     return mask.view(-1, *([1] * (state.dim() - 1)))
 
@@ -149,7 +149,7 @@ class StateHistory:
         slot = self._step_slots[column:column + 1]
         for (states_dict, key, slots), old in zip(self.slots[layer_idx], before):
             state = states_dict[key]
-            kept = torch.where(_per_row(real, state), state, old)
+            kept = torch.where(row_mask(real, state), state, old)
             state.copy_(kept)
             slots.index_copy_(0, slot, kept[None])
         if not torch.compiler.is_compiling():
@@ -202,7 +202,7 @@ class StateHistory:
         for entries in self.slots.values():
             for states_dict, key, slots in entries:
                 state = states_dict[key]
-                state.copy_(torch.where(_per_row(emptied, state), 0, slots[slot, rows]))
+                state.copy_(torch.where(row_mask(emptied, state), 0, slots[slot, rows]))
         self.close()
 
     def close(self) -> None:

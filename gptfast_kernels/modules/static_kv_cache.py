@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from gptfast_kernels.modules.cache_layers import NoCacheLayer, StaticKVLayer, StaticKVStateLayer
-from gptfast_kernels.modules.state_history import StateHistory
+from gptfast_kernels.modules.state_history import StateHistory, recurrent_states, row_mask
 from gptfast_kernels.ops._dispatch import check_int, is_tracing
 
 
@@ -118,9 +118,9 @@ class StaticKVCache(Cache):
     at most C tokens from the furthest position it wrote, and only a patched model can use the
     cache. The linear-attention (recurrent) layers of a hybrid model (Qwen3.5 ...) hold
     transformers' own state layer (``LinearAttentionLayer``: conv and recurrent states, updated in
-    place). A recurrent state has no positions to crop: such a cache can be emptied, and with
-    ``rollback_tokens`` R it can roll rows back to any length they had since its last
-    ``checkpoint()``, within R token columns (padding included) written since then
+    place). A recurrent state has no positions to crop: such a cache's rows can be emptied (their
+    states zeroed, one row or all), and with ``rollback_tokens`` R it can roll rows back to any
+    length they had since its last ``checkpoint()``, within R token columns (padding included) written since then
     (modules/state_history.py: a patched model's recurrent layers then run token by token and keep
     their states after each token; speculative decoding checkpoints every round). Layers may differ
     in kv heads and head dim (``geometry``: Gemma 4's global layers); a layer that reuses another's
@@ -414,8 +414,9 @@ class StaticKVCache(Cache):
         already shorter keep theirs). Slots past a row's length are stale and never read (a query at position p
         attends only 0..p, and new tokens overwrite from the length on). ``check=False`` skips the
         test that tensor lengths are >= 0 (a GPU sync), for callers that computed them so. A hybrid
-        model's cache can be emptied, and rolled back to lengths since its last ``checkpoint()``
-        (which this crop closes); otherwise its recurrent states have no positions to roll back to. With
+        model's cache can have rows emptied (to 0: their recurrent states zeroed), and rolled back to
+        lengths since its last ``checkpoint()`` (which this crop closes); otherwise its recurrent
+        states have no positions to roll back to. With
         ring-buffer layers a row can go back at most max_step_tokens positions from the furthest it
         wrote since the last reset (``written_lengths``), or to 0: further back, the oldest slots of
         its window (or chunk) were overwritten (ValueError; checked on tensor lengths too unless
@@ -464,24 +465,36 @@ class StaticKVCache(Cache):
                              "with a larger max_step_tokens")
 
     def _crop_recurrent(self, num_tokens) -> None:
-        """crop for a cache with recurrent layers: emptying it (every row to 0) or shortening no row;
-        anything else is a ValueError."""
+        """crop for a cache with recurrent layers: each row emptied (to 0: its recurrent states zeroed,
+        as a fresh cache's) or not shortened; anything else is a ValueError."""
         if isinstance(num_tokens, torch.Tensor) and num_tokens.shape == self.seq_lengths.shape \
                 and not num_tokens.is_floating_point():
             new = num_tokens.to(self.seq_lengths.device, torch.int64)
-            empty, keep = not bool(new.any()), bool((new >= self.seq_lengths).all())
         elif isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
-            longest = int(self.seq_lengths.max())
-            empty, keep = num_tokens < 0 and -num_tokens >= longest, num_tokens == 0 or num_tokens >= longest
+            new = (self.seq_lengths.clamp(max=num_tokens) if num_tokens > 0 else
+                   (self.seq_lengths + num_tokens).clamp(min=0) if num_tokens < 0 else self.seq_lengths)
         else:
             raise ValueError(f"StaticKVCache.crop: num_tokens must be an int or a [B] integer tensor, got "
                              f"{num_tokens!r}")
-        if empty:
+        emptied = new <= 0
+        if bool(emptied.all()):
             self.reset()
-        elif not keep:
+            return
+        if not bool((emptied | (new >= self.seq_lengths)).all()):
             raise ValueError("StaticKVCache.crop: this model's linear-attention layers keep a recurrent state, which "
-                             "has no positions to crop; the cache can be emptied (every row to 0), or rolled back to "
+                             "has no positions to crop; rows can be emptied (to 0) or kept, or rolled back to "
                              "lengths since a checkpoint() (a cache built with rollback_tokens > 0)")
+        if bool(emptied.any()):
+            for state in self.recurrent_state_tensors():
+                state.masked_fill_(row_mask(emptied, state), 0)
+            self.seq_lengths.masked_fill_(emptied, 0)
+            self.written_lengths.masked_fill_(emptied, 0)
+
+    def recurrent_state_tensors(self) -> list[torch.Tensor]:
+        """Every recurrent state the cache's linear-attention layers hold now, [B, ...] each (conv and
+        recurrent states; none before the first forward that made them)."""
+        return [states[key] for layer in self.layers if isinstance(layer, LinearAttentionLayer)
+                for states, key in recurrent_states(layer)]
 
     def reset(self) -> None:
         if self.state_history is not None:

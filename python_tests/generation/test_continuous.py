@@ -1,8 +1,9 @@
 """ContinuousBatcher: more requests than rows, of different lengths and limits, ending at different
 steps (eos or their own limit) so that new ones take the freed rows mid-batch: each greedy request
 gets exactly the tokens generate gives its prompt alone (families with ring-buffer layers, ALiBi and
-attention of their own included; int8 and compiled steps too); each request samples with its own
-arguments; what it cannot serve is refused, naming the argument."""
+attention of their own included; hybrid models' recurrent states per row; int8 and compiled steps
+too), and its log-probabilities; each request samples with its own arguments; what it cannot serve
+is refused, naming the argument."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from gptfast_kernels import generate
 from gptfast_kernels.generation import forward
 from gptfast_kernels.generation.continuous import ContinuousBatcher
 from gptfast_kernels.generation.stopping import token_bytes
-from python_tests.tiny_models import patched_copy, tiny_model
+from python_tests.tiny_models import HYBRID, patched_copy, tiny_model
 from python_tests.tiny_tokenizers import byte_level_tokenizer, stop_string_from
 
 LENGTHS = (5, 9, 3, 7, 4, 6, 8)
@@ -23,11 +24,14 @@ def _prompts(seed=0):
     return [torch.randint(3, 97, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-def _alone(model, prompt, limit, eos, **kwargs):
-    """generate's new tokens for one prompt alone, up to (and with) the eos that ended it."""
-    new = generate(model, torch.tensor([prompt]), max_new_tokens=limit, eos_token_id=eos, **kwargs).sequences
-    tokens = new[0, len(prompt):].tolist()
-    return next((tokens[:i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
+def _alone(model, prompt, limit, eos, *, logprobs=False, **kwargs):
+    """generate's new tokens for one prompt alone, up to (and with) the eos that ended it (with
+    ``logprobs``: and their log-probabilities, as a tensor)."""
+    out = generate(model, torch.tensor([prompt]), max_new_tokens=limit, eos_token_id=eos, output_logprobs=logprobs,
+                   **kwargs)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    tokens = next((tokens[:i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
+    return (tokens, out.logprobs[0, :len(tokens)]) if logprobs else tokens
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3_text", "mistral", "bloom", "falcon", "xglm", "qwen3_moe"])
@@ -47,6 +51,50 @@ def test_every_request_gets_what_generate_gives_its_prompt_alone(family, monkeyp
     for request, prompt, limit in zip(ids, prompts, LIMITS):
         assert out[request] == _alone(model, prompt, limit, eos), (family, request)
     assert any(out[r][-1] == eos[0] and len(out[r]) < n for r, n in zip(ids, LIMITS))  # (an eos ended one)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_requests_get_what_generate_gives_their_prompts_alone(family):
+    """Recurrent states per row: a step that takes new prompts runs the going rows' tokens first, then
+    the prompts in emptied rows (their states zeroed) with the going rows' states kept through it.
+    Tokens and log-probabilities equal generate's on each prompt alone (a state decayed by padding,
+    or left over from a row's last request, would change the log-probabilities even where a tiny
+    model's argmax holds)."""
+    model = patched_copy(tiny_model(family), int8=False)
+    prompts = _prompts(4)
+    eos = [_alone(model, prompts[1], 9, [])[1]]
+    batcher = ContinuousBatcher(model, batch_size=3, max_length=24, eos_token_id=eos)
+    for p, n in zip(prompts, LIMITS):
+        batcher.submit(p, max_new_tokens=n, output_logprobs=True)
+    out, mixed = {}, 0
+    while batcher.waiting or batcher.running:
+        waiting = len(batcher.waiting)
+        out.update(batcher.step())
+        mixed += len(batcher.waiting) < waiting and batcher.running > waiting - len(batcher.waiting)
+    assert mixed  # (some step took new prompts while other rows were going)
+    for request, (prompt, limit) in enumerate(zip(prompts, LIMITS)):
+        tokens, logprobs = _alone(model, prompt, limit, eos, logprobs=True)
+        assert out[request] == tokens, (family, request)
+        torch.testing.assert_close(torch.tensor(batcher.logprobs[request]), logprobs, atol=2e-4, rtol=1e-4)
+
+
+def test_logprobs_are_generates_and_stream():
+    model = patched_copy(tiny_model("llama", layers=2), int8=False)
+    prompts = _prompts(5)
+    batcher = ContinuousBatcher(model, batch_size=2, max_length=24, eos_token_id=[])
+    for i, (p, n) in enumerate(zip(prompts, LIMITS)):
+        batcher.submit(p, max_new_tokens=n, output_logprobs=i % 2 == 0)
+    streamed = {}
+    while batcher.waiting or batcher.running:
+        batcher.step()
+        assert set(batcher.last_logprobs) == {r for r in batcher.last_tokens if r % 2 == 0}
+        for request, logprob in batcher.last_logprobs.items():
+            streamed.setdefault(request, []).append(logprob)
+    assert set(batcher.logprobs) == set(streamed) == {0, 2, 4, 6}
+    for request in streamed:
+        assert batcher.logprobs[request] == streamed[request]
+        _, want = _alone(model, prompts[request], LIMITS[request], [], logprobs=True)
+        torch.testing.assert_close(torch.tensor(streamed[request]), want, atol=2e-4, rtol=1e-4)
 
 
 def test_each_request_gets_generate_with_its_own_options():
@@ -78,8 +126,9 @@ def test_each_request_gets_generate_with_its_own_options():
     assert len(streamed) == len(prompts) and any(len(t) < 12 for t in streamed.values())
 
 
-def test_int8_and_compiled_steps_give_the_eager_tokens():
-    model = patched_copy(tiny_model("llama", layers=3), int8=True)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
+def test_int8_and_compiled_steps_give_the_eager_tokens(family):
+    model = patched_copy(tiny_model(family, layers=3), int8=True)
     prompts = _prompts(1)
     runs = []
     for compile in (False, True):
@@ -136,6 +185,6 @@ def test_what_it_cannot_serve_is_refused():
         ContinuousBatcher(model, batch_size=0)
     with pytest.raises(ValueError, match="not patched"):
         ContinuousBatcher(tiny_model("llama"))
-    with pytest.raises(ValueError, match="hybrid"):
-        ContinuousBatcher(patched_copy(tiny_model("qwen3_5_text"), int8=False), batch_size=2, max_length=8)
+    with pytest.raises(ValueError, match="output_logprobs"):
+        batcher.submit([3], max_new_tokens=2, output_logprobs="yes")
     assert batcher.run() == {} and not batcher.waiting  # (nothing was queued by the refusals)

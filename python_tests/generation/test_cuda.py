@@ -133,12 +133,14 @@ def test_per_row_sampling_rows_sample_as_alone():
     assert torch.equal(mixed[0], generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences[0])
 
 
-def test_continuous_batching_requests_equal_generate_alone():
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
+def test_continuous_batching_requests_equal_generate_alone(family):
     """ContinuousBatcher on the GPU, compiled (CUDA-graph) decode steps: rows reused mid-batch give
-    every greedy request the tokens generate gives its prompt alone."""
+    every greedy request the tokens generate gives its prompt alone (a hybrid's recurrent states,
+    which the graphs update in place, kept per row)."""
     from gptfast_kernels import ContinuousBatcher
 
-    patched = patched_copy(tiny_model("llama", layers=3).cuda(), int8=True)
+    patched = patched_copy(tiny_model(family, layers=3).cuda(), int8=True)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4)]
     limits = (6, 3, 9, 4, 7)

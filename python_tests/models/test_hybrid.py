@@ -55,7 +55,7 @@ def test_recurrent_first_and_last_layers(patched):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-def test_crop_empties_or_refuses(models):
+def test_crop_empties_rows_or_refuses(models):
     _, patched = models
     cache = StaticKVCache(patched.config, 2, 8)
     with torch.no_grad():
@@ -69,6 +69,12 @@ def test_crop_empties_or_refuses(models):
         cache.crop(keeping)
     assert cache.seq_lengths.tolist() == [3, 3]
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(before, _states(cache)))
+    cache.crop(torch.tensor([3, 0]))  # one row emptied: its states zeroed, the other's kept
+    assert cache.seq_lengths.tolist() == [3, 0]
+    assert all(torch.equal(a[0][0], b[0][0]) and torch.equal(a[1][0], b[1][0]) and not b[0][1].any()
+               and not b[1][1].any() for a, b in zip(before, _states(cache)))
+    with pytest.raises(ValueError, match="recurrent state"):
+        cache.crop(torch.tensor([2, 0]))
     cache.crop(torch.zeros(2, dtype=torch.int64))
     assert cache.seq_lengths.tolist() == [0, 0]
     assert not any(conv.any() or state.any() for conv, state in _states(cache))

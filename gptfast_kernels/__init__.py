@@ -20,6 +20,7 @@ _LAZY = {
     "SpeculativeOutput": "gptfast_kernels.generation.speculative",
     "prompt_lookup_generate": "gptfast_kernels.generation.prompt_lookup",
     "ContinuousBatcher": "gptfast_kernels.generation.continuous",
+    "SpeculativeBatcher": "gptfast_kernels.generation.continuous_speculative",
     "save_patched": "gptfast_kernels.models.serialization",
     "load_patched": "gptfast_kernels.models.serialization",
 }

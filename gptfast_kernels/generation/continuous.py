@@ -67,6 +67,8 @@ class Request:
 
 
 class ContinuousBatcher:
+    extra_slots = 0  # cache slots per row past max_length (a speculative round's drafts)
+
     """``ContinuousBatcher(model, batch_size=8, max_length=2048)``; ``submit(prompt_ids, ...)`` ->
     request id; ``step()`` -> the requests that ended in it, as {id: new token ids}; ``run()`` steps
     until every submitted request has ended and returns {id: new token ids} for all of them.
@@ -92,7 +94,8 @@ class ContinuousBatcher:
         self.device, dtype = common.model_device_dtype(model)
         self.eos, _ = common.resolve_special_tokens(op, model, eos_token_id)
         self.vocab_size = common.input_vocab_size(model)
-        self.cache = cache_for(model, batch_size, max_length, self.device, dtype, reuse=compile)
+        self.cache = cache_for(model, batch_size, max_length + self.extra_slots, self.device, dtype, reuse=compile,
+                               step_tokens=self.extra_slots + 1)
         self.step_forward = step_function(model, compile)
         self.output_vocab = common.output_vocab_size(model)
         self.tokenizer = tokenizer
@@ -157,27 +160,37 @@ class ContinuousBatcher:
             tokens, logprobs = self._sample(going)
             for b in going:
                 request = self.rows[b]
-                request.tokens.append(tokens[b])
+                self._take(b, [tokens[b]], None if logprobs is None else [logprobs[b]], ended)
                 self.last_tokens[request.id] = tokens[b]
                 if request.logprobs is not None:
-                    request.logprobs.append(logprobs[b])
                     self.last_logprobs[request.id] = logprobs[b]
-                text = b""
-                if request.stop_strings:
-                    text = self.token_text[tokens[b]] if tokens[b] < len(self.token_text) else b""
-                    request.text += text
-                if (tokens[b] in self.eos or len(request.tokens) >= request.max_new_tokens
-                        or request.stops_at(text)):
-                    ended[request.id] = request.tokens
-                    if request.logprobs is not None:
-                        self.logprobs[request.id] = request.logprobs
-                    self.rows[b] = None
-                    self.arguments = None
             going = [b for b in going if self.rows[b] is not None]
         admitted = self._admit()
         if going or admitted:
             self._forward(going, admitted)
         return ended
+
+    def _take(self, b: int, tokens: list[int], logprobs: list[float] | None, ended: dict) -> int:
+        """Row ``b``'s request gets ``tokens`` in turn (and their ``logprobs`` if it asked) until one
+        ends it (an eos, a stop, or its own limit: the request goes to ``ended`` and the row is
+        freed) -> how many it took."""
+        request = self.rows[b]
+        for i, token in enumerate(tokens):
+            request.tokens.append(token)
+            if request.logprobs is not None:
+                request.logprobs.append(logprobs[i])
+            text = b""
+            if request.stop_strings:
+                text = self.token_text[token] if token < len(self.token_text) else b""
+                request.text += text
+            if token in self.eos or len(request.tokens) >= request.max_new_tokens or request.stops_at(text):
+                ended[request.id] = request.tokens
+                if request.logprobs is not None:
+                    self.logprobs[request.id] = request.logprobs
+                self.rows[b] = None
+                self.arguments = None
+                return i + 1
+        return len(tokens)
 
     def run(self) -> dict[int, list[int]]:
         """Steps until every submitted request has ended -> {id: new token ids}, in submission order."""
@@ -199,11 +212,11 @@ class ContinuousBatcher:
             self.arguments = None
         return taken
 
-    def _empty(self, rows: list[int]) -> None:
-        """Rows' caches emptied (a hybrid's recurrent states zeroed); the other rows keep theirs."""
-        lengths = self.cache.seq_lengths.clone()
-        lengths[torch.tensor(rows, device=lengths.device)] = 0
-        self.cache.crop(lengths, check=False)
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        """[B] bool on the device: True at ``rows``."""
+        mask = torch.zeros(self.batch_size, dtype=torch.bool)
+        mask[rows] = True
+        return mask.to(self.device)
 
     def _reset_records(self, rows: list[int]) -> None:
         """The penalties' record of new rows: their prompts seen, nothing generated (each part made,
@@ -225,25 +238,25 @@ class ContinuousBatcher:
         """The next-token logits of the going rows (after their last token) and of the admitted rows
         (after their prompts, in emptied rows): one forward, or for a hybrid model with both, the
         decode step and then the prompts, the going rows' recurrent states kept through the second."""
-        if not (going and admitted and self.cache.has_recurrent_layers):
-            if admitted:
-                self._empty(admitted)
-            self._run(going, admitted)
-            return
-        self._run(going, [])
-        self._empty(admitted)
-        states = self.cache.recurrent_state_tensors()
-        kept = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
-        kept[torch.tensor(going, device=self.device)] = True
-        before = [state.clone() for state in states]
-        self._run([], admitted)
-        for state, old in zip(states, before):
-            state.copy_(torch.where(row_mask(kept, state), old, state))
+        if going and admitted and self.cache.has_recurrent_layers:
+            self._keep_logits(going, self._run(self.model, self.cache, self.step_forward, going, []))
+            self._keep_logits(admitted, self._run(self.model, self.cache, self.step_forward, [], admitted, going))
+        else:
+            self._keep_logits(going + admitted, self._run(self.model, self.cache, self.step_forward, going, admitted))
 
-    def _run(self, going: list[int], admitted: list[int]) -> None:
-        """One forward: each going row's last token and each admitted row's prompt, left-padded so
-        that every row ends in the last column (other rows are padding: nothing written) -> their
-        next-token logits. Without new prompts, the decode step (compiled with ``compile``)."""
+    def _keep_logits(self, rows: list[int], logits: torch.Tensor) -> None:
+        if self.logits is None:
+            self.logits = torch.zeros(logits.shape, dtype=torch.float32, device=self.device)
+        rows = torch.tensor(rows, device=self.device)
+        self.logits[rows] = logits[rows].float()
+
+    def _run(self, model, cache, step, going: list[int], admitted: list[int], kept: list[int] = ()) -> torch.Tensor:
+        """One forward of ``model`` on ``cache``: each going row's last token and each admitted row's
+        prompt (its cache row emptied first), left-padded so that every row ends in the last column
+        (other rows are padding: nothing written) -> the last column's logits [B, V]. Without new
+        prompts, ``step`` (the decode step, compiled with ``compile``). ``kept``: rows whose
+        recurrent states (a hybrid cache's) are put back as they were before the forward, whose
+        padding would otherwise advance them."""
         width = max([len(self.rows[b].prompt) for b in admitted], default=1)
         ids = torch.zeros(self.batch_size, width, dtype=torch.int64)
         mask = torch.zeros(self.batch_size, width, dtype=torch.bool)
@@ -256,35 +269,44 @@ class ContinuousBatcher:
             mask[b, width - len(prompt):] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         if not admitted:
-            logits = self.step_forward(ids, mask, self.cache)[:, -1]
-        else:  # (a ring-buffer cache takes at most max_step_tokens a forward: chunks, the going rows' in the last)
-            prompt = common.Prompt(ids, mask, mask.sum(dim=1).tolist())
-            for start, stop in common.prompt_chunks(prompt, self.cache):
-                logits, _ = common._prefill_chunk(self.model, prompt, self.cache, start, stop, 1)
-            logits = logits[:, -1]
-        if self.logits is None:
-            self.logits = torch.zeros(logits.shape, dtype=torch.float32, device=self.device)
-        rows = torch.tensor(going + admitted, device=self.device)
-        self.logits[rows] = logits[rows].float()
+            return step(ids, mask, cache)[:, -1]
+        lengths = torch.where(self._rows(admitted), 0, cache.seq_lengths)
+        cache.crop(lengths, check=False)  # (a hybrid's recurrent states of those rows zeroed)
+        states = cache.recurrent_state_tensors() if kept and cache.has_recurrent_layers else []
+        before, keep = [state.clone() for state in states], self._rows(list(kept))
+        # (a ring-buffer cache takes at most max_step_tokens a forward: chunks, the going rows' in the last)
+        prompt = common.Prompt(ids, mask, mask.sum(dim=1).tolist())
+        for start, stop in common.prompt_chunks(prompt, cache):
+            logits, _ = common._prefill_chunk(model, prompt, cache, start, stop, 1)
+        for state, old in zip(states, before):
+            state.copy_(torch.where(row_mask(keep, state), old, state))
+        return logits[:, -1]
 
-    def _sample(self, going: list[int]) -> tuple[list[int], list[float] | None]:
-        """Each running row's next token (its request's penalties, min_new_tokens and sampling
-        arguments) and, if a request asks, its log-probability under the raw logits, read on the
-        host. Idle rows take the first running row's options, so a batch whose requests all sample
-        alike samples as with numbers (all greedy: an argmax)."""
-        op, spare = "ContinuousBatcher", self.rows[going[0]]
-        rows = [r if r is not None else spare for r in self.rows]
-        if self.arguments is None:  # (the rows changed: built once until they change again)
+    def _arguments(self) -> tuple:
+        """(sampling arguments, penalties) per row, as check_sampling_args and check_penalties give
+        them, built when the rows change. Idle rows take the first running row's options, so a batch
+        whose requests all sample alike samples as with numbers (all greedy: an argmax)."""
+        if self.arguments is None:
+            op, spare = "ContinuousBatcher", next(r for r in self.rows if r is not None)
+            rows = [r if r is not None else spare for r in self.rows]
             self.arguments = (
                 check_sampling_args(op, *map(list, zip(*[r.sampling for r in rows])), self.batch_size, self.device),
                 check_penalties(op, *map(list, zip(*[r.penalties for r in rows])), self.batch_size, self.device))
-        sampling, penalties = self.arguments
+        return self.arguments
+
+    def _sample(self, going: list[int]) -> tuple[list[int], list[float] | None]:
+        """Each row's next token from ``self.logits`` (its request's penalties, min_new_tokens and
+        sampling arguments) and, if a request of ``going`` asks, its log-probability under the raw
+        logits, read on the host; the penalties' record takes the tokens of the ``going`` rows."""
+        rows = [r if r is not None else self.rows[going[0]] for r in self.rows]
+        sampling, penalties = self._arguments()
         early = None
         if self.eos and any(len(r.tokens) < r.min_new_tokens for r in rows):
             early = torch.tensor([len(r.tokens) < r.min_new_tokens for r in rows], device=self.device)
         processed = process_logits(self.logits, self.record, penalties[0], self.is_eos, early, *penalties[1:])
         tokens = pick_tokens(processed, *sampling, self.generator)
-        self.record.add(tokens[:, None])  # (an idle row's entries are emptied before a request reads them)
+        if self.record.seen is not None or self.record.counts is not None:
+            self.record.add(torch.where(self._rows(going), tokens, self.output_vocab)[:, None])
         if not any(self.rows[b].logprobs is not None for b in going):
             return tokens.tolist(), None
         return tokens.tolist(), token_logprobs(self.logits, tokens).tolist()

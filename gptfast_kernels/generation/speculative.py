@@ -229,9 +229,9 @@ class SpeculativeRounds:
         return not isinstance(self.temperature, torch.Tensor) and self.temperature == 0
 
     def too_early(self, made: torch.Tensor) -> torch.Tensor | None:
-        """Where a token would be new token number ``made`` (from 0) of its row, and so may not be an
-        eos (``min_new_tokens``); None when nothing is suppressed."""
-        return too_early(made, self.min_new_tokens, self.batch_size, made.device) if self.eos else None
+        """Where a token would be new token number ``made`` [B, ...] (from 0) of its row, and so may
+        not be an eos (``min_new_tokens``); None when nothing is suppressed."""
+        return too_early(made, self.min_new_tokens, made.shape[0], made.device) if self.eos else None
 
     def processed(self, logits, record: TokenRecord, early):
         """logits [..., V] with the penalties over ``record`` (per row or per row and position) and the
@@ -265,6 +265,46 @@ class SpeculativeRounds:
             if i < self.k - 1:
                 logits = advance(token)
         return torch.stack(tokens, dim=1), None if probs[0] is None else torch.stack(probs, dim=1)
+
+    def verify_round(self, proposer: Proposer, target_step, target_cache: StaticKVCache, last: torch.Tensor,
+                     active: torch.Tensor, history: History) -> tuple:
+        """One round for the ``active`` [B] rows (the others are padding: nothing written): k drafts,
+        the target's forward over ``last`` [B] and them (``target_step``, returning its last hidden
+        states too when the proposer takes them), verification, and each active row's caches cut to
+        its committed tokens (last + the accepted drafts). -> (tokens [B, k + 1]: the row's emitted
+        tokens first, num_emitted [B] (0 where inactive), num_accepted [B], the target's logits
+        [B, k + 1, V], its last hidden states or None)."""
+        k, B = self.k, active.shape[0]
+        draft_tokens, draft_probs = proposer.propose(self, last, active, history)
+        # the target scores last + k drafts in one forward, then every row is verified at once
+        target_input = torch.cat([last[:, None], draft_tokens], dim=1)
+        target_cache.checkpoint()  # (a hybrid target's recurrent states: the crop below rolls them back)
+        target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
+        target_hidden = None
+        if getattr(proposer, "takes_target_hidden", False):
+            target_logits, target_hidden = target_logits
+        round_record = history.record.before_each(draft_tokens)  # position i: the drafts before it too
+        # position i scores new token number num_generated + i of its row
+        columns = torch.arange(k + 1, device=last.device)
+        processed = self.processed(target_logits, round_record,
+                                   self.too_early(history.num_generated[:, None] + columns[None, :]))
+        # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync).
+        # Greedy verification compares the drafts with the target's argmax, which the logits give
+        # as they are (the target's own greedy decoding takes the argmax of its logits, too).
+        if self.greedy:
+            target_scores, draft_probs = processed.float(), None
+        else:
+            target_scores = logits_to_probs(processed, self.temperature, self.top_k, self.top_p, self.min_p)
+        tokens, num_emitted = verify_draft(target_scores, draft_probs, draft_tokens, generator=self.generator,
+                                           check_values=False)
+        num_emitted = torch.where(active, num_emitted, 0)
+        num_accepted = (num_emitted - 1).clamp(min=0)
+        # each row's caches keep its committed tokens: last + accepted drafts
+        # (>= 1 by construction: the target wrote k + 1 tokens, so no sync to check it)
+        committed = target_cache.seq_lengths - k + num_accepted
+        target_cache.crop(torch.where(active, committed, target_cache.seq_lengths), check=False)
+        proposer.commit(active, committed, num_accepted, draft_tokens, target_hidden)
+        return tokens, num_emitted, num_accepted, target_logits, target_hidden
 
     def run(self, make_proposer: Callable[[int, StaticKVCache], Proposer]) -> SpeculativeOutput:
         """``make_proposer(capacity, target_cache)``: the proposer, given the cache length the rounds
@@ -322,41 +362,13 @@ class SpeculativeRounds:
 
         while not bool(finished.all()):
             active = ~finished
-            # 1. k proposals per row (finished rows are padding: nothing written)
-            draft_tokens, draft_probs = proposer.propose(self, last, active, History(out, num_generated, record))
-
-            # 2. the target scores last + k drafts in one forward, 3. verify every row at once
-            target_input = torch.cat([last[:, None], draft_tokens], dim=1)
-            target_cache.checkpoint()  # (a hybrid target's recurrent states: step 4 rolls them back)
-            target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
-            if takes_hidden:
-                target_logits, target_hidden = target_logits
-            round_record = record.before_each(draft_tokens)  # position i: the drafts before it too
-            # position i scores new token number num_generated + i of its row
-            processed = self.processed(target_logits, round_record,
-                                       self.too_early(num_generated[:, None] + columns[None, :]))
-            # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync).
-            # Greedy verification compares the drafts with the target's argmax, which the logits give
-            # as they are (the target's own greedy decoding takes the argmax of its logits, too).
-            if self.greedy:
-                target_scores, draft_probs = processed.float(), None
-            else:
-                target_scores = logits_to_probs(processed, self.temperature, self.top_k, self.top_p, self.min_p)
-            tokens, num_emitted = verify_draft(target_scores, draft_probs, draft_tokens, generator=self.generator,
-                                               check_values=False)
-            num_emitted = torch.where(active, num_emitted, 0)
-            num_accepted = (num_emitted - 1).clamp(min=0)
+            tokens, num_emitted, num_accepted, target_logits, target_hidden = self.verify_round(
+                proposer, target_step, target_cache, last, active, History(out, num_generated, record))
             proposed += k * active
             accepted += num_accepted
-
-            # 4. each row's caches keep its committed tokens: last + accepted drafts
-            # (>= 1 by construction: the target wrote k + 1 tokens, so no sync to check it)
-            committed = target_cache.seq_lengths - k + num_accepted
-            target_cache.crop(torch.where(active, committed, target_cache.seq_lengths), check=False)
-            proposer.commit(active, committed, num_accepted, draft_tokens, target_hidden)
             last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], last)
 
-            # 5. append the emitted tokens, cut each row at its first eos and at max_new_tokens
+            # append the emitted tokens, cut each row at its first eos and at max_new_tokens
             emitted = columns[None, :] < num_emitted[:, None]
             is_eos = torch.isin(tokens, eos_ids) & emitted
             if stop is not None:  # (before min_new_tokens a stop sequence or string does not count)

@@ -153,6 +153,28 @@ def test_continuous_batching_requests_equal_generate_alone(family):
         assert out[i] == alone[0, len(p):].tolist()
 
 
+@pytest.mark.parametrize("proposer", ["draft", "lookup"])
+def test_speculative_batching_requests_equal_generate_alone(proposer):
+    """SpeculativeBatcher on the GPU, compiled (CUDA-graph) rounds of int8 models: rows reused
+    mid-batch give every greedy request the tokens generate gives its prompt alone."""
+    from gptfast_kernels import SpeculativeBatcher
+
+    target = tiny_model("llama", layers=3).cuda()
+    patched = patched_copy(target, int8=True)
+    draft = patched_copy(draft_of(target), int8=True) if proposer == "draft" else None
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4)]
+    limits = (6, 3, 9, 4, 7)
+    batcher = SpeculativeBatcher(patched, draft, speculate_k=3, batch_size=2, max_length=24, eos_token_id=[],
+                                 compile=True)
+    for p, n in zip(prompts, limits):
+        batcher.submit(p, max_new_tokens=n)
+    out = batcher.run()
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+        alone = generate(patched, torch.tensor([p], device="cuda"), max_new_tokens=n, eos_token_id=[]).sequences
+        assert out[i] == alone[0, len(p):].tolist()
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_bf16_logits_within_twice_transformers_error(family):
     """Prefill then two decode steps in bf16 through the CUDA kernels, against float64: our error is

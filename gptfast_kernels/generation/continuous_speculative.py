@@ -1,0 +1,181 @@
+"""Continuous batching with speculative decoding: ``SpeculativeBatcher``.
+
+A ``ContinuousBatcher`` whose running requests advance by speculative rounds instead of one token a
+step: each step, every running row gets k proposals (from a draft model, or looked up in the row's
+own text, as ``prompt_lookup_generate``), the target scores them in one forward of k + 1 tokens and
+``verify_draft`` keeps a prefix per row (SpeculativeRounds.verify_round, the round of
+``speculative_generate``). Requests that ended (an eos, a stop, their own limit) free their rows;
+waiting requests take them: their prompts run through the target (and the draft), each row's cache
+emptied first, and their first token is sampled from the target's logits. Greedy requests get
+exactly the tokens ``generate`` gives their prompts alone; sampled ones follow the target's
+distribution with their own arguments.
+
+A round's tokens are read on the host, as ContinuousBatcher's steps read theirs: the eos, stops and
+limits of each request are applied there, and a request keeps its tokens up to the one that ended
+it. Not served: MTP heads and Gemma 4 assistants as drafts (speculative_generate takes them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gptfast_kernels.generation import common
+from gptfast_kernels.generation.assistant import is_gemma4_assistant
+from gptfast_kernels.generation.continuous import ContinuousBatcher
+from gptfast_kernels.generation.mtp import is_mtp_model
+from gptfast_kernels.generation.prompt_lookup import lookup_continuations
+from gptfast_kernels.generation.sampling import token_logprobs
+from gptfast_kernels.generation.speculative import (DraftModelProposer, History, SpeculativeRounds,
+                                                    _check_draft_model)
+from gptfast_kernels.ops._dispatch import check_int
+
+
+class SpeculativeBatcher(ContinuousBatcher):
+    """``SpeculativeBatcher(model, draft_model=None, speculate_k=4, max_ngram_size=3, batch_size=8,
+    max_length=2048)``: a ContinuousBatcher (``submit``, ``step``, ``run``, the same per-request
+    options) whose steps are speculative rounds. ``draft_model``: a patched model sharing the
+    target's vocabulary; None proposes by prompt lookup (n-grams of up to ``max_ngram_size`` tokens
+    in each row's prompt and output). ``last_tokens`` holds {id: [tokens]} of each step (a round
+    gives a request one to k + 1), ``last_logprobs`` {id: [log-probabilities]};
+    ``num_proposed`` / ``num_accepted`` count draft tokens over all rounds."""
+
+    def __init__(self, model, draft_model=None, *, speculate_k: int = 4, max_ngram_size: int = 3,
+                 batch_size: int = 8, max_length: int = 2048, eos_token_id: int | list[int] | None = None,
+                 generator: torch.Generator | None = None, compile: bool = False, tokenizer=None):
+        op = "SpeculativeBatcher"
+        common.check_model(op, "model", model)
+        common.check_rollback(op, "model", model)
+        self.k = self.extra_slots = check_int(op, "speculate_k", speculate_k, 1)
+        if draft_model is not None:
+            if is_mtp_model(draft_model) or is_gemma4_assistant(draft_model):
+                raise ValueError(f"{op}: draft_model is {type(draft_model).__name__}, which drafts from the target's "
+                                 "hidden states or cache; a SpeculativeBatcher takes a draft model of its own (or "
+                                 "None: prompt lookup); speculative_generate takes this one")
+            _check_draft_model(op, model, draft_model)
+        else:
+            check_int(op, "max_ngram_size", max_ngram_size, 1)
+        super().__init__(model, batch_size=batch_size, max_length=max_length, eos_token_id=eos_token_id,
+                         generator=generator, compile=compile, tokenizer=tokenizer)
+        self.compile = compile
+        capacity = self.max_length + self.k
+        self.proposer = (_DraftRows(draft_model, self.batch_size, capacity, compile, self.k) if draft_model is not None
+                         else _LookupRows(self.batch_size, capacity + self.k + 1, max_ngram_size, self.output_vocab,
+                                          self.device))
+        # each running row's last token: emitted, not yet in the target's cache (the next round's first input)
+        self.last = torch.zeros(self.batch_size, dtype=torch.int64, device=self.device)
+        self.last_tokens: dict[int, list[int]] = {}
+        self.last_logprobs: dict[int, list[float]] = {}
+        self.num_proposed = self.num_accepted = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens over all rounds so far (0 before any)."""
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @torch.no_grad()
+    def step(self) -> dict[int, list[int]]:
+        """One round for every running request; the requests that ended, and new ones in their rows
+        (their prompts run, their first tokens sampled)."""
+        ended, self.last_tokens, self.last_logprobs = {}, {}, {}
+        going = [b for b, r in enumerate(self.rows) if r is not None]
+        if going:
+            self._round(going, ended)
+            going = [b for b in going if self.rows[b] is not None]
+        admitted = self._admit()
+        if admitted:
+            self._keep_logits(admitted, self._run(self.model, self.cache, self.step_forward, [], admitted, going))
+            self.proposer.admit(self, admitted, going)
+            tokens, logprobs = self._sample(admitted)
+            rows = self._rows(admitted)
+            first = torch.tensor(tokens, device=self.device)
+            self.last = torch.where(rows, first, self.last)
+            self.proposer.append(first[:, None], rows.to(torch.int64))
+            for b in admitted:
+                self._give(b, [tokens[b]], None if logprobs is None else [logprobs[b]], ended)
+        return ended
+
+    def _round(self, going: list[int], ended: dict) -> None:
+        """A speculative round for the ``going`` rows; each request takes its emitted tokens."""
+        k, V = self.k, self.output_vocab
+        active = self._rows(going)
+        sampling, penalties = self._arguments()
+        rows = [r if r is not None else self.rows[going[0]] for r in self.rows]
+        least = [r.min_new_tokens for r in rows]
+        rounds = SpeculativeRounds(
+            self.model, None, max_new_tokens=0, most_new_tokens=0, k=k, temperature=sampling[0], top_k=sampling[1],
+            top_p=sampling[2], min_p=sampling[3], eos=self.eos, pad=0, generator=self.generator, compile=self.compile,
+            repetition_penalty=penalties[0], presence_penalty=penalties[1], frequency_penalty=penalties[2],
+            min_new_tokens=torch.tensor(least, device=self.device) if any(least) else 0, is_eos=self.is_eos)
+        made = torch.tensor([len(r.tokens) for r in rows], device=self.device)  # (each row's last included)
+        tokens, num_emitted, num_accepted, target_logits, _ = rounds.verify_round(
+            self.proposer, self.step_forward, self.cache, self.last, active, History(None, made, self.record))
+        self.last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], self.last)
+        emitted = torch.arange(k + 1, device=self.device)[None, :] < num_emitted[:, None]
+        if self.record.seen is not None or self.record.counts is not None:
+            self.record.add(torch.where(emitted, tokens, V))
+        self.proposer.append(tokens, num_emitted)
+        asks = any(self.rows[b].logprobs is not None for b in going)
+        logprobs = token_logprobs(target_logits, tokens.clamp(min=0)).tolist() if asks else None
+        tokens, counts = tokens.tolist(), num_emitted.tolist()
+        for b in going:
+            self.num_proposed += k
+            self.num_accepted += counts[b] - 1
+            self._give(b, tokens[b][:counts[b]], None if logprobs is None else logprobs[b][:counts[b]], ended)
+
+    def _give(self, b: int, tokens: list[int], logprobs: list[float] | None, ended: dict) -> None:
+        """Row ``b``'s request takes ``tokens`` (up to the one that ends it), and this step's
+        ``last_tokens`` / ``last_logprobs`` show them."""
+        request = self.rows[b]
+        taken = self._take(b, tokens, logprobs, ended)
+        self.last_tokens.setdefault(request.id, []).extend(tokens[:taken])
+        if request.logprobs is not None:
+            self.last_logprobs.setdefault(request.id, []).extend(logprobs[:taken])
+
+
+class _DraftRows(DraftModelProposer):
+    """A draft model's proposals; a new request's prompt runs through the draft into its emptied row."""
+
+    def admit(self, batcher: SpeculativeBatcher, rows: list[int], going: list[int]) -> None:
+        batcher._run(self.model, self.cache, self.step, [], rows, going)
+        self.pending.masked_fill_(batcher._rows(rows), -1)
+
+    def append(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        return None  # (the draft's cache follows the rounds: commit)
+
+
+class _LookupRows:
+    """Prompt-lookup proposals over each row's text (its request's prompt and what it generated), kept
+    on the device as ``text`` [B, width] (-1 past each row's ``lengths``)."""
+
+    def __init__(self, batch_size: int, width: int, max_ngram_size: int, vocab_size: int, device: torch.device):
+        self.width, self.max_ngram_size, self.vocab_size = width, max_ngram_size, vocab_size
+        self.text = torch.full((batch_size, width + 1), -1, dtype=torch.int64, device=device)  # (+ a dump column)
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+
+    def admit(self, batcher: SpeculativeBatcher, rows: list[int], going: list[int]) -> None:
+        for b in rows:
+            prompt = batcher.rows[b].prompt
+            row = torch.full((self.width + 1,), -1, dtype=torch.int64)
+            row[:len(prompt)] = torch.tensor(prompt)
+            self.text[b] = row.to(self.text.device)
+            self.lengths[b] = len(prompt)
+
+    def append(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        """Each row's first ``counts`` [B] of ``tokens`` [B, T] follow its text."""
+        columns = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+        slots = torch.where(columns < counts[:, None], self.lengths[:, None] + columns, self.width)
+        self.text.scatter_(1, slots.clamp(max=self.width), tokens)
+        self.text[:, self.width] = -1
+        self.lengths += counts
+
+    def propose(self, rounds: SpeculativeRounds, last, active, history):
+        """-> draft tokens [B, k], and their one-hot distributions [B, k, V] (None when greedy)."""
+        # (a row that never held a request has no text: its drafts, padding in every forward, must still be ids)
+        drafts = lookup_continuations(self.text[:, :self.width], self.lengths.clamp(min=1, max=self.width), rounds.k,
+                                      self.max_ngram_size).clamp(min=0)
+        if rounds.greedy:
+            return drafts, None
+        return drafts, torch.nn.functional.one_hot(drafts, self.vocab_size).float()
+
+    def commit(self, active, committed, num_accepted, draft_tokens, target_hidden=None) -> None:
+        return None

@@ -1,0 +1,211 @@
+"""SpeculativeBatcher: continuous batching whose steps are speculative rounds (a draft model, or
+prompt lookup), with more requests than rows, ending at different rounds so that new ones take the
+freed rows mid-batch. Each greedy request gets exactly the tokens generate gives its prompt alone
+(ring-buffer, ALiBi, mixture-of-experts and hybrid families; int8 and compiled rounds), and with its
+own options (penalties, min_new_tokens, stops, log-probabilities); sampled requests follow their own
+arguments; what it cannot serve is refused, naming the argument."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gptfast_kernels import SpeculativeBatcher
+from gptfast_kernels.generation import forward
+from gptfast_kernels.generation.prompt_lookup import lookup_continuations
+from gptfast_kernels.generation.stopping import token_bytes
+from python_tests.generation.test_continuous import LIMITS, _alone, _prompts
+from python_tests.tiny_models import HYBRID, draft_of, patched_copy, tiny_model
+from python_tests.tiny_tokenizers import byte_level_tokenizer, stop_string_from
+
+
+def _draft(target, int8=False):
+    """A patched draft of the target's first layer (first two for a hybrid, whose first layer alone
+    may have no attention)."""
+    return patched_copy(draft_of(target, 2 if target.config.model_type in HYBRID else 1), int8=int8)
+
+
+def _serve(batcher, prompts, limits, **options):
+    """Submits every prompt and steps until all ended -> ({id: tokens}, steps taken)."""
+    for p, n in zip(prompts, limits):
+        batcher.submit(p, max_new_tokens=n, **options)
+    out, steps = {}, 0
+    while batcher.waiting or batcher.running:
+        out.update(batcher.step())
+        steps += 1
+    return out, steps
+
+
+@pytest.mark.parametrize("proposer", ["draft", "lookup"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "mistral", "bloom", "qwen3_moe", "qwen3_5_text", "bamba",
+                                    "lfm2", "mamba"])
+def test_every_request_gets_what_generate_gives_its_prompt_alone(family, proposer, monkeypatch):
+    monkeypatch.setattr(forward, "PREFILL_CHUNK", 3)  # (ring-buffer layers: they wrap)
+    target = tiny_model(family)
+    model = patched_copy(target, int8=False)
+    prompts = _prompts()
+    eos = [_alone(model, prompts[1], 9, [])[1]]  # (a token some request makes: it ends early)
+    batcher = SpeculativeBatcher(model, _draft(target) if proposer == "draft" else None, speculate_k=3,
+                                 batch_size=3, max_length=24, eos_token_id=eos)
+    out, steps = _serve(batcher, prompts, LIMITS, output_logprobs=True)
+    for request, (prompt, limit) in enumerate(zip(prompts, LIMITS)):
+        tokens, logprobs = _alone(model, prompt, limit, eos, logprobs=True)
+        assert out[request] == tokens, (family, proposer, request)
+        torch.testing.assert_close(torch.tensor(batcher.logprobs[request]), logprobs, atol=2e-4, rtol=1e-4)
+    assert any(out[r][-1] == eos[0] and len(out[r]) < n for r, n in enumerate(LIMITS))  # (an eos ended one)
+    assert steps < sum(LIMITS) and 0 <= batcher.num_accepted <= batcher.num_proposed and batcher.num_proposed > 0
+
+
+def test_rounds_advance_rows_by_several_tokens():
+    """A draft that is the target itself is always accepted: every round gives a request k + 1
+    tokens (fewer where it ends), streamed as lists in last_tokens."""
+    target = tiny_model("llama", layers=2)
+    model = patched_copy(target, int8=False)
+    prompts = _prompts(6)
+    batcher = SpeculativeBatcher(model, patched_copy(target, int8=False), speculate_k=3, batch_size=2,
+                                 max_length=24, eos_token_id=[])
+    for p, n in zip(prompts, LIMITS):
+        batcher.submit(p, max_new_tokens=n)
+    streamed, out = {}, {}
+    while batcher.waiting or batcher.running:
+        done = batcher.step()
+        for request, tokens in batcher.last_tokens.items():
+            streamed.setdefault(request, []).extend(tokens)
+            assert 1 <= len(tokens) <= 4
+        out.update(done)
+    assert batcher.acceptance_rate == 1.0 and batcher.num_proposed > 0
+    assert streamed == out == {i: _alone(model, p, n, []) for i, (p, n) in enumerate(zip(prompts, LIMITS))}
+
+
+def test_lookup_reads_each_rows_own_text():
+    """Prompt lookup's text per row is its current request's prompt and tokens (a row reused starts
+    over): before every round, the proposals are lookup_continuations of exactly that."""
+    model = patched_copy(tiny_model("llama", layers=2), int8=False)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 9], [4, 8, 4, 8, 4], [11, 12, 13, 14, 11, 12], [20, 21]]
+    batcher = SpeculativeBatcher(model, speculate_k=3, batch_size=2, max_length=24, eos_token_id=[])
+    for p, n in zip(prompts, (5, 9, 4, 7, 6)):
+        batcher.submit(p, max_new_tokens=n)
+    rounds = 0
+    while batcher.waiting or batcher.running:
+        proposer = batcher.proposer
+        for b, request in enumerate(batcher.rows):
+            if request is not None:
+                text = request.prompt + request.tokens
+                assert proposer.lengths[b] == len(text) and proposer.text[b, :len(text)].tolist() == text
+                assert (proposer.text[b, len(text):] == -1).all()
+                want = lookup_continuations(torch.tensor([text]), torch.tensor([len(text)]), 3, 3)
+                got, _ = proposer.propose(SimpleNamespace(k=3, greedy=True), None, None, None)
+                assert got[b].tolist() == want[0].tolist()
+                rounds += 1
+        batcher.step()
+    assert rounds > len(prompts)
+
+
+@pytest.mark.parametrize("proposer", ["draft", "lookup"])
+def test_each_request_gets_generate_with_its_own_options(proposer):
+    """Penalties (the drafts before each position counted), min_new_tokens, stop sequences, stop
+    strings and log-probabilities per request: each equals generate on its prompt alone."""
+    tokenizer = byte_level_tokenizer()
+    pieces = token_bytes(tokenizer)
+    target = tiny_model("llama", layers=3)
+    model = patched_copy(target, int8=False)
+    prompts = _prompts(3)
+    free = [_alone(model, p, 12, []) for p in prompts]
+    eos = [free[0][1]]
+    options = [dict(repetition_penalty=1.5), dict(presence_penalty=0.7, frequency_penalty=0.4),
+               dict(stop_sequences=[free[2][3:5]]), dict(stop_strings=[stop_string_from(pieces, free[3])]),
+               dict(min_new_tokens=5, stop_sequences=[[free[4][1]]]),
+               dict(repetition_penalty=1.2, presence_penalty=1.0, frequency_penalty=2.0, min_new_tokens=2), dict()]
+    batcher = SpeculativeBatcher(model, _draft(target) if proposer == "draft" else None, speculate_k=3,
+                                 batch_size=3, max_length=28, eos_token_id=eos, tokenizer=tokenizer)
+    for p, o in zip(prompts, options):
+        batcher.submit(p, max_new_tokens=12, output_logprobs=True, **o)
+    out, streamed = {}, {}
+    while batcher.waiting or batcher.running:
+        out.update(batcher.step())
+        for request, logprobs in batcher.last_logprobs.items():
+            streamed.setdefault(request, []).extend(logprobs)
+    assert streamed == batcher.logprobs
+    for request, o in enumerate(options):
+        tokens, logprobs = _alone(model, prompts[request], 12, eos, logprobs=True,
+                                  tokenizer=tokenizer if "stop_strings" in o else None, **o)
+        assert out[request] == tokens, (request, o)
+        torch.testing.assert_close(torch.tensor(batcher.logprobs[request]), logprobs, atol=2e-4, rtol=1e-4)
+    assert any(len(t) < 12 for t in out.values())
+
+
+@pytest.mark.parametrize("proposer", ["draft", "lookup"])
+def test_min_new_tokens_holds_the_eos_back_exactly_that_long(proposer):
+    """An eos the target makes first as new token j: with min_new_tokens j it ends the request there
+    (inside a round), with j + 1 it is held back; both as generate gives them."""
+    target = tiny_model("llama", layers=3)
+    model = patched_copy(target, int8=False)
+    prompt = _prompts(7)[0]
+    free = _alone(model, prompt, 14, [])
+    j = next(j for j in range(2, len(free)) if free.index(free[j]) == j)
+    eos = [free[j]]
+    batcher = SpeculativeBatcher(model, _draft(target) if proposer == "draft" else None, speculate_k=3,
+                                 batch_size=2, max_length=28, eos_token_id=eos)
+    for least in (0, j, j + 1):
+        batcher.submit(prompt, max_new_tokens=14, min_new_tokens=least)
+    out = batcher.run()
+    assert out[0] == out[1] == free[:j + 1] and len(out[2]) > j + 1
+    assert out[2] == _alone(model, prompt, 14, eos, min_new_tokens=j + 1)
+
+
+def test_sampled_requests_beside_greedy_ones():
+    """Greedy requests in a batch with sampled ones (verified by sampling, their distributions
+    one-hot) still get generate's tokens; top-k 1 samples the greedy tokens; the others sample."""
+    target = tiny_model("llama", layers=2)
+    model = patched_copy(target, int8=False)
+    prompts = _prompts(2)
+    settings = [dict(), dict(temperature=0.9, top_k=1), dict(temperature=1.5), dict(temperature=0.7, top_p=0.9),
+                dict(), dict(temperature=2.0, min_p=0.1), dict(temperature=1.0, top_k=1)]
+    for proposer in ("draft", "lookup"):
+        batcher = SpeculativeBatcher(model, _draft(target) if proposer == "draft" else None, speculate_k=3,
+                                     batch_size=3, max_length=24, eos_token_id=[],
+                                     generator=torch.Generator().manual_seed(0))
+        for p, n, s in zip(prompts, LIMITS, settings):
+            batcher.submit(p, max_new_tokens=n, **s)
+        out = batcher.run()
+        for i, (p, n, s) in enumerate(zip(prompts, LIMITS, settings)):
+            if not s or s.get("top_k") == 1:
+                assert out[i] == _alone(model, p, n, []), (proposer, i, s)
+            assert len(out[i]) == n and all(0 <= t < 97 for t in out[i])
+        assert any(out[i] != _alone(model, prompts[i], LIMITS[i], []) for i in (2, 5)), proposer
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
+def test_int8_and_compiled_rounds_give_the_eager_tokens(family):
+    target = tiny_model(family, layers=3)
+    model = patched_copy(target, int8=True)
+    draft = _draft(target, int8=True)
+    prompts = _prompts(1)
+    runs = []
+    for compile in (False, True):
+        batcher = SpeculativeBatcher(model, draft, speculate_k=2, batch_size=2, max_length=20, eos_token_id=[],
+                                     compile=compile)
+        runs.append(_serve(batcher, prompts, LIMITS)[0])
+    assert runs[0] == runs[1]
+    assert runs[0] == {i: _alone(model, p, n, []) for i, (p, n) in enumerate(zip(prompts, LIMITS))}
+
+
+def test_what_it_cannot_serve_is_refused():
+    target = tiny_model("llama")
+    model = patched_copy(target, int8=False)
+    with pytest.raises(ValueError, match="speculate_k"):
+        SpeculativeBatcher(model, speculate_k=0)
+    with pytest.raises(ValueError, match="max_ngram_size"):
+        SpeculativeBatcher(model, max_ngram_size=0)
+    with pytest.raises(ValueError, match="draft_model.*not patched"):
+        SpeculativeBatcher(model, draft_of(target))
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeBatcher(model, patched_copy(tiny_model("llama", vocab_size=64), int8=False))
+    with pytest.raises(ValueError, match="batch_size"):
+        SpeculativeBatcher(model, batch_size=0)
+    batcher = SpeculativeBatcher(model, speculate_k=2, batch_size=2, max_length=10)
+    with pytest.raises(ValueError, match="max_length"):
+        batcher.submit([3] * 8, max_new_tokens=4)
+    with pytest.raises(ValueError, match="top_p"):
+        batcher.submit([3], max_new_tokens=2, temperature=1.0, top_p=1.5)
+    assert batcher.run() == {} and not batcher.waiting

@@ -4,7 +4,10 @@ answers; greedy, no eos, so each makes exactly its max_new_tokens) served by ``C
 (a freed row takes the next request at once) and by ``generate`` over consecutive batches of the
 same size (each row stops at its own limit, the batch runs until its longest row). Both must give
 every request the same tokens; a row gives the wall seconds for all requests (the faster of two
-runs, after a warm-up), the tokens per second and the number of model forwards.
+runs, after a warm-up), the tokens per second and the number of model forwards. The same pair with
+speculative rounds (prompt lookup, k = 4): ``SpeculativeBatcher`` against ``prompt_lookup_generate``
+over the same static batches; greedy speculative decoding is exact, so all four give every request
+generate's tokens.
 
 CPU: a small Llama (hidden 256, 4 layers) in float32, eager. GPU: Llama-3.2-1B's shapes in bfloat16,
 compiled decode steps (CUDA graphs). int8 weights either way.
@@ -17,7 +20,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from gptfast_kernels import ContinuousBatcher, generate, patch_model
+from gptfast_kernels import ContinuousBatcher, SpeculativeBatcher, generate, patch_model, prompt_lookup_generate
 
 CPU_CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=4096, max_position_embeddings=1024)
@@ -25,6 +28,7 @@ GPU_CONFIG = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16
                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096, tie_word_embeddings=True)
 BATCH = 8
 REPEATS = 2
+K = 4  # draft tokens per speculative round
 
 
 def _workload(requests: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -39,36 +43,68 @@ def _workload(requests: int, vocab: int) -> list[tuple[list[int], int]]:
     return [work[i] for i in perm]
 
 
-def _static(model, work, device, compile) -> tuple[dict[int, list[int]], int]:
+def _static(model, work, device, compile) -> tuple[dict[int, list[int]], int, None]:
     """generate over consecutive batches -> (tokens per request, forwards: a prefill and the decode
-    steps of each batch)."""
+    steps of each batch, None)."""
     out, forwards = {}, 0
     for start in range(0, len(work), BATCH):
         chunk = work[start:start + BATCH]
-        width = max(len(p) for p, _ in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.int64)
-        mask = torch.zeros(len(chunk), width, dtype=torch.int64)
-        for b, (prompt, _) in enumerate(chunk):
-            ids[b, width - len(prompt):] = torch.tensor(prompt)
-            mask[b, width - len(prompt):] = 1
+        ids, mask = _left_padded([p for p, _ in chunk], device)
         limits = [n for _, n in chunk]
-        seqs = generate(model, ids.to(device), mask.to(device), max_new_tokens=limits, eos_token_id=[],
-                        compile=compile).sequences[:, width:].tolist()
+        seqs = generate(model, ids, mask, max_new_tokens=limits, eos_token_id=[],
+                        compile=compile).sequences[:, ids.shape[1]:].tolist()
         for b, n in enumerate(limits):
             out[start + b] = seqs[b][:n]
         forwards += max(limits)
-    return out, forwards
+    return out, forwards, None
 
 
-def _continuous(model, work, compile) -> tuple[dict[int, list[int]], int]:
-    batcher = ContinuousBatcher(model, batch_size=BATCH, max_length=48 + 128, eos_token_id=[], compile=compile)
+def _static_lookup(model, work, device, compile) -> tuple[dict[int, list[int]], None, float]:
+    """prompt_lookup_generate over consecutive batches -> (tokens per request, None: its rounds are
+    not counted, the acceptance rate over all batches)."""
+    out, proposed, accepted = {}, 0, 0
+    for start in range(0, len(work), BATCH):
+        chunk = work[start:start + BATCH]
+        ids, mask = _left_padded([p for p, _ in chunk], device)
+        limits = [n for _, n in chunk]
+        result = prompt_lookup_generate(model, ids, mask, max_new_tokens=limits, eos_token_id=[], speculate_k=K,
+                                        compile=compile)
+        seqs = result.sequences[:, ids.shape[1]:].tolist()
+        for b, n in enumerate(limits):
+            out[start + b] = seqs[b][:n]
+        proposed += int(result.num_proposed.sum())
+        accepted += int(result.num_accepted.sum())
+    return out, None, accepted / proposed if proposed else 0.0
+
+
+def _continuous(model, work, compile, speculative: bool = False) -> tuple[dict[int, list[int]], int, float | None]:
+    """-> (tokens per request, the target's forwards, the acceptance rate or None). Forwards: one a
+    step (but for the last, which only samples); a speculative step runs its round's verification,
+    and a forward for the prompts it takes."""
+    settings = dict(batch_size=BATCH, max_length=48 + 128, eos_token_id=[], compile=compile)
+    batcher = (SpeculativeBatcher(model, speculate_k=K, **settings) if speculative
+               else ContinuousBatcher(model, **settings))
     for prompt, limit in work:
         batcher.submit(prompt, max_new_tokens=limit)
-    out, steps = {}, 0
+    out, steps, forwards = {}, 0, 0
     while batcher.waiting or batcher.running:
+        running, waiting = batcher.running, len(batcher.waiting)
         out.update(batcher.step())
         steps += 1
-    return out, steps - 1  # (one forward a step, but for the last, which only samples)
+        forwards += (running > 0) + (speculative and len(batcher.waiting) < waiting)
+    if speculative:
+        return out, forwards, batcher.acceptance_rate
+    return out, steps - 1, None
+
+
+def _left_padded(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+    for b, prompt in enumerate(prompts):
+        ids[b, width - len(prompt):] = torch.tensor(prompt)
+        mask[b, width - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
 
 
 def run(h) -> None:
@@ -78,27 +114,35 @@ def run(h) -> None:
     model = LlamaForCausalLM(LlamaConfig(**sizes)).to(torch.bfloat16 if cuda else torch.float32).to(h.device).eval()
     patch_model(model)
     work = _workload(8 if h.quick else 32, sizes["vocab_size"])
-    ways = {"generate (static batches)": lambda: _static(model, work, h.device, cuda),
-            "ContinuousBatcher": lambda: _continuous(model, work, cuda)}
+    # (name, its baseline, the way): each way against its baseline, decoding alike
+    ways = [("generate (static batches)", None, lambda: _static(model, work, h.device, cuda)),
+            ("ContinuousBatcher", "generate (static batches)", lambda: _continuous(model, work, cuda)),
+            ("prompt_lookup_generate (static batches)", None, lambda: _static_lookup(model, work, h.device, cuda)),
+            ("SpeculativeBatcher (prompt lookup)", "prompt_lookup_generate (static batches)",
+             lambda: _continuous(model, work, cuda, speculative=True))]
     results = {}
-    for name, way in ways.items():
+    for name, _, way in ways:
         way()  # (warm-up: compiles on a GPU)
         best = None
         for _ in range(REPEATS):
             start = time.perf_counter()
-            tokens, forwards = way()
+            tokens, forwards, acceptance = way()
             if cuda:
                 torch.cuda.synchronize(h.device)
             seconds = time.perf_counter() - start
             best = seconds if best is None else min(best, seconds)
-        results[name] = (best, tokens, forwards)
-    base_seconds, base_tokens, _ = results["generate (static batches)"]
-    if results["ContinuousBatcher"][1] != base_tokens:
-        raise RuntimeError("continuous batching gave other tokens than generate: not timed")
+        results[name] = (best, tokens, forwards, acceptance)
+    greedy = results["generate (static batches)"][1]
+    for name, (_, tokens, _, _) in results.items():
+        if tokens != greedy:  # (greedy speculative decoding is exact: every way gives generate's tokens)
+            raise RuntimeError(f"{name} gave other tokens than generate: not timed")
     made = sum(n for _, n in work)
     case = {"model": f"llama hidden {sizes['hidden_size']} x {sizes['num_hidden_layers']} layers", "requests": len(work),
             "batch_size": BATCH, "new_tokens": made}
-    for name, (seconds, _, forwards) in results.items():
-        h.rows.append({"op": "continuous", **case, "impl": name, "baseline": "generate (static batches)",
-                       "seconds": seconds, "tokens_per_s": made / seconds, "forwards": forwards,
-                       "speedup_vs_baseline": base_seconds / seconds, **h.meta})
+    for name, baseline, _ in ways:
+        seconds, _, forwards, acceptance = results[name]
+        baseline = baseline or name
+        h.rows.append({"op": "continuous", **case, "impl": name, "baseline": baseline, "seconds": seconds,
+                       "tokens_per_s": made / seconds, "forwards": forwards,
+                       **({"speculate_k": K, "acceptance_rate": acceptance} if acceptance is not None else {}),
+                       "speedup_vs_baseline": results[baseline][0] / seconds, **h.meta})

@@ -33,7 +33,8 @@
 #                                                   -> ..._speculative_hybrid-lfm2-mamba-mamba2.json
 #   speculative-assistant   a Gemma 4 assistant drafting for a Gemma 4 target (random weights),
 #                B = 1 / 8, against transformers' assisted generation -> ..._speculative_assistant.json
-#   continuous   ContinuousBatcher against generate over static batches, 32 requests of mixed
+#   continuous   ContinuousBatcher against generate over static batches, and SpeculativeBatcher
+#                (prompt lookup) against prompt_lookup_generate over them; 32 requests of mixed
 #                lengths, Llama-3.2-1B shapes, compiled                -> ..._continuous.json
 #   speculative-demo   the demo's trained models end to end           -> ..._speculative_demo.json
 #                (carry .demo_cache to skip the demo's training)

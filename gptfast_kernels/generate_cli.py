@@ -4,7 +4,8 @@ Loads MODEL (a checkpoint from_pretrained loads, patched here, or a directory sa
 loaded as saved) and its tokenizer, decodes every prompt in one batch (left padding) with
 ``generate``, or ``speculative_generate`` with ``--draft`` or ``prompt_lookup_generate`` with
 ``--prompt-lookup``, or through a ``ContinuousBatcher`` with ``--batch-size N`` (more prompts than
-one batch: a freed row takes the next prompt), and prints each continuation. A single prompt is
+one batch: a freed row takes the next prompt; with ``--draft`` or ``--prompt-lookup``, a
+``SpeculativeBatcher``), and prints each continuation. A single prompt is
 streamed as it is decoded.
 Speed (and the acceptance rate of a speculative run) goes to standard error.
 """
@@ -27,9 +28,10 @@ def add_generate_parser(sub):
     way = parser.add_mutually_exclusive_group()
     way.add_argument("--draft", metavar="MODEL", help="a draft model (same tokenizer): speculative decoding")
     way.add_argument("--prompt-lookup", action="store_true", help="speculate from the prompt's own n-grams")
-    way.add_argument("--batch-size", type=int, metavar="N",
-                     help="continuous batching over N rows (ContinuousBatcher), for more prompts than fit one "
-                          "batch; default: every prompt in one batch")
+    parser.add_argument("--batch-size", type=int, metavar="N",
+                        help="continuous batching over N rows (ContinuousBatcher; with --draft or --prompt-lookup "
+                             "SpeculativeBatcher), for more prompts than fit one batch; default: every prompt in one "
+                             "batch")
     parser.add_argument("--speculate-k", type=int, default=4, help="draft tokens per round (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
@@ -86,7 +88,7 @@ def cmd_generate(args) -> int:
         print(str(error), file=sys.stderr)
         return 2
     if args.batch_size is not None:
-        return _continuous(args, loaded["model"], tokenizer, prompts, device)
+        return _continuous(args, loaded["model"], loaded.get("draft"), tokenizer, prompts, device)
     batch = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if len(prompts) == 1 else None
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -120,20 +122,21 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _continuous(args, model, tokenizer, prompts: list[str], device: torch.device) -> int:
-    """Every prompt through a ContinuousBatcher of ``args.batch_size`` rows; each continuation printed
-    in the prompts' order."""
-    from gptfast_kernels import ContinuousBatcher
+def _continuous(args, model, draft, tokenizer, prompts: list[str], device: torch.device) -> int:
+    """Every prompt through a ContinuousBatcher of ``args.batch_size`` rows (a SpeculativeBatcher with
+    ``draft`` or ``--prompt-lookup``); each continuation printed in the prompts' order."""
+    from gptfast_kernels import ContinuousBatcher, SpeculativeBatcher
     from gptfast_kernels.compat import text_eos_ids
 
     encoded = [tokenizer(p)["input_ids"] for p in prompts]
+    speculative = draft is not None or args.prompt_lookup
     started = time.perf_counter()
     try:
-        batcher = ContinuousBatcher(model, batch_size=args.batch_size,
-                                    max_length=max(map(len, encoded)) + args.max_new_tokens - 1,
-                                    eos_token_id=text_eos_ids(model, tokenizer), tokenizer=tokenizer,
-                                    compile=args.compile,
-                                    generator=None if args.seed is None else torch.Generator(device).manual_seed(args.seed))
+        settings = dict(batch_size=args.batch_size, max_length=max(map(len, encoded)) + args.max_new_tokens - 1,
+                        eos_token_id=text_eos_ids(model, tokenizer), tokenizer=tokenizer, compile=args.compile,
+                        generator=None if args.seed is None else torch.Generator(device).manual_seed(args.seed))
+        batcher = (SpeculativeBatcher(model, draft, speculate_k=args.speculate_k, **settings) if speculative
+                   else ContinuousBatcher(model, **settings))
         for ids in encoded:
             batcher.submit(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
@@ -146,8 +149,9 @@ def _continuous(args, model, tokenizer, prompts: list[str], device: torch.device
     for i, tokens in out.items():
         print(f"--- {i}\n{tokenizer.decode(tokens, skip_special_tokens=True)}")
     made = sum(map(len, out.values()))
+    rate = f", {batcher.acceptance_rate:.1%} of drafts accepted" if speculative else ""
     print(f"generate: {made} new tokens in {seconds:.2f} s ({made / seconds:.1f} tokens/s, continuous batching over "
-          f"{args.batch_size} rows)", file=sys.stderr)
+          f"{args.batch_size} rows{rate})", file=sys.stderr)
     return 0
 
 

@@ -265,12 +265,15 @@ def test_generate_command_prints_what_generate_text_fast_continues(checkpoints, 
         printed = capsys.readouterr()
         assert printed.out == f"--- 0\n{want[0]}\n--- 1\n{want[1]}\n", extra
         assert ("accepted" in printed.err) == bool(extra[:1] in (["--draft"], ["--prompt-lookup"])), extra
-    # prompts from a file, continuous batching over 2 rows for 3 prompts
+    # prompts from a file, continuous batching over 2 rows for 3 prompts (speculative rounds too)
     (tmp_path / "prompts.txt").write_text(f"{prompts[1]}\n\n{prompts[0]}\n{prompts[1]}\n")
-    assert main(["generate", target, "--prompts-file", str(tmp_path / "prompts.txt"), *base, "--batch-size", "2"]) == 0
-    printed = capsys.readouterr()
-    assert printed.out == f"--- 0\n{want[1]}\n--- 1\n{want[0]}\n--- 2\n{want[1]}\n"
-    assert "continuous batching over 2 rows" in printed.err
+    for extra in ([], ["--draft", draft], ["--prompt-lookup", "--speculate-k", "2"]):
+        assert main(["generate", target, "--prompts-file", str(tmp_path / "prompts.txt"), *base, "--batch-size", "2",
+                     *extra]) == 0
+        printed = capsys.readouterr()
+        assert printed.out == f"--- 0\n{want[1]}\n--- 1\n{want[0]}\n--- 2\n{want[1]}\n", extra
+        assert "continuous batching over 2 rows" in printed.err
+        assert ("accepted" in printed.err) == bool(extra), extra
     word = want[0].split()[2]
     assert main(["generate", target, prompts[0], *base, "--stop", word]) == 0
     assert capsys.readouterr().out.split() == want[0].split()[:want[0].split().index(word) + 1]
@@ -293,8 +296,9 @@ def test_generate_command_refuses_what_it_cannot_do(checkpoints, tmp_path, capsy
     assert "temperature must be" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", target, "w3", "--draft", draft, "--prompt-lookup"])
-    with pytest.raises(SystemExit):
-        main(["generate", target, "w3", "--draft", draft, "--batch-size", "2"])
+    assert main(["generate", target, "w3", "--device", "cpu", "--prompt-lookup", "--batch-size", "2",
+                 "--speculate-k", "0"]) == 2
+    assert "speculate_k" in capsys.readouterr().err
     assert main(["generate", target, "--device", "cpu"]) == 2
     assert "no prompt given" in capsys.readouterr().err
     assert main(["generate", target, "--prompts-file", str(tmp_path / "none.txt"), "--device", "cpu"]) == 2

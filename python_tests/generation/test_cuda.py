@@ -133,6 +133,20 @@ def test_per_row_sampling_rows_sample_as_alone():
     assert torch.equal(mixed[0], generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences[0])
 
 
+def _served_as_alone(batcher, patched, seed: int) -> None:
+    """Five requests of different lengths and limits through ``batcher`` (two rows: reused
+    mid-batch): each gets the tokens generate gives its prompt alone."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4)]
+    limits = (6, 3, 9, 4, 7)
+    for p, n in zip(prompts, limits):
+        batcher.submit(p, max_new_tokens=n)
+    out = batcher.run()
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+        alone = generate(patched, torch.tensor([p], device="cuda"), max_new_tokens=n, eos_token_id=[]).sequences
+        assert out[i] == alone[0, len(p):].tolist()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
 def test_continuous_batching_requests_equal_generate_alone(family):
     """ContinuousBatcher on the GPU, compiled (CUDA-graph) decode steps: rows reused mid-batch give
@@ -141,16 +155,7 @@ def test_continuous_batching_requests_equal_generate_alone(family):
     from gptfast_kernels import ContinuousBatcher
 
     patched = patched_copy(tiny_model(family, layers=3).cuda(), int8=True)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4)]
-    limits = (6, 3, 9, 4, 7)
-    batcher = ContinuousBatcher(patched, batch_size=2, max_length=24, eos_token_id=[], compile=True)
-    for p, n in zip(prompts, limits):
-        batcher.submit(p, max_new_tokens=n)
-    out = batcher.run()
-    for i, (p, n) in enumerate(zip(prompts, limits)):
-        alone = generate(patched, torch.tensor([p], device="cuda"), max_new_tokens=n, eos_token_id=[]).sequences
-        assert out[i] == alone[0, len(p):].tolist()
+    _served_as_alone(ContinuousBatcher(patched, batch_size=2, max_length=24, eos_token_id=[], compile=True), patched, 3)
 
 
 @pytest.mark.parametrize("proposer", ["draft", "lookup"])
@@ -162,17 +167,8 @@ def test_speculative_batching_requests_equal_generate_alone(proposer):
     target = tiny_model("llama", layers=3).cuda()
     patched = patched_copy(target, int8=True)
     draft = patched_copy(draft_of(target), int8=True) if proposer == "draft" else None
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4)]
-    limits = (6, 3, 9, 4, 7)
-    batcher = SpeculativeBatcher(patched, draft, speculate_k=3, batch_size=2, max_length=24, eos_token_id=[],
-                                 compile=True)
-    for p, n in zip(prompts, limits):
-        batcher.submit(p, max_new_tokens=n)
-    out = batcher.run()
-    for i, (p, n) in enumerate(zip(prompts, limits)):
-        alone = generate(patched, torch.tensor([p], device="cuda"), max_new_tokens=n, eos_token_id=[]).sequences
-        assert out[i] == alone[0, len(p):].tolist()
+    _served_as_alone(SpeculativeBatcher(patched, draft, speculate_k=3, batch_size=2, max_length=24, eos_token_id=[],
+                                        compile=True), patched, 4)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

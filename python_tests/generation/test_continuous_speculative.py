@@ -10,11 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gptfast_kernels import SpeculativeBatcher
+from gptfast_kernels import SpeculativeBatcher, patch_model
 from gptfast_kernels.generation import forward
 from gptfast_kernels.generation.prompt_lookup import lookup_continuations
 from gptfast_kernels.generation.stopping import token_bytes
 from python_tests.generation.test_continuous import LIMITS, _alone, _prompts
+from python_tests.generation.test_speculative import assert_samples_follow_the_target
 from python_tests.tiny_models import HYBRID, draft_of, patched_copy, tiny_model
 from python_tests.tiny_tokenizers import byte_level_tokenizer, stop_string_from
 
@@ -173,6 +174,24 @@ def test_sampled_requests_beside_greedy_ones():
                 assert out[i] == _alone(model, p, n, []), (proposer, i, s)
             assert len(out[i]) == n and all(0 <= t < 97 for t in out[i])
         assert any(out[i] != _alone(model, prompts[i], LIMITS[i], []) for i in (2, 5)), proposer
+
+
+@pytest.mark.parametrize("proposer", ["draft", "lookup"])
+def test_sampled_requests_follow_the_target_distribution(proposer):
+    """6000 requests of one prompt, 3 new tokens each, through 500 rows with a draft that disagrees
+    with the target (or prompt lookup): the first token is sampled after the prompt's forward, the
+    others in rounds; the joint distribution of (t1, t2, t3) fits the target's exact one."""
+    vocab, requests, steps, temperature = 6, 6000, 3, 1.0
+    target = patched_copy(tiny_model("llama", vocab=vocab, seed=1), int8=False)
+    draft = patch_model(tiny_model("llama", vocab=vocab, layers=2, seed=2), int8=False) if proposer == "draft" else None
+    batcher = SpeculativeBatcher(target, draft, speculate_k=2, batch_size=500, max_length=8, eos_token_id=[],
+                                 generator=torch.Generator().manual_seed(0))
+    for _ in range(requests):
+        batcher.submit([2, 3], max_new_tokens=steps, temperature=temperature)
+    out = batcher.run()
+    assert 0.05 < batcher.acceptance_rate < 0.95
+    tokens = torch.tensor([out[i] for i in range(requests)])
+    assert_samples_follow_the_target(target, torch.tensor([[2, 3]]), tokens, vocab, temperature)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])

@@ -45,6 +45,20 @@ def _batcher_prompt_past_vocab():
     ContinuousBatcher(patched, batch_size=2, max_length=8).submit([2, 97], max_new_tokens=2)
 
 
+def _speculative_batcher(**overrides):
+    def run():
+        from gptfast_kernels import SpeculativeBatcher
+
+        _, patched, draft = _models()
+        args = dict(draft_model=draft, batch_size=2, max_length=8)
+        args.update({k: (v() if callable(v) else v) for k, v in overrides.items()})
+        submit = args.pop("submit", dict(prompt_ids=[2, 3], max_new_tokens=2))
+        batcher = SpeculativeBatcher(patched, **args)
+        batcher.submit(**submit)
+        return batcher.run()
+    return run
+
+
 def _stop_strings_without_a_tokenizer():
     from gptfast_kernels import prompt_lookup_generate
 
@@ -123,4 +137,11 @@ CASES: dict[str, Case] = {
                                      "top_k"),
     "prompt_lookup_stop_strings_without_tokenizer": Case(_stop_strings_without_a_tokenizer, "tokenizer"),
     "batcher_prompt_past_vocab": Case(_batcher_prompt_past_vocab, "prompt_ids"),
+    "speculative_batcher_k_zero": Case(_speculative_batcher(speculate_k=0), "speculate_k"),
+    "speculative_batcher_ngram_zero": Case(_speculative_batcher(draft_model=None, max_ngram_size=0), "max_ngram_size"),
+    "speculative_batcher_draft_unpatched": Case(_speculative_batcher(draft_model=lambda: _models()[0]), "draft_model"),
+    "speculative_batcher_past_max_length": Case(_speculative_batcher(
+        submit=dict(prompt_ids=[2, 3, 4, 5, 6], max_new_tokens=5)), "max_length"),
+    "speculative_batcher_nan_top_p": Case(_speculative_batcher(
+        submit=dict(prompt_ids=[2, 3], max_new_tokens=2, temperature=1.0, top_p=float("nan"))), "top_p"),
 }

@@ -257,17 +257,10 @@ class ContinuousBatcher:
         prompts, ``step`` (the decode step, compiled with ``compile``). ``kept``: rows whose
         recurrent states (a hybrid cache's) are put back as they were before the forward, whose
         padding would otherwise advance them."""
-        width = max([len(self.rows[b].prompt) for b in admitted], default=1)
-        ids = torch.zeros(self.batch_size, width, dtype=torch.int64)
-        mask = torch.zeros(self.batch_size, width, dtype=torch.bool)
+        last = torch.zeros(self.batch_size, 1, dtype=torch.int64)
         for b in going:
-            ids[b, -1] = self.rows[b].tokens[-1]
-            mask[b, -1] = True
-        for b in admitted:
-            prompt = self.rows[b].prompt
-            ids[b, width - len(prompt):] = torch.tensor(prompt)
-            mask[b, width - len(prompt):] = True
-        ids, mask = ids.to(self.device), mask.to(self.device)
+            last[b, 0] = self.rows[b].tokens[-1]
+        ids, mask = self.with_prompts(admitted, last.to(self.device), self._rows(going)[:, None])
         if not admitted:
             return step(ids, mask, cache)[:, -1]
         lengths = torch.where(self._rows(admitted), 0, cache.seq_lengths)
@@ -293,6 +286,25 @@ class ContinuousBatcher:
                 check_sampling_args(op, *map(list, zip(*[r.sampling for r in rows])), self.batch_size, self.device),
                 check_penalties(op, *map(list, zip(*[r.penalties for r in rows])), self.batch_size, self.device))
         return self.arguments
+
+    def with_prompts(self, rows: list[int], tail: torch.Tensor, tail_mask: torch.Tensor):
+        """[B, W] ids and mask: ``tail`` [B, T] (mask ``tail_mask``) in the last T columns, and in
+        ``rows`` their requests' prompts instead, left-padded to end in the last column."""
+        if not rows:
+            return tail, tail_mask
+        B, T = tail.shape
+        width = max([T] + [len(self.rows[b].prompt) for b in rows])
+        ids = torch.zeros(B, width, dtype=torch.int64)
+        mask = torch.zeros(B, width, dtype=torch.bool)
+        for b in rows:
+            prompt = self.rows[b].prompt
+            ids[b, width - len(prompt):] = torch.tensor(prompt)
+            mask[b, width - len(prompt):] = True
+        chosen = self._rows(rows)[:, None]
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids[:, width - T:] = torch.where(chosen, ids[:, width - T:], tail)
+        mask[:, width - T:] = torch.where(chosen, mask[:, width - T:], tail_mask)
+        return ids, mask
 
     def _sample(self, going: list[int]) -> tuple[list[int], list[float] | None]:
         """Each row's next token from ``self.logits`` (its request's penalties, min_new_tokens and

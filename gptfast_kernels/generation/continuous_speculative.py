@@ -5,10 +5,14 @@ step: each step, every running row gets k proposals (from a draft model, or look
 own text, as ``prompt_lookup_generate``), the target scores them in one forward of k + 1 tokens and
 ``verify_draft`` keeps a prefix per row (SpeculativeRounds.verify_round, the round of
 ``speculative_generate``). Requests that ended (an eos, a stop, their own limit) free their rows;
-waiting requests take them: their prompts run through the target (and the draft), each row's cache
-emptied first, and their first token is sampled from the target's logits. Greedy requests get
-exactly the tokens ``generate`` gives their prompts alone; sampled ones follow the target's
-distribution with their own arguments.
+waiting requests take them at the next step: their prompts run through the target (and the draft)
+in the same forwards as the round, each row's cache emptied first and its prompt left-padded to end
+in the last column beside the going rows' tokens, and their first token is sampled from the
+target's logits there. (A hybrid model's recurrent states would be advanced by padding: its new
+prompts run in a forward of their own after the round, the going rows' states kept, as
+ContinuousBatcher does; so do prompts longer than a ring-buffer cache takes in one forward.) Greedy
+requests get exactly the tokens ``generate`` gives their prompts alone; sampled ones follow the
+target's distribution with their own arguments.
 
 A round's tokens are read on the host, as ContinuousBatcher's steps read theirs: the eos, stops and
 limits of each request are applied there, and a request keeps its tokens up to the one that ended
@@ -27,6 +31,7 @@ from gptfast_kernels.generation.prompt_lookup import lookup_continuations
 from gptfast_kernels.generation.sampling import token_logprobs
 from gptfast_kernels.generation.speculative import (DraftModelProposer, History, SpeculativeRounds,
                                                     _check_draft_model)
+from gptfast_kernels.models.patch import forward_with_cache
 from gptfast_kernels.ops._dispatch import check_int
 
 
@@ -74,17 +79,23 @@ class SpeculativeBatcher(ContinuousBatcher):
 
     @torch.no_grad()
     def step(self) -> dict[int, list[int]]:
-        """One round for every running request; the requests that ended, and new ones in their rows
-        (their prompts run, their first tokens sampled)."""
+        """One round for every running request, new requests' prompts in its forwards; the requests
+        that ended, their rows free for the next step."""
         ended, self.last_tokens, self.last_logprobs = {}, {}, {}
         going = [b for b, r in enumerate(self.rows) if r is not None]
-        if going:
-            self._round(going, ended)
-            going = [b for b in going if self.rows[b] is not None]
         admitted = self._admit()
-        if admitted:
+        merged = admitted if going and admitted and self._can_merge(admitted) else []
+        if merged:
+            for cache in self.proposer.caches + [self.cache]:
+                cache.crop(torch.where(self._rows(merged), 0, cache.seq_lengths), check=False)
+            self.proposer.admit(self, merged, going, merged=True)
+        if going:
+            self._round(going, merged, ended)
+        if admitted and not merged:  # (their prompts in a forward of their own, the going rows' states kept)
+            going = [b for b in going if self.rows[b] is not None]
             self._keep_logits(admitted, self._run(self.model, self.cache, self.step_forward, [], admitted, going))
             self.proposer.admit(self, admitted, going)
+        if admitted:
             tokens, logprobs = self._sample(admitted)
             rows = self._rows(admitted)
             first = torch.tensor(tokens, device=self.device)
@@ -94,8 +105,16 @@ class SpeculativeBatcher(ContinuousBatcher):
                 self._give(b, [tokens[b]], None if logprobs is None else [logprobs[b]], ended)
         return ended
 
-    def _round(self, going: list[int], ended: dict) -> None:
-        """A speculative round for the ``going`` rows; each request takes its emitted tokens."""
+    def _can_merge(self, admitted: list[int]) -> bool:
+        """Whether new prompts can share the round's forwards: no recurrent state (padding would
+        advance it) and, with ring-buffer layers, prompts short enough for one forward."""
+        caches = self.proposer.caches + [self.cache]
+        width = max(len(self.rows[b].prompt) for b in admitted)
+        return not any(c.has_recurrent_layers or (c.has_ring_layers and width > c.max_step_tokens) for c in caches)
+
+    def _round(self, going: list[int], merged: list[int], ended: dict) -> None:
+        """A speculative round for the ``going`` rows (the ``merged`` rows' prompts in its forwards,
+        their next-token logits kept); each request takes its emitted tokens."""
         k, V = self.k, self.output_vocab
         active = self._rows(going)
         sampling, penalties = self._arguments()
@@ -107,8 +126,15 @@ class SpeculativeBatcher(ContinuousBatcher):
             repetition_penalty=penalties[0], presence_penalty=penalties[1], frequency_penalty=penalties[2],
             min_new_tokens=torch.tensor(least, device=self.device) if any(least) else 0, is_eos=self.is_eos)
         made = torch.tensor([len(r.tokens) for r in rows], device=self.device)  # (each row's last included)
+        target_step = self.step_forward
+        if merged:
+            def target_step(target_input, mask, cache):
+                ids, real = self.with_prompts(merged, target_input, mask)
+                logits = forward_with_cache(self.model, ids, cache, attention_mask=real, logits_to_keep=k + 1).logits
+                self._keep_logits(merged, logits[:, -1])
+                return logits
         tokens, num_emitted, num_accepted, target_logits, _ = rounds.verify_round(
-            self.proposer, self.step_forward, self.cache, self.last, active, History(None, made, self.record))
+            self.proposer, target_step, self.cache, self.last, active, History(None, made, self.record))
         self.last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], self.last)
         emitted = torch.arange(k + 1, device=self.device)[None, :] < num_emitted[:, None]
         if self.record.seen is not None or self.record.counts is not None:
@@ -133,11 +159,28 @@ class SpeculativeBatcher(ContinuousBatcher):
 
 
 class _DraftRows(DraftModelProposer):
-    """A draft model's proposals; a new request's prompt runs through the draft into its emptied row."""
+    """A draft model's proposals; a new request's prompt runs through the draft into its emptied row,
+    in the round's first draft forward (``merged``) or in one of its own."""
 
-    def admit(self, batcher: SpeculativeBatcher, rows: list[int], going: list[int]) -> None:
-        batcher._run(self.model, self.cache, self.step, [], rows, going)
+    merging: tuple | None = None  # (the batcher, the rows whose prompts the next round's first forward takes)
+
+    @property
+    def caches(self) -> list:
+        return [self.cache]
+
+    def admit(self, batcher: SpeculativeBatcher, rows: list[int], going: list[int], merged: bool = False) -> None:
+        if merged:
+            self.merging = (batcher, rows)
+        else:
+            batcher._run(self.model, self.cache, self.step, [], rows, going)
         self.pending.masked_fill_(batcher._rows(rows), -1)
+
+    def first_logits(self, first_input: torch.Tensor, first_mask: torch.Tensor) -> torch.Tensor:
+        if self.merging is None:
+            return super().first_logits(first_input, first_mask)
+        (batcher, rows), self.merging = self.merging, None
+        ids, mask = batcher.with_prompts(rows, first_input, first_mask)
+        return forward_with_cache(self.model, ids, self.cache, attention_mask=mask, logits_to_keep=1).logits[:, -1]
 
     def append(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
         return None  # (the draft's cache follows the rounds: commit)
@@ -152,7 +195,9 @@ class _LookupRows:
         self.text = torch.full((batch_size, width + 1), -1, dtype=torch.int64, device=device)  # (+ a dump column)
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
 
-    def admit(self, batcher: SpeculativeBatcher, rows: list[int], going: list[int]) -> None:
+    caches: list = []  # (no cache of its own)
+
+    def admit(self, batcher: SpeculativeBatcher, rows: list[int], going: list[int], merged: bool = False) -> None:
         for b in rows:
             prompt = batcher.rows[b].prompt
             row = torch.full((self.width + 1,), -1, dtype=torch.int64)

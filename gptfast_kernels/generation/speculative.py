@@ -143,9 +143,12 @@ class DraftModelProposer:
         self.cache.checkpoint()  # (a hybrid draft's recurrent states: commit rolls them back)
         first_input = torch.stack([self.pending.clamp(min=0), last], dim=1)
         first_mask = torch.stack([(self.pending >= 0) & active, active], dim=1)
-        logits = self.step(first_input, first_mask, self.cache)[:, -1]
-        return rounds.draft(history, logits,
+        return rounds.draft(history, self.first_logits(first_input, first_mask),
                             lambda token: self.step(token[:, None], active[:, None], self.cache)[:, -1])
+
+    def first_logits(self, first_input: torch.Tensor, first_mask: torch.Tensor) -> torch.Tensor:
+        """The round's first draft forward, [pending, last] [B, 2] -> the last column's logits [B, V]."""
+        return self.step(first_input, first_mask, self.cache)[:, -1]
 
     def commit(self, active, committed, num_accepted, draft_tokens, target_hidden=None) -> None:
         """The round's outcome: each active row keeps ``committed`` tokens in the cache."""

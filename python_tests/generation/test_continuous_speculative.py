@@ -59,7 +59,8 @@ def test_every_request_gets_what_generate_gives_its_prompt_alone(family, propose
 
 def test_rounds_advance_rows_by_several_tokens():
     """A draft that is the target itself is always accepted: every round gives a request k + 1
-    tokens (fewer where it ends), streamed as lists in last_tokens."""
+    tokens (fewer where it ends), streamed as lists in last_tokens. New prompts ride in the round's
+    forwards: one target forward a step."""
     target = tiny_model("llama", layers=2)
     model = patched_copy(target, int8=False)
     prompts = _prompts(6)
@@ -67,9 +68,12 @@ def test_rounds_advance_rows_by_several_tokens():
                                  max_length=24, eos_token_id=[])
     for p, n in zip(prompts, LIMITS):
         batcher.submit(p, max_new_tokens=n)
-    streamed, out = {}, {}
+    streamed, out, forwards = {}, {}, []
+    model.register_forward_hook(lambda *_: forwards.append(1))
     while batcher.waiting or batcher.running:
+        before = len(forwards)
         done = batcher.step()
+        assert len(forwards) == before + 1
         for request, tokens in batcher.last_tokens.items():
             streamed.setdefault(request, []).extend(tokens)
             assert 1 <= len(tokens) <= 4

@@ -5,8 +5,8 @@ answers; greedy, no eos, so each makes exactly its max_new_tokens) served by ``C
 same size (each row stops at its own limit, the batch runs until its longest row). Both must give
 every request the same tokens; a row gives the wall seconds for all requests (the faster of two
 runs, after a warm-up), the tokens per second and the number of model forwards. The same pair with
-speculative rounds (prompt lookup, k = 4): ``SpeculativeBatcher`` against ``prompt_lookup_generate``
-over the same static batches; greedy speculative decoding is exact, so all four give every request
+speculative rounds (prompt lookup, k = 4): ``SpeculativeBatcher`` (new prompts in the rounds'
+forwards) against ``prompt_lookup_generate`` over the same static batches; greedy speculative decoding is exact, so all four give every request
 generate's tokens.
 
 CPU: a small Llama (hidden 256, 4 layers) in float32, eager. GPU: Llama-3.2-1B's shapes in bfloat16,
@@ -79,21 +79,19 @@ def _static_lookup(model, work, device, compile) -> tuple[dict[int, list[int]], 
 
 def _continuous(model, work, compile, speculative: bool = False) -> tuple[dict[int, list[int]], int, float | None]:
     """-> (tokens per request, the target's forwards, the acceptance rate or None). Forwards: one a
-    step (but for the last, which only samples); a speculative step runs its round's verification,
-    and a forward for the prompts it takes."""
+    step (a speculative step's new prompts ride in its round's forwards), but for a
+    ContinuousBatcher's last step, which only samples."""
     settings = dict(batch_size=BATCH, max_length=48 + 128, eos_token_id=[], compile=compile)
     batcher = (SpeculativeBatcher(model, speculate_k=K, **settings) if speculative
                else ContinuousBatcher(model, **settings))
     for prompt, limit in work:
         batcher.submit(prompt, max_new_tokens=limit)
-    out, steps, forwards = {}, 0, 0
+    out, steps = {}, 0
     while batcher.waiting or batcher.running:
-        running, waiting = batcher.running, len(batcher.waiting)
         out.update(batcher.step())
         steps += 1
-        forwards += (running > 0) + (speculative and len(batcher.waiting) < waiting)
     if speculative:
-        return out, forwards, batcher.acceptance_rate
+        return out, steps, batcher.acceptance_rate
     return out, steps - 1, None
 
 

@@ -80,7 +80,7 @@ class ContinuousBatcher:
     ``last_tokens`` holds {id: token} of every request that got one (for streaming), and
     ``last_logprobs`` {id: log-probability} of those submitted with ``output_logprobs``; when such a
     request ends, ``logprobs[id]`` holds its tokens' log-probabilities (as generate's ``logprobs``:
-    under the model's raw distribution)."""
+    under the model's raw distribution). ``cancel(id)`` ends a request before its time."""
 
     def __init__(self, model, *, batch_size: int = 8, max_length: int = 2048,
                  eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
@@ -191,6 +191,20 @@ class ContinuousBatcher:
                 self.arguments = None
                 return i + 1
         return len(tokens)
+
+    def cancel(self, request_id: int) -> list[int]:
+        """Ends a request now, waiting or running (a client went away) -> the tokens it had; its row
+        is free for the next step. KeyError for an id that is neither waiting nor running."""
+        for request in self.waiting:
+            if request.id == request_id:
+                self.waiting.remove(request)
+                return request.tokens
+        for b, request in enumerate(self.rows):
+            if request is not None and request.id == request_id:
+                self.rows[b] = None
+                self.arguments = None
+                return request.tokens
+        raise KeyError(f"ContinuousBatcher.cancel: request_id {request_id!r} is neither waiting nor running")
 
     def run(self) -> dict[int, list[int]]:
         """Steps until every submitted request has ended -> {id: new token ids}, in submission order."""

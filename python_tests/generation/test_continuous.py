@@ -158,6 +158,31 @@ def test_each_request_samples_with_its_own_arguments():
     assert any(out[i] != _alone(model, p, n, []) for i, (p, n) in enumerate(zip(prompts, LIMITS)) if i in (2, 5))
 
 
+@pytest.mark.parametrize("kind", ["continuous", "speculative"])
+def test_a_cancelled_request_frees_its_row(kind):
+    """cancel: a running request ends at once with the tokens it had (a prefix of generate's), a
+    waiting one never starts; the others still get generate's tokens, one taking the freed row."""
+    from gptfast_kernels import SpeculativeBatcher
+
+    model = patched_copy(tiny_model("llama", layers=2), int8=False)
+    prompts = _prompts(8)
+    make = SpeculativeBatcher if kind == "speculative" else ContinuousBatcher
+    batcher = make(model, batch_size=2, max_length=24, eos_token_id=[])
+    ids = [batcher.submit(p, max_new_tokens=9) for p in prompts[:4]]
+    batcher.step()
+    batcher.step()
+    running = [r.id for r in batcher.rows if r is not None]
+    assert running == ids[:2]
+    had = batcher.cancel(ids[0])
+    assert batcher.cancel(ids[3]) == []
+    assert 0 < len(had) < 9 and had == _alone(model, prompts[0], 9, [])[:len(had)]
+    with pytest.raises(KeyError, match="request_id"):
+        batcher.cancel(ids[3])
+    out = batcher.run()
+    assert set(out) == {ids[1], ids[2]}
+    assert out == {i: _alone(model, prompts[i], 9, []) for i in (1, 2)}
+
+
 def test_what_it_cannot_serve_is_refused():
     model = patched_copy(tiny_model("llama"), int8=False)
     batcher = ContinuousBatcher(model, batch_size=2, max_length=10)

@@ -7,7 +7,9 @@ every request the same tokens; a row gives the wall seconds for all requests (th
 runs, after a warm-up), the tokens per second and the number of model forwards. The same pair with
 speculative rounds (prompt lookup, k = 4): ``SpeculativeBatcher`` (new prompts in the rounds'
 forwards) against ``prompt_lookup_generate`` over the same static batches; greedy speculative decoding is exact, so all four give every request
-generate's tokens.
+generate's tokens. Then chunked prefill: the same kind of requests with a few long prompts among
+them, served with whole prompts and with ``max_prefill_tokens``: the longest step (what a running
+request waits for its next token) and the throughput.
 
 CPU: a small Llama (hidden 256, 4 layers) in float32, eager. GPU: Llama-3.2-1B's shapes in bfloat16,
 compiled decode steps (CUDA graphs). int8 weights either way.
@@ -144,3 +146,47 @@ def run(h) -> None:
                        "tokens_per_s": made / seconds, "forwards": forwards,
                        **({"speculate_k": K, "acceptance_rate": acceptance} if acceptance is not None else {}),
                        "speedup_vs_baseline": results[baseline][0] / seconds, **h.meta})
+    _chunked_prefill(h, model, sizes, cuda)
+
+
+def _chunked_prefill(h, model, sizes, cuda) -> None:
+    """Long prompts arriving among decoding requests: the longest step (what a running request waits
+    for its next token) with whole prompts, and with prompts split into parts of max_prefill_tokens."""
+    long, budget = (4096, 512) if cuda else (768, 96)
+    g = torch.Generator().manual_seed(1)
+    work = _workload(8 if h.quick else 24, sizes["vocab_size"])
+    for i in range(2 if h.quick else 4):  # (every sixth request a long prompt)
+        prompt = torch.randint(3, sizes["vocab_size"], (long,), generator=g).tolist()
+        work.insert(6 * i + 3, (prompt, 16))
+    results = {}
+    for limit in (None, budget):
+        def serve():
+            batcher = ContinuousBatcher(model, batch_size=BATCH, max_length=long + 128, eos_token_id=[],
+                                        compile=cuda, max_prefill_tokens=limit)
+            for prompt, n in work:
+                batcher.submit(prompt, max_new_tokens=n)
+            out, steps = {}, []
+            while batcher.waiting or batcher.running:
+                start = time.perf_counter()
+                out.update(batcher.step())
+                if cuda:
+                    torch.cuda.synchronize(h.device)
+                steps.append(time.perf_counter() - start)
+            return out, steps
+        serve()  # (warm-up)
+        start = time.perf_counter()
+        tokens, steps = serve()
+        results[limit] = (time.perf_counter() - start, tokens, sorted(steps))
+    if results[None][1] != results[budget][1]:
+        raise RuntimeError("chunked prefill gave other tokens than whole prompts: not timed")
+    made = sum(n for _, n in work)
+    base_seconds, _, base_steps = results[None]
+    for limit, (seconds, _, steps) in results.items():
+        h.rows.append({"op": "continuous-prefill", "model": f"llama hidden {sizes['hidden_size']} x "
+                       f"{sizes['num_hidden_layers']} layers", "requests": len(work), "long_prompts": f"{long} tokens",
+                       "batch_size": BATCH, "new_tokens": made,
+                       "impl": "ContinuousBatcher" + (f" (max_prefill_tokens={limit})" if limit else ""),
+                       "baseline": "ContinuousBatcher", "seconds": seconds, "tokens_per_s": made / seconds,
+                       "steps": len(steps), "median_step_ms": steps[len(steps) // 2] * 1e3,
+                       "longest_step_ms": steps[-1] * 1e3, "longest_step_vs_baseline": base_steps[-1] / steps[-1],
+                       "speedup_vs_baseline": base_seconds / seconds, **h.meta})

@@ -54,6 +54,7 @@ class Request:
     stop_strings: list[bytes]  # (UTF-8)
     logprobs: list[float] | None  # with output_logprobs: each new token's, under the raw logits (else None)
     tokens: list[int] = field(default_factory=list)  # what it has generated so far
+    filled: int = 0  # how many of its prompt's tokens its cache row holds
     text: bytes = b""  # their text, with stop strings
 
     def stops_at(self, token_text: bytes) -> bool:
@@ -67,8 +68,6 @@ class Request:
 
 
 class ContinuousBatcher:
-    extra_slots = 0  # cache slots per row past max_length (a speculative round's drafts)
-
     """``ContinuousBatcher(model, batch_size=8, max_length=2048)``; ``submit(prompt_ids, ...)`` ->
     request id; ``step()`` -> the requests that ended in it, as {id: new token ids}; ``run()`` steps
     until every submitted request has ended and returns {id: new token ids} for all of them.
@@ -80,14 +79,24 @@ class ContinuousBatcher:
     ``last_tokens`` holds {id: token} of every request that got one (for streaming), and
     ``last_logprobs`` {id: log-probability} of those submitted with ``output_logprobs``; when such a
     request ends, ``logprobs[id]`` holds its tokens' log-probabilities (as generate's ``logprobs``:
-    under the model's raw distribution). ``cancel(id)`` ends a request before its time."""
+    under the model's raw distribution). ``cancel(id)`` ends a request before its time.
+
+    ``max_prefill_tokens`` (chunked prefill, as vLLM's): the most prompt tokens one step's forward
+    takes (None: every new prompt whole). A longer prompt goes into its row over several steps, in
+    admission order, while the going rows go on decoding beside it: a long prompt no longer stalls
+    every other request for its whole prefill. (Not for hybrid models: a recurrent state cannot be
+    carried from one part of a prompt to the next here.)"""
+
+    extra_slots = 0  # cache slots per row past max_length (a speculative round's drafts)
 
     def __init__(self, model, *, batch_size: int = 8, max_length: int = 2048,
                  eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
-                 compile: bool = False, tokenizer=None):
-        op = "ContinuousBatcher"
+                 compile: bool = False, tokenizer=None, max_prefill_tokens: int | None = None):
+        op = type(self).__name__
         common.check_model(op, "model", model)
         self.batch_size = check_int(op, "batch_size", batch_size, 1)
+        self.max_prefill_tokens = None if max_prefill_tokens is None else check_int(
+            op, "max_prefill_tokens", max_prefill_tokens, 1)
         self.max_length = check_int(op, "max_length", max_length, 1)
         common.check_flag(op, "compile", compile)
         self.model, self.generator = model, generator
@@ -96,6 +105,10 @@ class ContinuousBatcher:
         self.vocab_size = common.input_vocab_size(model)
         self.cache = cache_for(model, batch_size, max_length + self.extra_slots, self.device, dtype, reuse=compile,
                                step_tokens=self.extra_slots + 1)
+        if self.max_prefill_tokens is not None and self.cache.has_recurrent_layers:
+            raise ValueError(f"{op}: max_prefill_tokens splits prompts across forwards, but {model.config.model_type} "
+                             "is a hybrid model, whose recurrent states are not carried from one part of a prompt "
+                             "to the next here; leave max_prefill_tokens None")
         self.step_forward = step_function(model, compile)
         self.output_vocab = common.output_vocab_size(model)
         self.tokenizer = tokenizer
@@ -153,9 +166,10 @@ class ContinuousBatcher:
 
     @torch.no_grad()
     def step(self) -> dict[int, list[int]]:
-        """One token for every running request; the requests that ended, and new ones in their rows."""
+        """One token for every running request whose prompt is in; the requests that ended, new ones
+        in their rows, and the next part of the prompts going in."""
         ended, self.last_tokens, self.last_logprobs = {}, {}, {}
-        going = [b for b, r in enumerate(self.rows) if r is not None]
+        going = [b for b, r in enumerate(self.rows) if r is not None and r.filled == len(r.prompt)]
         if going:
             tokens, logprobs = self._sample(going)
             for b in going:
@@ -165,10 +179,25 @@ class ContinuousBatcher:
                 if request.logprobs is not None:
                     self.last_logprobs[request.id] = logprobs[b]
             going = [b for b in going if self.rows[b] is not None]
-        admitted = self._admit()
-        if going or admitted:
-            self._forward(going, admitted)
+        self._admit()
+        spans = self._prompt_spans()
+        if going or spans:
+            self._forward(going, spans)
         return ended
+
+    def _prompt_spans(self) -> dict[int, tuple[int, int]]:
+        """Per row whose prompt is not all in its cache, the part this step's forward takes, (start,
+        stop): the rest of it, within max_prefill_tokens for the step, in admission order."""
+        spans, budget = {}, self.max_prefill_tokens
+        for request in sorted((r for r in self.rows if r is not None and r.filled < len(r.prompt)),
+                              key=lambda r: r.id):
+            stop = len(request.prompt) if budget is None else min(len(request.prompt), request.filled + budget)
+            if stop == request.filled:
+                break
+            spans[self.rows.index(request)] = (request.filled, stop)
+            if budget is not None:
+                budget -= stop - request.filled
+        return spans
 
     def _take(self, b: int, tokens: list[int], logprobs: list[float] | None, ended: dict) -> int:
         """Row ``b``'s request gets ``tokens`` in turn (and their ``logprobs`` if it asked) until one
@@ -248,15 +277,17 @@ class ContinuousBatcher:
             if self.record.counts is not None:
                 self.record.counts[b] = 0
 
-    def _forward(self, going: list[int], admitted: list[int]) -> None:
-        """The next-token logits of the going rows (after their last token) and of the admitted rows
-        (after their prompts, in emptied rows): one forward, or for a hybrid model with both, the
-        decode step and then the prompts, the going rows' recurrent states kept through the second."""
-        if going and admitted and self.cache.has_recurrent_layers:
+    def _forward(self, going: list[int], spans: dict[int, tuple[int, int]]) -> None:
+        """The next-token logits of the going rows (after their last token) and of the rows whose
+        prompts go in (after their ``spans``; a span from 0 in an emptied row): one forward, or for a
+        hybrid model with both, the decode step and then the prompts, the going rows' recurrent
+        states kept through the second."""
+        prompted = list(spans)
+        if going and spans and self.cache.has_recurrent_layers:
             self._keep_logits(going, self._run(self.model, self.cache, self.step_forward, going, []))
-            self._keep_logits(admitted, self._run(self.model, self.cache, self.step_forward, [], admitted, going))
+            self._keep_logits(prompted, self._run(self.model, self.cache, self.step_forward, [], spans, going))
         else:
-            self._keep_logits(going + admitted, self._run(self.model, self.cache, self.step_forward, going, admitted))
+            self._keep_logits(going + prompted, self._run(self.model, self.cache, self.step_forward, going, spans))
 
     def _keep_logits(self, rows: list[int], logits: torch.Tensor) -> None:
         if self.logits is None:
@@ -264,20 +295,22 @@ class ContinuousBatcher:
         rows = torch.tensor(rows, device=self.device)
         self.logits[rows] = logits[rows].float()
 
-    def _run(self, model, cache, step, going: list[int], admitted: list[int], kept: list[int] = ()) -> torch.Tensor:
+    def _run(self, model, cache, step, going: list[int], admitted, kept: list[int] = ()) -> torch.Tensor:
         """One forward of ``model`` on ``cache``: each going row's last token and each admitted row's
-        prompt (its cache row emptied first), left-padded so that every row ends in the last column
-        (other rows are padding: nothing written) -> the last column's logits [B, V]. Without new
+        prompt (a list of rows: whole prompts; or {row: (start, stop)}: those parts), left-padded so
+        that every row ends in the last column (other rows are padding: nothing written) -> the last
+        column's logits [B, V]. A prompt from its start goes into an emptied cache row. Without
         prompts, ``step`` (the decode step, compiled with ``compile``). ``kept``: rows whose
         recurrent states (a hybrid cache's) are put back as they were before the forward, whose
         padding would otherwise advance them."""
         last = torch.zeros(self.batch_size, 1, dtype=torch.int64)
         for b in going:
             last[b, 0] = self.rows[b].tokens[-1]
-        ids, mask = self.with_prompts(admitted, last.to(self.device), self._rows(going)[:, None])
-        if not admitted:
+        spans = admitted if isinstance(admitted, dict) else {b: (0, len(self.rows[b].prompt)) for b in admitted}
+        ids, mask = self.with_prompts(spans, last.to(self.device), self._rows(going)[:, None])
+        if not spans:
             return step(ids, mask, cache)[:, -1]
-        lengths = torch.where(self._rows(admitted), 0, cache.seq_lengths)
+        lengths = torch.where(self._rows([b for b, (start, _) in spans.items() if start == 0]), 0, cache.seq_lengths)
         cache.crop(lengths, check=False)  # (a hybrid's recurrent states of those rows zeroed)
         states = cache.recurrent_state_tensors() if kept and cache.has_recurrent_layers else []
         before, keep = [state.clone() for state in states], self._rows(list(kept))
@@ -287,6 +320,8 @@ class ContinuousBatcher:
             logits, _ = common._prefill_chunk(model, prompt, cache, start, stop, 1)
         for state, old in zip(states, before):
             state.copy_(torch.where(row_mask(keep, state), old, state))
+        for b, (_, stop) in spans.items():
+            self.rows[b].filled = stop
         return logits[:, -1]
 
     def _arguments(self) -> tuple:
@@ -301,20 +336,22 @@ class ContinuousBatcher:
                 check_penalties(op, *map(list, zip(*[r.penalties for r in rows])), self.batch_size, self.device))
         return self.arguments
 
-    def with_prompts(self, rows: list[int], tail: torch.Tensor, tail_mask: torch.Tensor):
+    def with_prompts(self, rows, tail: torch.Tensor, tail_mask: torch.Tensor):
         """[B, W] ids and mask: ``tail`` [B, T] (mask ``tail_mask``) in the last T columns, and in
-        ``rows`` their requests' prompts instead, left-padded to end in the last column."""
+        ``rows`` (a list, or {row: (start, stop)}: those parts) their requests' prompts instead,
+        left-padded to end in the last column."""
         if not rows:
             return tail, tail_mask
+        spans = rows if isinstance(rows, dict) else {b: (0, len(self.rows[b].prompt)) for b in rows}
+        parts = {b: self.rows[b].prompt[start:stop] for b, (start, stop) in spans.items()}
         B, T = tail.shape
-        width = max([T] + [len(self.rows[b].prompt) for b in rows])
+        width = max([T] + [len(part) for part in parts.values()])
         ids = torch.zeros(B, width, dtype=torch.int64)
         mask = torch.zeros(B, width, dtype=torch.bool)
-        for b in rows:
-            prompt = self.rows[b].prompt
-            ids[b, width - len(prompt):] = torch.tensor(prompt)
-            mask[b, width - len(prompt):] = True
-        chosen = self._rows(rows)[:, None]
+        for b, part in parts.items():
+            ids[b, width - len(part):] = torch.tensor(part)
+            mask[b, width - len(part):] = True
+        chosen = self._rows(list(parts))[:, None]
         ids, mask = ids.to(self.device), mask.to(self.device)
         ids[:, width - T:] = torch.where(chosen, ids[:, width - T:], tail)
         mask[:, width - T:] = torch.where(chosen, mask[:, width - T:], tail_mask)

@@ -42,7 +42,8 @@ class SpeculativeBatcher(ContinuousBatcher):
     target's vocabulary; None proposes by prompt lookup (n-grams of up to ``max_ngram_size`` tokens
     in each row's prompt and output). ``last_tokens`` holds {id: [tokens]} of each step (a round
     gives a request one to k + 1), ``last_logprobs`` {id: [log-probabilities]};
-    ``num_proposed`` / ``num_accepted`` count draft tokens over all rounds."""
+    ``num_proposed`` / ``num_accepted`` count draft tokens over all rounds. Prompts go in whole
+    (no ``max_prefill_tokens``)."""
 
     def __init__(self, model, draft_model=None, *, speculate_k: int = 4, max_ngram_size: int = 3,
                  batch_size: int = 8, max_length: int = 2048, eos_token_id: int | list[int] | None = None,
@@ -89,6 +90,8 @@ class SpeculativeBatcher(ContinuousBatcher):
             for cache in self.proposer.caches + [self.cache]:
                 cache.crop(torch.where(self._rows(merged), 0, cache.seq_lengths), check=False)
             self.proposer.admit(self, merged, going, merged=True)
+            for b in merged:
+                self.rows[b].filled = len(self.rows[b].prompt)
         if going:
             self._round(going, merged, ended)
         if admitted and not merged:  # (their prompts in a forward of their own, the going rows' states kept)

@@ -213,3 +213,53 @@ def test_what_it_cannot_serve_is_refused():
     with pytest.raises(ValueError, match="output_logprobs"):
         batcher.submit([3], max_new_tokens=2, output_logprobs="yes")
     assert batcher.run() == {} and not batcher.waiting  # (nothing was queued by the refusals)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3_text", "bloom", "falcon", "qwen3_moe"])
+@pytest.mark.parametrize("budget", [1, 4])
+def test_prompts_split_across_steps_give_generates_tokens(family, budget, monkeypatch):
+    """max_prefill_tokens: a step's forward takes at most that many prompt tokens, so prompts go in
+    over several steps beside the going rows; every request still gets generate's tokens (ring
+    buffers that wrap, ALiBi, attention of its own, experts)."""
+    monkeypatch.setattr(forward, "PREFILL_CHUNK", 3)
+    model = patched_copy(tiny_model(family), int8=False)
+    prompts = _prompts()
+    eos = [_alone(model, prompts[1], 9, [])[1]]
+    batcher = ContinuousBatcher(model, batch_size=3, max_length=24, eos_token_id=eos, max_prefill_tokens=budget)
+    for p, n in zip(prompts, LIMITS):
+        batcher.submit(p, max_new_tokens=n, output_logprobs=True)
+    out, widest = {}, []
+    while batcher.waiting or batcher.running:
+        before = {r.id: r.filled for r in batcher.rows if r is not None}
+        out.update(batcher.step())
+        taken = sum(r.filled - before.get(r.id, 0) for r in batcher.rows if r is not None)
+        widest.append(taken)
+    assert max(widest) == budget  # (never more prompt tokens a step than the budget, and some step used it all)
+    for request, (prompt, limit) in enumerate(zip(prompts, LIMITS)):
+        tokens, logprobs = _alone(model, prompt, limit, eos, logprobs=True)
+        assert out[request] == tokens, (family, budget, request)
+        torch.testing.assert_close(torch.tensor(batcher.logprobs[request]), logprobs, atol=2e-4, rtol=1e-4)
+
+
+def test_going_rows_decode_while_a_long_prompt_goes_in():
+    """A running request gets a token every step while a 20-token prompt goes in 4 tokens a step;
+    the long request's first token comes after its fifth step."""
+    model = patched_copy(tiny_model("llama", layers=2), int8=False)
+    short, long = _prompts(9)[0], torch.randint(3, 97, (20,), generator=torch.Generator().manual_seed(9)).tolist()
+    batcher = ContinuousBatcher(model, batch_size=2, max_length=40, eos_token_id=[], max_prefill_tokens=4)
+    first = batcher.submit(short, max_new_tokens=12)
+    while first not in batcher.last_tokens:  # (its prompt in, and its first token)
+        batcher.step()
+    second = batcher.submit(long, max_new_tokens=3)
+    for step in range(7):
+        batcher.step()
+        assert first in batcher.last_tokens
+        assert (second in batcher.last_tokens) == (step >= 5), step
+    out = batcher.run()
+    assert out == {first: _alone(model, short, 12, []), second: _alone(model, long, 3, [])}
+
+
+def test_hybrids_refuse_split_prompts():
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        ContinuousBatcher(patched_copy(tiny_model("qwen3_5_text"), int8=False), batch_size=2, max_length=8,
+                          max_prefill_tokens=4)

@@ -137,6 +137,8 @@ CASES: dict[str, Case] = {
                                      "top_k"),
     "prompt_lookup_stop_strings_without_tokenizer": Case(_stop_strings_without_a_tokenizer, "tokenizer"),
     "batcher_prompt_past_vocab": Case(_batcher_prompt_past_vocab, "prompt_ids"),
+    "batcher_max_prefill_tokens_zero": Case(lambda: __import__("gptfast_kernels").ContinuousBatcher(
+        _models()[1], batch_size=2, max_length=8, max_prefill_tokens=0), "max_prefill_tokens"),
     "speculative_batcher_k_zero": Case(_speculative_batcher(speculate_k=0), "speculate_k"),
     "speculative_batcher_ngram_zero": Case(_speculative_batcher(draft_model=None, max_ngram_size=0), "max_ngram_size"),
     "speculative_batcher_draft_unpatched": Case(_speculative_batcher(draft_model=lambda: _models()[0]), "draft_model"),

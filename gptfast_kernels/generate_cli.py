@@ -33,8 +33,8 @@ def add_generate_parser(sub):
                              "SpeculativeBatcher), for more prompts than fit one batch; default: every prompt in one "
                              "batch")
     parser.add_argument("--max-prefill-tokens", type=int, metavar="N",
-                        help="with --batch-size (no speculation): at most N prompt tokens a step, long prompts going "
-                             "in over several steps beside the decoding rows (default: whole prompts)")
+                        help="with --batch-size: at most N prompt tokens a step, long prompts going in over several "
+                             "steps beside the decoding rows (default: whole prompts)")
     parser.add_argument("--speculate-k", type=int, default=4, help="draft tokens per round (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
@@ -141,10 +141,9 @@ def _continuous(args, model, draft, tokenizer, prompts: list[str], device: torch
         settings = dict(batch_size=args.batch_size, max_length=max(map(len, encoded)) + args.max_new_tokens - 1,
                         eos_token_id=text_eos_ids(model, tokenizer), tokenizer=tokenizer, compile=args.compile,
                         generator=None if args.seed is None else torch.Generator(device).manual_seed(args.seed))
-        if speculative and args.max_prefill_tokens is not None:
-            raise ValueError("--max-prefill-tokens is for continuous batching without --draft / --prompt-lookup")
+        settings["max_prefill_tokens"] = args.max_prefill_tokens
         batcher = (SpeculativeBatcher(model, draft, speculate_k=args.speculate_k, **settings) if speculative
-                   else ContinuousBatcher(model, max_prefill_tokens=args.max_prefill_tokens, **settings))
+                   else ContinuousBatcher(model, **settings))
         for ids in encoded:
             batcher.submit(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,

@@ -10,7 +10,8 @@ in the same forwards as the round, each row's cache emptied first and its prompt
 in the last column beside the going rows' tokens, and their first token is sampled from the
 target's logits there. (A hybrid model's recurrent states would be advanced by padding: its new
 prompts run in a forward of their own after the round, the going rows' states kept, as
-ContinuousBatcher does; so do prompts longer than a ring-buffer cache takes in one forward.) Greedy
+ContinuousBatcher does; so do prompts longer than a ring-buffer cache takes in one forward.) With
+``max_prefill_tokens`` a prompt goes in over several steps, a part in each round's forwards. Greedy
 requests get exactly the tokens ``generate`` gives their prompts alone; sampled ones follow the
 target's distribution with their own arguments.
 
@@ -42,12 +43,13 @@ class SpeculativeBatcher(ContinuousBatcher):
     target's vocabulary; None proposes by prompt lookup (n-grams of up to ``max_ngram_size`` tokens
     in each row's prompt and output). ``last_tokens`` holds {id: [tokens]} of each step (a round
     gives a request one to k + 1), ``last_logprobs`` {id: [log-probabilities]};
-    ``num_proposed`` / ``num_accepted`` count draft tokens over all rounds. Prompts go in whole
-    (no ``max_prefill_tokens``)."""
+    ``num_proposed`` / ``num_accepted`` count draft tokens over all rounds. ``max_prefill_tokens``
+    as ContinuousBatcher's: prompts go in over several steps, in the rounds' forwards."""
 
     def __init__(self, model, draft_model=None, *, speculate_k: int = 4, max_ngram_size: int = 3,
                  batch_size: int = 8, max_length: int = 2048, eos_token_id: int | list[int] | None = None,
-                 generator: torch.Generator | None = None, compile: bool = False, tokenizer=None):
+                 generator: torch.Generator | None = None, compile: bool = False, tokenizer=None,
+                 max_prefill_tokens: int | None = None):
         op = "SpeculativeBatcher"
         common.check_model(op, "model", model)
         common.check_rollback(op, "model", model)
@@ -61,7 +63,8 @@ class SpeculativeBatcher(ContinuousBatcher):
         else:
             check_int(op, "max_ngram_size", max_ngram_size, 1)
         super().__init__(model, batch_size=batch_size, max_length=max_length, eos_token_id=eos_token_id,
-                         generator=generator, compile=compile, tokenizer=tokenizer)
+                         generator=generator, compile=compile, tokenizer=tokenizer,
+                         max_prefill_tokens=max_prefill_tokens)
         self.compile = compile
         capacity = self.max_length + self.k
         self.proposer = (_DraftRows(draft_model, self.batch_size, capacity, compile, self.k) if draft_model is not None
@@ -80,44 +83,49 @@ class SpeculativeBatcher(ContinuousBatcher):
 
     @torch.no_grad()
     def step(self) -> dict[int, list[int]]:
-        """One round for every running request, new requests' prompts in its forwards; the requests
-        that ended, their rows free for the next step."""
+        """One round for every running request whose prompt is in, the next parts of prompts in its
+        forwards; the requests that ended, their rows free for the next step."""
         ended, self.last_tokens, self.last_logprobs = {}, {}, {}
-        going = [b for b, r in enumerate(self.rows) if r is not None]
-        admitted = self._admit()
-        merged = admitted if going and admitted and self._can_merge(admitted) else []
+        going = [b for b, r in enumerate(self.rows) if r is not None and r.filled == len(r.prompt)]
+        new = self._admit()
+        if new:
+            self.proposer.admit(self, new)
+        spans = self._prompt_spans()
+        merged = spans if going and spans and self._can_merge(spans) else {}
         if merged:
+            started = self._rows([b for b, (start, _) in merged.items() if start == 0])
             for cache in self.proposer.caches + [self.cache]:
-                cache.crop(torch.where(self._rows(merged), 0, cache.seq_lengths), check=False)
-            self.proposer.admit(self, merged, going, merged=True)
-            for b in merged:
-                self.rows[b].filled = len(self.rows[b].prompt)
+                cache.crop(torch.where(started, 0, cache.seq_lengths), check=False)
+            self.proposer.merge(self, merged)
         if going:
             self._round(going, merged, ended)
-        if admitted and not merged:  # (their prompts in a forward of their own, the going rows' states kept)
+        if spans and not merged:  # (in forwards of their own, the going rows' states kept)
             going = [b for b in going if self.rows[b] is not None]
-            self._keep_logits(admitted, self._run(self.model, self.cache, self.step_forward, [], admitted, going))
-            self.proposer.admit(self, admitted, going)
-        if admitted:
-            tokens, logprobs = self._sample(admitted)
-            rows = self._rows(admitted)
+            self._keep_logits(list(spans), self._run(self.model, self.cache, self.step_forward, [], spans, going))
+            self.proposer.fill(self, spans, going)
+        for b, (_, stop) in merged.items():
+            self.rows[b].filled = stop
+        complete = [b for b in spans if self.rows[b].filled == len(self.rows[b].prompt)]
+        if complete:  # (their first tokens, from the target's logits after their prompts)
+            tokens, logprobs = self._sample(complete)
+            rows = self._rows(complete)
             first = torch.tensor(tokens, device=self.device)
             self.last = torch.where(rows, first, self.last)
             self.proposer.append(first[:, None], rows.to(torch.int64))
-            for b in admitted:
+            for b in complete:
                 self._give(b, [tokens[b]], None if logprobs is None else [logprobs[b]], ended)
         return ended
 
-    def _can_merge(self, admitted: list[int]) -> bool:
-        """Whether new prompts can share the round's forwards: no recurrent state (padding would
-        advance it) and, with ring-buffer layers, prompts short enough for one forward."""
+    def _can_merge(self, spans: dict[int, tuple[int, int]]) -> bool:
+        """Whether the parts of prompts ``spans`` can share the round's forwards: no recurrent state
+        (padding would advance it) and, with ring-buffer layers, parts short enough for one forward."""
         caches = self.proposer.caches + [self.cache]
-        width = max(len(self.rows[b].prompt) for b in admitted)
+        width = max(stop - start for start, stop in spans.values())
         return not any(c.has_recurrent_layers or (c.has_ring_layers and width > c.max_step_tokens) for c in caches)
 
-    def _round(self, going: list[int], merged: list[int], ended: dict) -> None:
-        """A speculative round for the ``going`` rows (the ``merged`` rows' prompts in its forwards,
-        their next-token logits kept); each request takes its emitted tokens."""
+    def _round(self, going: list[int], merged: dict[int, tuple[int, int]], ended: dict) -> None:
+        """A speculative round for the ``going`` rows (the parts of prompts ``merged`` in its
+        forwards, those rows' next-token logits kept); each request takes its emitted tokens."""
         k, V = self.k, self.output_vocab
         active = self._rows(going)
         sampling, penalties = self._arguments()
@@ -134,7 +142,7 @@ class SpeculativeBatcher(ContinuousBatcher):
             def target_step(target_input, mask, cache):
                 ids, real = self.with_prompts(merged, target_input, mask)
                 logits = forward_with_cache(self.model, ids, cache, attention_mask=real, logits_to_keep=k + 1).logits
-                self._keep_logits(merged, logits[:, -1])
+                self._keep_logits(list(merged), logits[:, -1])
                 return logits
         tokens, num_emitted, num_accepted, target_logits, _ = rounds.verify_round(
             self.proposer, target_step, self.cache, self.last, active, History(None, made, self.record))
@@ -163,20 +171,22 @@ class SpeculativeBatcher(ContinuousBatcher):
 
 class _DraftRows(DraftModelProposer):
     """A draft model's proposals; a new request's prompt runs through the draft into its emptied row,
-    in the round's first draft forward (``merged``) or in one of its own."""
+    in the round's first draft forward (``merge``) or in one of its own (``fill``)."""
 
-    merging: tuple | None = None  # (the batcher, the rows whose prompts the next round's first forward takes)
+    merging: tuple | None = None  # (the batcher, the parts of prompts the next round's first forward takes)
 
     @property
     def caches(self) -> list:
         return [self.cache]
 
-    def admit(self, batcher: SpeculativeBatcher, rows: list[int], going: list[int], merged: bool = False) -> None:
-        if merged:
-            self.merging = (batcher, rows)
-        else:
-            batcher._run(self.model, self.cache, self.step, [], rows, going)
+    def admit(self, batcher: SpeculativeBatcher, rows: list[int]) -> None:
         self.pending.masked_fill_(batcher._rows(rows), -1)
+
+    def merge(self, batcher: SpeculativeBatcher, spans: dict[int, tuple[int, int]]) -> None:
+        self.merging = (batcher, spans)
+
+    def fill(self, batcher: SpeculativeBatcher, spans: dict[int, tuple[int, int]], going: list[int]) -> None:
+        batcher._run(self.model, self.cache, self.step, [], spans, going)
 
     def first_logits(self, first_input: torch.Tensor, first_mask: torch.Tensor) -> torch.Tensor:
         if self.merging is None:
@@ -200,7 +210,13 @@ class _LookupRows:
 
     caches: list = []  # (no cache of its own)
 
-    def admit(self, batcher: SpeculativeBatcher, rows: list[int], going: list[int], merged: bool = False) -> None:
+    def merge(self, batcher: SpeculativeBatcher, spans: dict[int, tuple[int, int]]) -> None:
+        return None
+
+    def fill(self, batcher: SpeculativeBatcher, spans: dict[int, tuple[int, int]], going: list[int]) -> None:
+        return None
+
+    def admit(self, batcher: SpeculativeBatcher, rows: list[int]) -> None:
         for b in rows:
             prompt = batcher.rows[b].prompt
             row = torch.full((self.width + 1,), -1, dtype=torch.int64)

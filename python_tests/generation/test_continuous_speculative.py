@@ -57,6 +57,29 @@ def test_every_request_gets_what_generate_gives_its_prompt_alone(family, propose
     assert steps < sum(LIMITS) and 0 <= batcher.num_accepted <= batcher.num_proposed and batcher.num_proposed > 0
 
 
+@pytest.mark.parametrize("proposer", ["draft", "lookup"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "bloom", "qwen3_moe"])
+def test_prompts_split_across_rounds_give_generates_tokens(family, proposer, monkeypatch):
+    """max_prefill_tokens: the parts of prompts ride in the rounds' forwards (the target's and the
+    draft's), at most that many prompt tokens a step; every request still gets generate's tokens."""
+    monkeypatch.setattr(forward, "PREFILL_CHUNK", 3)
+    target = tiny_model(family)
+    model = patched_copy(target, int8=False)
+    prompts = _prompts(10)
+    eos = [_alone(model, prompts[1], 9, [])[1]]
+    batcher = SpeculativeBatcher(model, _draft(target) if proposer == "draft" else None, speculate_k=3,
+                                 batch_size=3, max_length=24, eos_token_id=eos, max_prefill_tokens=3)
+    for p, n in zip(prompts, LIMITS):
+        batcher.submit(p, max_new_tokens=n)
+    out, taken = {}, []
+    while batcher.waiting or batcher.running:
+        before = {r.id: r.filled for r in batcher.rows if r is not None}
+        out.update(batcher.step())
+        taken.append(sum(r.filled - before.get(r.id, 0) for r in batcher.rows if r is not None))
+    assert max(taken) == 3
+    assert out == {i: _alone(model, p, n, eos) for i, (p, n) in enumerate(zip(prompts, LIMITS))}
+
+
 def test_rounds_advance_rows_by_several_tokens():
     """A draft that is the target itself is always accepted: every round gives a request k + 1
     tokens (fewer where it ends), streamed as lists in last_tokens. New prompts ride in the round's

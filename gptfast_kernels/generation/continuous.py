@@ -12,9 +12,11 @@ Each request keeps its own options, as ``generate`` takes them for a call: sampl
 (per-row temperature / top-k / top-p / min-p), penalties (repetition / presence / frequency, each
 row's record emptied when a request takes it), ``min_new_tokens``, ``max_new_tokens``, stop
 sequences, stop strings and ``output_logprobs``. Greedy requests get the tokens ``generate`` gives
-each prompt alone with the same options. Every step reads the sampled tokens on the host (to retire requests and free
-rows), so the stops are matched there, per request, by generate's rule (a match ends within the
-new token; the prompt is never part of one).
+each prompt alone with the same options. Every step reads the sampled tokens on the host (to retire
+requests and free rows), so the stops are matched there, per request, by generate's rule (a match
+ends within the new token; the prompt is never part of one). With ``max_prefill_tokens`` a step's
+forward takes at most that many prompt tokens (chunked prefill): a long prompt goes in over several
+steps while the going rows decode beside it.
 
 Hybrid models (linear-attention, Mamba or short-convolution layers beside attention, or alone) are
 served too, but a step that takes new prompts runs two forwards: padding before a going row's token
@@ -22,7 +24,7 @@ would still advance its recurrent state (a decay applies to any input). The deco
 (the new rows as padding); then the new rows are emptied (their recurrent states zeroed) and their
 prompts run with the going rows as padding, whose states are put back as they were after it.
 
-Not served: speculative decoding.
+Speculative rounds in place of single tokens: ``SpeculativeBatcher`` (generation/continuous_speculative.py).
 """
 
 from __future__ import annotations
@@ -284,29 +286,29 @@ class ContinuousBatcher:
         states kept through the second."""
         prompted = list(spans)
         if going and spans and self.cache.has_recurrent_layers:
-            self._keep_logits(going, self._run(self.model, self.cache, self.step_forward, going, []))
+            self._keep_logits(going, self._run(self.model, self.cache, self.step_forward, going, {}))
             self._keep_logits(prompted, self._run(self.model, self.cache, self.step_forward, [], spans, going))
         else:
             self._keep_logits(going + prompted, self._run(self.model, self.cache, self.step_forward, going, spans))
 
     def _keep_logits(self, rows: list[int], logits: torch.Tensor) -> None:
+        """``rows``' next-token logits (from ``logits`` [B, V]) for the next sampling."""
         if self.logits is None:
             self.logits = torch.zeros(logits.shape, dtype=torch.float32, device=self.device)
         rows = torch.tensor(rows, device=self.device)
         self.logits[rows] = logits[rows].float()
 
-    def _run(self, model, cache, step, going: list[int], admitted, kept: list[int] = ()) -> torch.Tensor:
-        """One forward of ``model`` on ``cache``: each going row's last token and each admitted row's
-        prompt (a list of rows: whole prompts; or {row: (start, stop)}: those parts), left-padded so
-        that every row ends in the last column (other rows are padding: nothing written) -> the last
-        column's logits [B, V]. A prompt from its start goes into an emptied cache row. Without
-        prompts, ``step`` (the decode step, compiled with ``compile``). ``kept``: rows whose
-        recurrent states (a hybrid cache's) are put back as they were before the forward, whose
-        padding would otherwise advance them."""
+    def _run(self, model, cache, step, going: list[int], spans: dict[int, tuple[int, int]],
+             kept: list[int] = ()) -> torch.Tensor:
+        """One forward of ``model`` on ``cache``: each going row's last token and the parts of prompts
+        ``spans`` ({row: (start, stop)}), left-padded so that every row ends in the last column
+        (other rows are padding: nothing written) -> the last column's logits [B, V]. A part from a
+        prompt's start goes into an emptied cache row. Without prompts, ``step`` (the decode step,
+        compiled with ``compile``). ``kept``: rows whose recurrent states (a hybrid cache's) are put
+        back as they were before the forward, whose padding would otherwise advance them."""
         last = torch.zeros(self.batch_size, 1, dtype=torch.int64)
         for b in going:
             last[b, 0] = self.rows[b].tokens[-1]
-        spans = admitted if isinstance(admitted, dict) else {b: (0, len(self.rows[b].prompt)) for b in admitted}
         ids, mask = self.with_prompts(spans, last.to(self.device), self._rows(going)[:, None])
         if not spans:
             return step(ids, mask, cache)[:, -1]
@@ -329,20 +331,19 @@ class ContinuousBatcher:
         them, built when the rows change. Idle rows take the first running row's options, so a batch
         whose requests all sample alike samples as with numbers (all greedy: an argmax)."""
         if self.arguments is None:
-            op, spare = "ContinuousBatcher", next(r for r in self.rows if r is not None)
+            op, spare = type(self).__name__, next(r for r in self.rows if r is not None)
             rows = [r if r is not None else spare for r in self.rows]
             self.arguments = (
                 check_sampling_args(op, *map(list, zip(*[r.sampling for r in rows])), self.batch_size, self.device),
                 check_penalties(op, *map(list, zip(*[r.penalties for r in rows])), self.batch_size, self.device))
         return self.arguments
 
-    def with_prompts(self, rows, tail: torch.Tensor, tail_mask: torch.Tensor):
-        """[B, W] ids and mask: ``tail`` [B, T] (mask ``tail_mask``) in the last T columns, and in
-        ``rows`` (a list, or {row: (start, stop)}: those parts) their requests' prompts instead,
-        left-padded to end in the last column."""
-        if not rows:
+    def with_prompts(self, spans: dict[int, tuple[int, int]], tail: torch.Tensor, tail_mask: torch.Tensor):
+        """[B, W] ids and mask: ``tail`` [B, T] (mask ``tail_mask``) in the last T columns, and in the
+        rows of ``spans`` the parts (start, stop) of their requests' prompts instead, left-padded to
+        end in the last column."""
+        if not spans:
             return tail, tail_mask
-        spans = rows if isinstance(rows, dict) else {b: (0, len(self.rows[b].prompt)) for b in rows}
         parts = {b: self.rows[b].prompt[start:stop] for b, (start, stop) in spans.items()}
         B, T = tail.shape
         width = max([T] + [len(part) for part in parts.values()])

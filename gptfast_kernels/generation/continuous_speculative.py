@@ -191,8 +191,8 @@ class _DraftRows(DraftModelProposer):
     def first_logits(self, first_input: torch.Tensor, first_mask: torch.Tensor) -> torch.Tensor:
         if self.merging is None:
             return super().first_logits(first_input, first_mask)
-        (batcher, rows), self.merging = self.merging, None
-        ids, mask = batcher.with_prompts(rows, first_input, first_mask)
+        (batcher, spans), self.merging = self.merging, None
+        ids, mask = batcher.with_prompts(spans, first_input, first_mask)
         return forward_with_cache(self.model, ids, self.cache, attention_mask=mask, logits_to_keep=1).logits[:, -1]
 
     def append(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:

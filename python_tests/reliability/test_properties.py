@@ -100,3 +100,67 @@ def test_verify_draft_property(backend, device):
         assert torch.equal(out_tokens, ref_tokens)
 
     check()
+
+
+@pytest.mark.parametrize("kind", ["continuous", "speculative-draft", "speculative-lookup"])
+def test_batchers_serve_random_workloads_as_generate(kind):
+    """Random workloads through a batcher: rows 1 to 4, 3 to 9 requests of random prompts (1 to 12
+    tokens) and limits, a random eos, chunked prefill or not, some requests cancelled at random steps
+    and new ones submitted between steps. Every request that ran to its end gets generate's tokens
+    for its prompt alone; a cancelled one a prefix of them."""
+    from gptfast_kernels import ContinuousBatcher, SpeculativeBatcher, generate
+    from python_tests.tiny_models import draft_of, patched_copy, tiny_model
+
+    target = tiny_model("llama", layers=2)
+    model = patched_copy(target, int8=False)
+    draft = patched_copy(draft_of(target), int8=False)
+    alone = {}
+
+    def generated(prompt, limit, eos):
+        key = (tuple(prompt), limit, tuple(eos))
+        if key not in alone:
+            out = generate(model, torch.tensor([prompt]), max_new_tokens=limit, eos_token_id=eos).sequences
+            tokens = out[0, len(prompt):].tolist()
+            alone[key] = next((tokens[:i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
+        return alone[key]
+
+    @settings(max_examples=6, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(rows=st.integers(1, 4), seed=st.integers(0, 2**31 - 1), budget=st.sampled_from([None, 1, 3, 7]),
+           eos=st.integers(3, 96), k=st.integers(1, 4))
+    def check(rows, seed, budget, eos, k):
+        g = torch.Generator().manual_seed(seed)
+        settings_ = dict(batch_size=rows, max_length=24, eos_token_id=[eos], max_prefill_tokens=budget)
+        batcher = (ContinuousBatcher(model, **settings_) if kind == "continuous" else
+                   SpeculativeBatcher(model, draft if kind == "speculative-draft" else None, speculate_k=k,
+                                      **settings_))
+        requests, cancelled, out = {}, {}, {}
+
+        def submit():
+            prompt = torch.randint(3, 97, (int(torch.randint(1, 13, (), generator=g)),), generator=g).tolist()
+            limit = int(torch.randint(1, 12, (), generator=g))
+            requests[batcher.submit(prompt, max_new_tokens=limit)] = (prompt, limit)
+
+        for _ in range(int(torch.randint(3, 7, (), generator=g))):
+            submit()
+        steps = 0
+        while batcher.waiting or batcher.running:
+            out.update(batcher.step())
+            steps += 1
+            chance = int(torch.randint(0, 10, (), generator=g))
+            live = [r.id for r in batcher.rows if r is not None] + [r.id for r in batcher.waiting]
+            if chance == 0 and live:
+                victim = live[int(torch.randint(0, len(live), (), generator=g))]
+                cancelled[victim] = batcher.cancel(victim)
+            elif chance == 1 and len(requests) < 9:
+                submit()
+            assert steps < 400
+        assert set(out) | set(cancelled) == set(requests) and not set(out) & set(cancelled)
+        for request, (prompt, limit) in requests.items():
+            want = generated(prompt, limit, [eos])
+            if request in out:
+                assert out[request] == want, (request, prompt, limit)
+            else:
+                assert cancelled[request] == want[:len(cancelled[request])], (request, prompt, limit)
+
+    check()

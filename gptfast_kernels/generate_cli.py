@@ -35,6 +35,9 @@ def add_generate_parser(sub):
     parser.add_argument("--max-prefill-tokens", type=int, metavar="N",
                         help="with --batch-size: at most N prompt tokens a step, long prompts going in over several "
                              "steps beside the decoding rows (default: whole prompts)")
+    parser.add_argument("--reuse-prefixes", action="store_true",
+                        help="with --batch-size (no speculation): a prompt that begins as a cache row's tokens "
+                             "(a shared system prompt) takes their keys and values instead of running them")
     parser.add_argument("--speculate-k", type=int, default=4, help="draft tokens per round (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
@@ -90,9 +93,11 @@ def cmd_generate(args) -> int:
     except ValueError as error:
         print(str(error), file=sys.stderr)
         return 2
-    if args.max_prefill_tokens is not None and args.batch_size is None:
-        print("generate: --max-prefill-tokens needs --batch-size (continuous batching)", file=sys.stderr)
-        return 2
+    for flag, given in (("--max-prefill-tokens", args.max_prefill_tokens is not None),
+                        ("--reuse-prefixes", args.reuse_prefixes)):
+        if given and args.batch_size is None:
+            print(f"generate: {flag} needs --batch-size (continuous batching)", file=sys.stderr)
+            return 2
     if args.batch_size is not None:
         return _continuous(args, loaded["model"], loaded.get("draft"), tokenizer, prompts, device)
     batch = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
@@ -142,8 +147,10 @@ def _continuous(args, model, draft, tokenizer, prompts: list[str], device: torch
                         eos_token_id=text_eos_ids(model, tokenizer), tokenizer=tokenizer, compile=args.compile,
                         generator=None if args.seed is None else torch.Generator(device).manual_seed(args.seed))
         settings["max_prefill_tokens"] = args.max_prefill_tokens
+        if speculative and args.reuse_prefixes:
+            raise ValueError("--reuse-prefixes is for continuous batching without --draft / --prompt-lookup")
         batcher = (SpeculativeBatcher(model, draft, speculate_k=args.speculate_k, **settings) if speculative
-                   else ContinuousBatcher(model, **settings))
+                   else ContinuousBatcher(model, reuse_prefixes=args.reuse_prefixes, **settings))
         for ids in encoded:
             batcher.submit(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,

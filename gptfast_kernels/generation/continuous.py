@@ -59,6 +59,11 @@ class Request:
     filled: int = 0  # how many of its prompt's tokens its cache row holds
     text: bytes = b""  # their text, with stop strings
 
+    def held(self) -> list[int]:
+        """The tokens its cache row holds, from position 0: its prompt as far as it went in, then
+        (once it is all in) what it generated but the last token (not yet written)."""
+        return self.prompt[:self.filled] + (self.tokens[:-1] if self.filled == len(self.prompt) else [])
+
     def stops_at(self, token_text: bytes) -> bool:
         """Whether the token just appended (``token_text``: its bytes) completes a stop sequence or
         string (one ending within it), counted from new token number ``min_new_tokens`` on."""
@@ -87,13 +92,20 @@ class ContinuousBatcher:
     takes (None: every new prompt whole). A longer prompt goes into its row over several steps, in
     admission order, while the going rows go on decoding beside it: a long prompt no longer stalls
     every other request for its whole prefill. (Not for hybrid models: a recurrent state cannot be
-    carried from one part of a prompt to the next here.)"""
+    carried from one part of a prompt to the next here.)
+
+    ``reuse_prefixes`` (prefix caching, as vLLM's): a new request whose prompt begins as the tokens
+    some cache row holds (a running request's, or what an ended one left) takes their keys and values
+    by a copy (or keeps them, in its own row) and runs only the rest of its prompt: a system prompt
+    shared by many requests is computed once. ``reused_tokens`` counts the prompt tokens so skipped.
+    Not for caches with ring-buffer layers or recurrent states, whose first positions do not stay."""
 
     extra_slots = 0  # cache slots per row past max_length (a speculative round's drafts)
 
     def __init__(self, model, *, batch_size: int = 8, max_length: int = 2048,
                  eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
-                 compile: bool = False, tokenizer=None, max_prefill_tokens: int | None = None):
+                 compile: bool = False, tokenizer=None, max_prefill_tokens: int | None = None,
+                 reuse_prefixes: bool = False):
         op = type(self).__name__
         common.check_model(op, "model", model)
         self.batch_size = check_int(op, "batch_size", batch_size, 1)
@@ -111,6 +123,14 @@ class ContinuousBatcher:
             raise ValueError(f"{op}: max_prefill_tokens splits prompts across forwards, but {model.config.model_type} "
                              "is a hybrid model, whose recurrent states are not carried from one part of a prompt "
                              "to the next here; leave max_prefill_tokens None")
+        common.check_flag(op, "reuse_prefixes", reuse_prefixes)
+        if reuse_prefixes and (self.cache.has_ring_layers or self.cache.has_recurrent_layers):
+            raise ValueError(f"{op}: reuse_prefixes copies a row's first positions, but this {model.config.model_type} "
+                             "cache's ring-buffer layers or recurrent states do not keep them; leave reuse_prefixes "
+                             "False")
+        self.reuse_prefixes = reuse_prefixes
+        self.residue: list[list[int]] = [[] for _ in range(batch_size)]  # what an idle row's cache still holds
+        self.reused_tokens = 0
         self.step_forward = step_function(model, compile)
         self.output_vocab = common.output_vocab_size(model)
         self.tokenizer = tokenizer
@@ -218,8 +238,7 @@ class ContinuousBatcher:
                 ended[request.id] = request.tokens
                 if request.logprobs is not None:
                     self.logprobs[request.id] = request.logprobs
-                self.rows[b] = None
-                self.arguments = None
+                self._leave(b)
                 return i + 1
         return len(tokens)
 
@@ -232,8 +251,7 @@ class ContinuousBatcher:
                 return request.tokens
         for b, request in enumerate(self.rows):
             if request is not None and request.id == request_id:
-                self.rows[b] = None
-                self.arguments = None
+                self._leave(b)
                 return request.tokens
         raise KeyError(f"ContinuousBatcher.cancel: request_id {request_id!r} is neither waiting nor running")
 
@@ -243,6 +261,40 @@ class ContinuousBatcher:
         while self.waiting or self.running:
             done.update(self.step())
         return dict(sorted(done.items()))
+
+    def _leave(self, b: int) -> None:
+        """Row ``b``'s request goes; what its cache row holds stays for a later prompt to reuse."""
+        self.residue[b] = self.rows[b].held()
+        self.rows[b] = None
+        self.arguments = None
+
+    def _reuse_prefix(self, b: int, taken: list[int]) -> None:
+        """Row ``b``'s new request takes the longest start of its prompt (all but its last token at
+        most) that some cache row holds: copied from that row, or kept in its own. Rows that took
+        requests in this step (``taken``) are no source: their old contents are about to go."""
+        prompt = self.rows[b].prompt
+        best, source = 0, None
+        for c, request in enumerate(self.rows):
+            if c in taken and c != b:
+                continue
+            held = self.residue[c] if request is None or c == b else request.held()
+            n = 0
+            for x, y in zip(held, prompt[:-1]):
+                if x != y:
+                    break
+                n += 1
+            if n > best:
+                best, source = n, c
+        if source is None:
+            return
+        if source == b:
+            lengths = self.cache.seq_lengths.clone()
+            lengths[b] = best
+            self.cache.crop(lengths, check=False)
+        else:
+            self.cache.copy_prefix(source, b, best)
+        self.rows[b].filled = best
+        self.reused_tokens += best
 
     def _admit(self) -> list[int]:
         """Waiting requests into free rows, those rows' caches emptied -> the rows taken."""
@@ -255,6 +307,9 @@ class ContinuousBatcher:
         if taken:
             self._reset_records(taken)
             self.arguments = None
+            if self.reuse_prefixes:
+                for b in taken:
+                    self._reuse_prefix(b, taken)
         return taken
 
     def _rows(self, rows: list[int]) -> torch.Tensor:

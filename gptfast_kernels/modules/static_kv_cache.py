@@ -490,6 +490,26 @@ class StaticKVCache(Cache):
             self.seq_lengths.masked_fill_(emptied, 0)
             self.written_lengths.masked_fill_(emptied, 0)
 
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Row ``target`` takes row ``source``'s first ``length`` positions (their keys and values,
+        copied) and length ``length``: a prompt that begins as another row's tokens began skips their
+        forward (prefix reuse). Only for caches whose positions all stay in place: no ring-buffer
+        layers, no recurrent states (ValueError)."""
+        if self.has_ring_layers or self.has_recurrent_layers:
+            raise ValueError("StaticKVCache.copy_prefix: this cache's ring-buffer layers or recurrent states do not "
+                             "keep a row's first positions where a copy can take them")
+        if not (0 <= source < self.batch_size and 0 <= target < self.batch_size):
+            raise ValueError(f"StaticKVCache.copy_prefix: source and target must be rows in [0, {self.batch_size}), "
+                             f"got {source} and {target}")
+        if not 0 <= length <= int(self.seq_lengths[source]):
+            raise ValueError(f"StaticKVCache.copy_prefix: length must be in [0, {int(self.seq_lengths[source])}] "
+                             f"(row {source}'s length), got {length}")
+        for layer in self.attention_layers:
+            layer.keys[target, :, :length] = layer.keys[source, :, :length]
+            layer.values[target, :, :length] = layer.values[source, :, :length]
+        self.seq_lengths[target] = length
+        self.written_lengths[target] = length
+
     def recurrent_state_tensors(self) -> list[torch.Tensor]:
         """Every recurrent state the cache's linear-attention layers hold now, [B, ...] each (conv and
         recurrent states; none before the first forward that made them)."""

@@ -263,3 +263,87 @@ def test_hybrids_refuse_split_prompts():
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         ContinuousBatcher(patched_copy(tiny_model("qwen3_5_text"), int8=False), batch_size=2, max_length=8,
                           max_prefill_tokens=4)
+
+
+def _tokens_run(batcher):
+    """A list to which each of ``batcher``'s forwards appends its real input tokens (the going rows'
+    tokens and the parts of prompts)."""
+    counts, run = [], batcher._run
+
+    def counted(model, cache, step, going, spans, kept=()):
+        counts.append(len(going) + sum(stop - start for start, stop in spans.values()))
+        return run(model, cache, step, going, spans, kept)
+    batcher._run = counted
+    return counts
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bloom", "qwen3_moe"])
+@pytest.mark.parametrize("budget", [None, 4])
+def test_shared_prefixes_are_reused_and_give_generates_tokens(family, budget):
+    """reuse_prefixes: requests that share a system prompt (and one that repeats an earlier prompt
+    whole) take its keys and values from the row that holds them, a running or an ended request's,
+    or their own row's; each still gets generate's tokens and log-probabilities, and the forwards
+    run exactly the reused prompt tokens fewer."""
+    g = torch.Generator().manual_seed(11)
+    system = torch.randint(3, 97, (9,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 97, (n,), generator=g).tolist() for n in (2, 4, 1, 3, 5)]
+    prompts.append(list(prompts[1]))  # (the same prompt again)
+    prompts.append(torch.randint(3, 97, (6,), generator=g).tolist())  # (nothing to share)
+    limits = (5, 3, 6, 2, 4, 3, 5)
+    runs = {}
+    for reuse in (False, True):
+        model = patched_copy(tiny_model(family), int8=False)
+        batcher = ContinuousBatcher(model, batch_size=2, max_length=24, eos_token_id=[], max_prefill_tokens=budget,
+                                    reuse_prefixes=reuse)
+        counts = _tokens_run(batcher)
+        for p, n in zip(prompts, limits):
+            batcher.submit(p, max_new_tokens=n, output_logprobs=True)
+        out = batcher.run()
+        runs[reuse] = (sum(counts), batcher.reused_tokens)
+        for i, (p, n) in enumerate(zip(prompts, limits)):
+            tokens, logprobs = _alone(model, p, n, [], logprobs=True)
+            assert out[i] == tokens, (family, budget, reuse, i)
+            torch.testing.assert_close(torch.tensor(batcher.logprobs[i]), logprobs, atol=2e-4, rtol=1e-4)
+    assert runs[False][1] == 0 and runs[True][1] >= 3 * 9  # (the three later system-prompt requests at least)
+    assert runs[False][0] - runs[True][0] == runs[True][1]
+
+
+def test_a_repeated_prompt_keeps_its_own_rows_keys():
+    """One row: the same prompt again keeps all but its last token in place (its own row), and a
+    prompt that shares only a start keeps that start."""
+    model = patched_copy(tiny_model("llama", layers=2), int8=False)
+    prompt = _prompts(12)[1]
+    batcher = ContinuousBatcher(model, batch_size=1, max_length=24, eos_token_id=[], reuse_prefixes=True)
+    for p in (prompt, prompt, prompt[:4] + [5, 6]):
+        batcher.submit(p, max_new_tokens=4)
+    out = batcher.run()
+    assert batcher.reused_tokens == len(prompt) - 1 + 4
+    assert out == {i: _alone(model, p, 4, []) for i, p in enumerate((prompt, prompt, prompt[:4] + [5, 6]))}
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_a_prefix_is_copied_from_a_running_row(family):
+    """A new request in a row that held something else takes the system prompt from the row of a
+    running request: keys and values (a latent-attention cache's one latent) copied."""
+    model = patched_copy(tiny_model(family), int8=False)
+    g = torch.Generator().manual_seed(13)
+    system = torch.randint(3, 97, (9,), generator=g).tolist()
+    prompts = [system + [4, 5], torch.randint(3, 97, (6,), generator=g).tolist(), system + [7, 8, 9]]
+    limits = (12, 2, 5)
+    batcher = ContinuousBatcher(model, batch_size=2, max_length=24, eos_token_id=[], reuse_prefixes=True)
+    for p, n in zip(prompts, limits):
+        batcher.submit(p, max_new_tokens=n, output_logprobs=True)
+    out = batcher.run()
+    assert batcher.reused_tokens == 9
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+        tokens, logprobs = _alone(model, p, n, [], logprobs=True)
+        assert out[i] == tokens, i
+        torch.testing.assert_close(torch.tensor(batcher.logprobs[i]), logprobs, atol=2e-4, rtol=1e-4)
+
+
+def test_prefix_reuse_is_refused_where_positions_do_not_stay():
+    with pytest.raises(ValueError, match="reuse_prefixes"):
+        ContinuousBatcher(patched_copy(tiny_model("qwen3_5_text"), int8=False), batch_size=2, max_length=8,
+                          reuse_prefixes=True)
+    with pytest.raises(ValueError, match="reuse_prefixes"):
+        ContinuousBatcher(patched_copy(tiny_model("llama"), int8=False), batch_size=2, reuse_prefixes="yes")

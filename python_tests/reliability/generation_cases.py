@@ -59,6 +59,17 @@ def _speculative_batcher(**overrides):
     return run
 
 
+def _copy_prefix(source, target, length):
+    def run():
+        from gptfast_kernels import StaticKVCache
+
+        _, patched, _ = _models()
+        cache = StaticKVCache(patched.config, 2, 8)
+        patched(torch.tensor([[2, 3, 4], [5, 6, 7]]), past_key_values=cache)
+        cache.copy_prefix(source, target, length)
+    return run
+
+
 def _stop_strings_without_a_tokenizer():
     from gptfast_kernels import prompt_lookup_generate
 
@@ -139,6 +150,10 @@ CASES: dict[str, Case] = {
     "batcher_prompt_past_vocab": Case(_batcher_prompt_past_vocab, "prompt_ids"),
     "batcher_max_prefill_tokens_zero": Case(lambda: __import__("gptfast_kernels").ContinuousBatcher(
         _models()[1], batch_size=2, max_length=8, max_prefill_tokens=0), "max_prefill_tokens"),
+    "copy_prefix_row_out_of_range": Case(_copy_prefix(0, 2, 1), "target"),
+    "copy_prefix_longer_than_source": Case(_copy_prefix(0, 1, 4), "length"),
+    "batcher_reuse_prefixes_not_a_flag": Case(lambda: __import__("gptfast_kernels").ContinuousBatcher(
+        _models()[1], batch_size=2, max_length=8, reuse_prefixes=1), "reuse_prefixes"),
     "speculative_batcher_k_zero": Case(_speculative_batcher(speculate_k=0), "speculate_k"),
     "speculative_batcher_ngram_zero": Case(_speculative_batcher(draft_model=None, max_ngram_size=0), "max_ngram_size"),
     "speculative_batcher_draft_unpatched": Case(_speculative_batcher(draft_model=lambda: _models()[0]), "draft_model"),

@@ -9,7 +9,8 @@ speculative rounds (prompt lookup, k = 4): ``SpeculativeBatcher`` (new prompts i
 forwards) against ``prompt_lookup_generate`` over the same static batches; greedy speculative decoding is exact, so all four give every request
 generate's tokens. Then chunked prefill: the same kind of requests with a few long prompts among
 them, served with whole prompts and with ``max_prefill_tokens``: the longest step (what a running
-request waits for its next token) and the throughput.
+request waits for its next token) and the throughput. Then prefix reuse: requests that all begin
+with one system prompt, with and without ``reuse_prefixes``.
 
 CPU: a small Llama (hidden 256, 4 layers) in float32, eager. GPU: Llama-3.2-1B's shapes in bfloat16,
 compiled decode steps (CUDA graphs). int8 weights either way.
@@ -147,6 +148,7 @@ def run(h) -> None:
                        **({"speculate_k": K, "acceptance_rate": acceptance} if acceptance is not None else {}),
                        "speedup_vs_baseline": results[baseline][0] / seconds, **h.meta})
     _chunked_prefill(h, model, sizes, cuda)
+    _shared_prefix(h, model, sizes, cuda)
 
 
 def _chunked_prefill(h, model, sizes, cuda) -> None:
@@ -190,3 +192,42 @@ def _chunked_prefill(h, model, sizes, cuda) -> None:
                        "steps": len(steps), "median_step_ms": steps[len(steps) // 2] * 1e3,
                        "longest_step_ms": steps[-1] * 1e3, "longest_step_vs_baseline": base_steps[-1] / steps[-1],
                        "speedup_vs_baseline": base_seconds / seconds, **h.meta})
+
+
+def _shared_prefix(h, model, sizes, cuda) -> None:
+    """Requests that begin with one system prompt (as a chat service's do): served with and without
+    reuse_prefixes, which runs the system prompt's forward once instead of once per request."""
+    system_length = 1024 if cuda else 256
+    g = torch.Generator().manual_seed(2)
+    system = torch.randint(3, sizes["vocab_size"], (system_length,), generator=g).tolist()
+    work = [(system + prompt, limit) for prompt, limit in _workload(8 if h.quick else 32, sizes["vocab_size"])]
+    results = {}
+    for reuse in (False, True):
+        def serve():
+            batcher = ContinuousBatcher(model, batch_size=BATCH, max_length=system_length + 48 + 128, eos_token_id=[],
+                                        compile=cuda, reuse_prefixes=reuse)
+            for prompt, n in work:
+                batcher.submit(prompt, max_new_tokens=n)
+            return batcher.run(), batcher.reused_tokens
+        serve()  # (warm-up)
+        best = None
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            tokens, reused = serve()
+            if cuda:
+                torch.cuda.synchronize(h.device)
+            seconds = time.perf_counter() - start
+            best = seconds if best is None else min(best, seconds)
+        results[reuse] = (best, tokens, reused)
+    if results[False][1] != results[True][1]:
+        raise RuntimeError("prefix reuse gave other tokens than running every prompt: not timed")
+    made = sum(n for _, n in work)
+    prompt_tokens = sum(len(p) for p, _ in work)
+    for reuse, (seconds, _, reused) in results.items():
+        h.rows.append({"op": "continuous-prefix", "model": f"llama hidden {sizes['hidden_size']} x "
+                       f"{sizes['num_hidden_layers']} layers", "requests": len(work),
+                       "system_prompt": f"{system_length} tokens", "batch_size": BATCH, "new_tokens": made,
+                       "impl": "ContinuousBatcher" + (" (reuse_prefixes)" if reuse else ""),
+                       "baseline": "ContinuousBatcher", "seconds": seconds, "tokens_per_s": made / seconds,
+                       "prompt_tokens_run": prompt_tokens - reused,
+                       "speedup_vs_baseline": results[False][0] / seconds, **h.meta})

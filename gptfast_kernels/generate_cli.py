@@ -36,7 +36,7 @@ def add_generate_parser(sub):
                         help="with --batch-size: at most N prompt tokens a step, long prompts going in over several "
                              "steps beside the decoding rows (default: whole prompts)")
     parser.add_argument("--reuse-prefixes", action="store_true",
-                        help="with --batch-size (no speculation): a prompt that begins as a cache row's tokens "
+                        help="with --batch-size: a prompt that begins as a cache row's tokens "
                              "(a shared system prompt) takes their keys and values instead of running them")
     parser.add_argument("--speculate-k", type=int, default=4, help="draft tokens per round (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default 128)")
@@ -147,10 +147,9 @@ def _continuous(args, model, draft, tokenizer, prompts: list[str], device: torch
                         eos_token_id=text_eos_ids(model, tokenizer), tokenizer=tokenizer, compile=args.compile,
                         generator=None if args.seed is None else torch.Generator(device).manual_seed(args.seed))
         settings["max_prefill_tokens"] = args.max_prefill_tokens
-        if speculative and args.reuse_prefixes:
-            raise ValueError("--reuse-prefixes is for continuous batching without --draft / --prompt-lookup")
+        settings["reuse_prefixes"] = args.reuse_prefixes
         batcher = (SpeculativeBatcher(model, draft, speculate_k=args.speculate_k, **settings) if speculative
-                   else ContinuousBatcher(model, reuse_prefixes=args.reuse_prefixes, **settings))
+                   else ContinuousBatcher(model, **settings))
         for ids in encoded:
             batcher.submit(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,

@@ -285,16 +285,22 @@ class ContinuousBatcher:
                 n += 1
             if n > best:
                 best, source = n, c
-        if source is None:
-            return
-        if source == b:
-            lengths = self.cache.seq_lengths.clone()
-            lengths[b] = best
-            self.cache.crop(lengths, check=False)
-        else:
-            self.cache.copy_prefix(source, b, best)
-        self.rows[b].filled = best
-        self.reused_tokens += best
+        if source is not None:
+            best = self._take_prefix(source, b, best, [self.cache])
+            self.rows[b].filled = best
+            self.reused_tokens += best
+
+    def _take_prefix(self, source: int, b: int, length: int, caches: list) -> int:
+        """Row ``b`` of each of ``caches`` takes row ``source``'s first ``length`` positions (copied,
+        or kept where ``source`` is ``b``) -> ``length``."""
+        for cache in caches:
+            if source == b:
+                lengths = cache.seq_lengths.clone()
+                lengths[b] = length
+                cache.crop(lengths, check=False)
+            else:
+                cache.copy_prefix(source, b, length)
+        return length
 
     def _admit(self) -> list[int]:
         """Waiting requests into free rows, those rows' caches emptied -> the rows taken."""

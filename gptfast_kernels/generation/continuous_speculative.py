@@ -44,12 +44,13 @@ class SpeculativeBatcher(ContinuousBatcher):
     in each row's prompt and output). ``last_tokens`` holds {id: [tokens]} of each step (a round
     gives a request one to k + 1), ``last_logprobs`` {id: [log-probabilities]};
     ``num_proposed`` / ``num_accepted`` count draft tokens over all rounds. ``max_prefill_tokens``
-    as ContinuousBatcher's: prompts go in over several steps, in the rounds' forwards."""
+    as ContinuousBatcher's: prompts go in over several steps, in the rounds' forwards;
+    ``reuse_prefixes`` as ContinuousBatcher's, the draft's cache rows copied alike."""
 
     def __init__(self, model, draft_model=None, *, speculate_k: int = 4, max_ngram_size: int = 3,
                  batch_size: int = 8, max_length: int = 2048, eos_token_id: int | list[int] | None = None,
                  generator: torch.Generator | None = None, compile: bool = False, tokenizer=None,
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, reuse_prefixes: bool = False):
         op = "SpeculativeBatcher"
         common.check_model(op, "model", model)
         common.check_rollback(op, "model", model)
@@ -64,12 +65,16 @@ class SpeculativeBatcher(ContinuousBatcher):
             check_int(op, "max_ngram_size", max_ngram_size, 1)
         super().__init__(model, batch_size=batch_size, max_length=max_length, eos_token_id=eos_token_id,
                          generator=generator, compile=compile, tokenizer=tokenizer,
-                         max_prefill_tokens=max_prefill_tokens)
+                         max_prefill_tokens=max_prefill_tokens, reuse_prefixes=reuse_prefixes)
         self.compile = compile
         capacity = self.max_length + self.k
         self.proposer = (_DraftRows(draft_model, self.batch_size, capacity, compile, self.k) if draft_model is not None
                          else _LookupRows(self.batch_size, capacity + self.k + 1, max_ngram_size, self.output_vocab,
                                           self.device))
+        if reuse_prefixes and any(c.has_ring_layers or c.has_recurrent_layers for c in self.proposer.caches):
+            raise ValueError(f"{op}: reuse_prefixes copies a row's first positions, but draft_model's cache has "
+                             "ring-buffer layers or recurrent states, which do not keep them; leave reuse_prefixes "
+                             "False")
         # each running row's last token: emitted, not yet in the target's cache (the next round's first input)
         self.last = torch.zeros(self.batch_size, dtype=torch.int64, device=self.device)
         self.last_tokens: dict[int, list[int]] = {}
@@ -115,6 +120,13 @@ class SpeculativeBatcher(ContinuousBatcher):
             for b in complete:
                 self._give(b, [tokens[b]], None if logprobs is None else [logprobs[b]], ended)
         return ended
+
+    def _take_prefix(self, source: int, b: int, length: int, caches: list) -> int:
+        """As ContinuousBatcher's, in the draft's cache too, within what the draft's row holds (one
+        token less than the target's after a round that accepted every draft)."""
+        for cache in self.proposer.caches:
+            length = min(length, int(cache.seq_lengths[source]))
+        return super()._take_prefix(source, b, length, caches + self.proposer.caches) if length else 0
 
     def _can_merge(self, spans: dict[int, tuple[int, int]]) -> bool:
         """Whether the parts of prompts ``spans`` can share the round's forwards: no recurrent state

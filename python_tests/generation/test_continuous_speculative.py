@@ -80,6 +80,30 @@ def test_prompts_split_across_rounds_give_generates_tokens(family, proposer, mon
     assert out == {i: _alone(model, p, n, eos) for i, (p, n) in enumerate(zip(prompts, LIMITS))}
 
 
+@pytest.mark.parametrize("proposer", ["self", "draft", "lookup"])
+def test_shared_prefixes_are_reused_in_rounds(proposer):
+    """reuse_prefixes: a system prompt's keys and values copied (the draft's too) from the row that
+    holds them; every request gets generate's tokens, and a draft that is the target itself is still
+    always accepted (its copied rows hold what the target's do)."""
+    target = tiny_model("llama", layers=2)
+    model = patched_copy(target, int8=False)
+    draft = {"self": lambda: patched_copy(target, int8=False), "draft": lambda: _draft(target),
+             "lookup": lambda: None}[proposer]()
+    g = torch.Generator().manual_seed(14)
+    system = torch.randint(3, 97, (9,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 97, (n,), generator=g).tolist() for n in (2, 4, 1, 3, 5)]
+    prompts[2:2] = [torch.randint(3, 97, (6,), generator=g).tolist()]  # (a row that held something else)
+    limits = (11, 3, 2, 6, 2, 4)
+    for budget in (None, 3):
+        batcher = SpeculativeBatcher(model, draft, speculate_k=3, batch_size=2, max_length=28, eos_token_id=[],
+                                     reuse_prefixes=True, max_prefill_tokens=budget)
+        out, _ = _serve(batcher, prompts, limits)
+        assert batcher.reused_tokens >= 9  # (at least one request took the system prompt)
+        assert out == {i: _alone(model, p, n, []) for i, (p, n) in enumerate(zip(prompts, limits))}
+        if proposer == "self":
+            assert batcher.acceptance_rate == 1.0
+
+
 def test_rounds_advance_rows_by_several_tokens():
     """A draft that is the target itself is always accepted: every round gives a request k + 1
     tokens (fewer where it ends), streamed as lists in last_tokens. New prompts ride in the round's

@@ -105,8 +105,9 @@ def test_verify_draft_property(backend, device):
 @pytest.mark.parametrize("kind", ["continuous", "speculative-draft", "speculative-lookup"])
 def test_batchers_serve_random_workloads_as_generate(kind):
     """Random workloads through a batcher: rows 1 to 4, 3 to 9 requests of random prompts (1 to 12
-    tokens) and limits, a random eos, chunked prefill or not, some requests cancelled at random steps
-    and new ones submitted between steps. Every request that ran to its end gets generate's tokens
+    tokens, some beginning with a shared start) and limits, a random eos, chunked prefill or not,
+    prefix reuse or not, some requests cancelled at random steps and new ones submitted between
+    steps. Every request that ran to its end gets generate's tokens
     for its prompt alone; a cancelled one a prefix of them."""
     from gptfast_kernels import ContinuousBatcher, SpeculativeBatcher, generate
     from python_tests.tiny_models import draft_of, patched_copy, tiny_model
@@ -114,7 +115,7 @@ def test_batchers_serve_random_workloads_as_generate(kind):
     target = tiny_model("llama", layers=2)
     model = patched_copy(target, int8=False)
     draft = patched_copy(draft_of(target), int8=False)
-    alone = {}
+    alone, reused = {}, []
 
     def generated(prompt, limit, eos):
         key = (tuple(prompt), limit, tuple(eos))
@@ -127,17 +128,20 @@ def test_batchers_serve_random_workloads_as_generate(kind):
     @settings(max_examples=6, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow])
     @given(rows=st.integers(1, 4), seed=st.integers(0, 2**31 - 1), budget=st.sampled_from([None, 1, 3, 7]),
-           eos=st.integers(3, 96), k=st.integers(1, 4))
-    def check(rows, seed, budget, eos, k):
+           eos=st.integers(3, 96), k=st.integers(1, 4), reuse=st.booleans())
+    def check(rows, seed, budget, eos, k, reuse):
         g = torch.Generator().manual_seed(seed)
-        settings_ = dict(batch_size=rows, max_length=24, eos_token_id=[eos], max_prefill_tokens=budget)
+        settings_ = dict(batch_size=rows, max_length=24, eos_token_id=[eos], max_prefill_tokens=budget,
+                         reuse_prefixes=reuse)
+        shared = torch.randint(3, 97, (int(torch.randint(0, 7, (), generator=g)),), generator=g).tolist()
         batcher = (ContinuousBatcher(model, **settings_) if kind == "continuous" else
                    SpeculativeBatcher(model, draft if kind == "speculative-draft" else None, speculate_k=k,
                                       **settings_))
         requests, cancelled, out = {}, {}, {}
 
         def submit():
-            prompt = torch.randint(3, 97, (int(torch.randint(1, 13, (), generator=g)),), generator=g).tolist()
+            own = torch.randint(3, 97, (int(torch.randint(1, 7, (), generator=g)),), generator=g).tolist()
+            prompt = (shared if bool(torch.randint(0, 2, (), generator=g)) else []) + own  # (some share a start)
             limit = int(torch.randint(1, 12, (), generator=g))
             requests[batcher.submit(prompt, max_new_tokens=limit)] = (prompt, limit)
 
@@ -156,6 +160,7 @@ def test_batchers_serve_random_workloads_as_generate(kind):
                 submit()
             assert steps < 400
         assert set(out) | set(cancelled) == set(requests) and not set(out) & set(cancelled)
+        reused.append(batcher.reused_tokens)
         for request, (prompt, limit) in requests.items():
             want = generated(prompt, limit, [eos])
             if request in out:
@@ -164,3 +169,4 @@ def test_batchers_serve_random_workloads_as_generate(kind):
                 assert cancelled[request] == want[:len(cancelled[request])], (request, prompt, limit)
 
     check()
+    assert sum(reused) > 0  # (some examples reused shared starts)

@@ -6,8 +6,8 @@ same size (each row stops at its own limit, the batch runs until its longest row
 every request the same tokens; a row gives the wall seconds for all requests (the faster of two
 runs, after a warm-up), the tokens per second and the number of model forwards. The same pair with
 speculative rounds (prompt lookup, k = 4): ``SpeculativeBatcher`` (new prompts in the rounds'
-forwards) against ``prompt_lookup_generate`` over the same static batches; greedy speculative decoding is exact, so all four give every request
-generate's tokens. Then chunked prefill: the same kind of requests with a few long prompts among
+forwards) against ``prompt_lookup_generate`` over the same static batches; greedy speculative
+decoding is exact, so all four give every request generate's tokens. Then chunked prefill: the same kind of requests with a few long prompts among
 them, served with whole prompts and with ``max_prefill_tokens``: the longest step (what a running
 request waits for its next token) and the throughput. Then prefix reuse: requests that all begin
 with one system prompt, with and without ``reuse_prefixes``.
@@ -138,8 +138,8 @@ def run(h) -> None:
         if tokens != greedy:  # (greedy speculative decoding is exact: every way gives generate's tokens)
             raise RuntimeError(f"{name} gave other tokens than generate: not timed")
     made = sum(n for _, n in work)
-    case = {"model": f"llama hidden {sizes['hidden_size']} x {sizes['num_hidden_layers']} layers", "requests": len(work),
-            "batch_size": BATCH, "new_tokens": made}
+    case = {"model": f"llama hidden {sizes['hidden_size']} x {sizes['num_hidden_layers']} layers",
+            "requests": len(work), "batch_size": BATCH, "new_tokens": made}
     for name, baseline, _ in ways:
         seconds, _, forwards, acceptance = results[name]
         baseline = baseline or name

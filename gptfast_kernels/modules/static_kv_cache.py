@@ -120,9 +120,9 @@ class StaticKVCache(Cache):
     transformers' own state layer (``LinearAttentionLayer``: conv and recurrent states, updated in
     place). A recurrent state has no positions to crop: such a cache's rows can be emptied (their
     states zeroed, one row or all), and with ``rollback_tokens`` R it can roll rows back to any
-    length they had since its last ``checkpoint()``, within R token columns (padding included) written since then
-    (modules/state_history.py: a patched model's recurrent layers then run token by token and keep
-    their states after each token; speculative decoding checkpoints every round). Layers may differ
+    length they had since its last ``checkpoint()``, within R token columns (padding included)
+    written since then (modules/state_history.py: a patched model's recurrent layers then run token
+    by token and keep their states after each token; speculative decoding checkpoints every round). Layers may differ
     in kv heads and head dim (``geometry``: Gemma 4's global layers); a layer that reuses another's
     keys and values (Gemma 4's last layers) holds none and attends over that layer's buffers
     (``kv_sources``); a multi-head latent attention layer (DeepSeek-V2 / V3) holds one latent per
@@ -416,11 +416,10 @@ class StaticKVCache(Cache):
         test that tensor lengths are >= 0 (a GPU sync), for callers that computed them so. A hybrid
         model's cache can have rows emptied (to 0: their recurrent states zeroed), and rolled back to
         lengths since its last ``checkpoint()`` (which this crop closes); otherwise its recurrent
-        states have no positions to roll back to. With
-        ring-buffer layers a row can go back at most max_step_tokens positions from the furthest it
-        wrote since the last reset (``written_lengths``), or to 0: further back, the oldest slots of
-        its window (or chunk) were overwritten (ValueError; checked on tensor lengths too unless
-        ``check=False``)."""
+        states have no positions to roll back to. With ring-buffer layers a row can go back at most
+        max_step_tokens positions from the furthest it wrote since the last reset
+        (``written_lengths``), or to 0: further back, the oldest slots of its window (or chunk) were
+        overwritten (ValueError; checked on tensor lengths too unless ``check=False``)."""
         rollback = self.state_history is not None and self.state_history.is_open
         if self.has_recurrent_layers and not rollback:
             self._crop_recurrent(num_tokens)

@@ -166,7 +166,7 @@ def test_speculative_batching_requests_equal_generate_alone(proposer):
 
     target = tiny_model("llama", layers=3).cuda()
     patched = patched_copy(target, int8=True)
-    draft = patched_copy(draft_of(target), int8=True) if proposer == "draft" else None
+    draft = patched_copy(draft_of(target).cuda(), int8=True) if proposer == "draft" else None
     _served_as_alone(SpeculativeBatcher(patched, draft, speculate_k=3, batch_size=2, max_length=24, eos_token_id=[],
                                         compile=True), patched, 4)
 

@@ -108,8 +108,9 @@ def test_int8_linear_tensor_core_edges_on_gpu(backend, device, dtype, atol, rtol
                     torch.testing.assert_close(y.double(), _expected(x, qweight, scales, b), atol=atol,
                                                rtol=rtol, msg=lambda m: f"K={K} M={M}: {m}")
     aligned, misaligned = wide[:, :K], wide[:, 1:K + 1]
-    assert _ran_tensor_core_kernel(lambda: torch.ops.gptfast_kernels.int8_linear(aligned, qweight, scales))
-    assert not _ran_tensor_core_kernel(lambda: torch.ops.gptfast_kernels.int8_linear(misaligned, qweight, scales))
+    assert _ran_tensor_core_kernel(lambda: torch.ops.gptfast_kernels.int8_linear(aligned, qweight, scales, None))
+    assert not _ran_tensor_core_kernel(
+        lambda: torch.ops.gptfast_kernels.int8_linear(misaligned, qweight, scales, None))
 
 
 def _ran_tensor_core_kernel(call) -> bool:
@@ -160,7 +161,7 @@ def test_int8_linear_kernel_chosen_by_environment_on_gpu(backend, device, choice
 @pytest.mark.parametrize("backend, device", [p for p in GPU_BACKENDS if p.id == "cuda"])
 def test_int8_linear_bad_kernel_choice_names_the_variable_on_gpu(backend, device):
     code = ("import torch\nfrom gptfast_kernels import ops\nq, s = ops.quantize_int8(torch.randn(32, 32, device='cuda'))\n"
-            "torch.ops.gptfast_kernels.int8_linear(torch.randn(2, 32, device='cuda', dtype=torch.half), q, s)")
+            "torch.ops.gptfast_kernels.int8_linear(torch.randn(2, 32, device='cuda', dtype=torch.half), q, s, None)")
     env = {**os.environ, "GPTFAST_INT8_CUDA_KERNEL": "wmma"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0

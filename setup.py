@@ -12,6 +12,7 @@ Environment switches:
 
 import glob
 import os
+import sys
 
 from setuptools import setup
 
@@ -51,6 +52,15 @@ def _cuda_build_reason():
     return None
 
 
+def _link_args() -> list[str]:
+    """libstdc++ linked as the shared library torch itself loads. A compiler set up to link it
+    statically (as one GPU machine's image here does: the extension then listed no libstdc++.so)
+    puts a second copy of its streams in the extension, whose locale was never initialised: every
+    error message that formats a number (TORCH_CHECK's) segfaulted there instead of raising. Named
+    before the compiler's own libraries, the shared one resolves every symbol first."""
+    return ["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else []
+
+
 def _extension():
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     # the compiler fuses no multiply-add on its own (the CPU attention kernel writes its fused ones
@@ -66,6 +76,7 @@ def _extension():
             "gptfast_kernels._C",
             cpp_sources,
             extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=_link_args(),
             py_limited_api=True,
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
@@ -80,6 +91,7 @@ def _extension():
             "nvcc": ["-O3", "--use_fast_math", "-lineinfo", "-DGPTFAST_WITH_CUDA",
                      "--expt-relaxed-constexpr"],
         },
+        extra_link_args=_link_args(),
         py_limited_api=True,
     )
 

@@ -57,3 +57,21 @@ def test_the_source_distribution_carries_every_csrc_file(tmp_path):
     missing = sorted(name for name in tracked if name.startswith("csrc/") and name not in packed)
     assert not missing, f"the sdist lacks {missing}"
     assert {"setup.py", "pyproject.toml", "README.md"} <= packed
+
+
+def test_the_extension_formats_numbers_in_its_error_messages():
+    """The extension uses the libstdc++ that torch loads. Linked with a static copy (a compiler set
+    up with -static-libstdc++: setup.py's _link_args names the shared one first), its streams' locale
+    was never initialised: the numbers of a TORCH_CHECK message came out empty on this machine and
+    the process segfaulted on an H200's image."""
+    import torch
+
+    from gptfast_kernels import _extension
+
+    if not _extension.has_kernel("int8_expert_linear", "CPU"):
+        pytest.skip("extension not built")
+    x = torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match=re.escape("experts must be [P] = [2], got [1]")):
+        torch.ops.gptfast_kernels.int8_expert_linear(x, torch.zeros(3, 8, 16, dtype=torch.int8), torch.ones(3, 8),
+                                                     torch.tensor([0]), None)
+

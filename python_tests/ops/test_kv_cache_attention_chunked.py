@@ -264,6 +264,6 @@ def test_llama4_heads_with_chunks_long_cache_on_gpu(backend, device, B, T, S):
     """Llama 4 Scout's heads (40 / 8, D = 128) in bf16 with its 8192-token chunks, rows in late chunks,
     at a chunk start and crossing a boundary, so the splits and tiles start mid-cache."""
     chunk = 8192
-    starts = [S - T, 2 * chunk - 2, 3 * chunk, 0][:B]
+    starts = [S - T, S // 2 - 2, 3 * chunk, 0][:B]  # S // 2 is a chunk boundary: T >= 3 tokens cross it
     case = make_case(B, 40, 8, T, 128, S, _contiguous_positions(B, T, starts), torch.bfloat16, device, seed=38)
     check_chunked(backend, device, *case, chunk)

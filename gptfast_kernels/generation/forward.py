@@ -32,6 +32,19 @@ RECOMPILE_LIMIT = 64
 PREFILL_CHUNK = 2048
 
 
+# Ops that synchronise with the host and so cannot be captured in a CUDA graph, which inductor runs
+# outside the graphs (its graph partitions) instead: transformers' grouped matmul for mixture-of-experts
+# weights in any dtype but bfloat16 under torch.compile loops over a host copy of its offsets.
+HOST_SYNCING_OPS = ("transformers::grouped_mm_fallback",)
+
+
+def _partition_host_syncing_ops() -> None:
+    import torch._inductor.config as inductor_config
+    if hasattr(inductor_config, "custom_should_partition_ops"):
+        missing = [op for op in HOST_SYNCING_OPS if op not in inductor_config.custom_should_partition_ops]
+        inductor_config.custom_should_partition_ops = [*inductor_config.custom_should_partition_ops, *missing]
+
+
 def _forward(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: StaticKVCache, model=None) -> torch.Tensor:
     return forward_with_cache(model, tokens, cache, attention_mask=attention_mask).logits
 
@@ -61,6 +74,8 @@ def compiled_function(model, function, attribute: str, *, family_model=None):
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         on_cuda = next(model.parameters()).device.type == "cuda"
+        if on_cuda:
+            _partition_host_syncing_ops()
         compiled = torch.compile(_bound(function, model), fullgraph=True, dynamic=False,
                                  mode="reduce-overhead" if on_cuda else None)
         setattr(model, attribute, compiled)

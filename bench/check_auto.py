@@ -35,15 +35,17 @@ class Rule:
 
 RULES = (
     Rule("int8_linear", ("M", "N", "K"), {"cuda": "ours_cuda", "triton": "ours_triton"},
-         lambda case: int8_auto(GPU_BACKENDS, case["M"], case["K"])),
+         lambda case: int8_auto(GPU_BACKENDS, case["M"], case["K"], case["N"]), optional=("layers",)),
     Rule("kv_cache_attention", ("B", "T", "context", "S"), {"cuda": "ours_kernel", "triton": "ours_triton_kernel"},
-         lambda case: kv_auto(GPU_BACKENDS, case["B"] * case.get("kv_heads", HKV), case["T"], case["S"]),
-         optional=("window", "chunk", "kv_heads", "value_dim", "alibi")),
+         lambda case: kv_auto(GPU_BACKENDS, case["B"] * case.get("kv_heads", HKV), case["T"], case["S"],
+                              case.get("head_dim", 128), graphed=case["graphed"]),
+         optional=("window", "chunk", "kv_heads", "value_dim", "alibi", "head_dim", "layers")),
 )
 
 
 def _median_ms(rows: Iterable[dict], impl: str) -> float | None:
-    """The impl's median, from its "@graph" row where there is one."""
+    """The impl's median, from its "@graph" row where there is one (the case is then judged by the
+    rule for graphs: ``graphed`` in verdicts)."""
     by_impl = {row["impl"]: row["ms_median"] for row in rows if "ms_median" in row}
     return by_impl.get(impl + GRAPH_SUFFIX, by_impl.get(impl))
 
@@ -62,6 +64,8 @@ def verdicts(rows: list[dict]) -> list[dict]:
             if any(v is None for v in ms.values()):
                 continue
             case = {k: v for k, v in zip(rule.key + rule.optional, values) if v is not None}
+            case["graphed"] = all(impl + GRAPH_SUFFIX in {row["impl"] for row in case_rows}
+                                  for impl in rule.impls.values())
             faster = min(ms, key=ms.get)
             picked = rule.picks(case)
             out.append({"op": rule.op, **case, "cuda_ms": ms["cuda"],

@@ -46,3 +46,15 @@ def test_a_windowed_case_is_judged_apart_from_the_same_shape_without_a_window():
     assert set(found) == {None, 4096}
     assert (found[None]["cuda_ms"], found[None]["triton_ms"]) == (0.090, 0.180)
     assert (found[4096]["cuda_ms"], found[4096]["triton_ms"], found[4096]["faster"]) == (0.040, 0.030, "triton")
+
+
+def test_a_case_timed_in_cuda_graphs_is_judged_by_the_rule_for_graphs():
+    """One row of 8 kv heads: eager, auto takes the CUDA kernel; timed as graph replays, Triton."""
+    shape = dict(B=1, T=1, context=16384, S=32768)
+    eager = [_row("kv_cache_attention", "ours_kernel", 0.090, **shape),
+             _row("kv_cache_attention", "ours_triton_kernel", 0.180, **shape)]
+    graphs = [_row("kv_cache_attention", "ours_kernel@graph", 0.080, layers=7, **shape),
+              _row("kv_cache_attention", "ours_triton_kernel@graph", 0.050, layers=7, **shape)]
+    found = {v.get("layers"): v for v in verdicts(eager + graphs)}
+    assert (found[None]["graphed"], found[None]["auto"], found[None]["lost_ms"]) == (False, "cuda", 0)
+    assert (found[7]["graphed"], found[7]["auto"], found[7]["lost_ms"]) == (True, "triton", 0)

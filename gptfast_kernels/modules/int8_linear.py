@@ -98,7 +98,8 @@ class Int8Linear(nn.Module):
         # through int8_linear, which raises a clear error.
         if (isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1
                 and x.shape[-1] == self.in_features and x.device == self.qweight.device):
-            backend = auto_backend(usable_backends(x.device), x.numel() // self.in_features, self.in_features)
+            backend = auto_backend(usable_backends(x.device), x.numel() // self.in_features, self.in_features,
+                                   self.out_features)
             return run_int8_linear(backend, x, self.qweight, self.scales, self.bias)
         return int8_linear(x, self.qweight, self.scales, self.bias)
 

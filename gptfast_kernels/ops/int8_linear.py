@@ -56,26 +56,24 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     check_int8_linear(x, qweight, scales, bias)
     rows = x.numel() // x.shape[-1]  # K >= 1 (checked)
     chosen = resolve_backend("int8_linear", backend, x.device,
-                             auto=lambda usable: auto_backend(usable, rows, qweight.shape[1]))
+                             auto=lambda usable: auto_backend(usable, rows, qweight.shape[1], qweight.shape[0]))
     return run_int8_linear(chosen, x, qweight, scales, bias)
 
 
-# Measured on an H100 (bench/results/nvidia-h100-80gb-hbm3_2026-11-23_*): the CUDA GEMV is the
-# fastest for one row, and for a few rows while K is moderate (N x K = 14336 x 4096, M = 4: 60 us
-# against Triton's 142); Triton's tensor-core tiles win at 16 rows and more (M = 16: 32 us against
-# the CUDA kernel's 99; M = 40: 34 against 1145) and for a few rows of a long K (4096 x 14336,
-# M = 4: 47 against 87). Between 5 and 16 rows nothing was measured but M = 5; 8 is the guess.
-# Those CUDA figures for 2+ rows are of the fp32-FMA GEMV and the WMMA tiles, since replaced (for
-# fp16 / bf16) by a tensor-core kernel that has not run on a GPU yet: the rule stands until the
-# int8 bench has timed it against Triton.
-CUDA_MAX_ROWS = 8
-CUDA_MAX_K_FOR_FEW_ROWS = 8192
+# Measured on an H200 (bench/results/nvidia-h200_2026-11-28_*, bf16, CUDA-graph replays of a decode
+# step's layers back to back and of single calls; shapes N x K): the CUDA GEMV is the fastest for one row on every
+# Llama-3-8B shape (4096 x 4096: 251 us for 32 layers against Triton's 312). For 2-16 rows the CUDA
+# tensor-core GEMV wins where the weight rows are long (K >= N: 4096 x 14336 at 4-8 rows, 194 against
+# 245) and Triton's tiles where there are many short ones (14336 x 4096 at 4-8 rows: 192 against 222;
+# at 16 rows 189 against 313); at 16 rows of 4096 x 4096 they tie (306 / 310). From 40 rows on Triton
+# wins everywhere (4096 x 4096, M = 40: 20 us against 29).
+CUDA_MAX_ROWS = 16
 
 
-def auto_backend(usable: list[str], rows: int, K: int) -> str:
-    """backend="auto" for M = ``rows`` rows of x and K input features: on a GPU the CUDA kernel or
-    Triton by shape, on a CPU the C++ kernel; the reference where nothing else is usable."""
-    return gpu_backend(usable, rows <= 1 or (rows <= CUDA_MAX_ROWS and K <= CUDA_MAX_K_FOR_FEW_ROWS))
+def auto_backend(usable: list[str], rows: int, K: int, N: int) -> str:
+    """backend="auto" for M = ``rows`` rows of x, K input and N output features: on a GPU the CUDA
+    kernel or Triton by shape, on a CPU the C++ kernel; the reference where nothing else is usable."""
+    return gpu_backend(usable, rows <= 1 or (rows <= CUDA_MAX_ROWS and N <= K))
 
 
 def run_int8_linear(chosen: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

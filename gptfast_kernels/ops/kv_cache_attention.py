@@ -9,7 +9,7 @@ import torch
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
 from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, gpu_backend,
-                                           resolve_backend, tracing_or_dispatch_mode)
+                                           is_tracing, resolve_backend, tracing_or_dispatch_mode)
 
 OP = "kv_cache_attention"
 # Multi-head latent attention runs as multi-query attention over its latents of r + dr = 512 + 64 = 576
@@ -142,24 +142,34 @@ def _check_position_values(positions: torch.Tensor, S: int, window: int | None, 
 
 
 # Measured on an H100 (bench/results/nvidia-h100-80gb-hbm3_2026-11-23_*, Llama-3-8B heads, half
-# fill): the CUDA kernel is the faster for one row of 8 kv heads (T = 1 at S = 32768: 93 us against
-# Triton's 189), Triton's split kernel from 8 rows on (B = 32, T = 1, S = 32768: 1.09 ms against
+# fill), eager calls: the CUDA kernel is the faster for one row of 8 kv heads (T = 1 at S = 32768: 93 us
+# against Triton's 189), Triton's split kernel from 8 rows on (B = 32, T = 1, S = 32768: 1.09 ms against
 # 2.27) and for verification at long caches (B = 1, T = 5, S = 32768: 92 us against 271); but on
 # short caches the CUDA kernel's single launch wins at any batch (S = 2048, T = 1: 60 / 183 us at
 # B = 8 / 32 against 80 / 217), and for verification up to 8 rows (B = 8, T = 5: 173 against 250;
-# B = 32: 565 against 202). bench/check_auto.py holds these rules against a run. Both GPU kernels take
-# every head dim up to MAX_HEAD_DIM, so the rules ignore D; they were measured at D = 128 only (the
-# larger tiles' cost at D = 512, Gemma 4, and D = 576, MLA's latents, is not yet timed).
+# B = 32: 565 against 202). Much of Triton's eager time is its launcher on the host, which a CUDA
+# graph does not replay: on an H200 (bench/results/nvidia-h200_2026-11-28_*), in CUDA graphs, Triton
+# is the faster in every case measured, 1 to 32 rows, T = 1 and 5, S = 2048 to 32768 (B = 1, T = 1,
+# S = 8192: 24 us against 38; 31 such layers back to back: 0.63 ms against 0.99; B = 8, T = 5: 132 us
+# against 650), so under torch.compile or a graph capture (``graphed``) auto takes Triton. Both GPU
+# kernels take every head dim up to MAX_HEAD_DIM; these rules were measured at D = 128 only, so for
+# larger heads (Gemma 4's 512, MLA's 576) a graph keeps the eager rule. bench/check_auto.py holds the
+# rules against a run.
 CUDA_MAX_HEAD_ROWS = 8
 CUDA_MAX_SLOTS_FOR_VERIFY = 8192
 CUDA_MAX_SLOTS_ANY_ROWS = 2048
 CUDA_MAX_HEAD_ROWS_SHORT_VERIFY = 64
+GRAPHED_TRITON_MAX_HEAD_DIM = 128
 
 
-def auto_backend(usable: list[str], head_rows: int, T: int, S: int) -> str:
-    """backend="auto" for ``head_rows`` = B * Hkv (batch rows times kv heads), T new tokens and a
-    cache of S slots: on a GPU the CUDA kernel or Triton by shape (only sizes known on the host,
-    so a CUDA graph keeps its choice), on a CPU the C++ kernel; else the reference."""
+def auto_backend(usable: list[str], head_rows: int, T: int, S: int, head_dim: int = 128,
+                 graphed: bool = False) -> str:
+    """backend="auto" for ``head_rows`` = B * Hkv (batch rows times kv heads), T new tokens, a cache
+    of S slots and heads of ``head_dim``, eager or ``graphed`` (traced by torch.compile or captured
+    in a CUDA graph): on a GPU the CUDA kernel or Triton by shape (only sizes known on the host, so
+    a CUDA graph keeps its choice), on a CPU the C++ kernel; else the reference."""
+    if graphed and head_dim <= GRAPHED_TRITON_MAX_HEAD_DIM:
+        return gpu_backend(usable, False)
     few_rows = head_rows <= CUDA_MAX_HEAD_ROWS and (T == 1 or S <= CUDA_MAX_SLOTS_FOR_VERIFY)
     short_cache = S <= CUDA_MAX_SLOTS_ANY_ROWS and (T == 1 or head_rows <= CUDA_MAX_HEAD_ROWS_SHORT_VERIFY)
     return gpu_backend(usable, few_rows or short_cache)
@@ -217,7 +227,7 @@ def checked_backend(q, k, v, k_cache, v_cache, positions, scale, window, softcap
                   alibi_slopes)
     return resolve_backend(OP, backend, q.device,
                            auto=lambda usable: auto_backend(usable, q.shape[0] * k.shape[1], q.shape[2],
-                                                            k_cache.shape[2]))
+                                                            k_cache.shape[2], q.shape[3], is_tracing()))
 
 
 def run_kv_cache_attention(chosen: str, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks,

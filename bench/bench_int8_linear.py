@@ -19,13 +19,55 @@ SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K): Llama-3-8B atte
 # against the default's figures (bench/gpu_run.sh, stage int8-kernels); its rows carry the choice in
 # their names.
 CUDA_KERNEL = os.environ.get("GPTFAST_INT8_CUDA_KERNEL", "")
+# GPTFAST_INT8_GEMV picks the one-row GEMV's unroll depth and features per warp (u4f1 the default):
+# bench/gpu_run.sh's int8-gemv stage times each in a process of its own (--cases layers,one_row).
+GEMV_SHAPE = os.environ.get("GPTFAST_INT8_GEMV", "")
 ROWS_OF_CASE = {"one_row": (1,), "multi_row": (4, 5, 8, 16), "prefill": (256, 1024)}  # prefill: a long prompt too
+
+
+# --cases layers: a decode step's linears as they run in it, back to back in one CUDA graph, rather
+# than one call between two events after an L2 flush (whose fixed cost, the launch and the first
+# loads' latency, is a large share of a few-microsecond call). Each shape gets as many layers of
+# distinct weights as fill LAYERS_BYTES of int8 (ten times an H100's or H200's L2, so every layer
+# reads cold weights), and a row is the time of all of them (its GB/s: all their bytes).
+LAYERS_BYTES = 512 << 20
+LAYERS_QUICK_BYTES = 64 << 20
+LAYERS_ROWS = (1, 4, 8, 16)
+
+
+def run_layers(h, dtype, shapes) -> None:
+    device = h.device
+    one_row = h.quick or "one_row" in h.cases
+    suffix = "".join(f"_{choice}" for choice in (CUDA_KERNEL, GEMV_SHAPE) if choice) if device.type == "cuda" else ""
+    for N, K in shapes:
+        layers = max(2, (LAYERS_QUICK_BYTES if h.quick else LAYERS_BYTES) // (N * K))
+        weights = [torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5 for _ in range(layers)]
+        quantized = [ops.quantize_int8(weight) for weight in weights]
+        for M in (1,) if one_row else LAYERS_ROWS:
+            x = torch.randn(M, K, device=device, dtype=dtype)
+            baseline = f"F.linear_{str(dtype)[6:]}"
+            candidates = {baseline: lambda: [F.linear(x, weight) for weight in weights],
+                          "ours_auto": lambda: [ops.int8_linear(x, q, s) for q, s in quantized]}
+            if device.type == "cuda":
+                candidates["ours_cuda" + suffix] = lambda: [ops.int8_linear(x, q, s, backend="cuda")
+                                                            for q, s in quantized]
+                if not suffix:
+                    candidates["ours_triton"] = lambda: [ops.int8_linear(x, q, s, backend="triton")
+                                                         for q, s in quantized]
+            nbytes = layers * (N * K + 4 * N + x.element_size() * M * (K + N))
+            h.compare("int8_linear", {"M": M, "N": N, "K": K, "dtype": str(dtype)[6:], "layers": layers},
+                      candidates, baseline=baseline, nbytes=nbytes, graphed=tuple(candidates))
+        del weights, quantized
 
 
 def run(h) -> None:
     device = h.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = SHAPES[:1] if h.quick else SHAPES
+    if h.cases is not None and "layers" in h.cases:
+        run_layers(h, dtype, shapes)
+        if not set(h.cases) & (set(ROWS_OF_CASE) - {"one_row"}):
+            return
     named = [case for case in ROWS_OF_CASE if h.cases is not None and case in h.cases]
     rows = sorted({m for case in named for m in ROWS_OF_CASE[case]}) if named else ROWS
     suffix = f"_{CUDA_KERNEL}" if CUDA_KERNEL and device.type == "cuda" else ""

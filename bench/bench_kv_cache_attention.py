@@ -114,6 +114,8 @@ def run(h) -> None:
         cases = (CPU_QUICK_CASES if h.quick else CPU_CASES + [CPU_PREFILL_CASE]) + [ISSUE_CPU_CASE]
     if h.cases is not None and "full" not in h.cases:
         cases = []
+    if h.cases is not None and "layers" in h.cases:
+        run_layers(h, dtype)
     usable = _extension.usable_backends(device)
     module = types.SimpleNamespace(num_key_value_groups=HQ // HKV, is_causal=True)
     scale = D ** -0.5
@@ -160,6 +162,46 @@ def run(h) -> None:
         run_latent(h, dtype)
     if h.cases is None or "alibi" in h.cases:
         run_alibi(h, dtype, module, scale)
+
+
+# --cases layers: a decode step's attention calls as they run in it, back to back in one CUDA graph,
+# each layer over its own caches (together several times the L2, so every layer reads cold keys and
+# values), rather than one call between two events after an L2 flush (whose fixed cost is a large
+# share of a call that reads a few MB). A row is the time of all the layers (GB/s: all their bytes).
+# (B, T, context, S)
+GPU_LAYERS_CASES = [(1, 1, 4096, 8192), (1, 1, 16384, 32768), (8, 1, 4096, 8192), (32, 1, 4096, 8192),
+                    (1, 5, 4096, 8192), (8, 5, 4096, 8192)]
+LAYERS_BYTES = 512 << 20  # bytes the layers read together
+
+
+def run_layers(h, dtype) -> None:
+    device = h.device
+    cases = GPU_LAYERS_CASES if device.type == "cuda" else [(1, 1, 1024, 2048)]
+    module = types.SimpleNamespace(num_key_value_groups=HQ // HKV, is_causal=True)
+    scale = D ** -0.5
+    has_kernel = _extension.has_kernel("kv_cache_attention", "CUDA" if device.type == "cuda" else "CPU")
+    op = torch.ops.gptfast_kernels.kv_cache_attention
+    for B, T, context, S in cases:
+        elem = torch.finfo(dtype).bits // 8
+        nbytes = 2 * B * HKV * (context + T) * D * elem + 2 * B * HQ * T * D * elem
+        layers = max(2, (LAYERS_BYTES if device.type == "cuda" else 16 << 20) // nbytes)
+        steps = [random_step(device, dtype, B, HQ, HKV, T, context, S) for _ in range(layers)]
+        cache_position = steps[0][5]
+        mask = (torch.arange(S, device=device)[None, :] <= cache_position[:, None]).expand(B, 1, T, S)
+        candidates = {"hf_static_cache": lambda: [hf_static_cache_step(module, q, k, v, kc, vc, cache_position, mask,
+                                                                       scale) for q, k, v, kc, vc, _, _ in steps]}
+        if has_kernel:
+            candidates["ours_kernel"] = lambda: [op(q, k, v, kc, vc, pos, scale) for q, k, v, kc, vc, _, pos in steps]
+        if device.type == "cuda" and "triton" in _extension.usable_backends(device):
+            from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
+
+            candidates["ours_triton_kernel"] = lambda: [kv_cache_attention_triton(q, k, v, kc, vc, pos, scale)
+                                                        for q, k, v, kc, vc, _, pos in steps]
+        case = {"B": B, "T": T, "context": context, "S": S, "fill": round(context / S, 2), "dtype": str(dtype)[6:],
+                "layers": layers}
+        h.compare("kv_cache_attention", case, candidates, baseline="hf_static_cache", nbytes=layers * nbytes,
+                  graphed=tuple(candidates))
+        del steps, mask
 
 
 ALIBI_HEADS = 32  # MPT-7B, BLOOM-7B1: multi-head attention, D = 128

@@ -16,8 +16,12 @@
 #                kernels' figures from `kernels`: M = 1 on tensor cores instead of the FMA GEMV
 #                (-> ..._int8_linear_one_row.json), and 4-16 rows on the FMA GEMV instead of
 #                tensor cores (-> ..._int8_linear_multi_row.json)
+#   int8-gemv    the one-row CUDA GEMV's shapes (GPTFAST_INT8_GEMV: unroll depth, features per warp)
+#                and one row on tensor cores, each in a process of its own, over a decode step's
+#                layers back to back in a CUDA graph (--cases layers,one_row) -> ..._int8_gemv.json
 #   tiles        Triton int8 tile sweep, 2-64 rows (bench_int8_tiles) -> ..._int8_tiles.json
-#   kv-tiles     Triton decode launch-constant sweep (bench_kv_tiles)  -> ..._kv_tiles.json
+#   kv-tiles     Triton decode launch-constant sweep (bench_kv_tiles; KV_TILES_QUICK=1: its quick cases)
+#                                                                     -> ..._kv_tiles.json
 #   profile      Nsight Compute on one call of each kernel (bench/profile_kernels.py) -> ncu.txt
 #   generate     end to end, Llama-3-8B shapes, batch 1               -> ..._generate_batch1.json
 #   generate-batched   the same at batch 8 and 32                     -> ..._generate_batch32-batch8.json
@@ -127,6 +131,30 @@ stage_profile() {
   return $rc
 }
 
+# One process per kernel choice (each is read once per process), their rows merged into one file.
+stage_int8_gemv() {
+  local tmp choice status=0
+  tmp=$(mktemp -d)
+  for choice in GPTFAST_INT8_GEMV=u4f1 GPTFAST_INT8_GEMV=u8f1 GPTFAST_INT8_GEMV=u16f1 GPTFAST_INT8_GEMV=u4f2 \
+                GPTFAST_INT8_GEMV=u8f2 GPTFAST_INT8_CUDA_KERNEL=tensor_core; do
+    env "$choice" timeout "$((BUDGET - SECONDS - 5))" "$PY" -m bench.run --ops int8_linear --cases layers,one_row \
+      --out "$tmp/${choice#*=}.json" 2>&1 | tee -a "$OUT_DIR/bench.log" | grep "@graph"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  "$PY" - "$tmp" "$OUT_DIR" <<'PY'
+import glob, json, os, re, sys
+runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(sys.argv[1], "*.json")))]
+if runs:
+    meta = {k: v for k, v in runs[0]["meta"].items() if not k.startswith("GPTFAST_")}
+    device = re.sub(r"[^A-Za-z0-9]+", "-", meta["device"]).strip("-").lower()
+    out = os.path.join(sys.argv[2], f"{device}_{meta['date'][:10]}_{meta['commit']}_int8_gemv.json")
+    json.dump({"meta": meta, "rows": [row for run in runs for row in run["rows"]]}, open(out, "w"), indent=1)
+    print("wrote", out)
+PY
+  rm -rf "$tmp"
+  return $status
+}
+
 bench() {  # bench <comma-separated benches> [bench.run options]
   local ops=$1; shift
   timeout "$STAGE_TIMEOUT" "$PY" -m bench.run --ops "$ops" --out-dir "$OUT_DIR" "$@" 2>&1 | tee -a "$OUT_DIR/bench.log" | tail -60
@@ -153,10 +181,11 @@ for stage in $STAGES; do
     kernels) bench int8_linear,int8_expert_linear,kv_cache_attention,verify_draft &&
              "$PY" -m bench.check_auto "$(ls -t "$OUT_DIR"/*_int8_linear-int8_expert_linear-kv_cache_attention-verify_draft.json | head -1)" \
                | tee -a "$OUT_DIR/bench.log" ;;
+    int8-gemv) stage_int8_gemv ;;
     int8-kernels) GPTFAST_INT8_CUDA_KERNEL=tensor_core bench int8_linear --cases one_row &&
                   GPTFAST_INT8_CUDA_KERNEL=fma bench int8_linear --cases multi_row ;;
     tiles) bench int8_tiles ;;
-    kv-tiles) bench kv_tiles ;;
+    kv-tiles) bench kv_tiles ${KV_TILES_QUICK:+--quick} ;;
     profile) stage_profile ;;
     generate) bench generate --cases batch1 ;;
     generate-batched) bench generate --cases batch8,batch32 ;;

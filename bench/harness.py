@@ -59,7 +59,7 @@ GPU_MIN_REPEATS, GPU_MAX_REPEATS = 10, 1000
 GPU_FLUSH_BYTES = 256 << 20
 GRAPH_WARMUP_CALLS = 3  # before a CUDA-graph capture (cuda_graph_replay)
 # environment variables that pick kernels (recorded in every row's metadata when set)
-KERNEL_CHOICE_VARIABLES = ("GPTFAST_INT8_CUDA_KERNEL",)
+KERNEL_CHOICE_VARIABLES = ("GPTFAST_INT8_CUDA_KERNEL", "GPTFAST_INT8_GEMV")
 GRAPH_SUFFIX = "@graph"  # impl name of a candidate timed as a CUDA-graph replay
 _gpu_flush_buffers: dict[torch.device, torch.Tensor] = {}
 
@@ -317,7 +317,10 @@ class Harness:
               baseline: str, nbytes: int | None = None) -> tuple[dict[str, dict], str | None]:
         """``compare`` over the ``fixed`` candidates and every launch config in ``configs`` whose
         output passes ``checked`` against ``want``; a config that fails is recorded with the reason,
-        not timed. Returns the timed rows by name and the fastest config's name (None if none ran)."""
+        not timed. On a GPU every candidate is also timed as a CUDA-graph replay (as a compiled step
+        runs it: a Triton kernel's eager time is mostly its launcher on the host), and the replays
+        decide. Returns the timed rows by name (a replay's under its own name, not "<name>@graph")
+        and the fastest config's name (None if none ran)."""
         candidates, not_timed = dict(fixed), {}
         for name, fn in configs.items():
             result = checked(fn, want, max_relative_error)
@@ -325,7 +328,10 @@ class Harness:
                 candidates[name] = result
             else:
                 not_timed[name] = result
-        timed = {row["impl"]: row for row in self.compare(op, case, candidates, baseline, nbytes)}
+        rows = {row["impl"]: row for row in self.compare(op, case, candidates, baseline, nbytes,
+                                                         graphed=tuple(candidates))}
+        timed = {name: rows.get(name + GRAPH_SUFFIX, row) for name, row in rows.items()
+                 if not name.endswith(GRAPH_SUFFIX)}
         self._record_not_timed(op, case, not_timed)
         best = min((name for name in configs if name in timed), key=lambda n: timed[n]["ms_median"], default=None)
         return timed, best

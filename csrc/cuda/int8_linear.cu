@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "../common.h"
 #include "cuda_common.cuh"
@@ -77,7 +78,7 @@ __device__ __forceinline__ void int8x16_to_float(const int4& packed, float* out)
 // (checked by the launcher). FEATURES > 1 reuses every x vector loaded from L1 for several weight
 // rows: with 4+ rows of x, one feature per warp would read ROWS x 2 bytes of x per weight byte,
 // more than L1 serves at the HBM3 weight rate.
-template <typename scalar_t, int ROWS, int FEATURES, bool VECTORIZED>
+template <typename scalar_t, int ROWS, int FEATURES, bool VECTORIZED, int UNROLL = GEMV_UNROLL>
 __global__ void __launch_bounds__(GEMV_WARPS * WARP)
 int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict__ qweight,
                         const float* __restrict__ scales, const scalar_t* __restrict__ bias,
@@ -98,22 +99,23 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
     for (int r = 0; r < ROWS; ++r) acc[f][r] = 0.f;
 
   if constexpr (VECTORIZED) {
-    // GEMV_UNROLL independent 16-byte loads per lane and feature are issued before any is used, so
-    // each warp keeps FEATURES x 2 KiB of weights in flight (latency hiding without more warps).
+    // UNROLL independent 16-byte loads per lane and feature are issued before any is used, so
+    // each warp keeps FEATURES x UNROLL x 512 bytes of weights in flight (latency hiding without
+    // more warps).
     constexpr int64_t WARP_STEP = WARP * GEMV_VEC;
     for (int64_t k_base = static_cast<int64_t>(lane) * GEMV_VEC; k_base < K;
-         k_base += WARP_STEP * GEMV_UNROLL) {
-      int4 packed[FEATURES][GEMV_UNROLL];
+         k_base += WARP_STEP * UNROLL) {
+      int4 packed[FEATURES][UNROLL];
 #pragma unroll
       for (int f = 0; f < FEATURES; ++f)
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
           const int64_t k = k_base + u * WARP_STEP;
           packed[f][u] = f < features && k < K ? __ldg(reinterpret_cast<const int4*>(w_rows + f * K + k))
                                                : make_int4(0, 0, 0, 0);
         }
 #pragma unroll
-      for (int u = 0; u < GEMV_UNROLL; ++u) {
+      for (int u = 0; u < UNROLL; ++u) {
         const int64_t k = k_base + u * WARP_STEP;
         if (k >= K) break;
         float w[FEATURES][GEMV_VEC];
@@ -213,22 +215,60 @@ int8_linear_simt_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
     }
 }
 
-template <typename scalar_t, int ROWS>
-void launch_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                 const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
-  constexpr int FEATURES = ROWS >= GEMV_SHARED_X_ROWS ? 2 : 1;
+// The one-row GEMV's unroll depth and features per warp, from GPTFAST_INT8_GEMV (read once per
+// process): "u4f1" (the default: 4 loads of 16 bytes in flight per lane, one feature per warp), "u8f1",
+// "u16f1", "u4f2" or "u8f2". bench/gpu_run.sh (stage int8-gemv) times them against each other.
+struct GemvShape {
+  int unroll;
+  int features;
+};
+
+GemvShape one_row_gemv_shape() {
+  static const GemvShape chosen = [] {
+    const char* value = std::getenv("GPTFAST_INT8_GEMV");
+    if (value == nullptr || *value == '\0') return GemvShape{GEMV_UNROLL, 1};
+    for (const GemvShape shape : {GemvShape{4, 1}, GemvShape{8, 1}, GemvShape{16, 1}, GemvShape{4, 2}, GemvShape{8, 2}}) {
+      if (std::string("u") + std::to_string(shape.unroll) + "f" + std::to_string(shape.features) == value) return shape;
+    }
+    TORCH_CHECK(false, "int8_linear: the environment variable GPTFAST_INT8_GEMV must be u4f1, u8f1, u16f1, u4f2 or "
+                "u8f2, got '", value, "'");
+  }();
+  return chosen;
+}
+
+template <typename scalar_t, int ROWS, int FEATURES, int UNROLL>
+void launch_gemv_shaped(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   const bool vectorized = K % GEMV_VEC == 0 && (M == 1 || x.stride(0) % GEMV_VEC == 0) &&
                           aligned16(x.data_ptr()) && aligned16(qweight.data_ptr());
   const int64_t per_block = static_cast<int64_t>(GEMV_WARPS) * FEATURES;
   const dim3 grid(static_cast<unsigned>((N + per_block - 1) / per_block));
   for (int64_t row = 0; row < M; row += ROWS) {
-    auto kernel = vectorized ? int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, true>
-                             : int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, false>;
+    auto kernel = vectorized ? int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, true, UNROLL>
+                             : int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, false>;  // (no unroll)
     kernel<<<grid, GEMV_WARPS * WARP, 0, stream>>>(
         x.data_ptr<scalar_t>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
         y.data_ptr<scalar_t>(), M, N, K, x.stride(0), row);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+template <typename scalar_t, int ROWS>
+void launch_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
+  if constexpr (ROWS == 1) {
+    const GemvShape shape = one_row_gemv_shape();
+    if (shape.features == 2) {
+      return shape.unroll == 8 ? launch_gemv_shaped<scalar_t, 1, 2, 8>(x, qweight, scales, bias, y, stream)
+                               : launch_gemv_shaped<scalar_t, 1, 2, 4>(x, qweight, scales, bias, y, stream);
+    }
+    if (shape.unroll == 8) return launch_gemv_shaped<scalar_t, 1, 1, 8>(x, qweight, scales, bias, y, stream);
+    if (shape.unroll == 16) return launch_gemv_shaped<scalar_t, 1, 1, 16>(x, qweight, scales, bias, y, stream);
+    return launch_gemv_shaped<scalar_t, 1, 1, GEMV_UNROLL>(x, qweight, scales, bias, y, stream);
+  } else {
+    constexpr int FEATURES = ROWS >= GEMV_SHARED_X_ROWS ? 2 : 1;
+    launch_gemv_shaped<scalar_t, ROWS, FEATURES, GEMV_UNROLL>(x, qweight, scales, bias, y, stream);
   }
 }
 

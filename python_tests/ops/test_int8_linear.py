@@ -168,6 +168,43 @@ def test_int8_linear_bad_kernel_choice_names_the_variable_on_gpu(backend, device
     assert "GPTFAST_INT8_CUDA_KERNEL must be auto, tensor_core or fma, got 'wmma'" in result.stderr
 
 
+@pytest.mark.parametrize("backend, device", [p for p in GPU_BACKENDS if p.id == "cuda"])
+def test_int8_linear_bad_gemv_shape_names_the_variable_on_gpu(backend, device):
+    code = ("import torch\nfrom gptfast_kernels import ops\nq, s = ops.quantize_int8(torch.randn(32, 32, device='cuda'))\n"
+            "torch.ops.gptfast_kernels.int8_linear(torch.randn(1, 32, device='cuda', dtype=torch.half), q, s, None)")
+    env = {**os.environ, "GPTFAST_INT8_GEMV": "u3f1"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "GPTFAST_INT8_GEMV must be u4f1, u8f1, u16f1, u4f2 or u8f2, got 'u3f1'" in result.stderr
+
+
+@pytest.mark.parametrize("backend, device", [p for p in GPU_BACKENDS if p.id == "cuda"])
+@pytest.mark.parametrize("shape", ["u4f1", "u8f1", "u16f1", "u4f2", "u8f2"])
+def test_int8_linear_one_row_gemv_shapes_on_gpu(backend, device, shape):
+    """Each unroll depth / features-per-warp of the one-row GEMV (GPTFAST_INT8_GEMV, read once per
+    process, so a process of its own) against float64: K not a multiple of a warp's step, odd N (a
+    warp of two features with one), every dtype, with and without bias."""
+    code = f"""
+import torch
+from gptfast_kernels import ops
+torch.manual_seed(0)
+for N, K in [(4099, 4096), (33, 4112), (7, 16), (513, 12304)]:
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        qweight, scales = ops.quantize_int8(torch.randn(N, K, device='cuda'))
+        bias = torch.randn(N, device='cuda').to(dtype)
+        x = torch.randn(1, K, device='cuda', dtype=dtype)
+        for b in (None, bias):
+            y = torch.ops.gptfast_kernels.int8_linear(x, qweight, scales, b)
+            want = (x.double() @ qweight.double().T) * scales.double() + (0 if b is None else b.double())
+            err = ((y.double() - want).abs() / (want.abs() + 1)).max().item()
+            assert err < (1e-4 if dtype == torch.float32 else 1e-2), (N, K, dtype, err)
+print('ok')
+"""
+    env = {**os.environ, "GPTFAST_INT8_GEMV": shape}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
 @pytest.mark.parametrize("N, K", [(50257, 64), (24, 4095)])
 def test_int8_linear_odd_shapes_cpu(N, K):
     qweight, scales, bias = _make(N, K, torch.float32, "cpu", bias=True)

@@ -217,7 +217,9 @@ int8_linear_simt_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
 
 // The one-row GEMV's unroll depth and features per warp, from GPTFAST_INT8_GEMV (read once per
 // process): "u4f1" (the default: 4 loads of 16 bytes in flight per lane, one feature per warp), "u8f1",
-// "u16f1", "u4f2" or "u8f2". bench/gpu_run.sh (stage int8-gemv) times them against each other.
+// "u16f1", "u4f2" or "u8f2". bench/gpu_run.sh (stage int8-gemv) times them against each other. On
+// an H200 (bench/results/nvidia-h200_2026-11-28_e9ab4ef_int8_gemv.json) the default was the fastest
+// on all three Llama-3-8B shapes, by 6-30 %: the deeper ones hold more registers, so fewer warps.
 struct GemvShape {
   int unroll;
   int features;
@@ -299,12 +301,15 @@ bool mma_path_applies(const at::Tensor& x, const at::Tensor& qweight) {
 }
 
 // Which kernels take fp16 / bf16 x, from GPTFAST_INT8_CUDA_KERNEL (read once per process):
-// - unset or "auto": one row on the FMA GEMV (timed on an H100), 2+ rows on tensor cores;
-// - "tensor_core": every row count on tensor cores, one row too (fewer instructions per weight byte:
-//   no FMAs, no warp reduction; not yet timed for one row);
+// - unset or "auto": 2+ rows on tensor cores; one row on the FMA GEMV, or on tensor cores where the
+//   weight rows are longer than there are of them (K > N). On an H200, over a decode step's layers
+//   back to back in a CUDA graph (bench/results/nvidia-h200_2026-11-28_e9ab4ef_int8_gemv.json, bf16):
+//   4096 x 14336 (N x K) took 193 us for 9 layers on tensor cores against the GEMV's 217, while
+//   4096 x 4096 took 253 us for 32 against 272 and 14336 x 4096 189 for 9 against 222 on the GEMV;
+// - "tensor_core": every row count on tensor cores, one row too (timed as above);
 // - "fma": no tensor cores: the FMA GEMV up to 16 rows, the SIMT tiles above (the kernels before the
 //   tensor-core ones, for timing both from one build and as a fallback).
-// bench/gpu_run.sh (stage int8-kernels) times the choices against the default.
+// bench/gpu_run.sh (stages int8-gemv, int8-kernels) times the choices against the default.
 enum class Int8KernelChoice { Auto, TensorCore, Fma };
 
 Int8KernelChoice int8_kernel_choice() {
@@ -319,13 +324,13 @@ Int8KernelChoice int8_kernel_choice() {
   return chosen;
 }
 
-bool on_tensor_cores(int64_t rows) {
+bool on_tensor_cores(int64_t rows, int64_t K, int64_t N) {
   switch (int8_kernel_choice()) {
     case Int8KernelChoice::TensorCore: return true;
     case Int8KernelChoice::Fma: return false;
     case Int8KernelChoice::Auto: break;
   }
-  return rows > 1;
+  return rows > 1 || K > N;
 }
 
 template <typename scalar_t, typename Tiling>
@@ -392,7 +397,7 @@ at::Tensor int8_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, cons
   GPTFAST_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "int8_linear_cuda", [&] {
     const scalar_t* bias_ptr = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     if constexpr (!std::is_same_v<scalar_t, float>) {
-      if (on_tensor_cores(M) && mma_path_applies<scalar_t>(x, qweight)) {
+      if (on_tensor_cores(M, K, N) && mma_path_applies<scalar_t>(x, qweight)) {
         if (M <= GEMV_MAX_ROWS) return dispatch_mma_gemv<scalar_t>(x, qweight, scales, bias_ptr, y, stream);
         if (M <= MmaSkinnyTiling::BLOCK_M) return launch_mma<scalar_t, MmaSkinnyTiling>(x, qweight, scales, bias_ptr, y, stream);
         return launch_mma<scalar_t, MmaPrefillTiling>(x, qweight, scales, bias_ptr, y, stream);

@@ -104,10 +104,14 @@ class Tuning(NamedTuple):
     decode_num_stages: int | None = None
 
 
-# H100-class defaults, not yet tuned on a GPU (none was available when this was written): 64-slot
-# tiles of 128 bf16 values are 16 KiB per K/V load, 2 x 132 SMs programs cover a B = 1, Hkv = 8 row
-# with ~33 splits, and 64 x 64 prefill tiles are the usual flash-attention starting point.
-_GPU = Tuning(decode_block_n=64, decode_max_rows=64, min_split_len=256, max_splits=64,
+# Hopper defaults. The decode's 32-slot tiles come from a sweep on an H200 (bench_kv_tiles, CUDA-graph
+# replays, Llama-3-8B heads at half fill, bench/results/nvidia-h200_2026-11-28_e9ab4ef_kv_tiles.json):
+# against 64-slot tiles, B = 1 at 16k context 40 us against 51, B = 8 at 4k 94 against 103, B = 32
+# at 4k 220 against 301, B = 1 at 4k 24.5 against 23.7, and verification (T = 5) 29.7 against 30.2;
+# 128-slot tiles do not fit in shared memory, and 4 / 1 programs per SM or 8 warps were no better
+# overall. 2 x 132 SMs programs cover a B = 1, Hkv = 8 row with ~33 splits; the 64 x 64 prefill
+# tiles, the usual flash-attention starting point, are not tuned yet.
+_GPU = Tuning(decode_block_n=32, decode_max_rows=64, min_split_len=256, max_splits=64,
                programs_per_sm=2, prefill_block_m=64, prefill_block_n=64, scatter_block_t=16,
                combine_block_s=16, num_warps=4)
 # The interpreter runs every program in numpy: small tiles keep the tests quick and make their

@@ -159,23 +159,17 @@ def test_int8_linear_kernel_chosen_by_environment_on_gpu(backend, device, choice
 
 
 @pytest.mark.parametrize("backend, device", [p for p in GPU_BACKENDS if p.id == "cuda"])
-def test_int8_linear_bad_kernel_choice_names_the_variable_on_gpu(backend, device):
-    code = ("import torch\nfrom gptfast_kernels import ops\nq, s = ops.quantize_int8(torch.randn(32, 32, device='cuda'))\n"
-            "torch.ops.gptfast_kernels.int8_linear(torch.randn(2, 32, device='cuda', dtype=torch.half), q, s, None)")
-    env = {**os.environ, "GPTFAST_INT8_CUDA_KERNEL": "wmma"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode != 0
-    assert "GPTFAST_INT8_CUDA_KERNEL must be auto, tensor_core or fma, got 'wmma'" in result.stderr
-
-
-@pytest.mark.parametrize("backend, device", [p for p in GPU_BACKENDS if p.id == "cuda"])
-def test_int8_linear_bad_gemv_shape_names_the_variable_on_gpu(backend, device):
+@pytest.mark.parametrize("variable, value, message", [
+    ("GPTFAST_INT8_CUDA_KERNEL", "wmma", "must be auto, tensor_core or fma, got 'wmma'"),
+    ("GPTFAST_INT8_GEMV", "u3f1", "must be u4f1, u8f1, u16f1, u4f2 or u8f2, got 'u3f1'"),
+], ids=["kernel", "gemv"])
+def test_int8_linear_bad_kernel_choice_names_the_variable_on_gpu(backend, device, variable, value, message):
     code = ("import torch\nfrom gptfast_kernels import ops\nq, s = ops.quantize_int8(torch.randn(32, 32, device='cuda'))\n"
             "torch.ops.gptfast_kernels.int8_linear(torch.randn(1, 32, device='cuda', dtype=torch.half), q, s, None)")
-    env = {**os.environ, "GPTFAST_INT8_GEMV": "u3f1"}
+    env = {**os.environ, variable: value}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
-    assert "GPTFAST_INT8_GEMV must be u4f1, u8f1, u16f1, u4f2 or u8f2, got 'u3f1'" in result.stderr
+    assert f"{variable} {message}" in result.stderr
 
 
 @pytest.mark.parametrize("backend, device", [p for p in GPU_BACKENDS if p.id == "cuda"])
@@ -183,12 +177,13 @@ def test_int8_linear_bad_gemv_shape_names_the_variable_on_gpu(backend, device):
 def test_int8_linear_one_row_gemv_shapes_on_gpu(backend, device, shape):
     """Each unroll depth / features-per-warp of the one-row GEMV (GPTFAST_INT8_GEMV, read once per
     process, so a process of its own) against float64: K not a multiple of a warp's step, odd N (a
-    warp of two features with one), every dtype, with and without bias."""
+    warp of two features with one), every dtype, with and without bias. (33, 4112) has K > N, which
+    takes the tensor cores in 16 bits (the GEMV in float32)."""
     code = f"""
 import torch
 from gptfast_kernels import ops
 torch.manual_seed(0)
-for N, K in [(4099, 4096), (33, 4112), (7, 16), (513, 12304)]:
+for N, K in [(4099, 4096), (4113, 4112), (17, 16), (12305, 12304), (33, 4112)]:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         qweight, scales = ops.quantize_int8(torch.randn(N, K, device='cuda'))
         bias = torch.randn(N, device='cuda').to(dtype)

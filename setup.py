@@ -53,11 +53,14 @@ def _cuda_build_reason():
 
 
 def _link_args() -> list[str]:
-    """libstdc++ linked as the shared library torch itself loads. A compiler set up to link it
-    statically (as one GPU machine's image here does: the extension then listed no libstdc++.so)
-    puts a second copy of its streams in the extension, whose locale was never initialised: every
-    error message that formats a number (TORCH_CHECK's) segfaulted there instead of raising. Named
-    before the compiler's own libraries, the shared one resolves every symbol first."""
+    """libstdc++ linked as the shared library torch itself loads. Linked statically, the extension
+    holds a second copy of its streams beside the one torch loaded, and every error message that
+    formats a number (TORCH_CHECK's) broke: with g++ -static-libstdc++ here the numbers came out
+    empty; the extension an H200 image's compiler (/opt/gcc) linked listed no libstdc++.so and
+    segfaulted there. Named before the compiler's own libraries, the shared one resolves every
+    symbol first: that mends -static-libstdc++ (checked here), but an extension that image's
+    compiler linked with it still crashed (why is not established), so bench/gpu_run.sh builds
+    with the system g++ there."""
     return ["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else []
 
 

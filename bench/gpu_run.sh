@@ -82,13 +82,21 @@ stage_build() {
   elif [ -f .gpu_build/_C.abi3.so ] && [ ! -f gptfast_kernels/_C.abi3.so ]; then
     cp .gpu_build/_C.abi3.so gptfast_kernels/_C.abi3.so
     if has_cuda_kernels; then echo "using the prebuilt extension from .gpu_build ($(cat .gpu_build/BUILD_INFO 2>/dev/null))"; return 0; fi
-    echo "the prebuilt extension does not load here; building"; rm -f gptfast_kernels/_C.abi3.so
+    echo "the prebuilt extension does not load here: $("$PY" -c 'from gptfast_kernels import _extension as e; print(e.EXTENSION_ERROR or e.ops_without_kernel("CUDA"))' 2>&1 | tail -1); building"
+    rm -f gptfast_kernels/_C.abi3.so
   fi
   if has_cuda_kernels; then echo "extension already built"; return 0; fi
   local start=$SECONDS
-  timeout "$STAGE_TIMEOUT" "$PY" setup.py -q build_ext --inplace 2>&1 | grep -v "WARNING: Location" | tail -20
+  # The system compiler, not the image's CXX / CC (/opt/gcc on the H200 image, 2026-11-28): the
+  # extension it linked held a static copy of libstdc++ even with setup.py's -lstdc++, and crashed
+  # formatting any number in an error message
+  CXX=${GPU_CXX:-$(command -v g++ || echo "${CXX:-c++}")} CC=${GPU_CC:-$(command -v gcc || echo "${CC:-cc}")} \
+    timeout "$STAGE_TIMEOUT" "$PY" setup.py -q build_ext --inplace 2>&1 | grep -v "WARNING: Location" | tail -20
   local rc=${PIPESTATUS[0]}
   echo "build took $((SECONDS - start)) s (rc $rc)"
+  if command -v readelf > /dev/null && ! readelf -d gptfast_kernels/_C.abi3.so | grep -q "libstdc++"; then
+    echo "warning: the extension does not list libstdc++.so (a static copy: its error messages may crash)"
+  fi
   has_cuda_kernels
 }
 

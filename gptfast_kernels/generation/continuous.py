@@ -373,8 +373,7 @@ class ContinuousBatcher:
         ids, mask = self.with_prompts(spans, last.to(self.device), self._rows(going)[:, None])
         if not spans:
             return step(ids, mask, cache)[:, -1]
-        lengths = torch.where(self._rows([b for b, (start, _) in spans.items() if start == 0]), 0, cache.seq_lengths)
-        cache.crop(lengths, check=False)  # (a hybrid's recurrent states of those rows zeroed)
+        self._empty_started([cache], spans)
         states = cache.recurrent_state_tensors() if kept and cache.has_recurrent_layers else []
         before, keep = [state.clone() for state in states], self._rows(list(kept))
         # (a ring-buffer cache takes at most max_step_tokens a forward: chunks, the going rows' in the last)
@@ -386,6 +385,13 @@ class ContinuousBatcher:
         for b, (_, stop) in spans.items():
             self.rows[b].filled = stop
         return logits[:, -1]
+
+    def _empty_started(self, caches, spans: dict[int, tuple[int, int]]) -> None:
+        """Empties, in each of ``caches``, the rows whose prompt parts ``spans`` start at the prompt's
+        start (a hybrid cache's recurrent states of those rows zeroed too)."""
+        started = self._rows([b for b, (start, _) in spans.items() if start == 0])
+        for cache in caches:
+            cache.crop(torch.where(started, 0, cache.seq_lengths), check=False)
 
     def _arguments(self) -> tuple:
         """(sampling arguments, penalties) per row, as check_sampling_args and check_penalties give

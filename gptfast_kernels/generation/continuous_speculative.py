@@ -98,9 +98,7 @@ class SpeculativeBatcher(ContinuousBatcher):
         spans = self._prompt_spans()
         merged = spans if going and spans and self._can_merge(spans) else {}
         if merged:
-            started = self._rows([b for b, (start, _) in merged.items() if start == 0])
-            for cache in self.proposer.caches + [self.cache]:
-                cache.crop(torch.where(started, 0, cache.seq_lengths), check=False)
+            self._empty_started(self.proposer.caches + [self.cache], merged)
             self.proposer.merge(self, merged)
         if going:
             self._round(going, merged, ended)

@@ -229,8 +229,10 @@ GemvShape one_row_gemv_shape() {
   static const GemvShape chosen = [] {
     const char* value = std::getenv("GPTFAST_INT8_GEMV");
     if (value == nullptr || *value == '\0') return GemvShape{GEMV_UNROLL, 1};
-    for (const GemvShape shape : {GemvShape{4, 1}, GemvShape{8, 1}, GemvShape{16, 1}, GemvShape{4, 2}, GemvShape{8, 2}}) {
-      if (std::string("u") + std::to_string(shape.unroll) + "f" + std::to_string(shape.features) == value) return shape;
+    for (const GemvShape shape :
+         {GemvShape{4, 1}, GemvShape{8, 1}, GemvShape{16, 1}, GemvShape{4, 2}, GemvShape{8, 2}}) {
+      const std::string name = "u" + std::to_string(shape.unroll) + "f" + std::to_string(shape.features);
+      if (name == value) return shape;
     }
     TORCH_CHECK(false, "int8_linear: the environment variable GPTFAST_INT8_GEMV must be u4f1, u8f1, u16f1, u4f2 or "
                 "u8f2, got '", value, "'");

@@ -61,12 +61,13 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 
 # Measured on an H200 (bench/results/nvidia-h200_2026-11-28_*, bf16, CUDA-graph replays of a decode
-# step's layers back to back and of single calls; shapes N x K): the CUDA GEMV is the fastest for one row on every
-# Llama-3-8B shape (4096 x 4096: 251 us for 32 layers against Triton's 312). For 2-16 rows the CUDA
-# tensor-core GEMV wins where the weight rows are long (K >= N: 4096 x 14336 at 4-8 rows, 194 against
-# 245) and Triton's tiles where there are many short ones (14336 x 4096 at 4-8 rows: 192 against 222;
-# at 16 rows 189 against 313); at 16 rows of 4096 x 4096 they tie (306 / 310). From 40 rows on Triton
-# wins everywhere (4096 x 4096, M = 40: 20 us against 29).
+# step's layers back to back and of single calls; shapes N x K): the CUDA op is the fastest for one
+# row on every Llama-3-8B shape (4096 x 4096: 251 us for 32 layers against Triton's 312; it takes
+# one row to its GEMV, or to tensor cores where K > N: see csrc/cuda/int8_linear.cu). For 2-16 rows
+# the CUDA tensor-core GEMV wins where the weight rows are long (K >= N: 4096 x 14336 at 4-8 rows,
+# 194 against 245) and Triton's tiles where there are many short ones (14336 x 4096 at 4-8 rows: 192
+# against 222; at 16 rows 189 against 313); at 16 rows of 4096 x 4096 they tie (306 / 310). From 40
+# rows on Triton wins everywhere (4096 x 4096, M = 40: 20 us against 29).
 CUDA_MAX_ROWS = 16
 
 

@@ -25,7 +25,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 
 #include "../common.h"
 #include "cuda_common.cuh"
@@ -78,7 +77,11 @@ __device__ __forceinline__ void int8x16_to_float(const int4& packed, float* out)
 // (checked by the launcher). FEATURES > 1 reuses every x vector loaded from L1 for several weight
 // rows: with 4+ rows of x, one feature per warp would read ROWS x 2 bytes of x per weight byte,
 // more than L1 serves at the HBM3 weight rate.
-template <typename scalar_t, int ROWS, int FEATURES, bool VECTORIZED, int UNROLL = GEMV_UNROLL>
+// PIPELINED (one row's variant "u4p", not the default) issues a trip's weight loads before the
+// previous trip's arithmetic, from a second set of registers, so a warp keeps loads in flight while
+// it computes.
+template <typename scalar_t, int ROWS, int FEATURES, bool VECTORIZED, int UNROLL = GEMV_UNROLL,
+          bool PIPELINED = false>
 __global__ void __launch_bounds__(GEMV_WARPS * WARP)
 int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict__ qweight,
                         const float* __restrict__ scales, const scalar_t* __restrict__ bias,
@@ -101,11 +104,10 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
   if constexpr (VECTORIZED) {
     // UNROLL independent 16-byte loads per lane and feature are issued before any is used, so
     // each warp keeps FEATURES x UNROLL x 512 bytes of weights in flight (latency hiding without
-    // more warps).
+    // more warps). A trip is those loads (load) and their arithmetic (consume).
     constexpr int64_t WARP_STEP = WARP * GEMV_VEC;
-    for (int64_t k_base = static_cast<int64_t>(lane) * GEMV_VEC; k_base < K;
-         k_base += WARP_STEP * UNROLL) {
-      int4 packed[FEATURES][UNROLL];
+    constexpr int64_t TRIP = WARP_STEP * UNROLL;
+    auto load = [&](int4 (&packed)[FEATURES][UNROLL], int64_t k_base) {
 #pragma unroll
       for (int f = 0; f < FEATURES; ++f)
 #pragma unroll
@@ -114,6 +116,8 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
           packed[f][u] = f < features && k < K ? __ldg(reinterpret_cast<const int4*>(w_rows + f * K + k))
                                                : make_int4(0, 0, 0, 0);
         }
+    };
+    auto consume = [&](const int4 (&packed)[FEATURES][UNROLL], int64_t k_base) {
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int64_t k = k_base + u * WARP_STEP;
@@ -139,6 +143,25 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
             }
           }
         }
+      }
+    };
+    const int64_t k_first = static_cast<int64_t>(lane) * GEMV_VEC;
+    int4 packed[FEATURES][UNROLL];
+    if constexpr (PIPELINED) {
+      // ping-pong between two register sets: the next trip's loads go out before this one's FMAs
+      int4 ahead[FEATURES][UNROLL];
+      load(packed, k_first);
+      for (int64_t k_base = k_first; k_base < K; k_base += 2 * TRIP) {
+        load(ahead, k_base + TRIP);
+        consume(packed, k_base);
+        if (k_base + TRIP >= K) break;
+        load(packed, k_base + 2 * TRIP);
+        consume(ahead, k_base + TRIP);
+      }
+    } else {
+      for (int64_t k_base = k_first; k_base < K; k_base += TRIP) {
+        load(packed, k_base);
+        consume(packed, k_base);
       }
     }
   } else {
@@ -217,30 +240,36 @@ int8_linear_simt_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
 
 // The one-row GEMV's unroll depth and features per warp, from GPTFAST_INT8_GEMV (read once per
 // process): "u4f1" (the default: 4 loads of 16 bytes in flight per lane, one feature per warp), "u8f1",
-// "u16f1", "u4f2" or "u8f2". bench/gpu_run.sh (stage int8-gemv) times them against each other. On
-// an H200 (bench/results/nvidia-h200_2026-11-28_e9ab4ef_int8_gemv.json) the default was the fastest
-// on all three Llama-3-8B shapes, by 6-30 %: the deeper ones hold more registers, so fewer warps.
+// "u16f1", "u4f2", "u8f2", or "u4p" (u4f1 with the next trip's loads issued before this one's
+// arithmetic: PIPELINED). bench/gpu_run.sh (stage int8-gemv) times them against each other. On an
+// H200 (bench/results/nvidia-h200_2026-11-28_e9ab4ef_int8_gemv.json) the default was the fastest of
+// the first five on all three Llama-3-8B shapes, by 6-30 %: the deeper ones hold more registers, so
+// fewer warps. u4p has not run on a GPU yet.
 struct GemvShape {
+  const char* name;
   int unroll;
   int features;
+  bool pipelined;
 };
+
+constexpr GemvShape GEMV_SHAPES[] = {{"u4f1", 4, 1, false}, {"u8f1", 8, 1, false}, {"u16f1", 16, 1, false},
+                                     {"u4f2", 4, 2, false}, {"u8f2", 8, 2, false}, {"u4p", 4, 1, true}};
+static_assert(GEMV_SHAPES[0].unroll == GEMV_UNROLL, "the default shape comes first");
 
 GemvShape one_row_gemv_shape() {
   static const GemvShape chosen = [] {
     const char* value = std::getenv("GPTFAST_INT8_GEMV");
-    if (value == nullptr || *value == '\0') return GemvShape{GEMV_UNROLL, 1};
-    for (const GemvShape shape :
-         {GemvShape{4, 1}, GemvShape{8, 1}, GemvShape{16, 1}, GemvShape{4, 2}, GemvShape{8, 2}}) {
-      const std::string name = "u" + std::to_string(shape.unroll) + "f" + std::to_string(shape.features);
-      if (name == value) return shape;
+    if (value == nullptr || *value == '\0') return GEMV_SHAPES[0];
+    for (const GemvShape& shape : GEMV_SHAPES) {
+      if (std::strcmp(shape.name, value) == 0) return shape;
     }
-    TORCH_CHECK(false, "int8_linear: the environment variable GPTFAST_INT8_GEMV must be u4f1, u8f1, u16f1, u4f2 or "
-                "u8f2, got '", value, "'");
+    TORCH_CHECK(false, "int8_linear: the environment variable GPTFAST_INT8_GEMV must be u4f1, u8f1, u16f1, u4f2, "
+                "u8f2 or u4p, got '", value, "'");
   }();
   return chosen;
 }
 
-template <typename scalar_t, int ROWS, int FEATURES, int UNROLL>
+template <typename scalar_t, int ROWS, int FEATURES, int UNROLL, bool PIPELINED = false>
 void launch_gemv_shaped(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
@@ -249,7 +278,7 @@ void launch_gemv_shaped(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t per_block = static_cast<int64_t>(GEMV_WARPS) * FEATURES;
   const dim3 grid(static_cast<unsigned>((N + per_block - 1) / per_block));
   for (int64_t row = 0; row < M; row += ROWS) {
-    auto kernel = vectorized ? int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, true, UNROLL>
+    auto kernel = vectorized ? int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, true, UNROLL, PIPELINED>
                              : int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, false>;  // (no unroll)
     kernel<<<grid, GEMV_WARPS * WARP, 0, stream>>>(
         x.data_ptr<scalar_t>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
@@ -263,6 +292,9 @@ void launch_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tenso
                  const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
   if constexpr (ROWS == 1) {
     const GemvShape shape = one_row_gemv_shape();
+    if (shape.pipelined) {
+      return launch_gemv_shaped<scalar_t, 1, 1, GEMV_UNROLL, true>(x, qweight, scales, bias, y, stream);
+    }
     if (shape.features == 2) {
       return shape.unroll == 8 ? launch_gemv_shaped<scalar_t, 1, 2, 8>(x, qweight, scales, bias, y, stream)
                                : launch_gemv_shaped<scalar_t, 1, 2, 4>(x, qweight, scales, bias, y, stream);

@@ -64,8 +64,8 @@ def verdicts(rows: list[dict]) -> list[dict]:
             if any(v is None for v in ms.values()):
                 continue
             case = {k: v for k, v in zip(rule.key + rule.optional, values) if v is not None}
-            case["graphed"] = all(impl + GRAPH_SUFFIX in {row["impl"] for row in case_rows}
-                                  for impl in rule.impls.values())
+            timed = {row["impl"] for row in case_rows}
+            case["graphed"] = all(impl + GRAPH_SUFFIX in timed for impl in rule.impls.values())
             faster = min(ms, key=ms.get)
             picked = rule.picks(case)
             out.append({"op": rule.op, **case, "cuda_ms": ms["cuda"],

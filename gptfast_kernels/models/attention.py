@@ -136,11 +136,11 @@ def _attend(layer, q, k, v, positions, scale, window, softcap, sinks, ring: bool
     model's kernel (tens of microseconds in Python, for every layer of every step), so in eager mode
     they run once per call signature (shapes, dtypes, devices and the scalar arguments: all they
     depend on) and the layer keeps the chosen backend; the position values are checked once per
-    forward by plan_step. Compiled code, and a CUDA-graph capture (whose backend choice may differ
-    from eager's), take the full wrapper."""
+    forward by plan_step. Compiled code traces the full wrapper (whose backend choice for graphs may
+    differ from eager's)."""
     value_dim = layer.value_dim
     v_cache = None if value_dim else layer.values
-    if is_tracing():
+    if torch.compiler.is_compiling():
         return kv_cache_attention(q, k, v, layer.keys, v_cache, positions, scale, window=window, softcap=softcap,
                                   sinks=sinks, ring=ring, value_dim=value_dim, chunk_size=chunk_size,
                                   alibi_slopes=alibi_slopes, backend=backend, check_positions=False)

@@ -8,9 +8,12 @@ Two regimes, chosen on T (host-known, never on position values):
   and every one of the T queries on it, so each K/V tile is loaded once per group. Ranges are cut
   on the device from the row's largest position, so a quarter-full cache still spreads its work
   over every split, and programs whose range starts past that position exit at once. The scatter is
-  fused race-free: within a tile, a slot that this call writes is read from the k / v inputs (the
-  tile's slot indices matched against the row's T positions) instead of from the cache, and only the
-  program owning that slot range stores it into the cache. With more than one split, a second small
+  fused race-free: a program first stores the new K/V of the tokens whose positions fall in its own
+  slot range (no other split reads those slots), waits at a block barrier, and only then streams its
+  range from the cache, so its key / value tiles go from global memory to the tensor cores through
+  the software pipeline's shared-memory buffers untouched. (Before, every tile also loaded the
+  matching new rows and merged them in registers: twice the loads, a register round trip of each
+  tile and twice the shared memory; see the H200 notes, stop 35.) With more than one split, a second small
   kernel combines the splits' partial results by log-sum-exp (Triton has no grid-wide barrier; an
   atomic "last program combines" scheme would save one launch but not bandwidth).
 * prefill (T > DECODE_MAX_T): every new K/V row is read by many query tiles and programs, so a small
@@ -30,7 +33,7 @@ once by the combine with several. ``alibi_slopes`` [Hq] (ALiBi: BLOOM, MPT, Falc
 HAS_ALIBI) adds slope * (key position - query position) to each capped score.
 
 ``ring=True`` (a constexpr) makes the caches ring buffers of a sliding-window or a chunked layer:
-position p lives in slot p % S. Splits, key tiles and the scatter's match run on absolute positions,
+position p lives in slot p % S. Splits, key tiles and the scatter's ownership run on absolute positions,
 from the window's or chunk's start; only cache addresses take the remainder. The caller's contract
 (a row's positions span at most S - window, or S - chunk_size) makes a row's span at most S
 positions, on distinct slots that the splits own disjointly. It is also cut to S positions when the
@@ -76,8 +79,8 @@ from gptfast_kernels.triton.kv_cache_attention_prefill import (_kv_cache_attenti
                                                                _kv_cache_attention_scatter_kernel)
 
 # Largest T handled by the flash-decoding kernel. Speculative verification uses k + 1 <= 16; every
-# (query head of the group, token) pair is one row of a single tile, and the [BLOCK_N, BLOCK_T]
-# slot/position match that fuses the scatter stays small. Larger T is prefill.
+# (query head of the group, token) pair is one row of a single tile, and the [BLOCK_T, BLOCK_T]
+# repeated-position test of the fused scatter stays small. Larger T is prefill.
 DECODE_MAX_T = 16
 # tl.dot needs at least 16 rows (and a reduction dim of at least 16) per tile: decode tiles with
 # fewer query rows are padded with masked rows; memory-bound decode does not notice the idle MMA.
@@ -99,17 +102,18 @@ class Tuning(NamedTuple):
     scatter_block_t: int      # new tokens per scatter program
     combine_block_s: int      # splits reduced per step of the combine kernel
     num_warps: int
-    # software-pipeline stages of the decode kernel in 16-bit (None: Triton's default, 3); float32
-    # always takes FP32_NUM_STAGES
-    decode_num_stages: int | None = None
 
 
 # Hopper defaults. The decode's 32-slot tiles come from a sweep on an H200 (bench_kv_tiles, CUDA-graph
 # replays, Llama-3-8B heads at half fill, bench/results/nvidia-h200_2026-11-28_e9ab4ef_kv_tiles.json):
 # against 64-slot tiles, B = 1 at 16k context 40 us against 51, B = 8 at 4k 94 against 103, B = 32
 # at 4k 220 against 301, B = 1 at 4k 24.5 against 23.7, and verification (T = 5) 29.7 against 30.2;
-# 128-slot tiles do not fit in shared memory, and 4 / 1 programs per SM or 8 warps were no better
-# overall. 2 x 132 SMs programs cover a B = 1, Hkv = 8 row with ~33 splits; the 64 x 64 prefill
+# 4 / 1 programs per SM or 8 warps were no better overall. That sweep timed the decode kernel before
+# its scatter moved ahead of the loop (stop 35): that kernel took 138 registers and 84 KiB of shared
+# memory at these tiles (2 programs per SM), 128-slot tiles did not fit, and a tile's loop body was
+# 525 instructions. Now (ptxas, sm_90a, bf16, T = 1 / 5): 80 / 127 registers, 37 / 42 KiB (5 programs
+# per SM), 261 instructions; 64-slot tiles 70 KiB, 128-slot 136 KiB. Not timed yet: the sweep is
+# to be rerun. 2 x 132 SMs programs cover a B = 1, Hkv = 8 row with ~33 splits; the 64 x 64 prefill
 # tiles, the usual flash-attention starting point, are not tuned yet.
 _GPU = Tuning(decode_block_n=32, decode_max_rows=64, min_split_len=256, max_splits=64,
                programs_per_sm=2, prefill_block_m=64, prefill_block_n=64, scatter_block_t=16,
@@ -131,7 +135,8 @@ LARGE_HEAD_DIM = 256
 # prefill_block_n are halved above D = 128), at most 16 query rows per decode program and 32 per
 # prefill tile, and 8 warps, so the [rows, 512] float32 accumulator takes 32 (decode) / 64 (prefill)
 # registers per thread. No spills in bf16 / fp16 decode and prefill or fp32 decode (fp32 prefill:
-# 60 bytes); shared memory 176 KiB for 16-bit decode, 97 KiB for 16-bit prefill (fp32: 96 / 128 KiB).
+# 60 bytes); shared memory 81 KiB for 16-bit decode (80 / 126 registers at T = 1 / 5), 97 KiB for
+# 16-bit prefill (fp32: 96 / 128 KiB).
 _GPU_LARGE_HEAD = _GPU._replace(decode_block_n=32, decode_max_rows=16, prefill_block_m=32, prefill_block_n=32,
                                 num_warps=8)
 # Widest head-dim block (a power of two, as every Triton tile). Wider heads, multi-head latent
@@ -151,15 +156,12 @@ MAX_BLOCK_D = 512
 # not a multiple of 16, such as 520, gets no 16-element alignment hint, hence scalar, unpipelined
 # loads and some spills, as D = 500 already does in the single-block tiles.)
 MIN_TAIL_BLOCK_D = 64
-# Tuning past MAX_BLOCK_D (sm_90a, ptxas -v, bf16, not timed): _GPU_LARGE_HEAD's tiles with the
-# 64-wide tail, but two pipeline stages in decode: with Triton's three the decode kernel needs 255
-# registers and spills 32 bytes in verification (T = 5), with two it takes 248 / 254 (T = 1 / 5), no
-# spills, and 126 KiB of shared memory instead of 198 KiB; each stage still holds 36 KiB of K / V
-# (16 slots x 576 x 2 bytes x 2) in flight. Prefill keeps three stages (186 registers, 109 KiB).
-# With values in the keys (MLA: value_dim 512) the same tiles read K only: decode 222 / 248 registers
-# (T = 1 / 5) and 72 KiB, prefill 168 registers and 73 KiB, no spills. Three decode stages would fit
-# there too (246 / 255 registers, no spills, 108 KiB: the 36 KiB in flight of value_dim 0), untimed.
-_GPU_SPLIT_HEAD = _GPU_LARGE_HEAD._replace(decode_num_stages=2)
+# Past MAX_BLOCK_D, _GPU_LARGE_HEAD's tiles serve the 64-wide tail too (sm_90a, ptxas -v, bf16, not
+# timed): decode 102 / 168 registers (T = 1 / 5) and 91 KiB of shared memory in Triton's three
+# pipeline stages, prefill 186 registers and 109 KiB, no spills; with values in the keys (MLA:
+# value_dim 512) the same tiles read K only: decode 95 / 128 registers and 55 KiB, prefill 168 and
+# 73 KiB. (Until stop 35 the decode kernel, staging each tile's new rows beside it, needed two
+# stages here to stay within 255 registers.)
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,19 +169,15 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _launch_options(dtype: torch.dtype, tune: Tuning, num_stages: int | None = None) -> dict:
+def _launch_options(dtype: torch.dtype, tune: Tuning) -> dict:
     options = {"num_warps": tune.num_warps}
     if dtype == torch.float32:
         options["num_stages"] = FP32_NUM_STAGES
-    elif num_stages is not None:
-        options["num_stages"] = num_stages
     return options
 
 
 def _gpu_tuning(head_dim: int) -> Tuning:
-    if head_dim <= LARGE_HEAD_DIM:
-        return _GPU
-    return _GPU_LARGE_HEAD if head_dim <= MAX_BLOCK_D else _GPU_SPLIT_HEAD
+    return _GPU if head_dim <= LARGE_HEAD_DIM else _GPU_LARGE_HEAD
 
 
 def _tuning(device: torch.device, head_dim: int) -> tuple[Tuning, int]:
@@ -237,7 +235,7 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scor
         NUM_SPLITS=num_splits, MIN_SPLIT_LEN=tune.min_split_len, NUM_M_BLOCKS=num_m_blocks,
         FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, HAS_SINKS=sinks is not None, RING=ring, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DT=block_dt, DV=value_dim, CHUNK=scoring.chunk,
-        HAS_ALIBI=alibi_slopes is not None, **_launch_options(q.dtype, tune, tune.decode_num_stages))
+        HAS_ALIBI=alibi_slopes is not None, **_launch_options(q.dtype, tune))
     if num_splits > 1:  # combines rows of the output's width, Dv
         combine_block_d, combine_block_dt = _head_blocks(Dv)
         _kv_cache_attention_combine_kernel[(B * Hq * T,)](

@@ -25,6 +25,16 @@ def _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN
 
 
 @triton.jit
+def _store_new_rows(src_ptr, cache_ptr, offs_t, cache_rows, write, stride_t, offs_d, mask_d):
+    """The fused scatter's copy of one head's new rows: rows offs_t of src_ptr (token stride
+    stride_t) where `write`, columns offs_d where mask_d, into the cache rows at offsets cache_rows
+    (slot x slot stride) from cache_ptr."""
+    mask = write[:, None] & mask_d[None, :]
+    rows = tl.load(src_ptr + offs_t[:, None].to(tl.int64) * stride_t + offs_d[None, :], mask=mask)
+    tl.store(cache_ptr + cache_rows[:, None] + offs_d[None, :], rows, mask=mask)
+
+
+@triton.jit
 def _kv_cache_attention_decode_kernel(
         Q_ptr, K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Alibi_ptr, Out_ptr, OPart_ptr, LsePart_ptr,
         qk_scale, cap_log2, scale_over_cap, window, T, S, D, G, Hq,
@@ -34,7 +44,7 @@ def _kv_cache_attention_decode_kernel(
         FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DT: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr = False):
-    # Ring: splits, tiles and the fused scatter's match work on positions, the cache on their slots.
+    # Ring: splits, tiles and the fused scatter's ownership work on positions, the cache on their slots.
     # A row's span is at most S positions (row_first), so its splits own distinct slots.
     # BLOCK_DT > 0 (D > MAX_BLOCK_D): head-dim columns BLOCK_D.. are a second block (the "_t" tensors).
     # DV > 0: values in the keys (V_ptr / VC_ptr unused); the output holds the key tiles' first DV columns.
@@ -52,6 +62,39 @@ def _kv_cache_attention_decode_kernel(
             return
     end = tl.minimum(start + split_len, row_len)
 
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    if BLOCK_DT > 0:
+        offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        mask_dt = offs_dt < D
+    k_new_ptr = K_ptr + b * stride_kb + h * stride_kh
+    kc_ptr = KC_ptr + b * stride_cb + h * stride_ch
+    if DV == 0:  # values in v / v_cache
+        v_new_ptr = V_ptr + b * stride_vb + h * stride_vh
+        vc_ptr = VC_ptr + b * stride_cb + h * stride_ch
+
+    # The fused scatter, before any read: this program writes the new K/V of the tokens whose
+    # positions fall in its range [start, end) into the cache, waits for its threads' stores, and
+    # then reads the cache alone. Only it reads those slots (the splits' ranges are disjoint); the
+    # programs of the other query-row blocks of the same range store the same bytes. With a position
+    # repeated in the row, the last token writing it wins, as in a sequential scatter.
+    offs_t = tl.arange(0, BLOCK_T)
+    owned = (pos_row >= start) & (pos_row < end)  # padding (-1) never: start >= 0
+    repeated = (pos_row[None, :] == pos_row[:, None]) & (offs_t[None, :] > offs_t[:, None])
+    write = owned & (tl.max(repeated.to(tl.int32), axis=1) == 0)
+    if RING:
+        write_rows = (pos_row.to(tl.int64) % S) * stride_cs
+    else:
+        write_rows = pos_row.to(tl.int64) * stride_cs
+    _store_new_rows(k_new_ptr, kc_ptr, offs_t, write_rows, write, stride_kt, offs_d, mask_d)
+    if DV == 0:
+        _store_new_rows(v_new_ptr, vc_ptr, offs_t, write_rows, write, stride_vt, offs_d, mask_d)
+    if BLOCK_DT > 0:  # the head dim's second block
+        _store_new_rows(k_new_ptr, kc_ptr, offs_t, write_rows, write, stride_kt, offs_dt, mask_dt)
+        if DV == 0:
+            _store_new_rows(v_new_ptr, vc_ptr, offs_t, write_rows, write, stride_vt, offs_dt, mask_dt)
+    tl.debug_barrier()  # the stores above are visible to every thread of the program from here on
+
     # Rows of the tile: m = g * T + t for query head h * G + g and token t.
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < G * T
@@ -59,25 +102,12 @@ def _kv_cache_attention_decode_kernel(
     hq_m = (h * G + offs_m // T).to(tl.int64)
     pos_m = _clean_positions(tl.load(Pos_ptr + b * T + t_m, mask=row_ok, other=-1), S, RING)
     first_m = _first_slots(pos_m, window, CHUNK)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
     q = tl.load(Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
                 + offs_d[None, :], mask=row_ok[:, None] & mask_d[None, :], other=0.0)
     if BLOCK_DT > 0:
-        offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
-        mask_dt = offs_dt < D
         q_t = tl.load(Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
                       + offs_dt[None, :], mask=row_ok[:, None] & mask_dt[None, :], other=0.0)
 
-    # (in this order, that of the kernel before DV existed: computing the v pointers after both k
-    # pointers changes ptxas's register allocation, hence the SASS, of the DV = 0 kernels)
-    k_new_ptr = K_ptr + b * stride_kb + h * stride_kh
-    if DV == 0:  # values in v / v_cache
-        v_new_ptr = V_ptr + b * stride_vb + h * stride_vh
-    kc_ptr = KC_ptr + b * stride_cb + h * stride_ch
-    if DV == 0:
-        vc_ptr = VC_ptr + b * stride_cb + h * stride_ch
-    offs_t = tl.arange(0, BLOCK_T)
     m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if HAS_SINKS and NUM_SPLITS == 1:  # with several splits the combine adds the sink, once
@@ -91,47 +121,23 @@ def _kv_cache_attention_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < end
-        # The token this call writes into each slot of the tile (-1: none); its K/V come from the
-        # inputs, so no program ever reads a cache slot that another program is writing.
-        t_src = tl.max(tl.where(offs_n[:, None] == pos_row[None, :], offs_t[None, :], -1), axis=1)
-        is_new = t_src >= 0
-        new_mask = is_new[:, None] & mask_d[None, :]
-        old_mask = (in_range & (t_src < 0))[:, None] & mask_d[None, :]
         if RING:
             cache_rows = _ring_slots(n0, S, BLOCK_N)[:, None].to(tl.int64) * stride_cs
         else:
             cache_rows = offs_n[:, None].to(tl.int64) * stride_cs
-        cache_offs = cache_rows + offs_d[None, :]
-        k_new = tl.load(k_new_ptr + t_src[:, None] * stride_kt + offs_d[None, :], mask=new_mask,
-                        other=0.0)
+        tile_mask = in_range[:, None] & mask_d[None, :]
+        k = tl.load(kc_ptr + cache_rows + offs_d[None, :], mask=tile_mask, other=0.0)
         if DV == 0:
-            v_new = tl.load(v_new_ptr + t_src[:, None] * stride_vt + offs_d[None, :], mask=new_mask,
-                            other=0.0)
-        k = tl.where(new_mask, k_new, tl.load(kc_ptr + cache_offs, mask=old_mask, other=0.0))
-        if DV == 0:
-            v = tl.where(new_mask, v_new, tl.load(vc_ptr + cache_offs, mask=old_mask, other=0.0))
-        else:  # the key tile itself, new slots included: its columns from DV on never reach the output
+            v = tl.load(vc_ptr + cache_rows + offs_d[None, :], mask=tile_mask, other=0.0)
+        else:  # the key tile itself: its columns from DV on never reach the output
             v = k
-        # This program owns the tile's slots; of its query-row blocks, block 0 stores them.
-        tl.store(kc_ptr + cache_offs, k_new, mask=new_mask & (m_block == 0))
-        if DV == 0:
-            tl.store(vc_ptr + cache_offs, v_new, mask=new_mask & (m_block == 0))
-
         if BLOCK_DT > 0:  # the same for the head dim's second block
-            new_mask = is_new[:, None] & mask_dt[None, :]
-            old_mask = (in_range & (t_src < 0))[:, None] & mask_dt[None, :]
-            cache_offs = cache_rows + offs_dt[None, :]
-            k_new = tl.load(k_new_ptr + t_src[:, None] * stride_kt + offs_dt[None, :], mask=new_mask, other=0.0)
+            tile_mask = in_range[:, None] & mask_dt[None, :]
+            k_t = tl.load(kc_ptr + cache_rows + offs_dt[None, :], mask=tile_mask, other=0.0)
             if DV == 0:
-                v_new = tl.load(v_new_ptr + t_src[:, None] * stride_vt + offs_dt[None, :], mask=new_mask, other=0.0)
-            k_t = tl.where(new_mask, k_new, tl.load(kc_ptr + cache_offs, mask=old_mask, other=0.0))
-            if DV == 0:
-                v_t = tl.where(new_mask, v_new, tl.load(vc_ptr + cache_offs, mask=old_mask, other=0.0))
+                v_t = tl.load(vc_ptr + cache_rows + offs_dt[None, :], mask=tile_mask, other=0.0)
             elif TAIL_VALUES:  # DV > BLOCK_D: the values reach into the tail
                 v_t = k_t
-            tl.store(kc_ptr + cache_offs, k_new, mask=new_mask & (m_block == 0))
-            if DV == 0:
-                tl.store(vc_ptr + cache_offs, v_new, mask=new_mask & (m_block == 0))
             s = _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
         else:
             s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)

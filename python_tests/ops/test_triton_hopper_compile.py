@@ -121,17 +121,17 @@ CASES = {
     **{f"verify_draft-{mode}-V{V}": ((_verify_draft, mode == "greedy", V), ["_verify_draft_kernel"])
        for mode in ("greedy", "sampling") for V in (128256, 50257)},
 }
-# Cases whose attention kernels must not spill (a stack frame of 0 bytes): the large-head tiles
-# (gptfast_kernels/triton/kv_cache_attention.py, _GPU_LARGE_HEAD, and _GPU_SPLIT_HEAD past 512) were
-# chosen for it. fp32 being the correctness path, its prefill keeps a small frame (about 100 bytes at
-# D = 512 / 576) and its verification a large one (ptxas allots 32 registers and about 4 KiB of
-# stack at D = 512 and 576 alike); D = 520 (not a multiple of 16: no vectorised, pipelined loads)
-# spills a little, as D = 500 does in the single-block tiles. Values in the keys read K tiles only and
-# keep no tail accumulator: MLA's kernels then need fewer registers and less shared memory still.
-SPILL_FREE = ("kv-decode-bf16-d512", "kv-verify-bf16-d512", "kv-decode-fp32-d512", "kv-prefill-bf16-d512",
-              "kv-prefill-fp16-d320", "kv-decode-bf16-d576", "kv-verify-bf16-d576", "kv-decode-fp16-d576",
-              "kv-prefill-bf16-d576", "kv-decode-fp32-d576",
-              *(f"kv-{mode}-{name}-mla" for name in ("bf16", "fp16") for mode in ("decode", "verify", "prefill")))
+# Cases whose attention kernels must not spill (a stack frame of 0 bytes). Prefill: the large-head
+# tiles (gptfast_kernels/triton/kv_cache_attention.py, _GPU_LARGE_HEAD) were chosen for it; fp32
+# being the correctness path, its prefill keeps a small frame (about 100 bytes at D = 512 / 576), and
+# D = 520 (not a multiple of 16: no vectorised, pipelined loads) spills a little, as D = 500 does in
+# the single-block tiles. Decode and verification: every case but fp32 at D = 128 (255 registers
+# and a 48-byte frame), since the fused scatter moved ahead of the tile loop (stop 35; before, fp32
+# verification at D = 576 took 32 registers and 4 KiB of stack). Values in the keys read K tiles
+# only and keep no tail accumulator: MLA's kernels then need fewer registers and less shared memory.
+SPILL_FREE = ("kv-prefill-bf16-d512", "kv-prefill-fp16-d320", "kv-prefill-bf16-d576", "kv-prefill-bf16-mla",
+              "kv-prefill-fp16-mla",
+              *(name for name, (_, kernels) in CASES.items() if kernels == DECODE and name != "kv-decode-fp32"))
 
 
 # -- the child: capture and compile ---------------------------------------------------------------

@@ -113,9 +113,13 @@ class Tuning(NamedTuple):
 # memory at these tiles (2 programs per SM), 128-slot tiles did not fit, and a tile's loop body was
 # 525 instructions. Now (ptxas, sm_90a, bf16, T = 1 / 5): 80 / 127 registers, 37 / 42 KiB (5 programs
 # per SM), 261 instructions; 64-slot tiles 70 KiB, 128-slot 136 KiB. Not timed yet: the sweep is
-# to be rerun. 2 x 132 SMs programs cover a B = 1, Hkv = 8 row with ~33 splits; the 64 x 64 prefill
-# tiles, the usual flash-attention starting point, are not tuned yet.
-_GPU = Tuning(decode_block_n=32, decode_max_rows=64, min_split_len=256, max_splits=64,
+# to be rerun. 2 x 132 SMs programs cover a B = 1, Hkv = 8 row with ~33 splits of at least 64 slots:
+# with at least 256 (the value until stop 35, never swept) a 4k-context row got 16 splits, 128
+# programs of 8 tiles each for 132 SMs, and every tile and program count of that sweep took the same
+# 23.3-24.5 us; 64 gives it 32 programs per kv head of 4 tiles (reasoned, untimed; the partials are
+# then 0.5 MiB of float32, written and read back through L2, beside 16.8 MB of K / V). The 64 x 64 prefill tiles, the usual
+# flash-attention starting point, are not tuned yet.
+_GPU = Tuning(decode_block_n=32, decode_max_rows=64, min_split_len=64, max_splits=64,
                programs_per_sm=2, prefill_block_m=64, prefill_block_n=64, scatter_block_t=16,
                combine_block_s=16, num_warps=4)
 # The interpreter runs every program in numpy: small tiles keep the tests quick and make their

@@ -25,13 +25,18 @@ def _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN
 
 
 @triton.jit
-def _store_new_rows(src_ptr, cache_ptr, offs_t, cache_rows, write, stride_t, offs_d, mask_d):
-    """The fused scatter's copy of one head's new rows: rows offs_t of src_ptr (token stride
-    stride_t) where `write`, columns offs_d where mask_d, into the cache rows at offsets cache_rows
-    (slot x slot stride) from cache_ptr."""
-    mask = write[:, None] & mask_d[None, :]
-    rows = tl.load(src_ptr + offs_t[:, None].to(tl.int64) * stride_t + offs_d[None, :], mask=mask)
-    tl.store(cache_ptr + cache_rows[:, None] + offs_d[None, :], rows, mask=mask)
+def _new_rows(src_ptr, offs_t, T, stride_t, offs_d, mask_d):
+    """One head's new rows offs_t (< T) of src_ptr (token stride stride_t), columns offs_d where
+    mask_d -> [BLOCK_T, len(offs_d)]."""
+    return tl.load(src_ptr + offs_t[:, None].to(tl.int64) * stride_t + offs_d[None, :],
+                   mask=(offs_t < T)[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _store_rows(cache_ptr, cache_rows, write, rows, offs_d, mask_d):
+    """rows [BLOCK_T, len(offs_d)] where `write`, columns offs_d where mask_d, into the cache rows at
+    offsets cache_rows (slot x slot stride) from cache_ptr."""
+    tl.store(cache_ptr + cache_rows[:, None] + offs_d[None, :], rows, mask=write[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -54,14 +59,6 @@ def _kv_cache_attention_decode_kernel(
     h = (tl.program_id(1) // NUM_M_BLOCKS).to(tl.int64)  # h * stride_ch may pass 2^31
     m_block = tl.program_id(1) % NUM_M_BLOCKS
     b = tl.program_id(2).to(tl.int64)
-    pos_row, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN,
-                                                        BLOCK_N, BLOCK_T, RING, CHUNK)
-    start = row_first + split * split_len
-    if NUM_SPLITS > 1:
-        if start >= row_len:  # nothing of this row here: the combine kernel skips this split
-            return
-    end = tl.minimum(start + split_len, row_len)
-
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     if BLOCK_DT > 0:
@@ -73,28 +70,6 @@ def _kv_cache_attention_decode_kernel(
         v_new_ptr = V_ptr + b * stride_vb + h * stride_vh
         vc_ptr = VC_ptr + b * stride_cb + h * stride_ch
 
-    # The fused scatter, before any read: this program writes the new K/V of the tokens whose
-    # positions fall in its range [start, end) into the cache, waits for its threads' stores, and
-    # then reads the cache alone. Only it reads those slots (the splits' ranges are disjoint); the
-    # programs of the other query-row blocks of the same range store the same bytes. With a position
-    # repeated in the row, the last token writing it wins, as in a sequential scatter.
-    offs_t = tl.arange(0, BLOCK_T)
-    owned = (pos_row >= start) & (pos_row < end)  # padding (-1) never: start >= 0
-    repeated = (pos_row[None, :] == pos_row[:, None]) & (offs_t[None, :] > offs_t[:, None])
-    write = owned & (tl.max(repeated.to(tl.int32), axis=1) == 0)
-    if RING:
-        write_rows = (pos_row.to(tl.int64) % S) * stride_cs
-    else:
-        write_rows = pos_row.to(tl.int64) * stride_cs
-    _store_new_rows(k_new_ptr, kc_ptr, offs_t, write_rows, write, stride_kt, offs_d, mask_d)
-    if DV == 0:
-        _store_new_rows(v_new_ptr, vc_ptr, offs_t, write_rows, write, stride_vt, offs_d, mask_d)
-    if BLOCK_DT > 0:  # the head dim's second block
-        _store_new_rows(k_new_ptr, kc_ptr, offs_t, write_rows, write, stride_kt, offs_dt, mask_dt)
-        if DV == 0:
-            _store_new_rows(v_new_ptr, vc_ptr, offs_t, write_rows, write, stride_vt, offs_dt, mask_dt)
-    tl.debug_barrier()  # the stores above are visible to every thread of the program from here on
-
     # Rows of the tile: m = g * T + t for query head h * G + g and token t.
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < G * T
@@ -102,11 +77,57 @@ def _kv_cache_attention_decode_kernel(
     hq_m = (h * G + offs_m // T).to(tl.int64)
     pos_m = _clean_positions(tl.load(Pos_ptr + b * T + t_m, mask=row_ok, other=-1), S, RING)
     first_m = _first_slots(pos_m, window, CHUNK)
-    q = tl.load(Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
-                + offs_d[None, :], mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+    # 16-bit: the queries are loaded here, beside the positions and the new rows, so the first key
+    # tiles' loads after the barrier wait for none of them. float32 (the correctness path) loads them
+    # after the barrier: held across it, a large head's float32 queries make ptxas spill.
+    EARLY_Q: tl.constexpr = not FP32_DOT
+    q_row_ptrs = Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
+    if EARLY_Q:
+        q = tl.load(q_row_ptrs + offs_d[None, :], mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+        if BLOCK_DT > 0:
+            q_t = tl.load(q_row_ptrs + offs_dt[None, :], mask=row_ok[:, None] & mask_dt[None, :], other=0.0)
+
+    # The fused scatter, before any read of the cache: this program writes the new K/V of the tokens
+    # whose positions fall in its range [start, end) into the cache, waits for its threads' stores,
+    # and then reads the cache alone. Only it reads those slots (the splits' ranges are disjoint); the
+    # programs of the other query-row blocks of the same range store the same bytes. With a position
+    # repeated in the row, the last token writing it wins, as in a sequential scatter. The new rows
+    # are loaded first, all T of them whoever owns them, so their loads wait for nothing (a few hundred
+    # bytes, from L2 for all but one program) and run beside the positions' load.
+    offs_t = tl.arange(0, BLOCK_T)
+    k_rows = _new_rows(k_new_ptr, offs_t, T, stride_kt, offs_d, mask_d)
+    if DV == 0:
+        v_rows = _new_rows(v_new_ptr, offs_t, T, stride_vt, offs_d, mask_d)
+    if BLOCK_DT > 0:  # the head dim's second block
+        k_rows_t = _new_rows(k_new_ptr, offs_t, T, stride_kt, offs_dt, mask_dt)
+        if DV == 0:
+            v_rows_t = _new_rows(v_new_ptr, offs_t, T, stride_vt, offs_dt, mask_dt)
+    pos_row, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN,
+                                                        BLOCK_N, BLOCK_T, RING, CHUNK)
+    start = row_first + split * split_len
+    if NUM_SPLITS > 1:
+        if start >= row_len:  # nothing of this row here: the combine kernel skips this split
+            return
+    end = tl.minimum(start + split_len, row_len)
+    owned = (pos_row >= start) & (pos_row < end)  # padding (-1) never: start >= 0
+    repeated = (pos_row[None, :] == pos_row[:, None]) & (offs_t[None, :] > offs_t[:, None])
+    write = owned & (tl.max(repeated.to(tl.int32), axis=1) == 0)
+    if RING:
+        write_rows = (pos_row.to(tl.int64) % S) * stride_cs
+    else:
+        write_rows = pos_row.to(tl.int64) * stride_cs
+    _store_rows(kc_ptr, write_rows, write, k_rows, offs_d, mask_d)
+    if DV == 0:
+        _store_rows(vc_ptr, write_rows, write, v_rows, offs_d, mask_d)
     if BLOCK_DT > 0:
-        q_t = tl.load(Q_ptr + b * stride_qb + hq_m[:, None] * stride_qh + t_m[:, None] * stride_qt
-                      + offs_dt[None, :], mask=row_ok[:, None] & mask_dt[None, :], other=0.0)
+        _store_rows(kc_ptr, write_rows, write, k_rows_t, offs_dt, mask_dt)
+        if DV == 0:
+            _store_rows(vc_ptr, write_rows, write, v_rows_t, offs_dt, mask_dt)
+    tl.debug_barrier()  # the stores above are visible to every thread of the program from here on
+    if not EARLY_Q:
+        q = tl.load(q_row_ptrs + offs_d[None, :], mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+        if BLOCK_DT > 0:
+            q_t = tl.load(q_row_ptrs + offs_dt[None, :], mask=row_ok[:, None] & mask_dt[None, :], other=0.0)
 
     m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)

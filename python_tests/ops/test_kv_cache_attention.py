@@ -487,13 +487,16 @@ def test_cuda_graph_capture_and_replay(backend):
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
 @pytest.mark.parametrize("T", [3, 20], ids=["decode-kernel", "prefill-kernel"])
-def test_repeated_positions_unchecked_last_token_wins(backend, device, T):
+@pytest.mark.parametrize("Hq", [4, 64], ids=["g2", "g32"])
+def test_repeated_positions_unchecked_last_token_wins(backend, device, T, Hq):
     """Under capture / compile repeated positions cannot be refused: a slot written by several
     tokens of a row then holds the last one's K/V (as a sequential scatter), in the cache and in
-    what every query attends to."""
+    what every query attends to. 32 query heads per kv head make the Triton decode kernel's
+    (group head, token) rows span several programs of one slot range (more than 64 rows on a GPU,
+    16 under the interpreter): each stores the new rows before reading them."""
     S = 32
     rows = [[2, 1, 2] + list(range(3, T)), list(range(T - 1)) + [0]]  # slot 2 / slot 0 written twice
-    q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, T, 16, S, rows, device=device)
+    q, k, v, k_cache, v_cache, positions = make_case(2, Hq, 2, T, 16, S, rows, device=device)
     # the reference with every writer of a slot carrying the last writer's K/V: order-free
     k_last, v_last = k.clone(), v.clone()
     for b, row in enumerate(rows):

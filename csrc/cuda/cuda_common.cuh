@@ -33,6 +33,16 @@ __device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
 template <typename scalar_t>
 __device__ __forceinline__ scalar_t from_float(float v) { return static_cast<scalar_t>(v); }
 
+// Two 16-bit activations packed in a 32-bit word (the lower-addressed one in the low half) -> floats.
+// A bf16 is the upper half of its float: one shift and one mask (converting each half on its own
+// costs the upper one a byte permute and a shift).
+__device__ __forceinline__ float2 pair_to_float2(unsigned w, c10::Half) {
+  return __half22float2(*reinterpret_cast<__half2*>(&w));
+}
+__device__ __forceinline__ float2 pair_to_float2(unsigned w, c10::BFloat16) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
 // Byte i of a word of four int8 values, each stored biased (b ^ 0x80 = b + 128 as unsigned), -> the
 // float b, without the conversion unit: the biased byte placed in the mantissa of 2^23 reads as
 // 2^23 + 128 + b (exact: the ulp there is 1), so one PRMT (integer pipe) and one FADD give b exactly.

@@ -37,11 +37,6 @@ constexpr int VEC = 16;  // int8 weights per 16-byte load
 // variants (ptxas -v, sm_90a); whether the occupancy or the spill costs more is for the bench.
 constexpr int MAX_EXPERTS = 65535;  // gridDim.y
 
-__device__ __forceinline__ float2 to_float2(unsigned w, c10::Half) { return __half22float2(*reinterpret_cast<__half2*>(&w)); }
-__device__ __forceinline__ float2 to_float2(unsigned w, c10::BFloat16) {
-  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
-}
-
 // VEC consecutive x values (16-byte aligned) -> floats.
 template <typename T>
 __device__ __forceinline__ void load_x(const T* src, float* out) {
@@ -58,7 +53,7 @@ __device__ __forceinline__ void load_x(const T* src, float* out) {
       const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float2 f = to_float2(w[j], T());
+        const float2 f = pair_to_float2(w[j], T());
         out[8 * i + 2 * j] = f.x, out[8 * i + 2 * j + 1] = f.y;
       }
     }

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "../common.h"
 #include "cuda_common.cuh"
@@ -72,6 +73,26 @@ __device__ __forceinline__ void int8x16_to_float(const int4& packed, float* out)
   }
 }
 
+// 16 activations, loaded as 16-byte vectors, -> float (16-bit ones a pair per 32-bit word).
+template <typename scalar_t>
+__device__ __forceinline__ void activations_to_float(const int4 (&xv)[GEMV_VEC * sizeof(scalar_t) / 16],
+                                                     float (&out)[GEMV_VEC]) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const float* xs = reinterpret_cast<const float*>(xv);
+#pragma unroll
+    for (int i = 0; i < GEMV_VEC; ++i) out[i] = xs[i];
+  } else {
+#pragma unroll
+    for (int j = 0; j < GEMV_VEC / 8; ++j)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 pair = pair_to_float2(word_of(xv[j], w), scalar_t());
+        out[8 * j + 2 * w] = pair.x;
+        out[8 * j + 2 * w + 1] = pair.y;
+      }
+  }
+}
+
 // One warp computes FEATURES output features for ROWS rows of x; each lane dots a strided share
 // of K and the warp reduces. VECTORIZED requires K % 16 == 0 and 16-byte aligned x / qweight rows
 // (checked by the launcher). FEATURES > 1 reuses every x vector loaded from L1 for several weight
@@ -104,64 +125,76 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
   if constexpr (VECTORIZED) {
     // UNROLL independent 16-byte loads per lane and feature are issued before any is used, so
     // each warp keeps FEATURES x UNROLL x 512 bytes of weights in flight (latency hiding without
-    // more warps). A trip is those loads (load) and their arithmetic (consume).
+    // more warps). A trip is those loads (load) and their arithmetic (consume). A trip that ends
+    // inside K (every trip when K is a multiple of TRIP, as in every Llama shape) runs without
+    // bounds checks (CHECKED = false): its loads, conversions and FMAs are then the whole loop
+    // body; only a ragged last trip tests each load (a warp-uniform choice per trip).
     constexpr int64_t WARP_STEP = WARP * GEMV_VEC;
     constexpr int64_t TRIP = WARP_STEP * UNROLL;
-    auto load = [&](int4 (&packed)[FEATURES][UNROLL], int64_t k_base) {
+    const int64_t lane_k = static_cast<int64_t>(lane) * GEMV_VEC;
+    auto load = [&](auto checked, int4 (&packed)[FEATURES][UNROLL], int64_t trip) {
+      constexpr bool CHECKED = decltype(checked)::value;
 #pragma unroll
       for (int f = 0; f < FEATURES; ++f)
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-          const int64_t k = k_base + u * WARP_STEP;
-          packed[f][u] = f < features && k < K ? __ldg(reinterpret_cast<const int4*>(w_rows + f * K + k))
-                                               : make_int4(0, 0, 0, 0);
+          const int64_t k = trip + lane_k + u * WARP_STEP;
+          const bool inside = (FEATURES == 1 || f < features) && (!CHECKED || k < K);
+          packed[f][u] = inside ? __ldg(reinterpret_cast<const int4*>(w_rows + f * K + k)) : make_int4(0, 0, 0, 0);
         }
     };
-    auto consume = [&](const int4 (&packed)[FEATURES][UNROLL], int64_t k_base) {
+    auto consume = [&](auto checked, const int4 (&packed)[FEATURES][UNROLL], int64_t trip) {
+      constexpr bool CHECKED = decltype(checked)::value;
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const int64_t k = k_base + u * WARP_STEP;
-        if (k >= K) break;
+        const int64_t k = trip + lane_k + u * WARP_STEP;
+        if (CHECKED && k >= K) break;
         float w[FEATURES][GEMV_VEC];
 #pragma unroll
         for (int f = 0; f < FEATURES; ++f) int8x16_to_float(packed[f][u], w[f]);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
-          if (r < rows) {
+          if (ROWS == 1 || r < rows) {
             // 16 activations = 16 * sizeof(scalar_t) bytes, loaded as 16-byte vectors.
             constexpr int X_VECS = GEMV_VEC * sizeof(scalar_t) / 16;
             int4 xv[X_VECS];
             const int4* x_src = reinterpret_cast<const int4*>(x_rows + r * stride_xm + k);
 #pragma unroll
             for (int j = 0; j < X_VECS; ++j) xv[j] = __ldg(x_src + j);
-            const scalar_t* xs = reinterpret_cast<const scalar_t*>(xv);
+            float xf[GEMV_VEC];
+            activations_to_float<scalar_t>(xv, xf);
 #pragma unroll
-            for (int i = 0; i < GEMV_VEC; ++i) {
-              const float xf = to_float(xs[i]);
+            for (int i = 0; i < GEMV_VEC; ++i)
 #pragma unroll
-              for (int f = 0; f < FEATURES; ++f) acc[f][r] = fmaf(xf, w[f][i], acc[f][r]);
-            }
+              for (int f = 0; f < FEATURES; ++f) acc[f][r] = fmaf(xf[i], w[f][i], acc[f][r]);
           }
         }
       }
     };
-    const int64_t k_first = static_cast<int64_t>(lane) * GEMV_VEC;
+    using Unchecked = std::false_type;
+    using Checked = std::true_type;
+    auto load_trip = [&](int4 (&packed)[FEATURES][UNROLL], int64_t trip) {
+      if (trip + TRIP <= K) load(Unchecked{}, packed, trip); else load(Checked{}, packed, trip);
+    };
+    auto consume_trip = [&](const int4 (&packed)[FEATURES][UNROLL], int64_t trip) {
+      if (trip + TRIP <= K) consume(Unchecked{}, packed, trip); else consume(Checked{}, packed, trip);
+    };
     int4 packed[FEATURES][UNROLL];
     if constexpr (PIPELINED) {
       // ping-pong between two register sets: the next trip's loads go out before this one's FMAs
       int4 ahead[FEATURES][UNROLL];
-      load(packed, k_first);
-      for (int64_t k_base = k_first; k_base < K; k_base += 2 * TRIP) {
-        load(ahead, k_base + TRIP);
-        consume(packed, k_base);
-        if (k_base + TRIP >= K) break;
-        load(packed, k_base + 2 * TRIP);
-        consume(ahead, k_base + TRIP);
+      load_trip(packed, 0);
+      for (int64_t trip = 0; trip < K; trip += 2 * TRIP) {
+        if (trip + TRIP < K) load_trip(ahead, trip + TRIP);
+        consume_trip(packed, trip);
+        if (trip + TRIP >= K) break;
+        if (trip + 2 * TRIP < K) load_trip(packed, trip + 2 * TRIP);
+        consume_trip(ahead, trip + TRIP);
       }
     } else {
-      for (int64_t k_base = k_first; k_base < K; k_base += TRIP) {
-        load(packed, k_base);
-        consume(packed, k_base);
+      for (int64_t trip = 0; trip < K; trip += TRIP) {
+        load_trip(packed, trip);
+        consume_trip(packed, trip);
       }
     }
   } else {

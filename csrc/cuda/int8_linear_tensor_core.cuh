@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_common.cuh"
 
@@ -106,16 +107,21 @@ struct MmaOps<c10::Half> {
 
 template <>
 struct MmaOps<c10::BFloat16> {
-  // bf16 has too few mantissa bits for the fp16 trick; go through the exact fp32 of
-  // biased_int8_to_float and keep the upper halves (a float holding an integer of at most 8
-  // significant bits has zero low 16 bits, so its bf16 is exact).
+  // bf16 has too few mantissa bits for the fp16 trick (its exponent's lowest bit is a byte's top
+  // bit), so each byte b is split: bf16 0x43XX with XX's top bit cleared is 128 + (b & 0x7f), with
+  // only that bit kept 128 or, for b < 0, 256; one packed FMA, (the second) x -1 + (the first),
+  // leaves b exactly. Per 4 weights: 2 PRMT, 4 LOP3, 2 FMA (the fp32 route, kept in the upper halves
+  // of biased_int8_to_float's floats, took a XOR, 4 PRMT + 4 FADD and 2 PRMT to pack).
+  static __device__ __forceinline__ uint32_t split_sub(uint32_t pair) {
+    constexpr uint32_t MINUS_ONE = 0xbf80bf80u;  // bf16x2 {-1, -1}
+    uint32_t out;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(pair & 0xff80ff80u), "r"(MINUS_ONE), "r"(pair & 0xff7fff7fu));
+    return out;
+  }
   static __device__ __forceinline__ void widen(uint32_t word, uint32_t& lo, uint32_t& hi) {
-    const uint32_t biased = word ^ 0x80808080u;
-    uint32_t f[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) f[i] = __float_as_uint(biased_int8_to_float(biased, i));
-    lo = __byte_perm(f[0], f[1], 0x7632);  // upper halves of f0 (low) and f1 (high)
-    hi = __byte_perm(f[2], f[3], 0x7632);
+    constexpr uint32_t EXPONENTS = 0x43434343u;
+    lo = split_sub(__byte_perm(word, EXPONENTS, 0x4140));  // bytes [b0, 0x43, b1, 0x43]
+    hi = split_sub(__byte_perm(word, EXPONENTS, 0x4342));  // bytes [b2, 0x43, b3, 0x43]
   }
   static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
@@ -166,17 +172,20 @@ int8_linear_mma_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict_
     int4 x[STAGE][RT][2];
   };
   const int4 zero = make_int4(0, 0, 0, 0);
-  auto load = [&](Stage& s, int64_t stage) {
+  // FULL: the stage lies inside K and every weight row of the warp inside N (warp-uniform), so its
+  // weight loads need no tests; x rows past M still read as zeros.
+  auto load = [&](auto full, Stage& s, int64_t stage) {
+    constexpr bool FULL = decltype(full)::value;
 #pragma unroll
     for (int u = 0; u < STAGE; ++u) {
       const int64_t k = (stage * STAGE + u) * MMA_CHUNK_K;
-      const bool inside = k + 16 * t < K;
+      const bool inside = FULL || k + 16 * t < K;
 #pragma unroll
       for (int i = 0; i < FT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int8_t* src = w_rows[i][h];
-          if (!inside || src == nullptr) {
+          if (!FULL && (!inside || src == nullptr)) {
             s.w[u][i][h] = zero;
           } else if constexpr (Tiling::STREAM_WEIGHTS) {
             s.w[u][i][h] = load_weights_streaming(src + k);
@@ -191,6 +200,14 @@ int8_linear_mma_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict_
         s.x[u][j][0] = ok ? __ldg(src) : zero;
         s.x[u][j][1] = ok ? __ldg(src + 1) : zero;
       }
+    }
+  };
+  const bool warp_rows_inside = n_warp + FT * 16 <= N;
+  auto load_stage = [&](Stage& s, int64_t stage) {
+    if (warp_rows_inside && (stage + 1) * STAGE * MMA_CHUNK_K <= K) {
+      load(std::true_type{}, s, stage);
+    } else {
+      load(std::false_type{}, s, stage);
     }
   };
 
@@ -226,12 +243,16 @@ int8_linear_mma_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict_
   };
 
   const int64_t stages = (K + STAGE * MMA_CHUNK_K - 1) / (STAGE * MMA_CHUNK_K);
-  Stage current{}, next{};  // zeros: the copy after the last stage reads an unloaded `next`
-  if (warp_k < stages) load(current, warp_k);
-  for (int64_t stage = warp_k; stage < stages; stage += WARPS_K) {
-    if (stage + WARPS_K < stages) load(next, stage + WARPS_K);
-    multiply(current);
-    current = next;  // after the last stage a stale copy, never multiplied
+  // Two register sets in turn (no copy between them): a stage's loads go out before the previous
+  // stage's multiplies.
+  Stage even{}, odd{};
+  if (warp_k < stages) load_stage(even, warp_k);
+  for (int64_t stage = warp_k; stage < stages; stage += 2 * WARPS_K) {
+    if (stage + WARPS_K < stages) load_stage(odd, stage + WARPS_K);
+    multiply(even);
+    if (stage + WARPS_K >= stages) break;
+    if (stage + 2 * WARPS_K < stages) load_stage(even, stage + 2 * WARPS_K);
+    multiply(odd);
   }
 
   if constexpr (WARPS_K > 1) {

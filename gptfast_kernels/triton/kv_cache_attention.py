@@ -117,8 +117,8 @@ class Tuning(NamedTuple):
 # with at least 256 (the value until stop 35, never swept) a 4k-context row got 16 splits, 128
 # programs of 8 tiles each for 132 SMs, and every tile and program count of that sweep took the same
 # 23.3-24.5 us; 64 gives it 32 programs per kv head of 4 tiles (reasoned, untimed; the partials are
-# then 0.5 MiB of float32, written and read back through L2, beside 16.8 MB of K / V). The 64 x 64 prefill tiles, the usual
-# flash-attention starting point, are not tuned yet.
+# then 0.5 MiB of float32, written and read back through L2, beside 16.8 MB of K / V). The 64 x 64
+# prefill tiles, the usual flash-attention starting point, are not tuned yet.
 _GPU = Tuning(decode_block_n=32, decode_max_rows=64, min_split_len=64, max_splits=64,
                programs_per_sm=2, prefill_block_m=64, prefill_block_n=64, scatter_block_t=16,
                combine_block_s=16, num_warps=4)

@@ -28,8 +28,16 @@ cd "$WORK"
 # the digest of the sources this build compiles, which bench/gpu_run.sh compares with the tree it
 # runs on before it uses the build (taken from the copy: the tree may change while nvcc runs)
 bash scripts/sources_digest.sh > SOURCES
+# GPTFAST_PORTABLE_GLIBC (csrc/module.cpp): no glibc newer than torch's own 2.28 asked for
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PATH=${CUDA_HOME:-/usr/local/cuda}/bin:$PATH MAX_JOBS=${MAX_JOBS:-$(nproc)} \
-  TORCH_CUDA_ARCH_LIST=9.0a GPTFAST_KERNELS_REQUIRE_CUDA=1 "$VENV/bin/python" setup.py -q build_ext --inplace
+  CFLAGS="${CFLAGS:-} -DGPTFAST_PORTABLE_GLIBC" TORCH_CUDA_ARCH_LIST=9.0a GPTFAST_KERNELS_REQUIRE_CUDA=1 \
+  "$VENV/bin/python" setup.py -q build_ext --inplace
+newest_glibc=$(objdump -T gptfast_kernels/_C.abi3.so | grep -o "GLIBC_[0-9.]*" | sort -Vu | tail -1)
+torch_glibc=$(objdump -T "$("$VENV/bin/python" -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'lib', 'libtorch_cpu.so'))")" \
+  | grep -o "GLIBC_[0-9.]*" | sort -Vu | tail -1)
+if [ "$(printf '%s\n' "$newest_glibc" "$torch_glibc" | sort -V | tail -1)" != "$torch_glibc" ]; then
+  echo "warning: the build asks for $newest_glibc, torch only for $torch_glibc: it may not load on the GPU machine"
+fi
 mkdir -p "$ROOT/.gpu_build"
 cp gptfast_kernels/_C.abi3.so "$ROOT/.gpu_build/_C.abi3.so"
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__, 'sm_90a', end=' ')" > "$ROOT/.gpu_build/BUILD_INFO"

@@ -10,7 +10,9 @@
 // build ask for GLIBC_2.32 (torch itself asks for 2.28). Defined here, the reference binds without
 // glibc: where glibc has its own, the loader still picks glibc's; where not, this one says "threads
 // may exist", so shared pointers keep their atomic counts, as libstdc++ does without the variable.
-extern "C" char __libc_single_threaded = 0;
+extern "C" {
+char __libc_single_threaded = 0;
+}
 #endif
 
 extern "C" {

@@ -28,9 +28,11 @@ cd "$WORK"
 # the digest of the sources this build compiles, which bench/gpu_run.sh compares with the tree it
 # runs on before it uses the build (taken from the copy: the tree may change while nvcc runs)
 bash scripts/sources_digest.sh > SOURCES
-# GPTFAST_PORTABLE_GLIBC (csrc/module.cpp): no glibc newer than torch's own 2.28 asked for
+# GPTFAST_PORTABLE_GLIBC (csrc/module.cpp): no glibc newer than torch's own 2.28 asked for. (CFLAGS
+# replaces Python's own compile flags, so they are passed along.)
+PY_CFLAGS=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_config_var('CFLAGS') or '')")
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PATH=${CUDA_HOME:-/usr/local/cuda}/bin:$PATH MAX_JOBS=${MAX_JOBS:-$(nproc)} \
-  CFLAGS="${CFLAGS:-} -DGPTFAST_PORTABLE_GLIBC" TORCH_CUDA_ARCH_LIST=9.0a GPTFAST_KERNELS_REQUIRE_CUDA=1 \
+  CFLAGS="$PY_CFLAGS ${CFLAGS:-} -DGPTFAST_PORTABLE_GLIBC" TORCH_CUDA_ARCH_LIST=9.0a GPTFAST_KERNELS_REQUIRE_CUDA=1 \
   "$VENV/bin/python" setup.py -q build_ext --inplace
 newest_glibc=$(objdump -T gptfast_kernels/_C.abi3.so | grep -o "GLIBC_[0-9.]*" | sort -Vu | tail -1)
 torch_glibc=$(objdump -T "$("$VENV/bin/python" -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'lib', 'libtorch_cpu.so'))")" \

@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace gptfast_kernels {
 
@@ -41,6 +42,34 @@ __device__ __forceinline__ float2 pair_to_float2(unsigned w, c10::Half) {
 }
 __device__ __forceinline__ float2 pair_to_float2(unsigned w, c10::BFloat16) {
   return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
+// Word i (0..3) of a 16-byte vector.
+__device__ __forceinline__ uint32_t word_of(const int4& v, int i) {
+  return static_cast<uint32_t>(i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w);
+}
+
+// COUNT consecutive values of type T from 16-byte aligned src, loaded as 16-byte vectors through
+// the read-only path, -> floats (16-bit ones a pair per 32-bit word).
+template <typename T, int COUNT>
+__device__ __forceinline__ void load_to_float(const T* src, float (&out)[COUNT]) {
+  static_assert(COUNT * sizeof(T) % 16 == 0, "load_to_float reads whole 16-byte vectors");
+  constexpr int VECS = COUNT * sizeof(T) / 16;
+  int4 v[VECS];
+#pragma unroll
+  for (int j = 0; j < VECS; ++j) v[j] = __ldg(reinterpret_cast<const int4*>(src) + j);
+#pragma unroll
+  for (int j = 0; j < VECS; ++j)
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      if constexpr (std::is_same_v<T, float>) {
+        out[4 * j + w] = __uint_as_float(word_of(v[j], w));
+      } else {
+        const float2 pair = pair_to_float2(word_of(v[j], w), T());
+        out[8 * j + 2 * w] = pair.x;
+        out[8 * j + 2 * w + 1] = pair.y;
+      }
+    }
 }
 
 // Byte i of a word of four int8 values, each stored biased (b ^ 0x80 = b + 128 as unsigned), -> the

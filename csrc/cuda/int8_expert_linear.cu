@@ -37,29 +37,6 @@ constexpr int VEC = 16;  // int8 weights per 16-byte load
 // variants (ptxas -v, sm_90a); whether the occupancy or the spill costs more is for the bench.
 constexpr int MAX_EXPERTS = 65535;  // gridDim.y
 
-// VEC consecutive x values (16-byte aligned) -> floats.
-template <typename T>
-__device__ __forceinline__ void load_x(const T* src, float* out) {
-  if constexpr (std::is_same_v<T, float>) {
-#pragma unroll
-    for (int i = 0; i < VEC / 4; ++i) {
-      const float4 v = __ldg(reinterpret_cast<const float4*>(src) + i);
-      out[4 * i] = v.x, out[4 * i + 1] = v.y, out[4 * i + 2] = v.z, out[4 * i + 3] = v.w;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC / 8; ++i) {
-      const uint4 u = __ldg(reinterpret_cast<const uint4*>(src) + i);
-      const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = pair_to_float2(w[j], T());
-        out[8 * i + 2 * j] = f.x, out[8 * i + 2 * j + 1] = f.y;
-      }
-    }
-  }
-}
-
 // VECTORIZED: K % VEC == 0 and 16-byte aligned x / qweight (checked by the launcher); else each
 // lane walks K one element at a time.
 template <typename T, bool VECTORIZED>
@@ -91,7 +68,7 @@ __global__ void __launch_bounds__(THREADS) expert_gemv_kernel(const T* __restric
           float xf[ROWS][VEC];
 #pragma unroll
           for (int r = 0; r < ROWS; ++r)
-            if (r < rows) load_x(x_row[r] + k, xf[r]);
+            if (r < rows) load_to_float(x_row[r] + k, xf[r]);
 #pragma unroll
           for (int j = 0; j < OUTPUTS_PER_WARP; ++j) {
             const int64_t n = n_first + j;

@@ -63,33 +63,11 @@ constexpr int64_t MAX_GRID_Y = 65535;
 // 132 SMs at ~1.75 GHz) needs ~13 per clock.
 static_assert(GEMV_VEC == 16, "int8x16_to_float widens one 16-byte vector of weights");
 __device__ __forceinline__ void int8x16_to_float(const int4& packed, float* out) {
-  const unsigned words[4] = {static_cast<unsigned>(packed.x), static_cast<unsigned>(packed.y),
-                             static_cast<unsigned>(packed.z), static_cast<unsigned>(packed.w)};
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    const unsigned biased = words[w] ^ 0x80808080u;  // each signed byte b -> unsigned b + 128
+    const unsigned biased = word_of(packed, w) ^ 0x80808080u;  // each signed byte b -> unsigned b + 128
 #pragma unroll
     for (int i = 0; i < 4; ++i) out[4 * w + i] = biased_int8_to_float(biased, i);
-  }
-}
-
-// 16 activations, loaded as 16-byte vectors, -> float (16-bit ones a pair per 32-bit word).
-template <typename scalar_t>
-__device__ __forceinline__ void activations_to_float(const int4 (&xv)[GEMV_VEC * sizeof(scalar_t) / 16],
-                                                     float (&out)[GEMV_VEC]) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    const float* xs = reinterpret_cast<const float*>(xv);
-#pragma unroll
-    for (int i = 0; i < GEMV_VEC; ++i) out[i] = xs[i];
-  } else {
-#pragma unroll
-    for (int j = 0; j < GEMV_VEC / 8; ++j)
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float2 pair = pair_to_float2(word_of(xv[j], w), scalar_t());
-        out[8 * j + 2 * w] = pair.x;
-        out[8 * j + 2 * w + 1] = pair.y;
-      }
   }
 }
 
@@ -155,14 +133,8 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           if (ROWS == 1 || r < rows) {
-            // 16 activations = 16 * sizeof(scalar_t) bytes, loaded as 16-byte vectors.
-            constexpr int X_VECS = GEMV_VEC * sizeof(scalar_t) / 16;
-            int4 xv[X_VECS];
-            const int4* x_src = reinterpret_cast<const int4*>(x_rows + r * stride_xm + k);
-#pragma unroll
-            for (int j = 0; j < X_VECS; ++j) xv[j] = __ldg(x_src + j);
             float xf[GEMV_VEC];
-            activations_to_float<scalar_t>(xv, xf);
+            load_to_float(x_rows + r * stride_xm + k, xf);
 #pragma unroll
             for (int i = 0; i < GEMV_VEC; ++i)
 #pragma unroll

@@ -64,10 +64,6 @@ using MmaSkinnyTiling = MmaTiling<1, 2, 1, 4, 2, 2, false>;
 // not yet timed (about 160 registers a thread: 3 blocks per SM).
 using MmaPrefillTiling = MmaTiling<2, 4, 2, 2, 1, 1, false>;
 
-__device__ __forceinline__ uint32_t word_of(const int4& v, int i) {
-  return static_cast<uint32_t>(i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w);
-}
-
 // 16 bytes of weights that no other warp of the block reads again: skip L1 (ld.global.nc with the
 // L1::no_allocate hint) so the activations stay there.
 __device__ __forceinline__ int4 load_weights_streaming(const int8_t* ptr) {

@@ -82,6 +82,9 @@ __device__ __forceinline__ float biased_int8_to_float(unsigned biased, int i) {
   return __uint_as_float(__byte_perm(biased, MAGIC_BITS, 0x7540u | i)) - MAGIC_PLUS_BIAS;
 }
 
+// Host-side grid arithmetic.
+inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // Whether a pointer allows 16-byte vector loads / stores.
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 

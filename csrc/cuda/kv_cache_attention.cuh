@@ -565,8 +565,6 @@ __device__ void simt_init_rows(const SimtSmem<T>& sm, int rows, int dp, int D, i
 
 // ------------------------------------------------------------------------------- host helpers
 
-inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Slots per K/V tile: the largest power of two <= MAX_KV_TILE whose tile fits KV_TILE_BYTES.
 inline int kv_tile(int row_bytes) {
   int bn = MAX_KV_TILE;

@@ -1,13 +1,18 @@
-// verify_draft CUDA kernel: one thread block per batch row.
+// verify_draft CUDA kernels.
 //
-// Sampling: warp 0 tests up to 32 drafts at a time (reading only p = target[b, i, t_i] and
-// q = draft[b, i, t_i]) and a ballot finds the first rejection n. The block then makes one pass
-// over the row at n (max(0, target - draft), or target when all k were accepted or the residual is
-// all zero): each warp sums one of WARPS contiguous segments, giving the total and the segment
-// where the running sum passes u * total. The inverse-CDF scan (block prefix scan per chunk of
-// SCAN_CHUNK elements) starts at that segment, so it reads about 1 / WARPS of the row again
-// instead of everything before the sampled index.
-// Greedy: block argmax of row 0, 1, ... stopping at the first draft that differs from it.
+// Sampling (one thread block per batch row): warp 0 tests up to 32 drafts at a time (reading
+// only p = target[b, i, t_i] and q = draft[b, i, t_i]) and a ballot finds the first rejection n.
+// The block then makes one pass over the row at n (max(0, target - draft), or target when all k
+// were accepted or the residual is all zero): each warp sums one of WARPS contiguous segments,
+// giving the total and the segment where the running sum passes u * total. The inverse-CDF scan
+// (block prefix scan per chunk of SCAN_CHUNK elements) starts at that segment, so it reads about
+// 1 / WARPS of the row again instead of everything before the sampled index.
+// Greedy (two launches): the argmax of every position of every row at once, each row split into
+// chunks across blocks so that even B = 1 spreads over the whole GPU (one block streaming a row,
+// position after position, reads at one SM's rate: ~20 GB/s, 25 us a 128k-entry row on an H200);
+// then one warp per batch row merges its chunks' (value, index) pairs position by position and
+// stops at the first draft that differs. Rows past a row's first mismatch are read for nothing:
+// bandwidth the single-block walk saved, traded for the parallelism it lacked.
 // Rows whose length is a multiple of 4 (and 16-byte aligned) are read as float4: with UNROLL
 // loads per thread in flight, a block keeps ~32 KiB of a row in flight from its SM.
 // The vocabulary is streamed in strided / chunked tiles, never held whole in registers. All sums
@@ -20,6 +25,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <climits>
 
 #include "cuda_common.cuh"
@@ -27,12 +33,16 @@
 namespace gptfast_kernels {
 namespace {
 
-// One block per row: 16 warps keep enough loads in flight to stream a 128k-entry row from one SM,
-// and B = 64 rows fill about half of an H100's 132 SMs (the issue's target shape).
+// Sampling: one block per row; 16 warps keep enough loads in flight to stream a 128k-entry row
+// from one SM, and B = 64 rows fill about half of an H100's 132 SMs (the issue's target shape).
 constexpr int THREADS = 512;
 constexpr int WARPS = THREADS / 32;
 // Strided loads issued back to back per thread in the sum / argmax passes (memory-level parallelism).
 constexpr int UNROLL = 4;
+// Greedy: chunk-argmax blocks per SM wanted, and the shortest chunk (one unrolled float4 trip of a
+// block: shorter ones would spend more on the block's reduction than on loads).
+constexpr int64_t GREEDY_BLOCKS_PER_SM = 2;
+constexpr int64_t GREEDY_MIN_CHUNK = static_cast<int64_t>(THREADS) * 4 * UNROLL;
 // Consecutive elements per thread per scan chunk; a chunk (2048 entries) costs a few barriers.
 constexpr int SCAN_ITEMS = 4;
 constexpr int64_t SCAN_CHUNK = static_cast<int64_t>(THREADS) * SCAN_ITEMS;
@@ -65,15 +75,23 @@ __device__ __forceinline__ void argmax_merge(float& best, long long& idx, float 
   }
 }
 
-// First index of the maximum of row[0, V), returned to every thread.
-__device__ long long block_argmax(const float* __restrict__ row, int64_t V, bool vec4, float* scratch_f,
-                                  long long* scratch_i) {
-  float best = -INFINITY;
-  long long idx = LLONG_MAX;
-  if (vec4) {  // V % 4 == 0; argmax_merge is order-free, so the unrolled loads may merge in any order
+// Merges the (value, index) pairs of a warp's lanes; every lane gets the winner.
+__device__ __forceinline__ void warp_argmax(float& best, long long& idx) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    argmax_merge(best, idx, __shfl_xor_sync(FULL_MASK, best, offset), __shfl_xor_sync(FULL_MASK, idx, offset));
+  }
+}
+
+// The maximum of row[begin, end) and its first index (begin < end), returned to every thread.
+// vec4: begin and end are multiples of 4 and row is 16-byte aligned.
+__device__ void block_argmax(const float* __restrict__ row, int64_t begin, int64_t end, bool vec4,
+                             float* scratch_f, long long* scratch_i, float& best, long long& idx) {
+  best = -INFINITY;
+  idx = LLONG_MAX;
+  if (vec4) {  // argmax_merge is order-free, so the unrolled loads may merge in any order
     constexpr int64_t STEP = static_cast<int64_t>(THREADS) * 4;
-    int64_t j = static_cast<int64_t>(threadIdx.x) * 4;
-    for (; j + (UNROLL - 1) * STEP < V; j += UNROLL * STEP) {
+    int64_t j = begin + static_cast<int64_t>(threadIdx.x) * 4;
+    for (; j + (UNROLL - 1) * STEP < end; j += UNROLL * STEP) {
       float4 v[UNROLL];
 #pragma unroll
       for (int r = 0; r < UNROLL; ++r) v[r] = __ldg(reinterpret_cast<const float4*>(row + j + r * STEP));
@@ -84,18 +102,15 @@ __device__ long long block_argmax(const float* __restrict__ row, int64_t V, bool
         argmax_merge(best, idx, v[r].z, at + 2), argmax_merge(best, idx, v[r].w, at + 3);
       }
     }
-    for (; j < V; j += STEP) {
+    for (; j < end; j += STEP) {
       const float4 v = __ldg(reinterpret_cast<const float4*>(row + j));
       argmax_merge(best, idx, v.x, j), argmax_merge(best, idx, v.y, j + 1);
       argmax_merge(best, idx, v.z, j + 2), argmax_merge(best, idx, v.w, j + 3);
     }
   } else {
-    for (int64_t j = threadIdx.x; j < V; j += THREADS) argmax_merge(best, idx, row[j], j);
+    for (int64_t j = begin + threadIdx.x; j < end; j += THREADS) argmax_merge(best, idx, __ldg(row + j), j);
   }
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    argmax_merge(best, idx, __shfl_xor_sync(FULL_MASK, best, offset),
-                 __shfl_xor_sync(FULL_MASK, idx, offset));
-  }
+  warp_argmax(best, idx);
   __syncthreads();
   if (threadIdx.x % 32 == 0) {
     scratch_f[threadIdx.x / 32] = best;
@@ -103,7 +118,6 @@ __device__ long long block_argmax(const float* __restrict__ row, int64_t V, bool
   }
   __syncthreads();
   for (int w = 0; w < WARPS; ++w) argmax_merge(best, idx, scratch_f[w], scratch_i[w]);
-  return idx == LLONG_MAX ? 0 : idx;
 }
 
 // Entries j .. j + 3 of the weights (vec4 rows: j % 4 == 0, 16-byte aligned).
@@ -228,10 +242,10 @@ __device__ long long block_inverse_cdf(const float* __restrict__ t, const float*
 }
 
 __global__ void __launch_bounds__(THREADS)
-    verify_draft_kernel(const float* __restrict__ target, const float* __restrict__ draft,
-                        const int64_t* __restrict__ draft_tokens, const float* __restrict__ uniforms,
-                        int64_t* __restrict__ out_tokens, int64_t* __restrict__ num_emitted,
-                        int64_t k, int64_t V, bool greedy, bool vec4) {
+    sampling_kernel(const float* __restrict__ target, const float* __restrict__ draft,
+                    const int64_t* __restrict__ draft_tokens, const float* __restrict__ uniforms,
+                    int64_t* __restrict__ out_tokens, int64_t* __restrict__ num_emitted, int64_t k,
+                    int64_t V, bool vec4) {
   __shared__ float scratch_f[WARPS];
   __shared__ float seg_sums[WARPS];
   __shared__ long long scratch_i[WARPS];
@@ -241,52 +255,90 @@ __global__ void __launch_bounds__(THREADS)
   const float* t_rows = target + b * K1 * V;  // int64: B * (k + 1) * V passes 2^31 at B = 64, V = 256k
   const int64_t* ids = draft_tokens + b * k;
   const float* u = uniforms + b * K1;
-  int64_t n = 0;
-  long long final_token = 0;
-  if (greedy) {
-    for (;; ++n) {  // uniform across the block: every thread sees the same argmax
-      final_token = block_argmax(t_rows + n * V, V, vec4, scratch_f, scratch_i);
-      if (n == k || ids[n] != final_token) break;
-    }
-  } else {
-    const float* d_rows = draft + b * k * V;
-    if (threadIdx.x < 32) {
-      long long rejected_at = k;
-      for (int64_t i0 = 0; i0 < k; i0 += 32) {
-        const int64_t i = i0 + threadIdx.x;
-        bool reject = false;
-        if (i < k) {
-          const int64_t tok = ids[i];
-          if (tok < 0 || tok >= V) {
-            reject = true;
-          } else {
-            const float p = t_rows[i * V + tok], q = d_rows[i * V + tok];
-            reject = !(q > 0.f && __fmul_rn(u[i], q) < p);
-          }
-        }
-        const unsigned mask = __ballot_sync(FULL_MASK, reject);
-        if (mask != 0u) {
-          rejected_at = i0 + __ffs(mask) - 1;
-          break;
+  const float* d_rows = draft + b * k * V;
+  if (threadIdx.x < 32) {
+    long long rejected_at = k;
+    for (int64_t i0 = 0; i0 < k; i0 += 32) {
+      const int64_t i = i0 + threadIdx.x;
+      bool reject = false;
+      if (i < k) {
+        const int64_t tok = ids[i];
+        if (tok < 0 || tok >= V) {
+          reject = true;
+        } else {
+          const float p = t_rows[i * V + tok], q = d_rows[i * V + tok];
+          reject = !(q > 0.f && __fmul_rn(u[i], q) < p);
         }
       }
-      if (threadIdx.x == 0) first_rejection = rejected_at;
+      const unsigned mask = __ballot_sync(FULL_MASK, reject);
+      if (mask != 0u) {
+        rejected_at = i0 + __ffs(mask) - 1;
+        break;
+      }
     }
-    __syncthreads();
-    n = first_rejection;
-    const float* t_row = t_rows + n * V;
-    const float* d_row = n < k ? d_rows + n * V : nullptr;
-    float total = segment_sums(t_row, d_row, V, vec4, seg_sums);
-    if (d_row != nullptr && !(total > 0.f)) {  // all-zero residual: sample from the target row
-      d_row = nullptr;
-      total = segment_sums(t_row, nullptr, V, vec4, seg_sums);
-    }
-    final_token = block_inverse_cdf(t_row, d_row, V, vec4, total, u[k], seg_sums, scratch_f, scratch_i);
+    if (threadIdx.x == 0) first_rejection = rejected_at;
   }
+  __syncthreads();
+  const int64_t n = first_rejection;
+  const float* t_row = t_rows + n * V;
+  const float* d_row = n < k ? d_rows + n * V : nullptr;
+  float total = segment_sums(t_row, d_row, V, vec4, seg_sums);
+  if (d_row != nullptr && !(total > 0.f)) {  // all-zero residual: sample from the target row
+    d_row = nullptr;
+    total = segment_sums(t_row, nullptr, V, vec4, seg_sums);
+  }
+  const long long final_token =
+      block_inverse_cdf(t_row, d_row, V, vec4, total, u[k], seg_sums, scratch_f, scratch_i);
   for (int64_t i = threadIdx.x; i < K1; i += THREADS) {
     out_tokens[b * K1 + i] = i < n ? ids[i] : (i == n ? final_token : -1);
   }
   if (threadIdx.x == 0) num_emitted[b] = n + 1;
+}
+
+// Greedy, first launch: block p = row * splits + s reduces chunk s ([s * chunk, (s + 1) * chunk)
+// cut at V) of row `row` of target [B * (k + 1), V] to its (maximum, first index).
+__global__ void __launch_bounds__(THREADS)
+    greedy_chunk_argmax_kernel(const float* __restrict__ target, int64_t V, int64_t chunk, int64_t splits,
+                               bool vec4, float* __restrict__ chunk_max, long long* __restrict__ chunk_idx) {
+  __shared__ float scratch_f[WARPS];
+  __shared__ long long scratch_i[WARPS];
+  const int64_t p = blockIdx.x;
+  const int64_t row = p / splits, begin = p % splits * chunk;
+  const int64_t end = begin + chunk < V ? begin + chunk : V;
+  float best;
+  long long idx;
+  block_argmax(target + row * V, begin, end, vec4, scratch_f, scratch_i, best, idx);
+  if (threadIdx.x == 0) {
+    chunk_max[p] = best;
+    chunk_idx[p] = idx;
+  }
+}
+
+// Greedy, second launch: one warp per batch row merges the chunks of positions 0, 1, ... and stops
+// at the first draft that differs from the argmax (or after position k).
+constexpr int ACCEPT_THREADS = 128;
+__global__ void __launch_bounds__(ACCEPT_THREADS)
+    greedy_accept_kernel(const float* __restrict__ chunk_max, const long long* __restrict__ chunk_idx,
+                         const int64_t* __restrict__ draft_tokens, int64_t* __restrict__ out_tokens,
+                         int64_t* __restrict__ num_emitted, int64_t B, int64_t k, int64_t splits) {
+  const int lane = threadIdx.x % 32;
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * (ACCEPT_THREADS / 32) + threadIdx.x / 32;
+  if (b >= B) return;  // the whole warp
+  const int64_t K1 = k + 1;
+  const int64_t* ids = draft_tokens + b * k;
+  int64_t n = 0;
+  long long final_token = 0;
+  for (;; ++n) {  // uniform across the warp: every lane gets the same argmax
+    float best = -INFINITY;
+    long long idx = LLONG_MAX;
+    const int64_t first = (b * K1 + n) * splits;
+    for (int64_t s = lane; s < splits; s += 32) argmax_merge(best, idx, chunk_max[first + s], chunk_idx[first + s]);
+    warp_argmax(best, idx);
+    final_token = idx;
+    if (n == k || ids[n] != final_token) break;
+  }
+  for (int64_t i = lane; i < K1; i += 32) out_tokens[b * K1 + i] = i < n ? ids[i] : (i == n ? final_token : -1);
+  if (lane == 0) num_emitted[b] = n + 1;
 }
 
 void check_inputs(const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs,
@@ -325,14 +377,35 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& target_pr
   if (B == 0) return {tokens, num_emitted};
   TORCH_CHECK(B <= INT_MAX, "verify_draft: batch size ", B, " exceeds the CUDA grid");
   const bool greedy = !draft_probs.has_value();
-  // float4 rows: every row starts at a multiple of V floats from 16-byte aligned bases
-  const bool vec4 = V % 4 == 0 && reinterpret_cast<uintptr_t>(target_probs.data_ptr()) % 16 == 0 &&
-                    (greedy || reinterpret_cast<uintptr_t>(draft_probs->data_ptr()) % 16 == 0);
-  verify_draft_kernel<<<static_cast<unsigned>(B), THREADS, 0,
-                        c10::cuda::getCurrentCUDAStream()>>>(
-      target_probs.data_ptr<float>(), greedy ? nullptr : draft_probs->data_ptr<float>(),
-      draft_tokens.data_ptr<int64_t>(), uniforms.data_ptr<float>(), tokens.data_ptr<int64_t>(),
-      num_emitted.data_ptr<int64_t>(), K1 - 1, V, greedy, vec4);
+  // float4 rows: every row starts at a multiple of V floats from 16-byte aligned bases (chunks too)
+  const bool vec4 = V % 4 == 0 && aligned16(target_probs.data_ptr()) && (greedy || aligned16(draft_probs->data_ptr()));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (greedy) {
+    // Enough chunks per row for GREEDY_BLOCKS_PER_SM blocks on every SM, none shorter than one
+    // unrolled trip of the block.
+    const int64_t rows = B * K1;
+    const int64_t wanted = ceil_div64(GREEDY_BLOCKS_PER_SM * device_attribute(cudaDevAttrMultiProcessorCount), rows);
+    int64_t splits = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, V / GREEDY_MIN_CHUNK));
+    const int64_t chunk = ceil_div64(ceil_div64(V, splits), 4) * 4;
+    splits = ceil_div64(V, chunk);
+    TORCH_CHECK(rows * splits <= INT_MAX, "verify_draft: ", B, " x ", K1, " rows exceed the CUDA grid");
+    at::Tensor chunk_max = at::empty({rows * splits}, target_probs.options());
+    at::Tensor chunk_idx = at::empty({rows * splits}, draft_tokens.options());
+    greedy_chunk_argmax_kernel<<<static_cast<unsigned>(rows * splits), THREADS, 0, stream>>>(
+        target_probs.data_ptr<float>(), V, chunk, splits, vec4, chunk_max.data_ptr<float>(),
+        reinterpret_cast<long long*>(chunk_idx.data_ptr<int64_t>()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    constexpr int ROWS_PER_BLOCK = ACCEPT_THREADS / 32;
+    greedy_accept_kernel<<<static_cast<unsigned>(ceil_div64(B, ROWS_PER_BLOCK)), ACCEPT_THREADS, 0, stream>>>(
+        chunk_max.data_ptr<float>(), reinterpret_cast<const long long*>(chunk_idx.data_ptr<int64_t>()),
+        draft_tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>(), num_emitted.data_ptr<int64_t>(), B,
+        K1 - 1, splits);
+  } else {
+    sampling_kernel<<<static_cast<unsigned>(B), THREADS, 0, stream>>>(
+        target_probs.data_ptr<float>(), draft_probs->data_ptr<float>(), draft_tokens.data_ptr<int64_t>(),
+        uniforms.data_ptr<float>(), tokens.data_ptr<int64_t>(), num_emitted.data_ptr<int64_t>(), K1 - 1, V,
+        vec4);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {tokens, num_emitted};
 }

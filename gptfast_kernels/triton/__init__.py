@@ -3,6 +3,7 @@ gptfast_kernels.ops import it lazily so the package works without Triton. This m
 the op modules share."""
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -21,6 +22,22 @@ def on_device(tensor: torch.Tensor):
     """Context that makes ``tensor``'s GPU current: Triton launches on the current device and its
     stream, whatever device the arguments are on."""
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+# SM count the split heuristics assume under the interpreter (there is no device to ask).
+INTERPRETER_NUM_SMS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of ``device`` for grid-size heuristics; INTERPRETER_NUM_SMS for CPU tensors."""
+    if device.type != "cuda":
+        return INTERPRETER_NUM_SMS
+    return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:

@@ -63,7 +63,6 @@ kv_cache_attention_common.py.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -71,7 +70,7 @@ import triton
 
 from gptfast_kernels.ops._dispatch import check_contiguous, check_int, check_tensor
 from gptfast_kernels.ops.kv_cache_attention import check_inputs
-from gptfast_kernels.triton import FP32_NUM_STAGES, dot_in_fp32, on_device
+from gptfast_kernels.triton import FP32_NUM_STAGES, dot_in_fp32, num_sms, on_device
 from gptfast_kernels.triton.kv_cache_attention_common import LOG2_E
 from gptfast_kernels.triton.kv_cache_attention_decode import (_kv_cache_attention_combine_kernel,
                                                               _kv_cache_attention_decode_kernel)
@@ -127,8 +126,6 @@ _GPU = Tuning(decode_block_n=32, decode_max_rows=64, min_split_len=64, max_split
 _INTERPRETER = Tuning(decode_block_n=16, decode_max_rows=16, min_split_len=16, max_splits=8,
                        programs_per_sm=2, prefill_block_m=16, prefill_block_n=16, scatter_block_t=16,
                        combine_block_s=4, num_warps=4)
-# SM count the split heuristic assumes under the interpreter (there is no device to ask).
-_INTERPRETER_NUM_SMS = 16
 # Largest head dim _GPU's tiles serve; larger heads (Gemma 4's global layers: D = 512) get
 # _GPU_LARGE_HEAD. With _GPU's tiles at BLOCK_D = 512, sm_90 compiles spill: the decode kernel
 # (16 rows x 32 slots, 4 warps) 1.3 KiB per thread, and its three pipeline stages of 32 x 512 K / V
@@ -168,11 +165,6 @@ MIN_TAIL_BLOCK_D = 64
 # stages here to stay within 255 registers.)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _launch_options(dtype: torch.dtype, tune: Tuning) -> dict:
     options = {"num_warps": tune.num_warps}
     if dtype == torch.float32:
@@ -185,10 +177,8 @@ def _gpu_tuning(head_dim: int) -> Tuning:
 
 
 def _tuning(device: torch.device, head_dim: int) -> tuple[Tuning, int]:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return _gpu_tuning(head_dim), _num_sms(index)
-    return _INTERPRETER, _INTERPRETER_NUM_SMS
+    tune = _gpu_tuning(head_dim) if device.type == "cuda" else _INTERPRETER
+    return tune, num_sms(device)
 
 
 def _head_blocks(D: int, min_block: int = 1) -> tuple[int, int]:

@@ -118,7 +118,9 @@ CASES = {
     **{f"kv-{mode}-bf16-alibi": ((_kv_cache_attention, torch.bfloat16, T, 128, 4096, 0, (32, 32), 0, 0, False, True),
                                  PREFILL if T > 16 else DECODE)
        for mode, T in (("decode", 1), ("verify", 5), ("prefill", 64))},
-    **{f"verify_draft-{mode}-V{V}": ((_verify_draft, mode == "greedy", V), ["_verify_draft_kernel"])
+    **{f"verify_draft-{mode}-V{V}": ((_verify_draft, mode == "greedy", V),
+                                     ["_greedy_chunk_kernel", "_greedy_accept_kernel"] if mode == "greedy"
+                                     else ["_sampling_kernel"])
        for mode in ("greedy", "sampling") for V in (128256, 50257)},
 }
 # Cases whose attention kernels must not spill (a stack frame of 0 bytes). Prefill: the large-head

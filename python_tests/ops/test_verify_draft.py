@@ -370,6 +370,33 @@ def test_greedy_nan_is_the_maximum_when_unchecked(backend, device):
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_greedy_argmax_across_chunks(monkeypatch, backend, device):
+    """The GPU kernels split each greedy row into chunks reduced by separate blocks / programs and
+    merged after: a tie between two chunks goes to the earlier index, a NaN in a later chunk beats
+    any number in an earlier one, and acceptance stops at the first mismatch as before."""
+    B, k = 2, 2
+    if _is_interpreter(backend, device):  # small tiles, chunks of one tile: V = 101 in 4 chunks
+        monkeypatch.setattr(triton_verify_draft, "BLOCK_V", 16)
+        monkeypatch.setattr(triton_verify_draft, "GREEDY_MIN_CHUNK_TILES", 1)
+        V = 101
+        assert triton_verify_draft._greedy_chunks(B * (k + 1), V, 16)[1] > 2
+    else:  # the CUDA kernel's shortest chunk is 8192 entries; Triton's 4096
+        V = 5 * 8192 + 4
+    early, late = V // 5, V - 3  # in the first and the last chunk
+    target = torch.rand(B, k + 1, V)
+    target[0, 0, early] = target[0, 0, late] = 2.0  # tie: the earlier index wins
+    target[0, 1, late] = 3.0  # the maximum in the last chunk only
+    target[1, 0, early] = 5.0
+    target[1, 0, late] = float("nan")  # NaN in a later chunk still wins
+    tokens = torch.tensor([[early, late], [late, 0]])
+    uniforms = torch.zeros(B, k + 1)
+    want = reference.verify_draft(target, None, tokens, uniforms)
+    assert want[1].tolist() == [3, 2] and want[0][1, 1].item() == target[1, 1].argmax().item()
+    got = _raw_kernel(backend)(target.to(device), None, tokens.to(device), uniforms.to(device))
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
 def test_check_values_false_skips_only_the_value_checks():
     """check_values=False (callers with valid-by-construction inputs) skips the data checks but
     keeps the shape / dtype checks, which cost nothing."""

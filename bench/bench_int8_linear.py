@@ -22,6 +22,10 @@ CUDA_KERNEL = os.environ.get("GPTFAST_INT8_CUDA_KERNEL", "")
 # GPTFAST_INT8_GEMV picks the one-row GEMV's unroll depth and features per warp (u4f1 the default):
 # bench/gpu_run.sh's int8-gemv stage times each in a process of its own (--cases layers,one_row).
 GEMV_SHAPE = os.environ.get("GPTFAST_INT8_GEMV", "")
+# GPTFAST_CUDA_PDL=1 launches the CUDA kernels as programmatic dependent launches (csrc/cuda/
+# cuda_common.cuh): each may start while the one before it finishes. The int8-gemv stage times it in
+# a process of its own; its rows are named "_pdl".
+PDL = os.environ.get("GPTFAST_CUDA_PDL", "") == "1"
 ROWS_OF_CASE = {"one_row": (1,), "multi_row": (4, 5, 8, 16), "prefill": (256, 1024)}  # prefill: a long prompt too
 
 
@@ -38,7 +42,8 @@ LAYERS_ROWS = (1, 4, 8, 16)
 def run_layers(h, dtype, shapes) -> None:
     device = h.device
     one_row = h.quick or "one_row" in h.cases
-    suffix = "".join(f"_{choice}" for choice in (CUDA_KERNEL, GEMV_SHAPE) if choice) if device.type == "cuda" else ""
+    choices = (CUDA_KERNEL, GEMV_SHAPE, "pdl" if PDL else "")
+    suffix = "".join(f"_{choice}" for choice in choices if choice) if device.type == "cuda" else ""
     for N, K in shapes:
         layers = max(2, (LAYERS_QUICK_BYTES if h.quick else LAYERS_BYTES) // (N * K))
         weights = [torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5 for _ in range(layers)]

@@ -59,7 +59,7 @@ GPU_MIN_REPEATS, GPU_MAX_REPEATS = 10, 1000
 GPU_FLUSH_BYTES = 256 << 20
 GRAPH_WARMUP_CALLS = 3  # before a CUDA-graph capture (cuda_graph_replay)
 # environment variables that pick kernels (recorded in every row's metadata when set)
-KERNEL_CHOICE_VARIABLES = ("GPTFAST_INT8_CUDA_KERNEL", "GPTFAST_INT8_GEMV")
+KERNEL_CHOICE_VARIABLES = ("GPTFAST_INT8_CUDA_KERNEL", "GPTFAST_INT8_GEMV", "GPTFAST_CUDA_PDL")
 GRAPH_SUFFIX = "@graph"  # impl name of a candidate timed as a CUDA-graph replay
 _gpu_flush_buffers: dict[torch.device, torch.Tensor] = {}
 

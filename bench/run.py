@@ -26,12 +26,15 @@ def available_benches() -> list[str]:
 
 
 def default_output(harness: Harness, out_dir: str, names: list[str]) -> str:
-    """<out_dir>/<device>_<date>_<commit>[_<benches>].json (the benches named when not all ran)."""
+    """<out_dir>/<device>_<date>_<commit>[_<benches>][_pdl].json (the benches named when not all ran;
+    _pdl: the CUDA kernels launched as programmatic dependent launches, GPTFAST_CUDA_PDL=1)."""
     device = re.sub(r"[^A-Za-z0-9]+", "-", harness.meta["device"]).strip("-").lower()
     date = datetime.date.today().isoformat()
     subset = "" if sorted(names) == available_benches() else "_" + "-".join(names)
     if harness.cases is not None:
         subset += "_" + "-".join(sorted(harness.cases))
+    if harness.meta.get("GPTFAST_CUDA_PDL") == "1":  # beside the same benches without it
+        subset += "_pdl"
     return os.path.join(out_dir, f"{device}_{date}_{harness.meta['commit']}{subset}.json")
 
 

@@ -150,3 +150,18 @@ def test_cpu_flush_covers_the_largest_cache_sysfs_lists(tmp_path, monkeypatch):
     assert harness.largest_cpu_cache_bytes() == 266240 << 10
     monkeypatch.setattr(harness.glob, "glob", lambda pattern: [])
     assert harness.largest_cpu_cache_bytes() == 0
+
+
+def test_kernel_choices_travel_with_the_rows_and_name_the_file(monkeypatch, tmp_path):
+    """A run with GPTFAST_CUDA_PDL=1 records it in its metadata and writes a file of its own beside
+    the same benches' run without it (bench/gpu_run.sh's pdl stage)."""
+    from bench import run
+
+    monkeypatch.delenv("GPTFAST_CUDA_PDL", raising=False)
+    plain = run.default_output(harness.Harness(torch.device("cpu"), cases=frozenset({"layers"})), str(tmp_path),
+                               ["int8_linear"])
+    monkeypatch.setenv("GPTFAST_CUDA_PDL", "1")
+    h = harness.Harness(torch.device("cpu"), cases=frozenset({"layers"}))
+    assert h.meta["GPTFAST_CUDA_PDL"] == "1"
+    with_pdl = run.default_output(h, str(tmp_path), ["int8_linear"])
+    assert plain.endswith("_int8_linear_layers.json") and with_pdl == plain[:-len(".json")] + "_pdl.json"

@@ -9,7 +9,10 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
+#include <utility>
 
 namespace gptfast_kernels {
 
@@ -82,6 +85,47 @@ __device__ __forceinline__ float biased_int8_to_float(unsigned biased, int i) {
   return __uint_as_float(__byte_perm(biased, MAGIC_BITS, 0x7540u | i)) - MAGIC_PLUS_BIAS;
 }
 
+// Programmatic dependent launch (sm_90+). A kernel launched with launch_kernel(..., programmatic =
+// true) may start while the kernel before it in the stream is still finishing; it must call
+// wait_for_inputs() before it reads anything an earlier kernel wrote and before its first global
+// write (the earlier kernel may still read that memory). Work that depends on no earlier kernel
+// (loading weights) can go before the wait. allow_dependents() lets the next programmatic launch
+// start once every block of this grid has called it or exited. Without the launch attribute, or
+// below sm_90, both are no-ops.
+__device__ __forceinline__ void wait_for_inputs() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Asks L2 for the line holding ptr (no register is written; a hint the hardware may drop).
+constexpr int L2_LINE = 128;
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+}
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...), as a programmatic dependent launch when
+// `programmatic` (see wait_for_inputs).
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                   bool programmatic, Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 // Host-side grid arithmetic.
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -94,6 +138,20 @@ inline int device_attribute(cudaDeviceAttr attr) {
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
   return value;
+}
+
+// Whether launches of the kernels written for it are programmatic: GPTFAST_CUDA_PDL=1 (read once per
+// process; "0" or unset: off) on a device of compute capability 9.0 or newer. Off by default until
+// a GPU session has timed it (bench/gpu_run.sh, stage int8-gemv).
+inline bool programmatic_launch_enabled() {
+  static const bool requested = [] {
+    const char* value = std::getenv("GPTFAST_CUDA_PDL");
+    if (value == nullptr || *value == '\0' || std::strcmp(value, "0") == 0) return false;
+    TORCH_CHECK(std::strcmp(value, "1") == 0, "the environment variable GPTFAST_CUDA_PDL must be 0 or 1, got '",
+                value, "'");
+    return true;
+  }();
+  return requested && device_attribute(cudaDevAttrComputeCapabilityMajor) >= 9;
 }
 
 // The CUDA type of a 16-bit ATen scalar type, as WMMA fragments take it.

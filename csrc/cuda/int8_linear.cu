@@ -86,6 +86,7 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
                         const float* __restrict__ scales, const scalar_t* __restrict__ bias,
                         scalar_t* __restrict__ y, int64_t M, int64_t N, int64_t K, int64_t stride_xm,
                         int64_t row_offset) {
+  allow_dependents();
   const int lane = threadIdx.x % WARP;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * GEMV_WARPS + threadIdx.x / WARP) * FEATURES;
   if (n0 >= N) return;  // whole warps
@@ -99,6 +100,15 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
   for (int f = 0; f < FEATURES; ++f)
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[f][r] = 0.f;
+  // The warp's weight rows depend on no earlier kernel: under a programmatic launch L2 fetches them
+  // while the kernel before this one finishes (one request per 128-byte line, lanes side by side).
+  // x and y only after wait_for_inputs.
+  const int64_t weight_bytes = features * K;  // the warp's rows are consecutive in qweight
+#pragma unroll 1
+  for (int64_t at = static_cast<int64_t>(lane) * L2_LINE; at < weight_bytes; at += WARP * L2_LINE) {
+    prefetch_l2(w_rows + at);
+  }
+  wait_for_inputs();
 
   if constexpr (VECTORIZED) {
     // UNROLL independent 16-byte loads per lane and feature are issued before any is used, so
@@ -285,10 +295,9 @@ void launch_gemv_shaped(const at::Tensor& x, const at::Tensor& qweight, const at
   for (int64_t row = 0; row < M; row += ROWS) {
     auto kernel = vectorized ? int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, true, UNROLL, PIPELINED>
                              : int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, false>;  // (no unroll)
-    kernel<<<grid, GEMV_WARPS * WARP, 0, stream>>>(
-        x.data_ptr<scalar_t>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
-        y.data_ptr<scalar_t>(), M, N, K, x.stride(0), row);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(kernel, grid, GEMV_WARPS * WARP, 0, stream, programmatic_launch_enabled(), x.data_ptr<scalar_t>(),
+                  qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y.data_ptr<scalar_t>(), M, N, K,
+                  x.stride(0), row);
   }
 }
 
@@ -381,10 +390,9 @@ void launch_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   TORCH_CHECK(feature_tiles <= MAX_GRID_Y && row_tiles < (int64_t{1} << 31),
               "int8_linear: shape too large for the tensor-core kernel's grid");
   const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(feature_tiles));
-  int8_linear_mma_kernel<scalar_t, Tiling><<<grid, Tiling::WARPS * WARP, 0, stream>>>(
-      x.data_ptr<scalar_t>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
-      y.data_ptr<scalar_t>(), M, N, K, x.stride(0));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(int8_linear_mma_kernel<scalar_t, Tiling>, grid, Tiling::WARPS * WARP, 0, stream,
+                programmatic_launch_enabled(), x.data_ptr<scalar_t>(), qweight.data_ptr<int8_t>(),
+                scales.data_ptr<float>(), bias, y.data_ptr<scalar_t>(), M, N, K, x.stride(0));
 }
 
 // 2..16 rows on tensor cores: 16-row tiles of A are the weights, 8-row tiles of B the rows of x.

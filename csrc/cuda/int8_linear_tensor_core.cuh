@@ -136,6 +136,7 @@ int8_linear_mma_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict_
                        const float* __restrict__ scales, const scalar_t* __restrict__ bias,
                        scalar_t* __restrict__ y, int64_t M, int64_t N, int64_t K, int64_t stride_xm) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  allow_dependents();
   constexpr int FT = Tiling::FT, RT = Tiling::RT, STAGE = Tiling::STAGE, WARPS_K = Tiling::WARPS_K;
   using Ops = MmaOps<scalar_t>;
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -241,6 +242,20 @@ int8_linear_mma_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict_
   const int64_t stages = (K + STAGE * MMA_CHUNK_K - 1) / (STAGE * MMA_CHUNK_K);
   // Two register sets in turn (no copy between them): a stage's loads go out before the previous
   // stage's multiplies.
+  // The first stage's weights depend on no earlier kernel: under a programmatic launch L2 fetches
+  // them while the kernel before this one finishes. x and y only after wait_for_inputs.
+  if (warp_k < stages) {
+#pragma unroll
+    for (int u = 0; u < STAGE; ++u) {
+      const int64_t k = (static_cast<int64_t>(warp_k) * STAGE + u) * MMA_CHUNK_K;
+#pragma unroll
+      for (int i = 0; i < FT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (w_rows[i][h] != nullptr && k + 16 * t < K) prefetch_l2(w_rows[i][h] + k);
+    }
+  }
+  wait_for_inputs();
   Stage even{}, odd{};
   if (warp_k < stages) load_stage(even, warp_k);
   for (int64_t stage = warp_k; stage < stages; stage += 2 * WARPS_K) {

@@ -52,6 +52,10 @@ constexpr int GEMV_SHARED_X_ROWS = 4;
 // SIMT tile for fp32 prefill (and 16-bit inputs the vector loads cannot take): 64 x 64 outputs,
 // 256 threads each computing 4 x 4.
 constexpr int SIMT_BLOCK = 64;
+// Weight bytes per warp that a programmatic launch has L2 fetch before its wait: four trips of the
+// default shape. The first wave's blocks then ask for 132 SMs x 5 blocks x 8 warps x 8 KiB = 42 MB
+// at most, within an H100's or H200's 50 MB L2. Reasoned, not yet timed.
+constexpr int64_t GEMV_PREFETCH_BYTES = 8 << 10;
 constexpr int SIMT_BLOCK_K = 16;
 constexpr int SIMT_THREADS = 256;
 // CUDA's limit on gridDim.y, which holds the SIMT kernel's row tiles and the tensor-core kernel's
@@ -85,7 +89,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * WARP)
 int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict__ qweight,
                         const float* __restrict__ scales, const scalar_t* __restrict__ bias,
                         scalar_t* __restrict__ y, int64_t M, int64_t N, int64_t K, int64_t stride_xm,
-                        int64_t row_offset) {
+                        int64_t row_offset, int64_t prefetch_bytes) {
   allow_dependents();
   const int lane = threadIdx.x % WARP;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * GEMV_WARPS + threadIdx.x / WARP) * FEATURES;
@@ -100,12 +104,13 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
   for (int f = 0; f < FEATURES; ++f)
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[f][r] = 0.f;
-  // The warp's weight rows depend on no earlier kernel: under a programmatic launch L2 fetches them
-  // while the kernel before this one finishes (one request per 128-byte line, lanes side by side).
+  // The warp's weight rows depend on no earlier kernel: under a programmatic launch (prefetch_bytes
+  // > 0) L2 fetches their first prefetch_bytes while the kernel before this one finishes (one
+  // request per 128-byte line, lanes side by side; the rows are consecutive in qweight).
   // x and y only after wait_for_inputs.
-  const int64_t weight_bytes = features * K;  // the warp's rows are consecutive in qweight
+  const int64_t prefetch_end = prefetch_bytes < features * K ? prefetch_bytes : features * K;
 #pragma unroll 1
-  for (int64_t at = static_cast<int64_t>(lane) * L2_LINE; at < weight_bytes; at += WARP * L2_LINE) {
+  for (int64_t at = static_cast<int64_t>(lane) * L2_LINE; at < prefetch_end; at += WARP * L2_LINE) {
     prefetch_l2(w_rows + at);
   }
   wait_for_inputs();
@@ -292,12 +297,13 @@ void launch_gemv_shaped(const at::Tensor& x, const at::Tensor& qweight, const at
                           aligned16(x.data_ptr()) && aligned16(qweight.data_ptr());
   const int64_t per_block = static_cast<int64_t>(GEMV_WARPS) * FEATURES;
   const dim3 grid(static_cast<unsigned>((N + per_block - 1) / per_block));
+  const bool programmatic = programmatic_launch_enabled();
   for (int64_t row = 0; row < M; row += ROWS) {
     auto kernel = vectorized ? int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, true, UNROLL, PIPELINED>
                              : int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, false>;  // (no unroll)
-    launch_kernel(kernel, grid, GEMV_WARPS * WARP, 0, stream, programmatic_launch_enabled(), x.data_ptr<scalar_t>(),
+    launch_kernel(kernel, grid, GEMV_WARPS * WARP, 0, stream, programmatic, x.data_ptr<scalar_t>(),
                   qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y.data_ptr<scalar_t>(), M, N, K,
-                  x.stride(0), row);
+                  x.stride(0), row, programmatic ? GEMV_PREFETCH_BYTES : int64_t{0});
   }
 }
 

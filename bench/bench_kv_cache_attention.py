@@ -48,6 +48,7 @@ slopes, the bias's own cost.
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -172,6 +173,9 @@ def run(h) -> None:
 GPU_LAYERS_CASES = [(1, 1, 4096, 8192), (1, 1, 16384, 32768), (8, 1, 4096, 8192), (32, 1, 4096, 8192),
                     (1, 5, 4096, 8192), (8, 5, 4096, 8192)]
 LAYERS_BYTES = 512 << 20  # bytes the layers read together
+# GPTFAST_CUDA_PDL=1: the Triton decode kernels as programmatic dependent launches (bench/gpu_run.sh's
+# pdl stage, a process of its own); their rows are named "_pdl".
+PDL_SUFFIX = "_pdl" if os.environ.get("GPTFAST_CUDA_PDL") == "1" else ""
 
 
 def run_layers(h, dtype) -> None:
@@ -195,8 +199,8 @@ def run_layers(h, dtype) -> None:
         if device.type == "cuda" and "triton" in _extension.usable_backends(device):
             from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton
 
-            candidates["ours_triton_kernel"] = lambda: [kv_cache_attention_triton(q, k, v, kc, vc, pos, scale)
-                                                        for q, k, v, kc, vc, _, pos in steps]
+            candidates["ours_triton_kernel" + PDL_SUFFIX] = lambda: [
+                kv_cache_attention_triton(q, k, v, kc, vc, pos, scale) for q, k, v, kc, vc, _, pos in steps]
         case = {"B": B, "T": T, "context": context, "S": S, "fill": round(context / S, 2), "dtype": str(dtype)[6:],
                 "layers": layers}
         h.compare("kv_cache_attention", case, candidates, baseline="hf_static_cache", nbytes=layers * nbytes,

@@ -4,10 +4,12 @@ the op modules share."""
 
 import contextlib
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc
 
 from gptfast_kernels import _extension
 
@@ -38,6 +40,41 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_NUM_SMS
     return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _programmatic_launch_requested() -> bool:
+    value = os.environ.get("GPTFAST_CUDA_PDL", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"the environment variable GPTFAST_CUDA_PDL must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels written for it launch as programmatic dependent launches on ``device``:
+    GPTFAST_CUDA_PDL=1 (read once per process, as the CUDA kernels read it) on a GPU of compute
+    capability 9.0 or newer. Such a kernel may start while the one before it finishes; it calls
+    ``wait_for_inputs`` before it touches memory and ``allow_dependents`` to let the next start."""
+    if device.type != "cuda" or not _programmatic_launch_requested():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """griddepcontrol.wait when PDL (see programmatic_launch): the kernel before this one has
+    finished and its writes are visible."""
+    if PDL:
+        gdc.gdc_wait()
+
+
+@triton.jit
+def allow_dependents(PDL: tl.constexpr):
+    """griddepcontrol.launch_dependents when PDL: the next programmatic launch may start once every
+    program of this grid has called it or exited."""
+    if PDL:
+        gdc.gdc_launch_dependents()
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:

@@ -70,7 +70,7 @@ import triton
 
 from gptfast_kernels.ops._dispatch import check_contiguous, check_int, check_tensor
 from gptfast_kernels.ops.kv_cache_attention import check_inputs
-from gptfast_kernels.triton import FP32_NUM_STAGES, dot_in_fp32, num_sms, on_device
+from gptfast_kernels.triton import FP32_NUM_STAGES, dot_in_fp32, num_sms, on_device, programmatic_launch
 from gptfast_kernels.triton.kv_cache_attention_common import LOG2_E
 from gptfast_kernels.triton.kv_cache_attention_decode import (_kv_cache_attention_combine_kernel,
                                                               _kv_cache_attention_decode_kernel)
@@ -165,6 +165,12 @@ MIN_TAIL_BLOCK_D = 64
 # stages here to stay within 255 registers.)
 
 
+def _pdl_options(device: torch.device) -> dict:
+    """The decode kernels' launch options for a programmatic dependent launch (GPTFAST_CUDA_PDL=1 on
+    sm_90+: programmatic_launch), else none."""
+    return {"PDL": True, "launch_pdl": True} if programmatic_launch(device) else {}
+
+
 def _launch_options(dtype: torch.dtype, tune: Tuning) -> dict:
     options = {"num_warps": tune.num_warps}
     if dtype == torch.float32:
@@ -220,6 +226,7 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scor
         lse_part = torch.empty((B, Hq, T, num_splits), dtype=torch.float32, device=q.device)
     else:
         o_part = lse_part = out  # never touched with a single split
+    pdl = _pdl_options(q.device)
     _kv_cache_attention_decode_kernel[(num_splits, Hkv * num_m_blocks, B)](
         q, k, v, k_cache, v_cache, positions, q if sinks is None else sinks,
         q if alibi_slopes is None else alibi_slopes, out, o_part, lse_part,
@@ -229,7 +236,7 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scor
         NUM_SPLITS=num_splits, MIN_SPLIT_LEN=tune.min_split_len, NUM_M_BLOCKS=num_m_blocks,
         FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, HAS_SINKS=sinks is not None, RING=ring, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DT=block_dt, DV=value_dim, CHUNK=scoring.chunk,
-        HAS_ALIBI=alibi_slopes is not None, **_launch_options(q.dtype, tune))
+        HAS_ALIBI=alibi_slopes is not None, **_launch_options(q.dtype, tune), **pdl)
     if num_splits > 1:  # combines rows of the output's width, Dv
         combine_block_d, combine_block_dt = _head_blocks(Dv)
         _kv_cache_attention_combine_kernel[(B * Hq * T,)](
@@ -239,7 +246,7 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scor
             BLOCK_SPLITS=triton.next_power_of_2(num_splits),
             BLOCK_S=min(tune.combine_block_s, triton.next_power_of_2(num_splits)),
             BLOCK_D=combine_block_d, BLOCK_DT=combine_block_dt, RING=ring, CHUNK=scoring.chunk,
-            num_warps=tune.num_warps)
+            num_warps=tune.num_warps, **pdl)
 
 
 def _prefill(q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scoring, ring, fp32_dot, tune,

@@ -5,6 +5,7 @@ splits of a row's slots with the scatter fused in, and the combine of the splits
 import triton
 import triton.language as tl
 
+from gptfast_kernels.triton import allow_dependents, wait_for_inputs
 from gptfast_kernels.triton.kv_cache_attention_common import (LOG2E_, _clean_positions, _first_slots,
                                                               _online_softmax_step, _online_softmax_step_split,
                                                               _ring_slots, _scores, _scores_split, _span_start)
@@ -48,7 +49,12 @@ def _kv_cache_attention_decode_kernel(
         NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
         FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_DT: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr = False):
+        BLOCK_DT: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr = False,
+        PDL: tl.constexpr = False):
+    # PDL: a programmatic dependent launch (gptfast_kernels.triton.programmatic_launch). Everything
+    # this kernel reads may come from the kernel before it, so it waits first.
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     # Ring: splits, tiles and the fused scatter's ownership work on positions, the cache on their slots.
     # A row's span is at most S positions (row_first), so its splits own distinct slots.
     # BLOCK_DT > 0 (D > MAX_BLOCK_D): head-dim columns BLOCK_D.. are a second block (the "_t" tensors).
@@ -211,7 +217,10 @@ def _kv_cache_attention_combine_kernel(
         Pos_ptr, Sinks_ptr, OPart_ptr, LsePart_ptr, Out_ptr, window, T, S, D, Hq,
         HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr, RING: tl.constexpr, CHUNK: tl.constexpr):
+        BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr, RING: tl.constexpr, CHUNK: tl.constexpr,
+        PDL: tl.constexpr = False):
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)  # the attention kernel's partial outputs
     row = tl.program_id(0).to(tl.int64)  # (b * Hq + hq) * T + t
     b = row // (Hq * T)
     _, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN, BLOCK_N,

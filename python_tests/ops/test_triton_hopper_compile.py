@@ -61,6 +61,19 @@ def _kv_cache_attention(dtype, T, D, S, window=0, heads=(32, 8), value_dim=0, ch
                               torch.ones(Hq) if alibi else None)
 
 
+def _kv_cache_attention_programmatic(dtype, T):
+    """Llama-3-8B heads at a 4k cache, the decode kernels as programmatic dependent launches
+    (GPTFAST_CUDA_PDL=1: griddepcontrol in both, launch_pdl)."""
+    import gptfast_kernels.triton.kv_cache_attention as kv
+
+    original = kv.programmatic_launch
+    kv.programmatic_launch = lambda device: True
+    try:
+        _kv_cache_attention(dtype, T, 128, 4096)
+    finally:
+        kv.programmatic_launch = original
+
+
 def _verify_draft(greedy, V):
     from gptfast_kernels.triton.verify_draft import verify_draft_triton
 
@@ -118,6 +131,8 @@ CASES = {
     **{f"kv-{mode}-bf16-alibi": ((_kv_cache_attention, torch.bfloat16, T, 128, 4096, 0, (32, 32), 0, 0, False, True),
                                  PREFILL if T > 16 else DECODE)
        for mode, T in (("decode", 1), ("verify", 5), ("prefill", 64))},
+    **{f"kv-{mode}-bf16-pdl": ((_kv_cache_attention_programmatic, torch.bfloat16, T), DECODE)
+       for mode, T in (("decode", 1), ("verify", 5))},
     **{f"verify_draft-{mode}-V{V}": ((_verify_draft, mode == "greedy", V),
                                      ["_greedy_chunk_kernel", "_greedy_accept_kernel"] if mode == "greedy"
                                      else ["_sampling_kernel"])
@@ -143,7 +158,7 @@ def _signature(jit_fn, args: dict):
     become constants and multiples of 16 (values and pointers) get a divisibility hint."""
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(jit_fn.arg_names, jit_fn.params)):
-        value = args[name]
+        value = args[name] if name in args or not param.has_default else param.default
         if param.is_constexpr or value is None:
             signature[name], constexprs[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
@@ -171,13 +186,13 @@ def _compile_for_sm90(jit_fn, args, kwargs) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "launch_pdl") if key in kwargs}
     signature, constexprs, attrs = _signature(jit_fn, dict(zip(jit_fn.arg_names, args), **kwargs))
     source = ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", SM90, 32), options=options)
     cubin = compiled.asm.get("cubin", b"")
     return {"kernel": jit_fn.fn.__name__, "shared": compiled.metadata.shared, "cubin_bytes": len(cubin),
-            **_resource_usage(cubin)}
+            "griddepcontrol": "griddepcontrol.wait" in compiled.asm.get("ptx", ""), **_resource_usage(cubin)}
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -235,6 +250,8 @@ def test_compiles_for_sm90(compiled, case):
     result = compiled[case]
     assert isinstance(result, list), result
     assert [r["kernel"] for r in result] == CASES[case][1]
+    if case.endswith("-pdl"):  # griddepcontrol made it into both kernels
+        assert all(r["griddepcontrol"] for r in result), result
     for r in result:
         print(f"{case} {r['kernel']}: {r.get('registers', '?')} registers, stack frame {r.get('stack', '?')} bytes, "
               f"{r['shared']} bytes of shared memory")

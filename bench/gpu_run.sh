@@ -28,6 +28,8 @@
 #                                                                     -> ..._kv_tiles.json
 #   profile      Nsight Compute on one call of each kernel (bench/profile_kernels.py) -> ncu.txt
 #   generate     end to end, Llama-3-8B shapes, batch 1               -> ..._generate_batch1.json
+#   breakdown    where that decode step's time goes (profiled CUDA-graph replays, batch 1 and 8, 4k
+#                context): int8 projections, attention, other kernels, idle -> ..._step_breakdown.json
 #   generate-batched   the same at batch 8 and 32                     -> ..._generate_batch32-batch8.json
 #   generate-mla the same for multi-head latent attention, DeepSeek-V2-Lite's attention, batch 1 and 8
 #                                                                     -> ..._generate_mla.json
@@ -59,7 +61,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels int8-kernels pdl tiles kv-tiles profile generate generate-batched generate-mla generate-llama4 generate-mamba2 speculative speculative-hybrid speculative-assistant continuous speculative-demo}
+STAGES=${*:-build tests sanitize kernels int8-kernels pdl tiles kv-tiles profile generate breakdown generate-batched generate-mla generate-llama4 generate-mamba2 speculative speculative-hybrid speculative-assistant continuous speculative-demo}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -213,6 +215,7 @@ for stage in $STAGES; do
     kv-tiles) bench kv_tiles ${KV_TILES_QUICK:+--quick} ;;
     profile) stage_profile ;;
     generate) bench generate --cases batch1 ;;
+    breakdown) bench step_breakdown ;;
     generate-batched) bench generate --cases batch8,batch32 ;;
     generate-mla) bench generate --cases mla ;;
     generate-llama4) bench generate --cases llama4 ;;

@@ -165,3 +165,25 @@ def test_kernel_choices_travel_with_the_rows_and_name_the_file(monkeypatch, tmp_
     assert h.meta["GPTFAST_CUDA_PDL"] == "1"
     with_pdl = run.default_output(h, str(tmp_path), ["int8_linear"])
     assert plain.endswith("_int8_linear_layers.json") and with_pdl == plain[:-len(".json")] + "_pdl.json"
+
+
+def test_step_breakdown_accounts_for_the_whole_step():
+    """bench_step_breakdown on a 2-layer Llama: one row per kernel family plus the idle time, the
+    int8 projections and the attention among them (4 projections a layer, qkv and gate / up fused,
+    plus the output head), and shares that add up to the step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench import bench_step_breakdown
+    from gptfast_kernels import patch_model
+
+    h = harness.Harness(torch.device("cpu"), quick=True)
+    torch.manual_seed(0)
+    model = patch_model(LlamaForCausalLM(LlamaConfig(**dict(bench_step_breakdown.CPU_CONFIG,
+                                                             num_hidden_layers=2))).eval())
+    rows = bench_step_breakdown.step_rows(h, model, "tiny", 1, 32, steps=3)
+    by_family = {row["impl"]: row for row in rows}
+    assert list(by_family) == ["int8_linear", "attention", "other", "idle"]
+    assert by_family["int8_linear"]["calls_per_step"] == 2 * 4 + 1
+    assert by_family["attention"]["calls_per_step"] == 2
+    assert by_family["int8_linear"]["us_per_step"] > 0 and by_family["attention"]["us_per_step"] > 0
+    assert sum(row["us_per_step"] for row in rows) >= rows[0]["step_us"] * 0.999

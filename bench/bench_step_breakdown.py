@@ -1,0 +1,116 @@
+"""Where a decode step's time goes: the compiled step ``generate`` replays (a CUDA graph on a GPU),
+profiled over STEPS steps, its time split by kernel family, so that a GPU session can tell which of
+the int8 projections, the attention, the other kernels (inductor's fused norms, rotary embeddings,
+activations, sampling) and the gaps between kernels stands between a model and its bandwidth bound.
+
+GPU: Llama-3-8B shapes (bench_generate's), bf16 activations, int8 weights, batch 1 and 8, a 4k
+prompt's cache (so that attention reads what it reads at that context). Each row is one family:
+microseconds per step, kernels per step and its share of the step's wall time (measured without the
+profiler); the row "idle" is the wall time no kernel covered (launch gaps, the graph's own overhead).
+With GPTFAST_CUDA_PDL=1 the rows are named "_pdl" (bench/gpu_run.sh's pdl stage can run it).
+CPU: bench_generate's 125M shape, eager; the families are the ops' own (self) CPU time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch.autograd import DeviceType
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.bench_generate import CPU_CONFIG, GPU_CONFIG
+from bench.harness import default_dtype, synchronize
+
+STEPS = 20
+GPU_CONTEXT, CPU_CONTEXT = 4096, 256
+# (family, substrings of kernel / op names that belong to it), first match wins
+FAMILIES = (
+    ("int8_linear", ("int8_linear",)),
+    ("attention", ("kv_cache_attention", "kv_attention")),
+    ("other", ("",)),
+)
+PDL_SUFFIX = "_pdl" if os.environ.get("GPTFAST_CUDA_PDL") == "1" else ""
+
+
+def family_of(name: str) -> str:
+    return next(family for family, pieces in FAMILIES if any(piece in name for piece in pieces))
+
+
+def breakdown(events, device_type: DeviceType) -> dict[str, tuple[float, int]]:
+    """family -> (self time in us, count) over the profiler's events on ``device_type``; on the CPU
+    only the ops' own time (not their children's), so that nothing is counted twice."""
+    totals: dict[str, tuple[float, int]] = {family: (0.0, 0) for family, _ in FAMILIES}
+    for event in events:
+        if event.device_type != device_type:
+            continue
+        us = event.self_device_time_total if device_type == DeviceType.CUDA else event.self_cpu_time_total
+        family = family_of(event.key)
+        time_us, count = totals[family]
+        totals[family] = (time_us + us, count + event.count)
+    return totals
+
+
+def step_rows(h, model, name: str, rows: int, context: int, steps: int = STEPS) -> list[dict]:
+    """The breakdown rows of ``steps`` decode steps of ``model`` (patched; named ``name`` in them) at
+    batch ``rows`` after a ``context``-token prompt."""
+    from gptfast_kernels import StaticKVCache
+    from gptfast_kernels.generation.forward import step_function
+    from gptfast_kernels.models.patch import forward_with_cache
+
+    on_gpu = h.device.type == "cuda"
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    cache = StaticKVCache(config, rows, context + 4 * steps, device=h.device, dtype=dtype)
+    prompt = torch.randint(0, config.vocab_size, (rows, context), device=h.device)
+    with torch.no_grad():
+        forward_with_cache(model, prompt, cache, logits_to_keep=1)
+    step = step_function(model, compile=on_gpu)
+    token = torch.randint(0, config.vocab_size, (rows, 1), device=h.device)
+    real = torch.ones_like(token, dtype=torch.bool)
+
+    def run(n):
+        with torch.no_grad():
+            for _ in range(n):
+                step(token, real, cache)
+        synchronize(h.device)
+
+    run(3)  # compile and capture (the cache has room for them: 4 * steps slots past the prompt)
+    start = time.perf_counter()
+    run(steps)
+    wall_us = (time.perf_counter() - start) / steps * 1e6
+    device_type = DeviceType.CUDA if on_gpu else DeviceType.CPU
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
+    with torch.profiler.profile(activities=activities) as profile:
+        run(steps)
+    totals = breakdown(profile.key_averages(), device_type)
+    case = {"op": "decode_step", "model": name,
+            "batch": rows, "context": context, "dtype": str(dtype)[6:], "step_us": wall_us, **h.meta}
+    out = []
+    covered = 0.0
+    for family, (time_us, count) in totals.items():
+        per_step = time_us / steps
+        covered += per_step
+        out.append({**case, "impl": family + PDL_SUFFIX, "us_per_step": per_step, "calls_per_step": count / steps,
+                    "share_of_step": per_step / wall_us})
+    idle = max(wall_us - covered, 0.0)
+    out.append({**case, "impl": "idle" + PDL_SUFFIX, "us_per_step": idle, "calls_per_step": 0.0,
+                "share_of_step": idle / wall_us})
+    return out
+
+
+def run(h) -> None:
+    from gptfast_kernels import patch_model
+
+    on_gpu = h.device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    torch.manual_seed(0)
+    with torch.device(h.device), default_dtype(dtype):
+        model = patch_model(LlamaForCausalLM(LlamaConfig(**(GPU_CONFIG if on_gpu else CPU_CONFIG))).eval())
+    for rows in ((1, 8) if on_gpu and not h.quick else (1,)):
+        name = "llama-3-8B-shape random, int8" if on_gpu else "llama-125M-shape random, int8"
+        for row in step_rows(h, model, name, rows, GPU_CONTEXT if on_gpu else CPU_CONTEXT):
+            h.rows.append(row)
+            print(f"decode step B={rows}: {row['impl']:<16} {row['us_per_step']:9.1f} us "
+                  f"({row['share_of_step']:6.1%}), {row['calls_per_step']:6.1f} calls")

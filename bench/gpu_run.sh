@@ -161,7 +161,7 @@ stage_int8_gemv() {
   local tmp choice status=0
   tmp=$(mktemp -d)
   for choice in GPTFAST_INT8_GEMV=u4f1 GPTFAST_INT8_GEMV=u8f1 GPTFAST_INT8_GEMV=u16f1 GPTFAST_INT8_GEMV=u4f2 \
-                GPTFAST_INT8_GEMV=u8f2 GPTFAST_INT8_GEMV=u4p GPTFAST_INT8_CUDA_KERNEL=tensor_core; do
+                GPTFAST_INT8_GEMV=u8f2 GPTFAST_INT8_GEMV=u4p GPTFAST_INT8_GEMV=u4s GPTFAST_INT8_CUDA_KERNEL=tensor_core; do
     env "$choice" timeout "$((BUDGET - SECONDS - 5))" "$PY" -m bench.run --ops int8_linear --cases layers,one_row \
       --out "$tmp/${choice#*=}.json" 2>&1 | tee -a "$OUT_DIR/bench.log" | grep "@graph"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

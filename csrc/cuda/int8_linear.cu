@@ -83,27 +83,32 @@ __device__ __forceinline__ void int8x16_to_float(const int4& packed, float* out)
 // PIPELINED (one row's variant "u4p", not the default) issues a trip's weight loads before the
 // previous trip's arithmetic, from a second set of registers, so a warp keeps loads in flight while
 // it computes.
+// STAGED_X (one row, VECTORIZED, K <= STAGED_X_MAX_K): the block first converts the whole x row to
+// float32 in shared memory, and every trip reads its 16 activations from there as 4 float4s, instead
+// of loading them from L1 and widening them per trip (about 12 instructions per 16 weight bytes
+// fewer). The float4s are stored XOR-swizzled (staged_slot) so that a warp's 128-bit reads, each
+// lane 64 bytes past the previous one, hit distinct banks.
+constexpr int64_t STAGED_X_MAX_K = 8192;  // 32 KiB of floats: five blocks still fit on an SM
+
+__device__ __forceinline__ int staged_slot(int quad) { return quad ^ ((quad >> 3) & 7); }
+
 template <typename scalar_t, int ROWS, int FEATURES, bool VECTORIZED, int UNROLL = GEMV_UNROLL,
-          bool PIPELINED = false>
+          bool PIPELINED = false, bool STAGED_X = false>
 __global__ void __launch_bounds__(GEMV_WARPS * WARP)
 int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict__ qweight,
                         const float* __restrict__ scales, const scalar_t* __restrict__ bias,
                         scalar_t* __restrict__ y, int64_t M, int64_t N, int64_t K, int64_t stride_xm,
                         int64_t row_offset, int64_t prefetch_bytes) {
+  static_assert(!STAGED_X || (ROWS == 1 && VECTORIZED && GEMV_VEC == 16), "x is staged for one vectorized row");
+  extern __shared__ float4 staged_x[];  // STAGED_X: x as float, K rounded up to 32
   allow_dependents();
   const int lane = threadIdx.x % WARP;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * GEMV_WARPS + threadIdx.x / WARP) * FEATURES;
-  if (n0 >= N) return;  // whole warps
-  const int features = N - n0 < FEATURES ? static_cast<int>(N - n0) : FEATURES;
+  const int features = N - n0 < FEATURES ? static_cast<int>(N - n0) : FEATURES;  // (<= 0: no rows)
   const int8_t* w_rows = qweight + n0 * K;
   const scalar_t* x_rows = x + row_offset * stride_xm;
   const int64_t remaining = M - row_offset;
   const int rows = remaining < ROWS ? static_cast<int>(remaining) : ROWS;
-  float acc[FEATURES][ROWS];
-#pragma unroll
-  for (int f = 0; f < FEATURES; ++f)
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[f][r] = 0.f;
   // The warp's weight rows depend on no earlier kernel: under a programmatic launch (prefetch_bytes
   // > 0) L2 fetches their first prefetch_bytes while the kernel before this one finishes (one
   // request per 128-byte line, lanes side by side; the rows are consecutive in qweight).
@@ -114,6 +119,24 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
     prefetch_l2(w_rows + at);
   }
   wait_for_inputs();
+  if constexpr (STAGED_X) {  // every thread of the block, before any warp leaves
+#pragma unroll 1
+    for (int e = threadIdx.x * GEMV_VEC; e < K; e += GEMV_WARPS * WARP * GEMV_VEC) {
+      float v[GEMV_VEC];
+      load_to_float(x_rows + e, v);
+#pragma unroll
+      for (int j = 0; j < GEMV_VEC / 4; ++j) {
+        staged_x[staged_slot(e / 4 + j)] = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
+      }
+    }
+    __syncthreads();
+  }
+  if (n0 >= N) return;  // whole warps
+  float acc[FEATURES][ROWS];
+#pragma unroll
+  for (int f = 0; f < FEATURES; ++f)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[f][r] = 0.f;
 
   if constexpr (VECTORIZED) {
     // UNROLL independent 16-byte loads per lane and feature are issued before any is used, so
@@ -125,6 +148,14 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
     constexpr int64_t WARP_STEP = WARP * GEMV_VEC;
     constexpr int64_t TRIP = WARP_STEP * UNROLL;
     const int64_t lane_k = static_cast<int64_t>(lane) * GEMV_VEC;
+    // STAGED_X: the lane's 16 activations of a step are float4s 4 lane .. 4 lane + 3 past the step's
+    // first, a multiple of 64 (WARP_STEP / 4 = 128), which adds nothing to staged_slot's XOR key
+    // (bits 3-5) and is untouched by it: staged_lane[j], float4 j's slot past the step's first, is
+    // the same every step.
+    static_assert(WARP_STEP / 4 % 64 == 0, "a step's first float4 must not change the swizzle");
+    int staged_lane[GEMV_VEC / 4];
+#pragma unroll
+    for (int j = 0; j < GEMV_VEC / 4; ++j) staged_lane[j] = staged_slot(4 * lane + j);
     auto load = [&](auto checked, int4 (&packed)[FEATURES][UNROLL], int64_t trip) {
       constexpr bool CHECKED = decltype(checked)::value;
 #pragma unroll
@@ -149,7 +180,16 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
         for (int r = 0; r < ROWS; ++r) {
           if (ROWS == 1 || r < rows) {
             float xf[GEMV_VEC];
-            load_to_float(x_rows + r * stride_xm + k, xf);
+            if constexpr (STAGED_X) {
+              const int step_quad = static_cast<int>((trip + u * WARP_STEP) >> 2);  // a multiple of 64
+#pragma unroll
+              for (int j = 0; j < GEMV_VEC / 4; ++j) {
+                const float4 q = staged_x[step_quad + staged_lane[j]];
+                xf[4 * j] = q.x, xf[4 * j + 1] = q.y, xf[4 * j + 2] = q.z, xf[4 * j + 3] = q.w;
+              }
+            } else {
+              load_to_float(x_rows + r * stride_xm + k, xf);
+            }
 #pragma unroll
             for (int i = 0; i < GEMV_VEC; ++i)
 #pragma unroll
@@ -261,19 +301,23 @@ int8_linear_simt_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
 // The one-row GEMV's unroll depth and features per warp, from GPTFAST_INT8_GEMV (read once per
 // process): "u4f1" (the default: 4 loads of 16 bytes in flight per lane, one feature per warp), "u8f1",
 // "u16f1", "u4f2", "u8f2", or "u4p" (u4f1 with the next trip's loads issued before this one's
-// arithmetic: PIPELINED). bench/gpu_run.sh (stage int8-gemv) times them against each other. On an
-// H200 (bench/results/nvidia-h200_2026-11-28_e9ab4ef_int8_gemv.json) the default was the fastest of
-// the first five on all three Llama-3-8B shapes, by 6-30 %: the deeper ones hold more registers, so
-// fewer warps. u4p has not run on a GPU yet.
+// arithmetic: PIPELINED), or "u4s" (u4f1 with x staged in shared memory as float32: STAGED_X; u4f1
+// where K > STAGED_X_MAX_K or x cannot be read as vectors). bench/gpu_run.sh (stage int8-gemv) times
+// them against each other. On an H200 (bench/results/nvidia-h200_2026-11-28_e9ab4ef_int8_gemv.json)
+// the default was the fastest of the first five on all three Llama-3-8B shapes, by 6-30 %: the
+// deeper ones hold more registers, so fewer warps. u4p and u4s have not run on a GPU yet.
 struct GemvShape {
   const char* name;
   int unroll;
   int features;
   bool pipelined;
+  bool staged_x;
 };
 
-constexpr GemvShape GEMV_SHAPES[] = {{"u4f1", 4, 1, false}, {"u8f1", 8, 1, false}, {"u16f1", 16, 1, false},
-                                     {"u4f2", 4, 2, false}, {"u8f2", 8, 2, false}, {"u4p", 4, 1, true}};
+constexpr GemvShape GEMV_SHAPES[] = {{"u4f1", 4, 1, false, false}, {"u8f1", 8, 1, false, false},
+                                     {"u16f1", 16, 1, false, false}, {"u4f2", 4, 2, false, false},
+                                     {"u8f2", 8, 2, false, false},  {"u4p", 4, 1, true, false},
+                                     {"u4s", 4, 1, false, true}};
 static_assert(GEMV_SHAPES[0].unroll == GEMV_UNROLL, "the default shape comes first");
 
 GemvShape one_row_gemv_shape() {
@@ -284,24 +328,31 @@ GemvShape one_row_gemv_shape() {
       if (std::strcmp(shape.name, value) == 0) return shape;
     }
     TORCH_CHECK(false, "int8_linear: the environment variable GPTFAST_INT8_GEMV must be u4f1, u8f1, u16f1, u4f2, "
-                "u8f2 or u4p, got '", value, "'");
+                "u8f2, u4p or u4s, got '", value, "'");
   }();
   return chosen;
 }
 
-template <typename scalar_t, int ROWS, int FEATURES, int UNROLL, bool PIPELINED = false>
+template <typename scalar_t, int ROWS, int FEATURES, int UNROLL, bool PIPELINED = false, bool STAGED_X = false>
 void launch_gemv_shaped(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const scalar_t* bias, at::Tensor& y, cudaStream_t stream) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   const bool vectorized = K % GEMV_VEC == 0 && (M == 1 || x.stride(0) % GEMV_VEC == 0) &&
                           aligned16(x.data_ptr()) && aligned16(qweight.data_ptr());
+  if constexpr (STAGED_X) {
+    if (!vectorized || K > STAGED_X_MAX_K) {
+      return launch_gemv_shaped<scalar_t, ROWS, FEATURES, UNROLL>(x, qweight, scales, bias, y, stream);
+    }
+  }
   const int64_t per_block = static_cast<int64_t>(GEMV_WARPS) * FEATURES;
   const dim3 grid(static_cast<unsigned>((N + per_block - 1) / per_block));
   const bool programmatic = programmatic_launch_enabled();
+  // STAGED_X: K floats, rounded up to whole 128-byte rows of the swizzle
+  const size_t shared_bytes = STAGED_X ? static_cast<size_t>((K + 31) / 32 * 32) * sizeof(float) : 0;
   for (int64_t row = 0; row < M; row += ROWS) {
-    auto kernel = vectorized ? int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, true, UNROLL, PIPELINED>
+    auto kernel = vectorized ? int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, true, UNROLL, PIPELINED, STAGED_X>
                              : int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, false>;  // (no unroll)
-    launch_kernel(kernel, grid, GEMV_WARPS * WARP, 0, stream, programmatic, x.data_ptr<scalar_t>(),
+    launch_kernel(kernel, grid, GEMV_WARPS * WARP, shared_bytes, stream, programmatic, x.data_ptr<scalar_t>(),
                   qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y.data_ptr<scalar_t>(), M, N, K,
                   x.stride(0), row, programmatic ? GEMV_PREFETCH_BYTES : int64_t{0});
   }
@@ -314,6 +365,9 @@ void launch_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tenso
     const GemvShape shape = one_row_gemv_shape();
     if (shape.pipelined) {
       return launch_gemv_shaped<scalar_t, 1, 1, GEMV_UNROLL, true>(x, qweight, scales, bias, y, stream);
+    }
+    if (shape.staged_x) {
+      return launch_gemv_shaped<scalar_t, 1, 1, GEMV_UNROLL, false, true>(x, qweight, scales, bias, y, stream);
     }
     if (shape.features == 2) {
       return shape.unroll == 8 ? launch_gemv_shaped<scalar_t, 1, 2, 8>(x, qweight, scales, bias, y, stream)

@@ -15,10 +15,13 @@ from gptfast_kernels import _extension
 
 # 65536 registers per SM / (5 blocks x 256 threads), rounded down to ptxas' allocation unit of 8
 ONE_ROW_GEMV_MAX_REGISTERS = 48
-# mangled-name pieces: int8_linear_gemv_kernel<T, ROWS 1, FEATURES 1, VECTORIZED, UNROLL 4, not PIPELINED>
-# (the default one-row shape, u4f1), and int8_linear_mma_kernel<T, MmaGemvTiling<1, RT>> (2 to 16 rows
+# mangled-name pieces: int8_linear_gemv_kernel<T, ROWS 1, FEATURES 1, VECTORIZED, UNROLL 4, not PIPELINED,
+# STAGED_X or not> (the default one-row shape, u4f1, and u4s: its 32 KiB of staged x at most leave
+# room for five blocks too), and int8_linear_mma_kernel<T, MmaGemvTiling<1, RT>> (2 to 16 rows
 # of fp16 / bf16 on tensor cores: features x rows tiles of 16 x 8 and 16 x 16, 8 warps splitting K)
-ONE_ROW_GEMV = {dtype: f"int8_linear_gemv_kernelIN3c10{dtype}ELi1ELi1ELb1ELi4ELb0E" for dtype in ("8BFloat16", "4Half")}
+ONE_ROW_GEMV = {f"{dtype}{'-staged' if staged else ''}":
+                f"int8_linear_gemv_kernelIN3c10{dtype}ELi1ELi1ELb1ELi4ELb0ELb{staged}E"
+                for dtype in ("8BFloat16", "4Half") for staged in (0, 1)}
 MMA_GEMV = {f"{dtype}-rt{rt}": f"int8_linear_mma_kernelIN3c10{dtype}ENS0_9MmaTilingILi1ELi{rt}ELi1ELi1ELi8ELi2ELb1E"
             for dtype in ("8BFloat16", "4Half") for rt in (1, 2)}
 

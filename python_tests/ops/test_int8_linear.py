@@ -161,7 +161,7 @@ def test_int8_linear_kernel_chosen_by_environment_on_gpu(backend, device, choice
 @pytest.mark.parametrize("backend, device", [p for p in GPU_BACKENDS if p.id == "cuda"])
 @pytest.mark.parametrize("variable, value, message", [
     ("GPTFAST_INT8_CUDA_KERNEL", "wmma", "must be auto, tensor_core or fma, got 'wmma'"),
-    ("GPTFAST_INT8_GEMV", "u3f1", "must be u4f1, u8f1, u16f1, u4f2, u8f2 or u4p, got 'u3f1'"),
+    ("GPTFAST_INT8_GEMV", "u3f1", "must be u4f1, u8f1, u16f1, u4f2, u8f2, u4p or u4s, got 'u3f1'"),
     ("GPTFAST_CUDA_PDL", "yes", "must be 0 or 1, got 'yes'"),
 ], ids=["kernel", "gemv", "pdl"])
 def test_int8_linear_bad_kernel_choice_names_the_variable_on_gpu(backend, device, variable, value, message):
@@ -174,9 +174,10 @@ def test_int8_linear_bad_kernel_choice_names_the_variable_on_gpu(backend, device
 
 
 @pytest.mark.parametrize("backend, device", [p for p in GPU_BACKENDS if p.id == "cuda"])
-@pytest.mark.parametrize("shape", ["u4f1", "u8f1", "u16f1", "u4f2", "u8f2", "u4p"])
+@pytest.mark.parametrize("shape", ["u4f1", "u8f1", "u16f1", "u4f2", "u8f2", "u4p", "u4s"])
 def test_int8_linear_one_row_gemv_shapes_on_gpu(backend, device, shape):
-    """Each unroll depth / features-per-warp of the one-row GEMV, and its pipelined form (u4p)
+    """Each unroll depth / features-per-warp of the one-row GEMV, its pipelined form (u4p) and its
+    form with x staged in shared memory (u4s; K = 12304 is past its limit: u4f1)
     (GPTFAST_INT8_GEMV, read once per process, so a process of its own) against float64: K not a
     multiple of a warp's step (and, for u4p, an odd and an even number of trips), odd N (a warp of
     two features with one), every dtype, with and without bias. (33, 4112) has K > N, which

@@ -20,9 +20,10 @@
 #                and one row on tensor cores, each in a process of its own, over a decode step's
 #                layers back to back in a CUDA graph (--cases layers,one_row) -> ..._int8_gemv.json
 #   pdl          GPTFAST_CUDA_PDL=1 (the CUDA int8 kernels and the Triton decode attention as
-#                programmatic dependent launches), in processes of their own: a decode step's linears and
-#                attention calls in a graph (-> ..._int8_linear-kv_cache_attention_layers_pdl.json, against
-#                `kernels --cases layers`) and `generate` batch 1 (-> ..._generate_batch1_pdl.json)
+#                programmatic dependent launches) against the defaults, each in a process of its own: a
+#                decode step's linears and attention calls in a graph without it, then with it
+#                (-> ..._int8_linear-kv_cache_attention_layers.json and ..._layers_pdl.json), and
+#                `generate` batch 1 with it (-> ..._generate_batch1_pdl.json; `generate` is without)
 #   tiles        Triton int8 tile sweep, 2-64 rows (bench_int8_tiles) -> ..._int8_tiles.json
 #   kv-tiles     Triton decode launch-constant sweep (bench_kv_tiles; KV_TILES_QUICK=1: its quick cases)
 #                                                                     -> ..._kv_tiles.json
@@ -207,7 +208,8 @@ for stage in $STAGES; do
              "$PY" -m bench.check_auto "$(ls -t "$OUT_DIR"/*_int8_linear-int8_expert_linear-kv_cache_attention-verify_draft.json | head -1)" \
                | tee -a "$OUT_DIR/bench.log" ;;
     int8-gemv) stage_int8_gemv ;;
-    pdl) GPTFAST_CUDA_PDL=1 bench int8_linear,kv_cache_attention --cases layers &&
+    pdl) bench int8_linear,kv_cache_attention --cases layers &&
+         GPTFAST_CUDA_PDL=1 bench int8_linear,kv_cache_attention --cases layers &&
          GPTFAST_CUDA_PDL=1 bench generate --cases batch1 ;;
     int8-kernels) GPTFAST_INT8_CUDA_KERNEL=tensor_core bench int8_linear --cases one_row &&
                   GPTFAST_INT8_CUDA_KERNEL=fma bench int8_linear --cases multi_row ;;

@@ -7,7 +7,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench.harness import add_cpu_isa_rows, cpu_isa_of_row
+from bench.harness import PDL_SUFFIX, add_cpu_isa_rows, cpu_isa_of_row
 from gptfast_kernels import ops
 
 # decode (1), batched decode (4, 8, 16), speculative verification with k = 4 at B = 1 and 8 (5, 40), prefill
@@ -22,10 +22,6 @@ CUDA_KERNEL = os.environ.get("GPTFAST_INT8_CUDA_KERNEL", "")
 # GPTFAST_INT8_GEMV picks the one-row GEMV's unroll depth and features per warp (u4f1 the default):
 # bench/gpu_run.sh's int8-gemv stage times each in a process of its own (--cases layers,one_row).
 GEMV_SHAPE = os.environ.get("GPTFAST_INT8_GEMV", "")
-# GPTFAST_CUDA_PDL=1 launches the CUDA kernels as programmatic dependent launches (csrc/cuda/
-# cuda_common.cuh): each may start while the one before it finishes. The int8-gemv stage times it in
-# a process of its own; its rows are named "_pdl".
-PDL = os.environ.get("GPTFAST_CUDA_PDL", "") == "1"
 ROWS_OF_CASE = {"one_row": (1,), "multi_row": (4, 5, 8, 16), "prefill": (256, 1024)}  # prefill: a long prompt too
 
 
@@ -42,8 +38,8 @@ LAYERS_ROWS = (1, 4, 8, 16)
 def run_layers(h, dtype, shapes) -> None:
     device = h.device
     one_row = h.quick or "one_row" in h.cases
-    choices = (CUDA_KERNEL, GEMV_SHAPE, "pdl" if PDL else "")
-    suffix = "".join(f"_{choice}" for choice in choices if choice) if device.type == "cuda" else ""
+    choices = "".join(f"_{choice}" for choice in (CUDA_KERNEL, GEMV_SHAPE) if choice) + PDL_SUFFIX
+    suffix = choices if device.type == "cuda" else ""
     for N, K in shapes:
         layers = max(2, (LAYERS_QUICK_BYTES if h.quick else LAYERS_BYTES) // (N * K))
         weights = [torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5 for _ in range(layers)]

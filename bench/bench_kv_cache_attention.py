@@ -48,13 +48,12 @@ slopes, the bias's own cost.
 
 from __future__ import annotations
 
-import os
 import types
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from bench.harness import add_cpu_isa_rows, cpu_isa_of_row
+from bench.harness import PDL_SUFFIX, add_cpu_isa_rows, cpu_isa_of_row
 from gptfast_kernels import _extension, ops
 
 HQ, HKV, D = 32, 8, 128  # Llama-3-8B
@@ -173,9 +172,6 @@ def run(h) -> None:
 GPU_LAYERS_CASES = [(1, 1, 4096, 8192), (1, 1, 16384, 32768), (8, 1, 4096, 8192), (32, 1, 4096, 8192),
                     (1, 5, 4096, 8192), (8, 5, 4096, 8192)]
 LAYERS_BYTES = 512 << 20  # bytes the layers read together
-# GPTFAST_CUDA_PDL=1: the Triton decode kernels as programmatic dependent launches (bench/gpu_run.sh's
-# pdl stage, a process of its own); their rows are named "_pdl".
-PDL_SUFFIX = "_pdl" if os.environ.get("GPTFAST_CUDA_PDL") == "1" else ""
 
 
 def run_layers(h, dtype) -> None:

@@ -13,7 +13,6 @@ CPU: bench_generate's 125M shape, eager; the families are the ops' own (self) CP
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -21,7 +20,7 @@ from torch.autograd import DeviceType
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.bench_generate import CPU_CONFIG, GPU_CONFIG
-from bench.harness import default_dtype, synchronize
+from bench.harness import PDL_SUFFIX, default_dtype, synchronize
 
 STEPS = 20
 GPU_CONTEXT, CPU_CONTEXT = 4096, 256
@@ -31,7 +30,6 @@ FAMILIES = (
     ("attention", ("kv_cache_attention", "kv_attention")),
     ("other", ("",)),
 )
-PDL_SUFFIX = "_pdl" if os.environ.get("GPTFAST_CUDA_PDL") == "1" else ""
 
 
 def family_of(name: str) -> str:

@@ -34,9 +34,10 @@ PY_CFLAGS=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_config_
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PATH=${CUDA_HOME:-/usr/local/cuda}/bin:$PATH MAX_JOBS=${MAX_JOBS:-$(nproc)} \
   CFLAGS="$PY_CFLAGS ${CFLAGS:-} -DGPTFAST_PORTABLE_GLIBC" TORCH_CUDA_ARCH_LIST=9.0a GPTFAST_KERNELS_REQUIRE_CUDA=1 \
   "$VENV/bin/python" setup.py -q build_ext --inplace
-newest_glibc=$(objdump -T gptfast_kernels/_C.abi3.so | grep -o "GLIBC_[0-9.]*" | sort -Vu | tail -1)
-torch_glibc=$(objdump -T "$("$VENV/bin/python" -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'lib', 'libtorch_cpu.so'))")" \
-  | grep -o "GLIBC_[0-9.]*" | sort -Vu | tail -1)
+newest_glibc_of() { objdump -T "$1" | grep -o "GLIBC_[0-9.]*" | sort -Vu | tail -1; }  # a shared object's
+newest_glibc=$(newest_glibc_of gptfast_kernels/_C.abi3.so)
+torch_glibc=$(newest_glibc_of "$("$VENV/bin/python" -c \
+  "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'lib', 'libtorch_cpu.so'))")")
 if [ "$(printf '%s\n' "$newest_glibc" "$torch_glibc" | sort -V | tail -1)" != "$torch_glibc" ]; then
   echo "warning: the build asks for $newest_glibc, torch only for $torch_glibc: it may not load on the GPU machine"
 fi

@@ -109,10 +109,11 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
   const scalar_t* x_rows = x + row_offset * stride_xm;
   const int64_t remaining = M - row_offset;
   const int rows = remaining < ROWS ? static_cast<int>(remaining) : ROWS;
-  // The warp's weight rows depend on no earlier kernel: under a programmatic launch (prefetch_bytes
-  // > 0) L2 fetches their first prefetch_bytes while the kernel before this one finishes (one
-  // request per 128-byte line, lanes side by side; the rows are consecutive in qweight).
-  // x and y only after wait_for_inputs.
+  // Under a programmatic launch (prefetch_bytes > 0) L2 fetches the first prefetch_bytes of the
+  // warp's weight rows while the kernel before this one finishes (one request per 128-byte line,
+  // lanes side by side; the rows are consecutive in qweight). A hint only, never a load into
+  // registers: should an earlier kernel still be writing the weights, the loads after
+  // wait_for_inputs read its result. x and y only after wait_for_inputs too.
   const int64_t prefetch_end = prefetch_bytes < features * K ? prefetch_bytes : features * K;
 #pragma unroll 1
   for (int64_t at = static_cast<int64_t>(lane) * L2_LINE; at < prefetch_end; at += WARP * L2_LINE) {
@@ -450,9 +451,10 @@ void launch_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   TORCH_CHECK(feature_tiles <= MAX_GRID_Y && row_tiles < (int64_t{1} << 31),
               "int8_linear: shape too large for the tensor-core kernel's grid");
   const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(feature_tiles));
+  const bool programmatic = programmatic_launch_enabled();
   launch_kernel(int8_linear_mma_kernel<scalar_t, Tiling>, grid, Tiling::WARPS * WARP, 0, stream,
-                programmatic_launch_enabled(), x.data_ptr<scalar_t>(), qweight.data_ptr<int8_t>(),
-                scales.data_ptr<float>(), bias, y.data_ptr<scalar_t>(), M, N, K, x.stride(0));
+                programmatic, x.data_ptr<scalar_t>(), qweight.data_ptr<int8_t>(),
+                scales.data_ptr<float>(), bias, y.data_ptr<scalar_t>(), M, N, K, x.stride(0), programmatic);
 }
 
 // 2..16 rows on tensor cores: 16-row tiles of A are the weights, 8-row tiles of B the rows of x.

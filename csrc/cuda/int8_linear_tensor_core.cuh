@@ -134,7 +134,8 @@ template <typename scalar_t, typename Tiling>
 __global__ void __launch_bounds__(Tiling::WARPS * WARP)
 int8_linear_mma_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict__ qweight,
                        const float* __restrict__ scales, const scalar_t* __restrict__ bias,
-                       scalar_t* __restrict__ y, int64_t M, int64_t N, int64_t K, int64_t stride_xm) {
+                       scalar_t* __restrict__ y, int64_t M, int64_t N, int64_t K, int64_t stride_xm,
+                       bool programmatic) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   allow_dependents();
   constexpr int FT = Tiling::FT, RT = Tiling::RT, STAGE = Tiling::STAGE, WARPS_K = Tiling::WARPS_K;
@@ -242,9 +243,10 @@ int8_linear_mma_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict_
   const int64_t stages = (K + STAGE * MMA_CHUNK_K - 1) / (STAGE * MMA_CHUNK_K);
   // Two register sets in turn (no copy between them): a stage's loads go out before the previous
   // stage's multiplies.
-  // The first stage's weights depend on no earlier kernel: under a programmatic launch L2 fetches
-  // them while the kernel before this one finishes. x and y only after wait_for_inputs.
-  if (warp_k < stages) {
+  // Under a programmatic launch L2 fetches the first stage's weights while the kernel before this
+  // one finishes (a hint only: the loads themselves come after wait_for_inputs, as x and y do);
+  // otherwise the loads follow at once and a prefetch would only add instructions.
+  if (programmatic && warp_k < stages) {
 #pragma unroll
     for (int u = 0; u < STAGE; ++u) {
       const int64_t k = (static_cast<int64_t>(warp_k) * STAGE + u) * MMA_CHUNK_K;

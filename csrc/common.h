@@ -64,10 +64,10 @@ void int8_gemv_cpu(CpuIsa isa, const float* x, int64_t M, int64_t K, const int8_
 // entry points (defined in kv_cache_attention.cpp). Position values are checked by each backend.
 // value_dim > 0: values in keys (v and v_cache empty, unused); returns the output's head dim, Dv.
 // chunk_size > 0: chunked attention, refused together with a window; ring needs a window or a chunk_size.
-// sinks and alibi_slopes: contiguous float32 [Hq] or none.
+// sinks and alibi_slopes: contiguous float32 [Hq] or none. |scale| at most 2^126, softcap 2^125.
 int64_t check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                        const at::Tensor& positions, int64_t window, double softcap,
+                                        const at::Tensor& positions, double scale, int64_t window, double softcap,
                                         const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim,
                                         int64_t chunk_size, const std::optional<at::Tensor>& alibi_slopes);
 

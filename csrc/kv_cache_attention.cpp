@@ -206,10 +206,14 @@ void check_ring_positions(const int64_t* pos, int64_t B, int64_t T, int64_t S, i
 // contiguity of the caches and of positions. Position values are checked by each backend.
 int64_t check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                        const at::Tensor& positions, int64_t window, double softcap,
+                                        const at::Tensor& positions, double scale, int64_t window, double softcap,
                                         const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim,
                                         int64_t chunk_size, const std::optional<at::Tensor>& alibi_slopes) {
   constexpr const char* op = "kv_cache_attention";
+  // The kernels hold scale and softcap as float32 times log2(e) (they use exp2): both must stay finite
+  // there (float32's largest is just under 2^128), and the GPU kernels' inverse of the cap a normal
+  // float32 (flushed to 0 below 2^-126). NaN fails every comparison.
+  constexpr double MAX_SCALE = 0x1p126, MAX_SOFTCAP = 0x1p125;
   const bool values_in_keys = value_dim != 0;
   TORCH_CHECK(window >= 0 && window <= INT32_MAX, op, ": window must be in 0..2^31 - 1 (0: no window), got ", window);
   TORCH_CHECK(chunk_size >= 0 && chunk_size <= INT32_MAX, op,
@@ -222,8 +226,9 @@ int64_t check_kv_cache_attention_inputs(const at::Tensor& q, const at::Tensor& k
               op, ": ring=True (a ring-buffer cache) needs a window or a chunk_size in 1..S, the cache's slots; got "
               "window ", window, ", chunk_size ", chunk_size, " for k_cache ", k_cache.sizes());
   // a cap below float32's smallest normal would reach the CUDA kernels as 0, i.e. as "no cap"
-  TORCH_CHECK(std::isfinite(softcap) && (softcap == 0 || softcap >= std::numeric_limits<float>::min()), op,
-              ": softcap must be 0 (none) or finite and >= ", std::numeric_limits<float>::min(), ", got ", softcap);
+  TORCH_CHECK(softcap == 0 || (softcap >= std::numeric_limits<float>::min() && softcap <= MAX_SOFTCAP), op,
+              ": softcap must be 0 (none) or in [", std::numeric_limits<float>::min(), ", 2^125], got ", softcap);
+  TORCH_CHECK(std::abs(scale) <= MAX_SCALE, op, ": scale must be a number with |scale| <= 2^126, got ", scale);
   GPTFAST_CHECK_DIM(op, q, 4);
   GPTFAST_CHECK_FLOATING(op, q);
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
@@ -286,8 +291,8 @@ at::Tensor kv_cache_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
                                   const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim,
                                   int64_t chunk_size, const std::optional<at::Tensor>& alibi_slopes) {
   constexpr const char* op = "kv_cache_attention";
-  const int64_t Dv = check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks,
-                                                     ring, value_dim, chunk_size, alibi_slopes);
+  const int64_t Dv = check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap,
+                                                     sinks, ring, value_dim, chunk_size, alibi_slopes);
   const bool values_in_keys = value_dim > 0;
   const int64_t S = k_cache.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();

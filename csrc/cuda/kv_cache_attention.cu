@@ -23,8 +23,8 @@ at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, con
                                    const std::optional<at::Tensor>& sinks, bool ring, int64_t value_dim,
                                    int64_t chunk_size, const std::optional<at::Tensor>& alibi_slopes) {
   constexpr const char* op = "kv_cache_attention";
-  const int64_t Dv = check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, window, softcap, sinks,
-                                                     ring, value_dim, chunk_size, alibi_slopes);
+  const int64_t Dv = check_kv_cache_attention_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap,
+                                                     sinks, ring, value_dim, chunk_size, alibi_slopes);
   const bool values_in_keys = value_dim > 0;
   // The tensors the values are read from (v may then be an empty tensor of any rank: no strides)
   const at::Tensor& values = values_in_keys ? k : v;
@@ -56,7 +56,7 @@ at::Tensor kv_cache_attention_cuda(const at::Tensor& q, const at::Tensor& k, con
     constexpr double LOG2_E = 1.4426950408889634;
     p.score.scale_log2 = static_cast<float>(scale * LOG2_E);
     p.score.cap_log2 = static_cast<float>(softcap * LOG2_E);
-    p.score.scale_over_cap = softcap > 0 ? static_cast<float>(scale / softcap) : 0.f;
+    p.score.inv_cap_log2 = softcap > 0 ? static_cast<float>(1.0 / (softcap * LOG2_E)) : 0.f;
     p.score.window = static_cast<int>(window);  // checked: fits int
     p.score.chunk = static_cast<int>(chunk_size);  // checked: fits int, and never with a window
     p.score.alibi = alibi_slopes.has_value();

@@ -204,25 +204,32 @@ __device__ __forceinline__ void copy_vec(T* dst, const T* src, int c, int D) {
   }
 }
 
-// tanh from exp2: under --use_fast_math tanhf may become the hardware approximation (2^-11 relative
-// error), which a softcap of 30 to 50 would turn into logit errors near 1e-2.
-__device__ __forceinline__ float accurate_tanh(float x) {
+// cap * tanh(s / cap) for a score s and a cap in the same (log2) units, inv_cap = 1 / cap, to float32
+// rounding for any cap. Not tanhf: under --use_fast_math it may become the hardware approximation
+// (2^-11 relative error), which a cap of 30 to 50 would turn into logit errors near 1e-2. Where
+// |s / cap| < 0.1, s times tanh's series in (s / cap)^2: the exp2 form's 1 - e loses s / cap there,
+// and s / cap itself may be subnormal (flushed) under a huge cap, when the square is 0 and the
+// result s, as it should be. Elsewhere tanh from exp2 (the exponent is never positive).
+__device__ __forceinline__ float soft_cap(float s, float cap, float inv_cap) {
+  const float x = s * inv_cap, r = x * x;
+  const float series = s * (1.f + r * (-1.f / 3.f + r * (2.f / 15.f + r * (-17.f / 315.f))));
   const float e = exp2f(-2.8853900817779268f * fabsf(x));  // exp(-2|x|), in (0, 1]
-  return copysignf((1.f - e) / (1.f + e), x);
+  return fabsf(x) < 0.1f ? series : copysignf(cap * ((1.f - e) / (1.f + e)), x);
 }
 
 // How a q . k dot product becomes a score, and which slots a query sees.
 struct Scoring {
   float scale_log2;      // scale * log2(e): the softmax runs on exp2
   float cap_log2;        // softcap * log2(e); 0: no soft-capping
-  float scale_over_cap;  // scale / softcap
+  float inv_cap_log2;    // 1 / cap_log2 (a normal float32: softcap <= 2^125)
   int window;            // a query at pos sees positions pos - window + 1 .. pos; 0: all of 0 .. pos
   int chunk;             // chunked attention (Llama 4): pos - pos % chunk .. pos; 0: none (never with a window;
                          // with ring, rebase_span keeps pos % chunk)
   bool alibi;            // ALiBi: rows carry a slope (log2 units), see biased
   // log2-domain score: scale * dot, or softcap * tanh(scale * dot / softcap) (Gemma 2).
   __device__ __forceinline__ float operator()(float dot) const {
-    return cap_log2 > 0.f ? cap_log2 * accurate_tanh(dot * scale_over_cap) : dot * scale_log2;
+    const float s = dot * scale_log2;
+    return cap_log2 > 0.f ? soft_cap(s, cap_log2, inv_cap_log2) : s;
   }
   // The score of position x for a query at pos whose head's ALiBi slope (log2 units) is slope: the
   // capped score plus slope * (x - pos) with ALiBi, else the capped score. x and pos may both be

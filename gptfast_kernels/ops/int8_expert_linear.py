@@ -85,8 +85,12 @@ def int8_expert_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     return torch.ops.gptfast_kernels.int8_expert_linear(x, qweight, scales, experts, bias)
 
 
-if _extension.has_kernel(OP, "CPU"):
+def int8_expert_linear_fake(x, qweight, scales, experts, bias=None):
+    """The fake (meta) implementation of the C++ and Triton int8_expert_linear ops; also their Meta
+    kernel, so a call with one argument on meta and the rest elsewhere raises rather than answers."""
+    check_same_device(OP, x=x, qweight=qweight, scales=scales, experts=experts, bias=bias)
+    return x.new_empty((x.shape[0], qweight.shape[1]))
 
-    @torch.library.register_fake(f"gptfast_kernels::{OP}")
-    def _int8_expert_linear_fake(x, qweight, scales, experts, bias=None):
-        return x.new_empty((x.shape[0], qweight.shape[1]))
+
+if _extension.has_kernel(OP, "CPU"):
+    torch.library.register_fake(f"gptfast_kernels::{OP}")(int8_expert_linear_fake)

@@ -101,8 +101,12 @@ def run_int8_linear(chosen: str, x: torch.Tensor, qweight: torch.Tensor, scales:
     return y.reshape(*lead_shape, qweight.shape[0])
 
 
-if _extension.extension_loaded():
+def int8_linear_fake(x, qweight, scales, bias):
+    """The fake (meta) implementation of the C++ and Triton int8_linear ops; also their Meta
+    kernel, so a call with one argument on meta and the rest elsewhere raises rather than answers."""
+    check_same_device("int8_linear", x=x, qweight=qweight, scales=scales, bias=bias)
+    return x.new_empty((x.shape[0], qweight.shape[0]))
 
-    @torch.library.register_fake("gptfast_kernels::int8_linear")
-    def _int8_linear_fake(x, qweight, scales, bias):
-        return x.new_empty((x.shape[0], qweight.shape[0]))
+
+if _extension.extension_loaded():
+    torch.library.register_fake("gptfast_kernels::int8_linear")(int8_linear_fake)

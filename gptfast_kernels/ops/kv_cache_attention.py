@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from gptfast_kernels import _extension
@@ -22,6 +20,21 @@ MAX_CHUNK_SIZE = 2**31 - 1  # and chunk sizes
 
 # the smallest normal float32: the kernels take the cap as a float32, where 0 means "no cap"
 SOFTCAP_MIN = torch.finfo(torch.float32).tiny
+# The largest |scale| and softcap: the kernels hold both as float32 times log2(e) (they use exp2),
+# which must stay finite (float32's largest is just under 2^128), and the GPU kernels the cap's
+# inverse too, which must stay a normal float32 (flushed to 0 below 2^-126).
+MAX_SCALE = 2.0**126
+SOFTCAP_MAX = 2.0**125
+
+
+def _real(value) -> float | None:
+    """value as a Python float when it is a real number a float can hold (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range
+        return None
 
 
 def check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
@@ -66,16 +79,17 @@ def check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, s
     if tuple(positions.shape) not in expected_positions:
         raise ValueError(f"{op}: positions must have shape [T] = [{T}] or [B, T] = [{B}, {T}], "
                          f"got {list(positions.shape)}")
-    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
-        raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
+    scale_value, softcap_value = _real(scale), _real(softcap)  # (NaN fails every comparison)
+    if scale is not None and (scale_value is None or not abs(scale_value) <= MAX_SCALE):
+        raise ValueError(f"{op}: scale must be None or a number with |scale| <= 2^126 (finite as float32 "
+                         f"times log2(e)), got {scale!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or not 1 <= window <= MAX_WINDOW):
         raise ValueError(f"{op}: window must be None or an int in 1..{MAX_WINDOW} (the number of latest "
                          f"slots a query sees, itself included), got {window!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not math.isfinite(softcap) or softcap < SOFTCAP_MIN):
+    if softcap is not None and (softcap_value is None or not SOFTCAP_MIN <= softcap_value <= SOFTCAP_MAX):
         # (a smaller cap would flush to zero in float32, which the kernels read as "no cap")
-        raise ValueError(f"{op}: softcap must be None or a finite number >= {SOFTCAP_MIN}, got {softcap!r}")
+        raise ValueError(f"{op}: softcap must be None or a number in [{SOFTCAP_MIN}, 2^125], got {softcap!r}")
     if not isinstance(ring, bool):
         raise ValueError(f"{op}: ring must be True or False, got {ring!r}")
     if chunk_size is not None:
@@ -252,12 +266,7 @@ def run_kv_cache_attention(chosen: str, q, k, v, k_cache, v_cache, positions, sc
     if positions.dim() != 2 or positions.dtype != torch.int64 or not positions.is_contiguous():
         positions = reference.broadcast_positions(positions, q.shape[0]).contiguous()
     # kernels take any strides except in the head dim (HF's [B, T, H, D] -> [B, H, T, D] views pass)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
+    q, k, v = _unit_head_stride(q), _unit_head_stride(k), _unit_head_stride(v)
     if chosen == "triton":  # (checked above; see tracing_or_dispatch_mode)
         from gptfast_kernels.triton.kv_cache_attention import kv_cache_attention_triton, kv_cache_attention_unchecked
 
@@ -268,10 +277,26 @@ def run_kv_cache_attention(chosen: str, q, k, v, k_cache, v_cache, positions, sc
                                                         softcap, sinks, ring, value_dim, chunk_size, alibi_slopes)
 
 
-if _extension.has_kernel(OP, "CPU"):
+def _unit_head_stride(t: torch.Tensor) -> torch.Tensor:
+    """t with stride 1 in its head (last) dim, which the kernels need: a copy where it has another
+    stride, or, for a head dim of one number (whose stride indexes nothing, so .contiguous() keeps
+    it), a view of the same memory with stride 1."""
+    if t.stride(-1) == 1:
+        return t
+    if t.shape[-1] == 1:
+        return t.as_strided(t.shape, (*t.stride()[:-1], 1))
+    return t.contiguous()
 
-    @torch.library.register_fake(f"gptfast_kernels::{OP}")
-    def _kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None,
-                                 ring=False, value_dim=0, chunk_size=0, alibi_slopes=None):
-        # the kernels return a contiguous tensor, whatever q's strides
-        return q.new_empty((*q.shape[:-1], value_dim or q.shape[-1]))
+
+def kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None,
+                            ring=False, value_dim=0, chunk_size=0, alibi_slopes=None):
+    """The fake (meta) implementation of the C++ and Triton kv_cache_attention ops; also their Meta
+    kernel, so a call with one argument on meta and the rest elsewhere raises rather than answers."""
+    check_same_device(OP, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions, sinks=sinks,
+                      alibi_slopes=alibi_slopes)
+    # the kernels return a contiguous tensor, whatever q's strides
+    return q.new_empty((*q.shape[:-1], value_dim or q.shape[-1]))
+
+
+if _extension.has_kernel(OP, "CPU"):
+    torch.library.register_fake(f"gptfast_kernels::{OP}")(kv_cache_attention_fake)

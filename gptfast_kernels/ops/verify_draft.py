@@ -10,6 +10,9 @@ from gptfast_kernels.ops._dispatch import (check_same_device, check_tensor, reso
                                            tracing_or_dispatch_mode)
 
 OP = "verify_draft"
+# Sampling walks a row's float32 running sum (inverse CDF), which must not overflow: rows summing to
+# less than this (float32's largest is just under 2^128) never do, whatever the order of the sum.
+MAX_ROW_SUM = 2.0**127
 
 
 def check_inputs(target_probs, draft_probs, draft_tokens, uniforms, op: str = OP) -> None:
@@ -49,6 +52,8 @@ def _check_values(target_probs, draft_probs, draft_tokens, uniforms) -> None:
         if probs is not None and probs.numel():
             lo, hi = torch.aminmax(probs)
             checks[name] = (lo >= 0) & (hi < float("inf"))
+            if name == "target_probs" and draft_probs is not None:  # sampling: a bound on every row's sum
+                checks["target_probs_sum"] = hi * V < MAX_ROW_SUM
     if uniforms is not None and uniforms.numel():
         lo, hi = torch.aminmax(uniforms)
         checks["uniforms"] = (lo >= 0) & (hi < 1)
@@ -64,7 +69,12 @@ def _check_values(target_probs, draft_probs, draft_tokens, uniforms) -> None:
         "uniforms": "uniforms must lie in [0, 1) (no NaN)",
     }
     for name, ok in zip(checks, valid):
-        if not ok:
+        if name == "target_probs_sum" and not ok:  # the bound failed: the rows' sums themselves
+            largest = target_probs.sum(dim=-1, dtype=torch.float64).max().item()
+            if largest >= MAX_ROW_SUM:
+                raise ValueError(f"{OP}: target_probs' rows must each sum to less than 2^127 for sampling (the "
+                                 f"kernels' float32 running sums would overflow), got a row summing to {largest:.3g}")
+        elif not ok:
             raise ValueError(f"{OP}: {messages[name]}")
 
 
@@ -87,6 +97,8 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
     every probability again and waits for the GPU once per call.
     """
     check_inputs(target_probs, draft_probs, draft_tokens, uniforms)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"{OP}: generator must be a torch.Generator or None, got {type(generator).__name__}")
     if check_values and not tracing_or_dispatch_mode():
         _check_values(target_probs, draft_probs, draft_tokens, uniforms)
     B, k_plus_1, _ = target_probs.shape
@@ -105,10 +117,15 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
     return torch.ops.gptfast_kernels.verify_draft(*args)
 
 
-if _extension.has_kernel(OP, "CPU"):
+def verify_draft_fake(target_probs, draft_probs, draft_tokens, uniforms):
+    """The fake (meta) implementation of the C++ and Triton verify_draft ops; also their Meta
+    kernel, so a call with one argument on meta and the rest elsewhere raises rather than answers."""
+    check_same_device(OP, target_probs=target_probs, draft_probs=draft_probs, draft_tokens=draft_tokens,
+                      uniforms=uniforms)
+    B, k_plus_1, _ = target_probs.shape
+    return (target_probs.new_empty((B, k_plus_1), dtype=torch.int64),
+            target_probs.new_empty((B,), dtype=torch.int64))
 
-    @torch.library.register_fake(f"gptfast_kernels::{OP}")
-    def _verify_draft_fake(target_probs, draft_probs, draft_tokens, uniforms):
-        B, k_plus_1, _ = target_probs.shape
-        return (target_probs.new_empty((B, k_plus_1), dtype=torch.int64),
-                target_probs.new_empty((B,), dtype=torch.int64))
+
+if _extension.has_kernel(OP, "CPU"):
+    torch.library.register_fake(f"gptfast_kernels::{OP}")(verify_draft_fake)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from gptfast_kernels.ops._dispatch import check_contiguous, check_tensor
-from gptfast_kernels.ops.int8_expert_linear import check_inputs
+from gptfast_kernels.ops.int8_expert_linear import check_inputs, int8_expert_linear_fake
 from gptfast_kernels.triton import FP32_NUM_STAGES, dot, dot_in_fp32, on_device
 
 # tl.dot needs at least 16 rows per tile: smaller row counts are padded with masked rows.
@@ -178,6 +178,4 @@ def int8_expert_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: to
     return int8_expert_linear_unchecked(x, qweight, scales, experts, bias)
 
 
-@int8_expert_linear_triton.register_fake
-def _(x, qweight, scales, experts, bias=None):
-    return x.new_empty((x.shape[0], qweight.shape[1]))
+int8_expert_linear_triton.register_fake(int8_expert_linear_fake)

@@ -69,7 +69,7 @@ import torch
 import triton
 
 from gptfast_kernels.ops._dispatch import check_contiguous, check_int, check_tensor
-from gptfast_kernels.ops.kv_cache_attention import check_inputs
+from gptfast_kernels.ops.kv_cache_attention import check_inputs, kv_cache_attention_fake
 from gptfast_kernels.triton import FP32_NUM_STAGES, dot_in_fp32, num_sms, on_device, programmatic_launch
 from gptfast_kernels.triton.kv_cache_attention_common import LOG2_E
 from gptfast_kernels.triton.kv_cache_attention_decode import (_kv_cache_attention_combine_kernel,
@@ -272,7 +272,7 @@ def _prefill(q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, sco
 
 
 class _Scoring(NamedTuple):
-    """Score arguments of the attention kernels: (qk_scale, cap_log2, scale_over_cap, window) in
+    """Score arguments of the attention kernels: (qk_scale, cap_log2, inv_cap_log2, window) in
     ``args``, whether soft-capping is on (a constexpr: no tanh in kernels that do not cap) and the
     chunk size of chunked attention (the constexpr CHUNK, 0: none)."""
     args: tuple[float, float, float, int]
@@ -283,7 +283,7 @@ class _Scoring(NamedTuple):
     @classmethod
     def of(cls, scale: float, window: int, softcap: float, chunk: int = 0) -> "_Scoring":
         capped = softcap > 0
-        args = (scale * LOG2_E, softcap * LOG2_E, scale / softcap if capped else 0.0, window)
+        args = (scale * LOG2_E, softcap * LOG2_E, 1.0 / (softcap * LOG2_E) if capped else 0.0, window)
         return cls(args, window, capped, chunk)
 
 
@@ -357,7 +357,4 @@ def kv_cache_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                         value_dim, chunk_size, alibi_slopes)
 
 
-@kv_cache_attention_triton.register_fake
-def _(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None, ring=False, value_dim=0,
-      chunk_size=0, alibi_slopes=None):
-    return torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)
+kv_cache_attention_triton.register_fake(kv_cache_attention_fake)

@@ -64,11 +64,18 @@ def _ring_slots(n0, S, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from exp2, exact to float32 rounding (no overflow: the exponent is never positive)."""
+def _soft_cap(s, cap, inv_cap):
+    """cap * tanh(s / cap) for scores s and a cap in the same (log2) units, inv_cap = 1 / cap, to
+    float32 rounding for any cap: where |s / cap| < 0.1, s times tanh's series in (s / cap)^2 (the
+    exp2 form's 1 - e loses s / cap there, and s / cap itself may be subnormal under a huge cap:
+    (s / cap)^2 then flushes to 0 and the result is s, as it should be); elsewhere tanh from exp2
+    (no overflow: the exponent is never positive)."""
+    x = s * inv_cap
+    r = x * x
+    series = s * (1.0 + r * (-1.0 / 3.0 + r * (2.0 / 15.0 + r * (-17.0 / 315.0))))
     e = tl.math.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
+    t = cap * ((1.0 - e) / (1.0 + e))
+    return tl.where(tl.abs(x) < 0.1, series, tl.where(x < 0, -t, t))
 
 
 @triton.jit
@@ -101,20 +108,20 @@ def _online_softmax_step_split(s, allowed, v, v_t, m_i, l_i, acc, acc_t, FP32_DO
 
 
 @triton.jit
-def _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+def _scores(q, k, qk_scale, cap_log2, inv_cap_log2, FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """q [M, D] . k [N, D]^T -> scores [M, N] in the log2 domain, soft-capped when SOFTCAP."""
-    dot = _dot(q, tl.trans(k), FP32_DOT)
+    s = _dot(q, tl.trans(k), FP32_DOT) * qk_scale
     if SOFTCAP:
-        return cap_log2 * _tanh(dot * scale_over_cap)
-    return dot * qk_scale
+        s = _soft_cap(s, cap_log2, inv_cap_log2)
+    return s
 
 
 @triton.jit
-def _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT: tl.constexpr,
+def _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, inv_cap_log2, FP32_DOT: tl.constexpr,
                   SOFTCAP: tl.constexpr):
     """_scores for a head dim in two blocks (D > MAX_BLOCK_D): q [M, BLOCK_D] . k [N, BLOCK_D]^T
     + q_t [M, BLOCK_DT] . k_t [N, BLOCK_DT]^T, then scaled (and capped) once."""
-    dot = _dot(q, tl.trans(k), FP32_DOT) + _dot(q_t, tl.trans(k_t), FP32_DOT)
+    s = (_dot(q, tl.trans(k), FP32_DOT) + _dot(q_t, tl.trans(k_t), FP32_DOT)) * qk_scale
     if SOFTCAP:
-        return cap_log2 * _tanh(dot * scale_over_cap)
-    return dot * qk_scale
+        s = _soft_cap(s, cap_log2, inv_cap_log2)
+    return s

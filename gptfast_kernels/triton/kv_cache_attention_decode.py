@@ -43,7 +43,7 @@ def _store_rows(cache_ptr, cache_rows, write, rows, offs_d, mask_d):
 @triton.jit
 def _kv_cache_attention_decode_kernel(
         Q_ptr, K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Alibi_ptr, Out_ptr, OPart_ptr, LsePart_ptr,
-        qk_scale, cap_log2, scale_over_cap, window, T, S, D, G, Hq,
+        qk_scale, cap_log2, inv_cap_log2, window, T, S, D, G, Hq,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_cb, stride_ch, stride_cs,
         NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
@@ -165,9 +165,9 @@ def _kv_cache_attention_decode_kernel(
                 v_t = tl.load(vc_ptr + cache_rows + offs_dt[None, :], mask=tile_mask, other=0.0)
             elif TAIL_VALUES:  # DV > BLOCK_D: the values reach into the tail
                 v_t = k_t
-            s = _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+            s = _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, inv_cap_log2, FP32_DOT, SOFTCAP)
         else:
-            s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+            s = _scores(q, k, qk_scale, cap_log2, inv_cap_log2, FP32_DOT, SOFTCAP)
         if HAS_ALIBI:
             s += slope_m[:, None] * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
         allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])

@@ -59,7 +59,7 @@ def _kv_cache_attention_scatter_kernel(
 
 @triton.jit
 def _kv_cache_attention_prefill_kernel(
-        Q_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Alibi_ptr, Out_ptr, qk_scale, cap_log2, scale_over_cap, window, T,
+        Q_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Alibi_ptr, Out_ptr, qk_scale, cap_log2, inv_cap_log2, window, T,
         S, D, G, Hq, stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
         FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
@@ -118,9 +118,9 @@ def _kv_cache_attention_prefill_kernel(
                 v_t = tl.load(VC_ptr + offs, mask=kv_mask, other=0.0)
             elif TAIL_VALUES:  # DV > BLOCK_D: the values reach into the tail
                 v_t = k_t
-            s = _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+            s = _scores_split(q, k, q_t, k_t, qk_scale, cap_log2, inv_cap_log2, FP32_DOT, SOFTCAP)
         else:
-            s = _scores(q, k, qk_scale, cap_log2, scale_over_cap, FP32_DOT, SOFTCAP)
+            s = _scores(q, k, qk_scale, cap_log2, inv_cap_log2, FP32_DOT, SOFTCAP)
         if HAS_ALIBI:
             s += slope * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
         allowed = ((offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] >= first_m[:, None])

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from gptfast_kernels.ops._dispatch import check_contiguous, check_tensor
-from gptfast_kernels.ops.verify_draft import check_inputs
+from gptfast_kernels.ops.verify_draft import check_inputs, verify_draft_fake
 from gptfast_kernels.triton import num_sms, on_device
 
 # Vocabulary entries per tile: 4 KiB of float32 per load, a few wide loads per thread with
@@ -223,8 +223,4 @@ def verify_draft_triton(target_probs: torch.Tensor, draft_probs: torch.Tensor | 
     return verify_draft_unchecked(target_probs, draft_probs, draft_tokens, uniforms)
 
 
-@verify_draft_triton.register_fake
-def _(target_probs, draft_probs, draft_tokens, uniforms):
-    B, k_plus_1, _ = target_probs.shape
-    return (target_probs.new_empty((B, k_plus_1), dtype=torch.int64),
-            target_probs.new_empty((B,), dtype=torch.int64))
+verify_draft_triton.register_fake(verify_draft_fake)

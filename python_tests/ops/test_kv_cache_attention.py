@@ -300,6 +300,20 @@ def test_non_contiguous_inputs_and_custom_scale(backend, device):
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
+def test_head_dim_of_one_with_any_stride(backend, device):
+    """A head of one number may have any stride in that dim (torch calls such a tensor contiguous,
+    so .contiguous() keeps the stride); the kernels, which need stride 1 there, still take it."""
+    B, Hq, Hkv, T, S = 1, 2, 1, 3, 8
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, Hq, 1, T, generator=g).to(device).transpose(2, 3)  # [1, 2, 3, 1], strides (6, 3, 1, 3)
+    k = torch.randn(B, Hkv, 1, T, generator=g).to(device).transpose(2, 3)
+    v = torch.randn(B, Hkv, 1, T, generator=g).to(device).transpose(2, 3)
+    assert q.stride(-1) != 1 and q.is_contiguous()
+    check_against_reference(backend, device, q, k, v, torch.zeros(B, Hkv, S, 1, device=device),
+                            torch.zeros(B, Hkv, S, 1, device=device), torch.tensor([[2, 3, 4]], device=device))
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
 def test_decode_steps_accumulate_in_the_cache(backend, device):
     """Prefill then 6 decode steps through the kernel equals attention over the whole sequence."""
     B, H, D, S, prompt, steps = 2, 2, 16, 16, 4, 6

@@ -116,21 +116,52 @@ def test_bad_window_names_the_argument(window):
     assert torch.equal(k_cache, before)
 
 
-@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), float("nan"), "50", 1e-40],
-                         ids=["zero", "negative", "inf", "nan", "str", "zero-in-float32"])
+# 1e39 is inf in float32; past 2^125 the GPU kernels' inverse of the cap (times log2(e)) is subnormal;
+# 10**400 is an int no float holds
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), float("nan"), "50", 1e-40, True, 1e39, 2.0**126, 10**400],
+                         ids=["zero", "negative", "inf", "nan", "str", "zero-in-float32", "bool", "inf-in-float32",
+                              "past-2^125", "int-past-float"])
 def test_bad_softcap_names_the_argument(softcap):
     q, k, v, k_cache, v_cache, positions = make_case(1, 2, 1, 1, 16, 8, [[3]])
     with pytest.raises(ValueError, match="softcap"):
         ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, softcap=softcap)
 
 
+@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("softcap", [1e4, 1e9, 2.0**125], ids=["1e4", "1e9", "largest"])
+def test_large_softcaps_are_exact(backend, device, softcap):
+    """Caps far above the scores, up to the largest the checks take (2^125), against the float64
+    reference (for the largest: the uncapped result). The GPU kernels' tanh from exp2 loses
+    score / cap below about 1e-7 (1 - e rounds to 0), and an inverse cap's product with the scores may
+    be subnormal: they take tanh's series there, so each score is exact to float32 rounding."""
+    q, k, v, k_cache, v_cache, positions = make_case(1, 4, 2, 2, 16, 8, [[3, 4]], device=device)
+    check_against_reference(backend, device, q, k, v, k_cache, v_cache, positions, softcap=softcap)
+    if softcap == 2.0**125:
+        want = ops.kv_cache_attention(q, k, v, k_cache.clone(), v_cache.clone(), positions, backend="reference")
+        got = ops.kv_cache_attention(q, k, v, k_cache.clone(), v_cache.clone(), positions, softcap=softcap,
+                                     backend=backend)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.skipif(not _extension.has_kernel("kv_cache_attention", "CPU"), reason="extension not built")
-@pytest.mark.parametrize("window, softcap", [(-1, 0.0), (0, -2.0), (0, float("inf")), (0, 1e-40)],
-                         ids=["window", "softcap", "softcap-inf", "softcap-zero-in-float32"])
+@pytest.mark.parametrize("window, softcap", [(-1, 0.0), (0, -2.0), (0, float("inf")), (0, 1e-40), (0, 2.0**126)],
+                         ids=["window", "softcap", "softcap-inf", "softcap-zero-in-float32", "softcap-past-2^125"])
 def test_cpu_kernel_refuses_bad_window_or_softcap_when_called_directly(window, softcap):
     q, k, v, k_cache, v_cache, positions = make_case(1, 2, 1, 1, 16, 8, [[3]])
     with pytest.raises(RuntimeError, match="window" if window < 0 else "softcap"):
         torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, 0.25, window, softcap)
+
+
+@pytest.mark.skipif(not _extension.has_kernel("kv_cache_attention", "CPU"), reason="extension not built")
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1e39, 2.0**127],
+                         ids=["nan", "inf", "inf-in-float32", "past-2^126"])
+def test_cpu_kernel_refuses_bad_scale_when_called_directly(scale):
+    """The C++ entry takes scale as a double: one the kernels' float32 (times log2(e)) cannot hold raises."""
+    q, k, v, k_cache, v_cache, positions = make_case(1, 2, 1, 1, 16, 8, [[3]])
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="scale"):
+        torch.ops.gptfast_kernels.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale)
+    assert torch.equal(k_cache, before)
 
 
 @pytest.mark.skipif(not _extension.has_kernel("kv_cache_attention", "CPU"), reason="extension not built")

@@ -195,6 +195,22 @@ def test_unnormalised_weights(backend, device, greedy):
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
+def test_weights_near_float32s_limit(backend, device):
+    """Sampling rows of weights scaled by 2^126 (sums still below 2^127, so no float32 running sum
+    overflows) pass the value checks, which then add up the rows, since the cheap bound (largest
+    weight times V) is past 2^127, and give what the unscaled rows give; twice those weights
+    overflow and are refused, naming target_probs."""
+    target, draft, tokens, uniforms = make_case(4, 4, 37, greedy=False, device=device)
+    big = 2.0**126
+    assert target.max().item() * target.shape[-1] * big >= 2.0**127  # the bound alone would refuse them
+    base = ops.verify_draft(target, draft, tokens, uniforms, backend=backend)
+    scaled = ops.verify_draft(target * big, draft * big, tokens, uniforms, backend=backend)
+    assert torch.equal(base[0], scaled[0]) and torch.equal(base[1], scaled[1])
+    with pytest.raises(ValueError, match="target_probs' rows must each sum to less than 2\\^127"):
+        ops.verify_draft(target * (2 * big), draft, tokens, uniforms, backend=backend)
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
 def test_generator_reproducible(backend, device):
     target, draft, tokens, _ = make_case(64, 4, 37, greedy=False, device=device)
     gen = lambda seed: torch.Generator(device=device).manual_seed(seed)  # noqa: E731

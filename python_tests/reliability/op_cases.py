@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from gptfast_kernels import ops
+from gptfast_kernels import _extension, ops
 
 
 @dataclass
@@ -66,6 +66,17 @@ def _triton(op: str, **overrides):
     """A Triton custom op called directly (torch.ops.gptfast_kernels.<op>_triton), as a user could,
     with valid CPU inputs replaced by ``overrides``: it checks them before any launch (the interpreter
     is never needed), and leaves the caches unchanged."""
+    return _direct(op + "_triton", op, **overrides)
+
+
+def _compiled(op: str, **overrides):
+    """The extension's custom op called directly (torch.ops.gptfast_kernels.<op>), as _triton."""
+    return _direct(op, op, **overrides)
+
+
+def _direct(name: str, op: str, **overrides):
+    """torch.ops.gptfast_kernels.<name>, a custom op taking ``op``'s arguments, called with valid CPU
+    inputs replaced by ``overrides``."""
     def run():
         import gptfast_kernels.triton.int8_expert_linear  # noqa: F401  (registers the ops)
         import gptfast_kernels.triton.int8_linear  # noqa: F401
@@ -92,7 +103,7 @@ def _triton(op: str, **overrides):
         args.update({key: (v(args) if callable(v) else v) for key, v in overrides.items()})
         caches = [args[name].clone() for name in ("k_cache", "v_cache") if isinstance(args.get(name), torch.Tensor)]
         try:
-            return getattr(torch.ops.gptfast_kernels, op + "_triton")(**args)
+            return getattr(torch.ops.gptfast_kernels, name)(**args)
         except (ValueError, TypeError):
             if any(not torch.equal(old, args[name]) for old, name in zip(caches, ("k_cache", "v_cache"))
                    if args[name].shape == old.shape):
@@ -154,6 +165,11 @@ CASES: dict[str, Case] = {
                                              v=lambda a: torch.randn(2, 2, 3, 577), k_cache=lambda a: torch.randn(2, 2, 8, 577),
                                              v_cache=lambda a: torch.randn(2, 2, 8, 577)), "D"),
     "attn_scale_nan": Case(_attention(scale=float("nan")), "scale"),
+    "attn_scale_bool": Case(_attention(scale=True), "scale"),
+    "attn_scale_int_past_float": Case(_attention(scale=10**400), "scale"),  # float(10**400) overflows
+    # finite in Python, inf in the kernels' float32
+    "attn_scale_inf_in_float32": Case(_attention(scale=1e39), "scale"),
+    "attn_softcap_inf_in_float32": Case(_attention(softcap=1e39), "softcap"),
     "attn_chunk_size_zero": Case(_attention(chunk_size=0), "chunk_size"),
     "attn_chunk_size_with_window": Case(_attention(chunk_size=4, window=2), "chunk_size"),
     # a ring (S = 8 slots) for chunks it cannot hold, and rows spanning 2 positions, more than S - chunk_size = 1
@@ -178,6 +194,9 @@ CASES: dict[str, Case] = {
     "verify_tokens_shape": Case(_verify(draft_tokens=lambda a: a["draft_tokens"][:, :2]), "draft_tokens"),
     "verify_uniforms_shape": Case(_verify(uniforms=lambda a: torch.rand(3, 4)), "uniforms"),
     "verify_target_2d": Case(_verify(target_probs=lambda a: a["target_probs"][0]), "target_probs"),
+    # finite weights whose rows' float32 sums overflow: sampling's inverse CDF would read past them
+    "verify_target_rows_overflow": Case(_verify(target_probs=lambda a: torch.full((3, 5, 11), 3e38)), "target_probs"),
+    "verify_generator_type": Case(_verify(generator="seed"), "generator", (TypeError,)),
     # the Triton custom ops called directly: their kernels index by shape alone, so each checks its inputs
     "triton_int8_x_3d": Case(_triton("int8_linear", x=lambda a: a["x"][None]), "x"),
     "triton_int8_k_mismatch": Case(_triton("int8_linear", x=lambda a: torch.randn(3, 15)), "x"),
@@ -212,3 +231,16 @@ CASES: dict[str, Case] = {
                                                    q=lambda a: torch.randn(2, 4, 16, 3).transpose(2, 3)), "q"),
     "triton_attn_ring_without_window": Case(_triton("kv_cache_attention", ring=True), "ring"),
 }
+
+# The custom ops with one argument on meta: their fake implementations (also their Meta kernels, which
+# such a call reaches) must raise, not hand back uninitialised memory.
+_META_CASES = {
+    "int8_linear": ("scales", lambda a: a["scales"].to("meta")),
+    "verify_draft": ("uniforms", lambda a: a["uniforms"].to("meta")),
+    "kv_cache_attention": ("positions", lambda a: a["positions"].to("meta")),
+    "int8_expert_linear": ("experts", lambda a: a["experts"].to("meta")),
+}
+for _op, (_name, _meta) in _META_CASES.items():
+    CASES[f"triton_{_op}_{_name}_meta"] = Case(_triton(_op, **{_name: _meta}), _name)
+    if _extension.has_kernel(_op, "CPU"):
+        CASES[f"compiled_{_op}_{_name}_meta"] = Case(_compiled(_op, **{_name: _meta}), _name)

@@ -230,12 +230,14 @@ void check_int8_linear_inputs(const at::Tensor& x, const at::Tensor& qweight, co
   GPTFAST_CHECK_DTYPE(op, qweight, at::kChar);
   GPTFAST_CHECK_DTYPE(op, scales, at::kFloat);
   GPTFAST_CHECK_SIZE(op, x, 1, qweight.size(1));
+  GPTFAST_CHECK_DIM(op, scales, 1);
   GPTFAST_CHECK_SIZE(op, scales, 0, qweight.size(0));
   GPTFAST_CHECK_CONTIGUOUS(op, qweight);
   GPTFAST_CHECK_CONTIGUOUS(op, scales);
   GPTFAST_CHECK_DEVICE(op, qweight, x.device());
   GPTFAST_CHECK_DEVICE(op, scales, x.device());
   if (bias.has_value()) {
+    GPTFAST_CHECK_DIM(op, (*bias), 1);
     GPTFAST_CHECK_SIZE(op, (*bias), 0, qweight.size(0));
     GPTFAST_CHECK_DTYPE(op, (*bias), x.scalar_type());
     GPTFAST_CHECK_CONTIGUOUS(op, (*bias));
@@ -255,6 +257,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& weight) {
   constexpr const char* op = "quantize_int8";
   GPTFAST_CHECK_DIM(op, weight, 2);
   GPTFAST_CHECK_FLOATING(op, weight);
+  TORCH_CHECK(weight.size(1) > 0, op, ": weight must have at least one input feature (K >= 1), got shape ",
+              weight.sizes());
   const at::Tensor w = weight.to(at::kFloat);
   const at::Tensor amax = std::get<0>(w.abs().max(1));
   const at::Tensor scales = at::where(amax > 0, amax / 127.0, at::ones_like(amax));

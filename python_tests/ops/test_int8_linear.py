@@ -264,6 +264,29 @@ def test_int8_linear_bad_inputs():
         ops.quantize_int8(torch.randn(3, 4, 5))
 
 
+@pytest.mark.skipif(not _extension.extension_loaded(), reason="extension not built")
+@pytest.mark.parametrize("bad, needle", [
+    ({"scales": torch.tensor(1.0)}, "scales"),
+    ({"scales": torch.ones(8, 1)}, "scales"),  # N numbers, but not the [N] the op takes
+    ({"bias": torch.tensor(1.0)}, "bias"),
+    ({"bias": torch.ones(8, 2)}, "bias"),  # would pass a size(0) check, and only 8 of its 16 numbers be read
+], ids=["scales-0d", "scales-2d", "bias-0d", "bias-2d"])
+def test_compiled_op_refuses_bad_shapes_when_called_directly(bad, needle):
+    """The C++ entry (no Python checks before it) names the argument in a RuntimeError, not an
+    IndexError from reading a size its tensor does not have, nor a silent answer from a 2-d one."""
+    args = dict(x=torch.randn(3, 16), qweight=torch.ones(8, 16, dtype=torch.int8), scales=torch.ones(8),
+                bias=torch.zeros(8))
+    args.update(bad)
+    with pytest.raises(RuntimeError, match=needle):
+        torch.ops.gptfast_kernels.int8_linear(args["x"], args["qweight"], args["scales"], args["bias"])
+
+
+@pytest.mark.skipif(not _extension.extension_loaded(), reason="extension not built")
+def test_compiled_quantize_refuses_no_input_features():
+    with pytest.raises(RuntimeError, match="K >= 1"):
+        torch.ops.gptfast_kernels.quantize_int8(torch.randn(4, 0))
+
+
 def test_opcheck_int8_ops():
     qweight, scales, bias = _make(24, 48, torch.float32, "cpu", bias=True)
     x = torch.randn(5, 48)

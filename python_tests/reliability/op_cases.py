@@ -74,9 +74,9 @@ def _compiled(op: str, **overrides):
     return _direct(op, op, **overrides)
 
 
-def _direct(name: str, op: str, **overrides):
-    """torch.ops.gptfast_kernels.<name>, a custom op taking ``op``'s arguments, called with valid CPU
-    inputs replaced by ``overrides``."""
+def _direct(op_name: str, op: str, **overrides):
+    """torch.ops.gptfast_kernels.<op_name>, a custom op taking ``op``'s arguments, called with valid
+    CPU inputs replaced by ``overrides``."""
     def run():
         import gptfast_kernels.triton.int8_expert_linear  # noqa: F401  (registers the ops)
         import gptfast_kernels.triton.int8_linear  # noqa: F401
@@ -103,7 +103,7 @@ def _direct(name: str, op: str, **overrides):
         args.update({key: (v(args) if callable(v) else v) for key, v in overrides.items()})
         caches = [args[name].clone() for name in ("k_cache", "v_cache") if isinstance(args.get(name), torch.Tensor)]
         try:
-            return getattr(torch.ops.gptfast_kernels, name)(**args)
+            return getattr(torch.ops.gptfast_kernels, op_name)(**args)
         except (ValueError, TypeError):
             if any(not torch.equal(old, args[name]) for old, name in zip(caches, ("k_cache", "v_cache"))
                    if args[name].shape == old.shape):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gptfast_kernels.ops._dispatch import check_int
+from gptfast_kernels.ops._dispatch import check_int, real_number
 
 
 def check_sampling_args(op: str, temperature, top_k, top_p, min_p, batch_size: int, device: torch.device) -> tuple:
@@ -40,7 +40,8 @@ def check_new_token_counts(op: str, max_new_tokens, min_new_tokens, batch_size: 
 
 
 def _check_temperature(op: str, name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    number = real_number(value)
+    if number is None or not math.isfinite(number) or number < 0:
         raise ValueError(f"{op}: {name} must be a finite number >= 0 (0 = greedy), got {value!r}")
     return value
 
@@ -103,14 +104,15 @@ def check_penalties(op: str, repetition, presence, frequency, batch_size: int, d
 
 
 def _check_repetition(op: str, name: str, value) -> float | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not math.isfinite(value) or value <= 0):
+    number = real_number(value)
+    if value is not None and (number is None or not math.isfinite(number) or number <= 0):
         raise ValueError(f"{op}: {name} must be None or a finite number > 0 (1 = none), got {value!r}")
     return value
 
 
 def _check_additive(op: str, name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    number = real_number(value)
+    if number is None or not math.isfinite(number):
         raise ValueError(f"{op}: {name} must be a finite number (0 = none), got {value!r}")
     return value
 

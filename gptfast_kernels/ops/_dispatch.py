@@ -76,6 +76,18 @@ def check_tensor(op: str, name: str, value, *, dtypes: Sequence[torch.dtype] | N
                              f"got shape {tuple(value.shape)}")
 
 
+def real_number(value) -> float | None:
+    """value as a Python float when it is a real number (an int or a float, not a bool) that a
+    float holds, else None: the checks of numeric arguments start here, and an int past float's
+    range (which math.isfinite would meet with OverflowError) is refused like any other bad value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
 def check_contiguous(op: str, **tensors) -> None:
     """ValueError naming the first of ``tensors`` (None: skipped) that is not contiguous: for the
     Triton ops, whose kernels index these by their shapes alone."""

@@ -7,7 +7,7 @@ import torch
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
 from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, gpu_backend,
-                                           is_tracing, resolve_backend, tracing_or_dispatch_mode)
+                                           is_tracing, real_number, resolve_backend, tracing_or_dispatch_mode)
 
 OP = "kv_cache_attention"
 # Multi-head latent attention runs as multi-query attention over its latents of r + dr = 512 + 64 = 576
@@ -25,16 +25,6 @@ SOFTCAP_MIN = torch.finfo(torch.float32).tiny
 # inverse too, which must stay a normal float32 (flushed to 0 below 2^-126).
 MAX_SCALE = 2.0**126
 SOFTCAP_MAX = 2.0**125
-
-
-def _real(value) -> float | None:
-    """value as a Python float when it is a real number a float can hold (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        return float(value)
-    except OverflowError:  # an int past float's range
-        return None
 
 
 def check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks, ring, value_dim,
@@ -79,7 +69,7 @@ def check_inputs(q, k, v, k_cache, v_cache, positions, scale, window, softcap, s
     if tuple(positions.shape) not in expected_positions:
         raise ValueError(f"{op}: positions must have shape [T] = [{T}] or [B, T] = [{B}, {T}], "
                          f"got {list(positions.shape)}")
-    scale_value, softcap_value = _real(scale), _real(softcap)  # (NaN fails every comparison)
+    scale_value, softcap_value = real_number(scale), real_number(softcap)  # (NaN fails every comparison)
     if scale is not None and (scale_value is None or not abs(scale_value) <= MAX_SCALE):
         raise ValueError(f"{op}: scale must be None or a number with |scale| <= 2^126 (finite as float32 "
                          f"times log2(e)), got {scale!r}")

@@ -131,6 +131,10 @@ CASES: dict[str, Case] = {
                                           "attention_mask"),
     "generate_negative_new_tokens": Case(_generate(max_new_tokens=-1), "max_new_tokens"),
     "generate_nan_temperature": Case(_generate(temperature=float("nan")), "temperature"),
+    # ints no float holds (math.isfinite raised OverflowError on them)
+    "generate_int_past_float_temperature": Case(_generate(temperature=10**400), "temperature"),
+    "spec_int_past_float_presence_penalty": Case(_speculative(presence_penalty=10**400), "presence_penalty"),
+    "spec_int_past_float_repetition_penalty": Case(_speculative(repetition_penalty=-10**400), "repetition_penalty"),
     "generate_top_p_zero": Case(_generate(temperature=1.0, top_p=0.0), "top_p"),
     "generate_min_p_above_one": Case(_generate(temperature=1.0, min_p=1.5), "min_p"),
     "spec_min_p_negative": Case(_speculative(temperature=1.0, min_p=-0.5), "min_p"),

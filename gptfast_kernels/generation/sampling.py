@@ -53,13 +53,15 @@ def _check_top_k(op: str, name: str, value) -> int | None:
 
 
 def _check_top_p(op: str, name: str, value) -> float | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+    number = real_number(value)
+    if value is not None and (number is None or not 0 < number <= 1):
         raise ValueError(f"{op}: {name} must be None or a number in (0, 1], got {value!r}")
     return value
 
 
 def _check_min_p(op: str, name: str, value) -> float | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+    number = real_number(value)
+    if value is not None and (number is None or not 0 <= number <= 1):
         raise ValueError(f"{op}: {name} must be None or a number in [0, 1], got {value!r}")
     return value
 

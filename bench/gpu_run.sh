@@ -8,7 +8,8 @@
 #                loads with CUDA kernels for this torch, built from the same csrc/ and setup.py, is
 #                carried in .gpu_build/ (scripts/build_for_gpu_machine.sh makes it on a machine
 #                without a GPU)
-#   tests        the whole suite with CUDA (TESTS="paths/options" for part of it) -> tests.log
+#   tests        the whole suite with CUDA (TESTS="paths/options" for part of it, TESTS_K="a -k
+#                expression") -> tests.log
 #   sanitize     compute-sanitizer memcheck + racecheck, CUDA op tests   -> sanitizer.log
 #   kernels      microbenchmarks of the four ops + copy bandwidth   -> <device>_<date>_<commit>_<benches>.json
 #                then bench/check_auto.py: where backend="auto" picks the slower kernel
@@ -124,16 +125,18 @@ stage_tests() {
   local parts=("python_tests/ops" "python_tests/generation/test_cuda.py"
                "python_tests --ignore=python_tests/ops --ignore=python_tests/generation/test_cuda.py")
   [ -n "${TESTS:-}" ] && parts=("$TESTS")
-  local status=0 part left extra=""
-  # 8 workers share the GPU (pytest-xdist, in the device image); a hung test fails alone
-  "$PY" -c "import xdist" 2>/dev/null && extra="-n 8"
+  local status=0 part left extra="" select=()
+  # TESTS_K: a pytest -k expression over every part (e.g. the CUDA / Triton-on-GPU cases alone)
+  [ -n "${TESTS_K:-}" ] && select=(-k "$TESTS_K")
+  # TEST_WORKERS (default 8) share the GPU (pytest-xdist, in the device image); a hung test fails alone
+  "$PY" -c "import xdist" 2>/dev/null && extra="-n ${TEST_WORKERS:-8}"
   "$PY" -c "import pytest_timeout" 2>/dev/null && extra="$extra --timeout 300"
   for part in "${parts[@]}"; do
     left=$((BUDGET - SECONDS - 5))
     if [ "$left" -lt 20 ]; then echo "tests: no time left for $part" | tee -a "$OUT_DIR/tests.log"; status=1; continue; fi
     echo "== pytest $part" | tee -a "$OUT_DIR/tests.log"
     # shellcheck disable=SC2086  (a part may hold several paths / options)
-    timeout "$left" "$PY" -m pytest $part $extra -q -p no:cacheprovider -rfE 2>&1 | tee -a "$OUT_DIR/tests.log" | tail -25
+    timeout "$left" "$PY" -m pytest $part "${select[@]}" $extra -q -p no:cacheprovider -rfE 2>&1 | tee -a "$OUT_DIR/tests.log" | tail -25
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
   return $status

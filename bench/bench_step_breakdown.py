@@ -7,7 +7,7 @@ GPU: Llama-3-8B shapes (bench_generate's), bf16 activations, int8 weights, batch
 prompt's cache (so that attention reads what it reads at that context). Each row is one family:
 microseconds per step, kernels per step and its share of the step's wall time (measured without the
 profiler); the row "idle" is the wall time no kernel covered (launch gaps, the graph's own overhead).
-With GPTFAST_CUDA_PDL=1 the rows are named "_pdl" (bench/gpu_run.sh's pdl stage can run it).
+With GPTFAST_CUDA_PDL=1 / 0 the rows are named "_pdl" / "_nopdl" (bench.harness.PDL_SUFFIX).
 CPU: bench_generate's 125M shape, eager; the families are the ops' own (self) CPU time.
 """
 

@@ -20,11 +20,12 @@
 #   int8-gemv    the one-row CUDA GEMV's shapes (GPTFAST_INT8_GEMV: unroll depth, features per warp)
 #                and one row on tensor cores, each in a process of its own, over a decode step's
 #                layers back to back in a CUDA graph (--cases layers,one_row) -> ..._int8_gemv.json
-#   pdl          GPTFAST_CUDA_PDL=1 (the CUDA int8 kernels and the Triton decode attention as
-#                programmatic dependent launches) against the defaults, each in a process of its own: a
-#                decode step's linears and attention calls in a graph without it, then with it
-#                (-> ..._int8_linear-kv_cache_attention_layers.json and ..._layers_pdl.json), and
-#                `generate` batch 1 with it (-> ..._generate_batch1_pdl.json; `generate` is without)
+#   pdl          programmatic dependent launches: the default (the CUDA int8 kernels' launches
+#                programmatic, the Triton decode attention's not) against GPTFAST_CUDA_PDL=0 (none)
+#                and GPTFAST_CUDA_PDL=1 (both), each in a process of its own: a decode step's linears
+#                and attention calls in a graph (-> ..._int8_linear-kv_cache_attention_layers.json,
+#                ..._layers_nopdl.json, ..._layers_pdl.json), and `generate` batch 1 with none and with
+#                both (-> ..._generate_batch1_nopdl.json, ..._pdl.json; `generate` is the default)
 #   tiles        Triton int8 tile sweep, 2-64 rows (bench_int8_tiles) -> ..._int8_tiles.json
 #   kv-tiles     Triton decode launch-constant sweep (bench_kv_tiles; KV_TILES_QUICK=1: its quick cases)
 #                                                                     -> ..._kv_tiles.json
@@ -86,7 +87,8 @@ PY
 stage_build() {
   if [ -f .gpu_build/_C.abi3.so ] && [ ! -f gptfast_kernels/_C.abi3.so ] &&
      [ "$(cat .gpu_build/SOURCES 2>/dev/null)" != "$(bash scripts/sources_digest.sh)" ]; then
-    echo "the prebuilt extension in .gpu_build was built from other sources than csrc/ here; building"
+    echo "the prebuilt extension in .gpu_build was built from other sources than csrc/ here" \
+         "($(cat .gpu_build/SOURCES 2>/dev/null) there, $(bash scripts/sources_digest.sh) here; locale ${LC_ALL:-${LANG:-unset}}); building"
   elif [ -f .gpu_build/_C.abi3.so ] && [ ! -f gptfast_kernels/_C.abi3.so ]; then
     cp .gpu_build/_C.abi3.so gptfast_kernels/_C.abi3.so
     if has_cuda_kernels; then echo "using the prebuilt extension from .gpu_build ($(cat .gpu_build/BUILD_INFO 2>/dev/null))"; return 0; fi
@@ -212,7 +214,9 @@ for stage in $STAGES; do
                | tee -a "$OUT_DIR/bench.log" ;;
     int8-gemv) stage_int8_gemv ;;
     pdl) bench int8_linear,kv_cache_attention --cases layers &&
+         GPTFAST_CUDA_PDL=0 bench int8_linear,kv_cache_attention --cases layers &&
          GPTFAST_CUDA_PDL=1 bench int8_linear,kv_cache_attention --cases layers &&
+         GPTFAST_CUDA_PDL=0 bench generate --cases batch1 &&
          GPTFAST_CUDA_PDL=1 bench generate --cases batch1 ;;
     int8-kernels) GPTFAST_INT8_CUDA_KERNEL=tensor_core bench int8_linear --cases one_row &&
                   GPTFAST_INT8_CUDA_KERNEL=fma bench int8_linear --cases multi_row ;;

@@ -60,10 +60,12 @@ GPU_FLUSH_BYTES = 256 << 20
 GRAPH_WARMUP_CALLS = 3  # before a CUDA-graph capture (cuda_graph_replay)
 # environment variables that pick kernels (recorded in every row's metadata when set)
 KERNEL_CHOICE_VARIABLES = ("GPTFAST_INT8_CUDA_KERNEL", "GPTFAST_INT8_GEMV", "GPTFAST_CUDA_PDL")
-# GPTFAST_CUDA_PDL=1 (read once per process, as the kernels read it): the CUDA int8 kernels and the
-# Triton decode attention launch as programmatic dependent launches (csrc/cuda/cuda_common.cuh);
-# bench/gpu_run.sh's pdl stage times them so in a process of its own, whose rows carry this suffix.
-PDL_SUFFIX = "_pdl" if os.environ.get("GPTFAST_CUDA_PDL") == "1" else ""
+# GPTFAST_CUDA_PDL (read once per process, as the kernels read it): unset, the CUDA int8 kernels
+# launch as programmatic dependent launches and the Triton decode attention does not; 1, both do; 0,
+# neither (csrc/cuda/cuda_common.cuh, gptfast_kernels.triton.programmatic_launch). bench/gpu_run.sh's
+# pdl stage times 0 and 1 against the default, each in a process of its own whose rows carry this
+# suffix.
+PDL_SUFFIX = {"1": "_pdl", "0": "_nopdl"}.get(os.environ.get("GPTFAST_CUDA_PDL", ""), "")
 GRAPH_SUFFIX = "@graph"  # impl name of a candidate timed as a CUDA-graph replay
 _gpu_flush_buffers: dict[torch.device, torch.Tensor] = {}
 

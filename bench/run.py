@@ -26,15 +26,16 @@ def available_benches() -> list[str]:
 
 
 def default_output(harness: Harness, out_dir: str, names: list[str]) -> str:
-    """<out_dir>/<device>_<date>_<commit>[_<benches>][_pdl].json (the benches named when not all ran;
-    _pdl: the CUDA kernels launched as programmatic dependent launches, GPTFAST_CUDA_PDL=1)."""
+    """<out_dir>/<device>_<date>_<commit>[_<benches>][_pdl|_nopdl].json (the benches named when not
+    all ran; _pdl: the Triton decode attention's launches programmatic too, GPTFAST_CUDA_PDL=1;
+    _nopdl: no launch programmatic, GPTFAST_CUDA_PDL=0)."""
     device = re.sub(r"[^A-Za-z0-9]+", "-", harness.meta["device"]).strip("-").lower()
     date = datetime.date.today().isoformat()
     subset = "" if sorted(names) == available_benches() else "_" + "-".join(names)
     if harness.cases is not None:
         subset += "_" + "-".join(sorted(harness.cases))
-    if harness.meta.get("GPTFAST_CUDA_PDL") == "1":  # beside the same benches without it
-        subset += "_pdl"
+    # beside the same benches at the default
+    subset += {"1": "_pdl", "0": "_nopdl"}.get(harness.meta.get("GPTFAST_CUDA_PDL", ""), "")
     return os.path.join(out_dir, f"{device}_{date}_{harness.meta['commit']}{subset}.json")
 
 

@@ -153,8 +153,8 @@ def test_cpu_flush_covers_the_largest_cache_sysfs_lists(tmp_path, monkeypatch):
 
 
 def test_kernel_choices_travel_with_the_rows_and_name_the_file(monkeypatch, tmp_path):
-    """A run with GPTFAST_CUDA_PDL=1 records it in its metadata and writes a file of its own beside
-    the same benches' run without it (bench/gpu_run.sh's pdl stage)."""
+    """A run with GPTFAST_CUDA_PDL=1 or 0 records it in its metadata and writes a file of its own
+    beside the same benches' run at the default (bench/gpu_run.sh's pdl stage)."""
     from bench import run
 
     monkeypatch.delenv("GPTFAST_CUDA_PDL", raising=False)
@@ -164,7 +164,12 @@ def test_kernel_choices_travel_with_the_rows_and_name_the_file(monkeypatch, tmp_
     h = harness.Harness(torch.device("cpu"), cases=frozenset({"layers"}))
     assert h.meta["GPTFAST_CUDA_PDL"] == "1"
     with_pdl = run.default_output(h, str(tmp_path), ["int8_linear"])
+    monkeypatch.setenv("GPTFAST_CUDA_PDL", "0")
+    h = harness.Harness(torch.device("cpu"), cases=frozenset({"layers"}))
+    assert h.meta["GPTFAST_CUDA_PDL"] == "0"
+    without = run.default_output(h, str(tmp_path), ["int8_linear"])
     assert plain.endswith("_int8_linear_layers.json") and with_pdl == plain[:-len(".json")] + "_pdl.json"
+    assert without == plain[:-len(".json")] + "_nopdl.json"
 
 
 def test_step_breakdown_accounts_for_the_whole_step():

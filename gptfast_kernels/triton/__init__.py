@@ -51,10 +51,14 @@ def _programmatic_launch_requested() -> bool:
 
 
 def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels written for it launch as programmatic dependent launches on ``device``:
-    GPTFAST_CUDA_PDL=1 (read once per process, as the CUDA kernels read it) on a GPU of compute
-    capability 9.0 or newer. Such a kernel may start while the one before it finishes; it calls
-    ``wait_for_inputs`` before it touches memory and ``allow_dependents`` to let the next start."""
+    """Whether the Triton kernels written for it (the decode attention's) launch as programmatic
+    dependent launches on ``device``: GPTFAST_CUDA_PDL=1 (read once per process, as the CUDA kernels
+    read it) on a GPU of compute capability 9.0 or newer. Such a kernel may start while the one
+    before it finishes; it calls ``wait_for_inputs`` before it touches memory and
+    ``allow_dependents`` to let the next start. Off unless asked for, where the CUDA int8 kernels'
+    launches are programmatic by default (csrc/cuda/cuda_common.cuh): on the H200 (2026-11-28,
+    a284fc8, a decode step's attention calls in a CUDA graph) they made the decode attention
+    slower, 13.5 -> 16.2 us per call at batch 1 and a 4k context, 42 -> 46 us at batch 8."""
     if device.type != "cuda" or not _programmatic_launch_requested():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()

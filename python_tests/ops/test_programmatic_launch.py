@@ -1,9 +1,9 @@
-"""GPTFAST_CUDA_PDL=1: the CUDA int8 kernels and the Triton decode attention launched as
-programmatic dependent launches (each may start while the kernel before it finishes, and must still
-wait for it before touching memory). The variable is read once per process, so the GPU tests run
-their chains in processes of their own, in CUDA graphs, against references; here, without a GPU,
-the variable's parsing (the kernels themselves compile for sm_90a in test_triton_hopper_compile.py
-and test_cuda_kernel_resources.py)."""
+"""Programmatic dependent launches (each kernel may start while the kernel before it finishes, and
+must still wait for it before touching memory): the CUDA int8 kernels launch so unless
+GPTFAST_CUDA_PDL=0, the Triton decode attention only with GPTFAST_CUDA_PDL=1. The variable is read
+once per process, so the GPU tests run their chains in processes of their own, in CUDA graphs,
+against references; here, without a GPU, the variable's parsing (the kernels themselves compile for
+sm_90a in test_triton_hopper_compile.py and test_cuda_kernel_resources.py)."""
 
 import os
 import subprocess
@@ -20,8 +20,8 @@ requires_cuda_kernels = pytest.mark.skipif(
     reason="requires CUDA and an extension built with CUDA")
 
 
-def _run_with_programmatic_launches(code: str) -> None:
-    env = {**os.environ, "GPTFAST_CUDA_PDL": "1"}
+def _run_with_programmatic_launches(code: str, value: str = "1") -> None:
+    env = {**os.environ, "GPTFAST_CUDA_PDL": value}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
@@ -48,13 +48,15 @@ def test_a_bad_value_names_the_variable(monkeypatch):
 
 
 @requires_cuda_kernels
+@pytest.mark.parametrize("value", ["1", "0"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_int8_linear_chain_in_a_cuda_graph(rows):
-    """GPTFAST_CUDA_PDL=1 (read once per process, so a process of its own): each int8_linear kernel
+def test_int8_linear_chain_in_a_cuda_graph(rows, value):
+    """With programmatic launches (the default; GPTFAST_CUDA_PDL=1 the same) each int8_linear kernel
     may start while the one before it finishes, and must still read its x only after that one wrote
-    it. A chain of layers, each fed the previous one's output (GEMVs back to back, K > N and K < N,
-    one row on the GEMV or tensor cores, 4 rows on tensor cores), replayed in a CUDA graph against
-    the same chain without programmatic launches and against float64."""
+    it; with GPTFAST_CUDA_PDL=0 none does (read once per process, so a process of its own). A chain
+    of layers, each fed the previous one's output (GEMVs back to back, K > N and K < N, one row on
+    the GEMV or tensor cores, 4 rows on tensor cores), replayed in a CUDA graph against float64 and
+    against the same chain run eagerly."""
     code = f"""
 import torch
 from gptfast_kernels import ops
@@ -88,7 +90,7 @@ for trial in range(21):  # ends on x
 assert torch.equal(chain(x), static_y)
 print('ok')
 """
-    _run_with_programmatic_launches(code)
+    _run_with_programmatic_launches(code, value)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,

@@ -143,9 +143,10 @@ inline int device_attribute(cudaDeviceAttr attr) {
 // Whether launches of the kernels written for it (the int8 GEMVs and tensor-core kernels) are
 // programmatic, on a device of compute capability 9.0 or newer: yes unless GPTFAST_CUDA_PDL=0 (read
 // once per process; unset, empty or "1": on). On by default since the H200 timed it (2026-11-28,
-// a284fc8, a decode step's layers in a CUDA graph): never slower, 2-4 rows of 4096 x 4096 8.2 ->
-// 7.2 us, one row of 4096 x 14336 19.3 -> 18.3 us; end to end, with the Triton decode attention's
-// launches programmatic too (GPTFAST_CUDA_PDL=1), 296 -> 320 decode tokens/s at batch 1.
+// a284fc8, a decode step's layers in a CUDA graph): never more than 1 % slower, 4-8 rows of
+// 4096 x 4096 8.2 -> 7.2 us, one row of 4096 x 14336 19.3 -> 18.3 us; end to end, with the Triton
+// decode attention's launches programmatic too (GPTFAST_CUDA_PDL=1), 296 -> 320 decode tokens/s at
+// batch 1.
 inline bool programmatic_launch_enabled() {
   static const bool requested = [] {
     const char* value = std::getenv("GPTFAST_CUDA_PDL");

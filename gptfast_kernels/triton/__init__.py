@@ -58,7 +58,9 @@ def programmatic_launch(device: torch.device) -> bool:
     ``allow_dependents`` to let the next start. Off unless asked for, where the CUDA int8 kernels'
     launches are programmatic by default (csrc/cuda/cuda_common.cuh): on the H200 (2026-11-28,
     a284fc8, a decode step's attention calls in a CUDA graph) they made the decode attention
-    slower, 13.5 -> 16.2 us per call at batch 1 and a 4k context, 42 -> 46 us at batch 8."""
+    slower, 13.5 -> 16.2 us per call at batch 1 and a 4k context, 42 -> 46 us at batch 8. Its
+    kernels have since allowed the next launch only after their main loops, not first (not yet
+    timed)."""
     if device.type != "cuda" or not _programmatic_launch_requested():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -52,8 +52,10 @@ def _kv_cache_attention_decode_kernel(
         BLOCK_DT: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr = False,
         PDL: tl.constexpr = False):
     # PDL: a programmatic dependent launch (gptfast_kernels.triton.programmatic_launch). Everything
-    # this kernel reads may come from the kernel before it, so it waits first.
-    allow_dependents(PDL)
+    # this kernel reads may come from the kernel before it, so it waits first. It lets the next
+    # kernel launch only after its tile loop (below): called first, as until 016c046, the combine
+    # kernel and through it the next layer's programs became resident while this grid's ran, a
+    # chain of waiting programs holding slots, and the H200 timed the attention 10-20 % slower.
     wait_for_inputs(PDL)
     # Ring: splits, tiles and the fused scatter's ownership work on positions, the cache on their slots.
     # A row's span is at most S positions (row_first), so its splits own distinct slots.
@@ -176,6 +178,7 @@ def _kv_cache_attention_decode_kernel(
             m_i, l_i, acc, acc_t = _online_softmax_step_split(s, allowed, v, v_t, m_i, l_i, acc, acc_t, FP32_DOT)
         else:  # one value block (values in the keys with DV <= BLOCK_D: a tail only adds to the scores)
             m_i, l_i, acc = _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_DOT)
+    allow_dependents(PDL)  # (a program that returned early above allows them by exiting)
 
     rows = (b * Hq + hq_m) * T + t_m  # row of the [B, Hq, T] output
     has_any = l_i > 0
@@ -219,8 +222,7 @@ def _kv_cache_attention_combine_kernel(
         BLOCK_T: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr, RING: tl.constexpr, CHUNK: tl.constexpr,
         PDL: tl.constexpr = False):
-    allow_dependents(PDL)
-    wait_for_inputs(PDL)  # the attention kernel's partial outputs
+    wait_for_inputs(PDL)  # the attention kernel's partial outputs; allow_dependents at the end
     row = tl.program_id(0).to(tl.int64)  # (b * Hq + hq) * T + t
     b = row // (Hq * T)
     _, row_first, row_len, split_len = _row_split(Pos_ptr, b, T, S, window, NUM_SPLITS, MIN_SPLIT_LEN, BLOCK_N,
@@ -253,6 +255,7 @@ def _kv_cache_attention_combine_kernel(
         acc += _weighted_sum(part_rows, w, mask_s, offs_d, mask_d)
         if BLOCK_DT > 0:
             acc_t += _weighted_sum(part_rows, w, mask_s, offs_dt, mask_dt)
+    allow_dependents(PDL)
     norm = tl.where(total > 0, total, 1.0)
     out = acc / norm
     tl.store(Out_ptr + row * D + offs_d, out.to(Out_ptr.dtype.element_ty), mask=mask_d)

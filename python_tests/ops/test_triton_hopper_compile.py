@@ -191,8 +191,11 @@ def _compile_for_sm90(jit_fn, args, kwargs) -> dict:
     source = ASTSource(fn=jit_fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", SM90, 32), options=options)
     cubin = compiled.asm.get("cubin", b"")
+    ptx = compiled.asm.get("ptx", "")
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     return {"kernel": jit_fn.fn.__name__, "shared": compiled.metadata.shared, "cubin_bytes": len(cubin),
-            "griddepcontrol": "griddepcontrol.wait" in compiled.asm.get("ptx", ""), **_resource_usage(cubin)}
+            "griddepcontrol": wait >= 0, "launch_dependents_after_wait": 0 <= wait < launch,
+            **_resource_usage(cubin)}
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -250,8 +253,8 @@ def test_compiles_for_sm90(compiled, case):
     result = compiled[case]
     assert isinstance(result, list), result
     assert [r["kernel"] for r in result] == CASES[case][1]
-    if case.endswith("-pdl"):  # griddepcontrol made it into both kernels
-        assert all(r["griddepcontrol"] for r in result), result
+    if case.endswith("-pdl"):  # griddepcontrol made it into both kernels, the next launch allowed late
+        assert all(r["griddepcontrol"] and r["launch_dependents_after_wait"] for r in result), result
     for r in result:
         print(f"{case} {r['kernel']}: {r.get('registers', '?')} registers, stack frame {r.get('stack', '?')} bytes, "
               f"{r['shared']} bytes of shared memory")

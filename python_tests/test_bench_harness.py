@@ -172,6 +172,26 @@ def test_kernel_choices_travel_with_the_rows_and_name_the_file(monkeypatch, tmp_
     assert without == plain[:-len(".json")] + "_nopdl.json"
 
 
+@pytest.mark.parametrize("name, family", [
+    ("void gptfast_kernels::int8_linear_gemv_kernel<c10::BFloat16, 1, 1, true, 4, false, false>(...)", "int8_linear"),
+    ("_int8_linear_tiled_kernel", "int8_linear"),
+    ("_kv_cache_attention_decode_kernel", "attention"),
+    ("void gptfast_kernels::kv_attention::(anonymous namespace)::decode_kernel<...>(...)", "attention"),
+    # inductor's kernels, named after their nodes' origins (the first as inductor named it on the CPU)
+    ("cpp_fused_add_int8_linear_mean_mul_pow_rsqrt_0", "other"),
+    ("triton_red_fused__to_copy_add_int8_linear_mean_mul_pow_rsqrt_0", "other"),
+    ("triton_poi_fused_cat_kv_cache_attention_mul_1", "other"),
+    ("_sampling_kernel", "other"),
+])
+def test_step_breakdown_families(name, family):
+    """A kernel counts for the family of the package's op it belongs to; a kernel inductor generated
+    (a norm, rotary embedding or activation around the ops) is "other" even where its name, taken from
+    its nodes' origins, holds an op's name."""
+    from bench import bench_step_breakdown
+
+    assert bench_step_breakdown.family_of(name) == family
+
+
 def test_step_breakdown_accounts_for_the_whole_step():
     """bench_step_breakdown on a 2-layer Llama: one row per kernel family plus the idle time, the
     int8 projections and the attention among them (4 projections a layer, qkv and gate / up fused,

@@ -111,11 +111,14 @@ class Tuning(NamedTuple):
 # its scatter moved ahead of the loop (stop 35): that kernel took 138 registers and 84 KiB of shared
 # memory at these tiles (2 programs per SM), 128-slot tiles did not fit, and a tile's loop body was
 # 525 instructions. Now (ptxas, sm_90a, bf16, T = 1 / 5): 80 / 127 registers, 37 / 42 KiB (5 programs
-# per SM), 261 instructions; 64-slot tiles 70 KiB, 128-slot 136 KiB. Not timed yet: the sweep is
-# to be rerun. 2 x 132 SMs programs cover a B = 1, Hkv = 8 row with ~33 splits of at least 64 slots:
+# per SM), 261 instructions; 64-slot tiles 70 KiB, 128-slot 136 KiB. The sweep is still to be
+# rerun for it; the H200 timed these constants at a284fc8 (Llama-3-8B heads, half fill, a decode
+# step's calls in a graph): B = 1 at 4k 13.5 us (29 % of copy bandwidth), at 16k 27.8 us (57 %), B = 8
+# at 4k 42.2 us (75 %), B = 32 132.6 us (95 %), against 19 / 32 / 42 % at B = 1 / 8 / 32 before the
+# rebuild. 2 x 132 SMs programs cover a B = 1, Hkv = 8 row with ~33 splits of at least 64 slots:
 # with at least 256 (the value until stop 35, never swept) a 4k-context row got 16 splits, 128
 # programs of 8 tiles each for 132 SMs, and every tile and program count of that sweep took the same
-# 23.3-24.5 us; 64 gives it 32 programs per kv head of 4 tiles (reasoned, untimed; the partials are
+# 23.3-24.5 us; 64 gives it 32 programs per kv head of 4 tiles (the 13.5 us above; the partials are
 # then 0.5 MiB of float32, written and read back through L2, beside 16.8 MB of K / V). The 64 x 64
 # prefill tiles, the usual flash-attention starting point, are not tuned yet.
 _GPU = Tuning(decode_block_n=32, decode_max_rows=64, min_split_len=64, max_splits=64,

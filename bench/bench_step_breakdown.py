@@ -7,6 +7,7 @@ GPU: Llama-3-8B shapes (bench_generate's), bf16 activations, int8 weights, batch
 prompt's cache (so that attention reads what it reads at that context). Each row is one family:
 microseconds per step, kernels per step and its share of the step's wall time (measured without the
 profiler); the row "idle" is the wall time no kernel covered (launch gaps, the graph's own overhead).
+Then rows "kernel": the TOP_KERNELS longest kernels by name, each with its family.
 With GPTFAST_CUDA_PDL=1 / 0 the rows are named "_pdl" / "_nopdl" (bench.harness.PDL_SUFFIX).
 CPU: bench_generate's 125M shape, eager; the families are the ops' own (self) CPU time.
 """
@@ -23,6 +24,7 @@ from bench.bench_generate import CPU_CONFIG, GPU_CONFIG
 from bench.harness import PDL_SUFFIX, default_dtype, synchronize
 
 STEPS = 20
+TOP_KERNELS, NAME_CHARS = 16, 160
 GPU_CONTEXT, CPU_CONTEXT = 4096, 256
 # (family, substrings of kernel / op names that belong to it), first match wins
 FAMILIES = (
@@ -45,17 +47,25 @@ def family_of(name: str) -> str:
     return next(family for family, pieces in FAMILIES if any(piece in name for piece in pieces))
 
 
-def breakdown(events, device_type: DeviceType) -> dict[str, tuple[float, int]]:
-    """family -> (self time in us, count) over the profiler's events on ``device_type``; on the CPU
-    only the ops' own time (not their children's), so that nothing is counted twice."""
-    totals: dict[str, tuple[float, int]] = {family: (0.0, 0) for family, _ in FAMILIES}
+def kernel_times(events, device_type: DeviceType) -> dict[str, tuple[float, int]]:
+    """kernel / op name -> (self time in us, count) over the profiler's events on ``device_type``; on
+    the CPU only the ops' own time (not their children's), so that nothing is counted twice."""
+    times: dict[str, tuple[float, int]] = {}
     for event in events:
         if event.device_type != device_type:
             continue
         us = event.self_device_time_total if device_type == DeviceType.CUDA else event.self_cpu_time_total
-        family = family_of(event.key)
-        time_us, count = totals[family]
-        totals[family] = (time_us + us, count + event.count)
+        time_us, count = times.get(event.key, (0.0, 0))
+        times[event.key] = (time_us + us, count + event.count)
+    return times
+
+
+def breakdown(times: dict[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
+    """family -> (time in us, count) of kernel_times' entries."""
+    totals: dict[str, tuple[float, int]] = {family: (0.0, 0) for family, _ in FAMILIES}
+    for name, (us, count) in times.items():
+        time_us, calls = totals[family_of(name)]
+        totals[family_of(name)] = (time_us + us, calls + count)
     return totals
 
 
@@ -91,7 +101,8 @@ def step_rows(h, model, name: str, rows: int, context: int, steps: int = STEPS) 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
     with torch.profiler.profile(activities=activities) as profile:
         run(steps)
-    totals = breakdown(profile.key_averages(), device_type)
+    times = kernel_times(profile.key_averages(), device_type)
+    totals = breakdown(times)
     case = {"op": "decode_step", "model": name,
             "batch": rows, "context": context, "dtype": str(dtype)[6:], "step_us": wall_us, **h.meta}
     out = []
@@ -104,6 +115,12 @@ def step_rows(h, model, name: str, rows: int, context: int, steps: int = STEPS) 
     idle = max(wall_us - covered, 0.0)
     out.append({**case, "impl": "idle" + PDL_SUFFIX, "us_per_step": idle, "calls_per_step": 0.0,
                 "share_of_step": idle / wall_us})
+    # the TOP_KERNELS longest kernels (ops on the CPU) by name, each with its family, so that a run
+    # says which kernels a family's time is in (names cut to NAME_CHARS: C++ templates run long)
+    for name, (time_us, count) in sorted(times.items(), key=lambda item: -item[1][0])[:TOP_KERNELS]:
+        out.append({**case, "impl": "kernel" + PDL_SUFFIX, "kernel": name[:NAME_CHARS], "family": family_of(name),
+                    "us_per_step": time_us / steps, "calls_per_step": count / steps,
+                    "share_of_step": time_us / steps / wall_us})
     return out
 
 
@@ -119,5 +136,6 @@ def run(h) -> None:
         name = "llama-3-8B-shape random, int8" if on_gpu else "llama-125M-shape random, int8"
         for row in step_rows(h, model, name, rows, GPU_CONTEXT if on_gpu else CPU_CONTEXT):
             h.rows.append(row)
-            print(f"decode step B={rows}: {row['impl']:<16} {row['us_per_step']:9.1f} us "
+            what = f"{row['family']:<12} {row['kernel'][:90]}" if "kernel" in row else row["impl"]
+            print(f"decode step B={rows}: {what:<16} {row['us_per_step']:9.1f} us "
                   f"({row['share_of_step']:6.1%}), {row['calls_per_step']:6.1f} calls")

@@ -206,9 +206,19 @@ def test_step_breakdown_accounts_for_the_whole_step():
     model = patch_model(LlamaForCausalLM(LlamaConfig(**dict(bench_step_breakdown.CPU_CONFIG,
                                                              num_hidden_layers=2))).eval())
     rows = bench_step_breakdown.step_rows(h, model, "tiny", 1, 32, steps=3)
-    by_family = {row["impl"]: row for row in rows}
+    families = [row for row in rows if row["impl"] != "kernel"]
+    by_family = {row["impl"]: row for row in families}
     assert list(by_family) == ["int8_linear", "attention", "other", "idle"]
     assert by_family["int8_linear"]["calls_per_step"] == 2 * 4 + 1
     assert by_family["attention"]["calls_per_step"] == 2
     assert by_family["int8_linear"]["us_per_step"] > 0 and by_family["attention"]["us_per_step"] > 0
-    assert sum(row["us_per_step"] for row in rows) >= rows[0]["step_us"] * 0.999
+    assert sum(row["us_per_step"] for row in families) >= rows[0]["step_us"] * 0.999
+    # the longest kernels (here ops) by name, longest first, each in its family's total
+    kernels = rows[len(families):]
+    assert 0 < len(kernels) <= bench_step_breakdown.TOP_KERNELS and all(r["impl"] == "kernel" for r in kernels)
+    times = [r["us_per_step"] for r in kernels]
+    assert times == sorted(times, reverse=True)
+    for r in kernels:
+        assert r["family"] == bench_step_breakdown.family_of(r["kernel"])
+        assert r["us_per_step"] <= by_family[r["family"]]["us_per_step"] + 1e-9
+    assert any(r["family"] == "int8_linear" for r in kernels)

@@ -53,9 +53,10 @@ def _kv_cache_attention_decode_kernel(
         PDL: tl.constexpr = False):
     # PDL: a programmatic dependent launch (gptfast_kernels.triton.programmatic_launch). Everything
     # this kernel reads may come from the kernel before it, so it waits first. It lets the next
-    # kernel launch only after its tile loop (below): called first, as until 016c046, the combine
-    # kernel and through it the next layer's programs became resident while this grid's ran, a
-    # chain of waiting programs holding slots, and the H200 timed the attention 10-20 % slower.
+    # kernel launch only after its tile loop (below). Called first (as through 016c046), it let the
+    # combine kernel, and through it the next layer's programs, become resident while this grid ran,
+    # waiting and holding slots: the guess for why the H200 timed the attention 10-20 % slower so
+    # (a284fc8); the late call is not timed yet.
     wait_for_inputs(PDL)
     # Ring: splits, tiles and the fused scatter's ownership work on positions, the cache on their slots.
     # A row's span is at most S positions (row_first), so its splits own distinct slots.

@@ -64,8 +64,9 @@ def breakdown(times: dict[str, tuple[float, int]]) -> dict[str, tuple[float, int
     """family -> (time in us, count) of kernel_times' entries."""
     totals: dict[str, tuple[float, int]] = {family: (0.0, 0) for family, _ in FAMILIES}
     for name, (us, count) in times.items():
-        time_us, calls = totals[family_of(name)]
-        totals[family_of(name)] = (time_us + us, calls + count)
+        family = family_of(name)
+        time_us, calls = totals[family]
+        totals[family] = (time_us + us, calls + count)
     return totals
 
 

@@ -65,7 +65,8 @@ KERNEL_CHOICE_VARIABLES = ("GPTFAST_INT8_CUDA_KERNEL", "GPTFAST_INT8_GEMV", "GPT
 # neither (csrc/cuda/cuda_common.cuh, gptfast_kernels.triton.programmatic_launch). bench/gpu_run.sh's
 # pdl stage times 0 and 1 against the default, each in a process of its own whose rows carry this
 # suffix.
-PDL_SUFFIX = {"1": "_pdl", "0": "_nopdl"}.get(os.environ.get("GPTFAST_CUDA_PDL", ""), "")
+PDL_SUFFIXES = {"1": "_pdl", "0": "_nopdl"}  # GPTFAST_CUDA_PDL's value -> row and file suffix
+PDL_SUFFIX = PDL_SUFFIXES.get(os.environ.get("GPTFAST_CUDA_PDL", ""), "")
 GRAPH_SUFFIX = "@graph"  # impl name of a candidate timed as a CUDA-graph replay
 _gpu_flush_buffers: dict[torch.device, torch.Tensor] = {}
 

@@ -14,7 +14,7 @@ import traceback
 
 import torch
 
-from bench.harness import Harness
+from bench.harness import PDL_SUFFIXES, Harness
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,7 +35,7 @@ def default_output(harness: Harness, out_dir: str, names: list[str]) -> str:
     if harness.cases is not None:
         subset += "_" + "-".join(sorted(harness.cases))
     # beside the same benches at the default
-    subset += {"1": "_pdl", "0": "_nopdl"}.get(harness.meta.get("GPTFAST_CUDA_PDL", ""), "")
+    subset += PDL_SUFFIXES.get(harness.meta.get("GPTFAST_CUDA_PDL", ""), "")
     return os.path.join(out_dir, f"{device}_{date}_{harness.meta['commit']}{subset}.json")
 
 

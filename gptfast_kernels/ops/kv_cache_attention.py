@@ -278,6 +278,11 @@ def _unit_head_stride(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def output_shape(q: torch.Tensor, value_dim: int) -> tuple[int, ...]:
+    """The op's output shape: q's, with a head dim of value_dim when the values are in the keys."""
+    return (*q.shape[:-1], value_dim or q.shape[-1])
+
+
 def kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale, window=0, softcap=0.0, sinks=None,
                             ring=False, value_dim=0, chunk_size=0, alibi_slopes=None):
     """The fake (meta) implementation of the C++ and Triton kv_cache_attention ops; also their Meta
@@ -285,7 +290,7 @@ def kv_cache_attention_fake(q, k, v, k_cache, v_cache, positions, scale, window=
     check_same_device(OP, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions, sinks=sinks,
                       alibi_slopes=alibi_slopes)
     # the kernels return a contiguous tensor, whatever q's strides
-    return q.new_empty((*q.shape[:-1], value_dim or q.shape[-1]))
+    return q.new_empty(output_shape(q, value_dim))
 
 
 if _extension.has_kernel(OP, "CPU"):

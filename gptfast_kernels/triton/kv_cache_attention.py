@@ -69,7 +69,7 @@ import torch
 import triton
 
 from gptfast_kernels.ops._dispatch import check_contiguous, check_int, check_tensor
-from gptfast_kernels.ops.kv_cache_attention import check_inputs, kv_cache_attention_fake
+from gptfast_kernels.ops.kv_cache_attention import check_inputs, kv_cache_attention_fake, output_shape
 from gptfast_kernels.triton import FP32_NUM_STAGES, dot_in_fp32, num_sms, on_device, programmatic_launch
 from gptfast_kernels.triton.kv_cache_attention_common import LOG2_E
 from gptfast_kernels.triton.kv_cache_attention_decode import (_kv_cache_attention_combine_kernel,
@@ -297,7 +297,7 @@ def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float,
                              alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton op's computation with the launch constants ``tune`` and an assumed SM count (for
     tuning: bench/bench_kv_tiles.py); inputs as ``kv_cache_attention_triton``'s."""
-    out = torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty(output_shape(q, value_dim), dtype=q.dtype, device=q.device)
     scoring = _Scoring.of(float(scale), int(window), float(softcap), int(chunk_size))
     args = (q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scoring, bool(ring), dot_in_fp32(q.dtype),
             tune, int(value_dim))
@@ -309,17 +309,13 @@ def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float,
     return out
 
 
-def _out_shape(q: torch.Tensor, value_dim: int) -> tuple[int, ...]:
-    return (*q.shape[:-1], value_dim or q.shape[-1])
-
-
 def kv_cache_attention_unchecked(q, k, v, k_cache, v_cache, positions, scale: float, window: int = 0,
                                  softcap: float = 0.0, sinks: torch.Tensor | None = None, ring: bool = False,
                                  value_dim: int = 0, chunk_size: int = 0,
                                  alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """``kv_cache_attention_triton`` on inputs already checked (the public op's eager path)."""
     if q.numel() == 0:
-        return torch.empty(_out_shape(q, value_dim), dtype=q.dtype, device=q.device)
+        return torch.empty(output_shape(q, value_dim), dtype=q.dtype, device=q.device)
     return kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, *_tuning(q.device, q.shape[-1]),
                                     window, softcap, sinks, ring, value_dim, chunk_size, alibi_slopes)
 

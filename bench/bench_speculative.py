@@ -9,9 +9,10 @@ Tokens/s count new tokens; acceptance is accepted / proposed drafts.
 
 Rows "speculative_rounds" (GPU only): a random-weight target with Llama-3-8B shapes and a draft
 with 1/8 of its layers (bf16 activations, int8 weights, compiled steps): rounds per second at
-B = 1, 8, 32 and the fraction of a round spent outside the two models' forwards (target < 10%);
-the same for prompt_lookup_generate on that target (its rounds and overhead; random weights give
-its lookup nothing to find).
+B = 1, 8, 32 and the fraction of a round spent outside the two models' forwards (target < 10%:
+the run against its own forwards replayed back to back, and an upper bound from forwards timed
+one by one; _timed_rounds); the same for prompt_lookup_generate on that target (its rounds and
+overhead; random weights give its lookup nothing to find).
 
 Rows "hybrid_verify": what a speculative round's verification costs a hybrid model (Qwen3.5's
 layout: three gated-delta-net layers to one attention layer; int8, random weights), where the
@@ -170,13 +171,67 @@ class _ForwardClock:
         assistant_module.assistant_step_function = self.original_assistant
 
 
+class _ForwardRecorder:
+    """Records every forward a generation makes through ``speculative.step_function`` (the target's
+    and a draft model's): the step, copies of its tokens and mask, its cache and that cache's
+    lengths before the call, so that ``replay`` can run the same forwards again, back to back
+    without the rounds' other work. ``replayable`` is False when the run also drafted through
+    another step (a Gemma 4 assistant's, whose arguments include the previous step's outputs) or
+    used a cache with recurrent layers (whose states a replay would not restore)."""
+
+    def __init__(self):
+        self.calls, self.replayable = [], True
+        self.original = speculative_module.step_function
+        self.original_assistant = assistant_module.assistant_step_function
+
+    def __enter__(self):
+        def recorded(model, compile, **options):
+            step = self.original(model, compile, **options)
+
+            def run(tokens, mask, cache):
+                self.replayable &= not cache.has_recurrent_layers
+                lengths = [cache.seq_lengths.clone()]
+                if cache.has_ring_layers:
+                    lengths.append(cache.written_lengths.clone())
+                self.calls.append((step, tokens.clone(), mask.clone(), cache, lengths))
+                return step(tokens, mask, cache)
+            return run
+
+        def unreplayable(assistant, compile):
+            self.replayable = False
+            return self.original_assistant(assistant, compile)
+
+        speculative_module.step_function = recorded
+        assistant_module.assistant_step_function = unreplayable
+        return self
+
+    def __exit__(self, *exc):
+        speculative_module.step_function = self.original
+        assistant_module.assistant_step_function = self.original_assistant
+
+    def replay(self) -> None:
+        """The recorded forwards in order, each on its cache with the lengths it had then."""
+        for step, tokens, mask, cache, lengths in self.calls:
+            cache.seq_lengths.copy_(lengths[0])
+            if cache.has_ring_layers:
+                cache.written_lengths.copy_(lengths[1])
+            step(tokens, mask, cache)
+
+
 def _timed_rounds(h, generate_fn, rows: int, new_tokens: int, prefill_seconds: float) -> tuple[dict, object]:
     """Rounds/s and tokens/s of ``generate_fn`` (best of 2), and the share of a round outside the
-    models' forwards -> (row fields, its output). The forwards are timed in a run of their own,
-    synchronised around every step, and compared with that run's own length (an unsynchronised
-    run overlaps host work with the GPU, so its length cannot be split this way): an upper bound
-    on the host's share. The eager prefills, outside the step functions, are timed apart
-    (``prefill_seconds``)."""
+    models' forwards -> (row fields, its output), measured two ways:
+
+    * ``fraction_outside_forwards``: the run's forwards recorded and replayed back to back, as the
+      run issues them but with none of the rounds' other work between them (drafts' sampling,
+      verification, bookkeeping, the host's waits), against the run itself: 1 - (replay + the
+      prefills) / run. Both unsynchronised, so host work that the GPU's queue hides costs nothing,
+      as in the run. None where the run cannot be replayed (_ForwardRecorder).
+    * ``fraction_outside_forwards_upper``: the forwards timed in a run of their own, synchronised
+      around every step, against that run's own length: an upper bound, since every host
+      operation between the forwards then waits for the GPU and counts in full.
+
+    The eager prefills, outside the step functions, are timed apart (``prefill_seconds``)."""
     seconds, out = best_seconds(generate_fn, h.device, repeats=2)
     with _ForwardClock(h.device) as clock:
         synchronize(h.device)
@@ -184,10 +239,18 @@ def _timed_rounds(h, generate_fn, rows: int, new_tokens: int, prefill_seconds: f
         generate_fn()
         synchronize(h.device)
         clocked_seconds = time.perf_counter() - start
+    with _ForwardRecorder() as recorder:
+        generate_fn()
+    outside = None
+    if recorder.replayable:
+        replay_seconds, _ = best_seconds(recorder.replay, h.device, repeats=2)
+        outside = 1 - (replay_seconds + prefill_seconds) / seconds
     fields = {"batch": rows, "speculate_k": SPECULATE_K,
               "rounds_per_s": int(out.num_proposed.max()) // SPECULATE_K / seconds,
               "tokens_per_s": rows * new_tokens / seconds,
-              "fraction_outside_forwards": 1 - (clock.seconds + prefill_seconds) / clocked_seconds,
+              "forwards_per_run": len(recorder.calls),
+              "fraction_outside_forwards": outside,
+              "fraction_outside_forwards_upper": 1 - (clock.seconds + prefill_seconds) / clocked_seconds,
               "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"]}
     return fields, out
 

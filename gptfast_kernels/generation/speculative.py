@@ -231,10 +231,19 @@ class SpeculativeRounds:
         sampling, its greedy rows' distributions one-hot: exact for them too)."""
         return not isinstance(self.temperature, torch.Tensor) and self.temperature == 0
 
-    def too_early(self, made: torch.Tensor) -> torch.Tensor | None:
-        """Where a token would be new token number ``made`` [B, ...] (from 0) of its row, and so may
-        not be an eos (``min_new_tokens``); None when nothing is suppressed."""
-        return too_early(made, self.min_new_tokens, made.shape[0], made.device) if self.eos else None
+    def too_early(self, generated: torch.Tensor, offset: int | range) -> torch.Tensor | None:
+        """Where a token would be new token number ``generated`` [B] + ``offset`` (from 0) of its row,
+        and so may not be an eos (``min_new_tokens``): [B] for an int offset, [B, len(offset)] for a
+        range. None when nothing is suppressed, and then nothing is computed: a round asks k + 1
+        times, and on a GPU every operation is a launch."""
+        held_back = isinstance(self.min_new_tokens, torch.Tensor) or self.min_new_tokens > 0
+        if not self.eos or not held_back:
+            return None
+        if isinstance(offset, range):
+            made = generated[:, None] + torch.arange(offset.start, offset.stop, device=generated.device)[None, :]
+        else:
+            made = generated + offset
+        return too_early(made, self.min_new_tokens, made.shape[0], made.device)
 
     def processed(self, logits, record: TokenRecord, early):
         """logits [..., V] with the penalties over ``record`` (per row or per row and position) and the
@@ -261,7 +270,7 @@ class SpeculativeRounds:
         record = history.record.map(torch.clone)  # and the drafts, as they come
         tokens, probs = [], []
         for i in range(self.k):
-            token, distribution = self.pick(logits, record, self.too_early(history.num_generated + i))
+            token, distribution = self.pick(logits, record, self.too_early(history.num_generated, i))
             record.add(token[:, None])
             tokens.append(token)
             probs.append(distribution)
@@ -288,9 +297,7 @@ class SpeculativeRounds:
             target_logits, target_hidden = target_logits
         round_record = history.record.before_each(draft_tokens)  # position i: the drafts before it too
         # position i scores new token number num_generated + i of its row
-        columns = torch.arange(k + 1, device=last.device)
-        processed = self.processed(target_logits, round_record,
-                                   self.too_early(history.num_generated[:, None] + columns[None, :]))
+        processed = self.processed(target_logits, round_record, self.too_early(history.num_generated, range(k + 1)))
         # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync).
         # Greedy verification compares the drafts with the target's argmax, which the logits give
         # as they are (the target's own greedy decoding takes the argmax of its logits, too).
@@ -340,7 +347,7 @@ class SpeculativeRounds:
         self.is_eos = eos_columns(eos_ids, V)
         record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, V, self.repetition_penalty,
                                    self.presence_penalty, self.frequency_penalty)
-        last, _ = self.pick(logits, record, self.too_early(zeros))
+        last, _ = self.pick(logits, record, self.too_early(zeros, 0))
         record.add(last[:, None])
 
         # generated tokens; a round writes up to k + 1 more, and column `dump` absorbs masked writes

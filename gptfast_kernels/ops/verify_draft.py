@@ -86,7 +86,7 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
 
     target_probs [B, k+1, V] float32; draft_probs [B, k, V] float32 or None (greedy);
     draft_tokens [B, k] int64; uniforms [B, k+1] float32 in [0, 1) or None (drawn from
-    ``generator``) -> (tokens [B, k+1] int64: accepted drafts, the emitted token, then -1;
+    ``generator``; greedy verification reads none, so none are drawn) -> (tokens [B, k+1] int64: accepted drafts, the emitted token, then -1;
     num_emitted [B] int64). Rows of probabilities need not sum to 1 (they are used as weights).
     k = 0 is allowed: plain sampling (or argmax) from target_probs[:, 0].
     In eager mode the values are checked (one fused min/max pass per tensor and one host sync);
@@ -102,7 +102,9 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
     if check_values and not tracing_or_dispatch_mode():
         _check_values(target_probs, draft_probs, draft_tokens, uniforms)
     B, k_plus_1, _ = target_probs.shape
-    if uniforms is None:
+    if uniforms is None and draft_probs is None:  # greedy reads no uniforms: a placeholder, nothing drawn
+        uniforms = torch.empty((B, k_plus_1), device=target_probs.device, dtype=torch.float32)
+    elif uniforms is None:
         uniforms = torch.rand((B, k_plus_1), generator=generator, device=target_probs.device,
                               dtype=torch.float32)
     chosen = resolve_backend(OP, backend, target_probs.device)

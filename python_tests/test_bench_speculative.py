@@ -1,0 +1,77 @@
+"""bench/bench_speculative.py's measure of a round's time outside the forwards: the recorder
+replays exactly the forwards a speculative run made, each seeing the cache it saw then, and
+refuses runs it cannot replay faithfully."""
+
+import types
+
+import pytest
+import torch
+
+import gptfast_kernels.generation.speculative as speculative_module
+from bench import bench_speculative
+from gptfast_kernels import patch_model, speculative_generate
+from python_tests.tiny_models import VOCAB, draft_of, tiny_model
+
+
+def _pair(family: str):
+    target = tiny_model(family)
+    draft = draft_of(target)  # (before patch_model swaps the target's layers)
+    return patch_model(target), patch_model(draft)
+
+
+def _run(target, draft, ids, new_tokens: int = 10):
+    return speculative_generate(target, draft, ids, max_new_tokens=new_tokens,
+                                speculate_k=bench_speculative.SPECULATE_K, eos_token_id=[])
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral's tiny config: ring-buffer (window) layers
+def test_replay_repeats_the_runs_forwards(monkeypatch, family):
+    target, draft = _pair(family)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    logged = []
+    original = speculative_module.step_function
+
+    def logging(model, compile, **options):
+        step = original(model, compile, **options)
+
+        def run(*args):
+            out = step(*args)
+            logged.append(out.clone())
+            return out
+        return run
+
+    monkeypatch.setattr(speculative_module, "step_function", logging)
+    with torch.no_grad():
+        with bench_speculative._ForwardRecorder() as recorder:
+            out = _run(target, draft, ids)
+        run_logits, logged[:] = list(logged), []
+        rounds = int(out.num_proposed.max()) // bench_speculative.SPECULATE_K
+        # each round: k draft forwards (the first of two tokens) and the target's of k + 1
+        assert recorder.replayable
+        assert len(recorder.calls) == rounds * (bench_speculative.SPECULATE_K + 1)
+        assert [tokens.shape[1] for _, tokens, *_ in recorder.calls[:5]] == [2, 1, 1, 1, 5]
+        recorder.replay()
+    assert speculative_module.step_function is logging  # restored
+    assert len(logged) == len(run_logits)
+    for replayed, original_logits in zip(logged, run_logits):
+        torch.testing.assert_close(replayed, original_logits, rtol=0, atol=0)
+
+
+def test_recurrent_caches_are_not_replayed():
+    target, draft = (patch_model(tiny_model("qwen3_5_text", seed=seed)) for seed in (0, 1))
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), bench_speculative._ForwardRecorder() as recorder:
+        _run(target, draft, ids, new_tokens=4)
+    assert recorder.calls and not recorder.replayable
+
+
+def test_timed_rounds_reports_both_measures():
+    target, draft = _pair("llama")
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    h = types.SimpleNamespace(device=torch.device("cpu"))
+    with torch.no_grad():
+        fields, out = bench_speculative._timed_rounds(h, lambda: _run(target, draft, ids), 1, 10, 0.0)
+    rounds = int(out.num_proposed.max()) // bench_speculative.SPECULATE_K
+    assert fields["forwards_per_run"] == rounds * (bench_speculative.SPECULATE_K + 1)
+    for name in ("fraction_outside_forwards", "fraction_outside_forwards_upper"):
+        assert fields[name] is not None and fields[name] < 1

@@ -7,6 +7,8 @@ GPU: Llama-3-8B shapes (bench_generate's), bf16 activations, int8 weights, batch
 prompt's cache (so that attention reads what it reads at that context). Each row is one family:
 microseconds per step, kernels per step and its share of the step's wall time (measured without the
 profiler); the row "idle" is the wall time no kernel covered (launch gaps, the graph's own overhead).
+Kernels that overlap (a programmatic launch starts during its predecessor and waits) count once, the
+overlap for the kernel that started first (exclusive_times).
 Then rows "kernel": the TOP_KERNELS longest kernels by name, each with its family.
 With GPTFAST_CUDA_PDL=1 / 0 the rows are named "_pdl" / "_nopdl" (bench.harness.PDL_SUFFIX).
 CPU: bench_generate's 125M shape, eager; the families are the ops' own (self) CPU time.
@@ -47,21 +49,44 @@ def family_of(name: str) -> str:
     return next(family for family, pieces in FAMILIES if any(piece in name for piece in pieces))
 
 
-def kernel_times(events, device_type: DeviceType) -> dict[str, tuple[float, int]]:
-    """kernel / op name -> (self time in us, count) over the profiler's events on ``device_type``; on
-    the CPU only the ops' own time (not their children's), so that nothing is counted twice."""
+def cpu_op_times(events) -> dict[str, tuple[float, int]]:
+    """op name -> (self time in us, count) over the profiler's averaged CPU events: the ops' own time
+    (not their children's), so that nothing is counted twice."""
     times: dict[str, tuple[float, int]] = {}
     for event in events:
-        if event.device_type != device_type:
+        if event.device_type != DeviceType.CPU:
             continue
-        us = event.self_device_time_total if device_type == DeviceType.CUDA else event.self_cpu_time_total
         time_us, count = times.get(event.key, (0.0, 0))
-        times[event.key] = (time_us + us, count + event.count)
+        times[event.key] = (time_us + event.self_cpu_time_total, count + event.count)
     return times
 
 
+def kernel_intervals(events) -> list[tuple[str, float, float]]:
+    """(name, start, end) in us of every GPU kernel (and copy) among the profiler's events."""
+    return [(event.name, event.time_range.start, event.time_range.end) for event in events
+            if event.device_type == DeviceType.CUDA]
+
+
+def exclusive_times(intervals: list[tuple[str, float, float]]) -> tuple[dict[str, tuple[float, int]], float]:
+    """(name -> (time in us, count), the time any of them ran) of kernels given as (name, start, end)
+    intervals, each kernel counted from its start or from the end of every kernel that started
+    before it, whichever is later: the times partition the span the kernels cover. A programmatic
+    dependent launch starts while the kernel before it still runs and waits for it
+    (GPTFAST_CUDA_PDL, on by default for the CUDA int8 kernels); its own duration would count that
+    wait, and the families' sum would pass the step."""
+    times: dict[str, tuple[float, int]] = {}
+    reached, covered = float("-inf"), 0.0
+    for name, start, end in sorted(intervals, key=lambda interval: interval[1]):
+        own = max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+        covered += own
+        time_us, count = times.get(name, (0.0, 0))
+        times[name] = (time_us + own, count + 1)
+    return times, covered
+
+
 def breakdown(times: dict[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
-    """family -> (time in us, count) of kernel_times' entries."""
+    """family -> (time in us, count) of exclusive_times' or cpu_op_times' entries."""
     totals: dict[str, tuple[float, int]] = {family: (0.0, 0) for family, _ in FAMILIES}
     for name, (us, count) in times.items():
         family = family_of(name)
@@ -98,11 +123,13 @@ def step_rows(h, model, name: str, rows: int, context: int, steps: int = STEPS) 
     start = time.perf_counter()
     run(steps)
     wall_us = (time.perf_counter() - start) / steps * 1e6
-    device_type = DeviceType.CUDA if on_gpu else DeviceType.CPU
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
     with torch.profiler.profile(activities=activities) as profile:
         run(steps)
-    times = kernel_times(profile.key_averages(), device_type)
+    if on_gpu:  # kernels that overlap (programmatic launches) count once (exclusive_times)
+        times, _ = exclusive_times(kernel_intervals(profile.events()))
+    else:
+        times = cpu_op_times(profile.key_averages())
     totals = breakdown(times)
     case = {"op": "decode_step", "model": name,
             "batch": rows, "context": context, "dtype": str(dtype)[6:], "step_us": wall_us, **h.meta}

@@ -222,3 +222,36 @@ def test_step_breakdown_accounts_for_the_whole_step():
         assert r["family"] == bench_step_breakdown.family_of(r["kernel"])
         assert r["us_per_step"] <= by_family[r["family"]]["us_per_step"] + 1e-9
     assert any(r["family"] == "int8_linear" for r in kernels)
+
+
+def test_step_breakdown_counts_overlapping_kernels_once():
+    """A programmatic launch starts while the kernel before it runs and waits for it: the breakdown
+    counts the overlap for the kernel that started first, so the times partition the span the
+    kernels cover (gaps are idle, not anyone's) and a kernel inside another's run counts nothing."""
+    from bench import bench_step_breakdown
+
+    intervals = [("gemv", 0.0, 10.0),
+                 ("attention", 8.0, 15.0),  # starts 2 us early (programmatic), waits, runs 5 us
+                 ("norm", 20.0, 22.0),  # after a 5 us gap
+                 ("copy", 20.5, 21.0),  # inside the norm's run
+                 ("gemv", 21.0, 30.0)]  # starts 1 us early
+    times, covered = bench_step_breakdown.exclusive_times(intervals[::-1])  # any order
+    assert times == {"gemv": (10.0 + 8.0, 2), "attention": (5.0, 1), "norm": (2.0, 1), "copy": (0.0, 1)}
+    assert covered == 25.0 == sum(time_us for time_us, _ in times.values())
+
+
+def test_step_breakdown_reads_the_gpu_kernels_of_a_profile():
+    """kernel_intervals keeps the profiler's GPU events (kernels, copies) with their start and end."""
+    import types
+
+    from torch.autograd import DeviceType
+
+    from bench import bench_step_breakdown
+
+    def event(name, start, end, device_type):
+        return types.SimpleNamespace(name=name, time_range=types.SimpleNamespace(start=start, end=end),
+                                     device_type=device_type)
+
+    events = [event("cudaGraphLaunch", 0.0, 3.0, DeviceType.CPU), event("_kv_decode", 4.0, 9.0, DeviceType.CUDA),
+              event("Memcpy HtoD", 9.5, 9.7, DeviceType.CUDA)]
+    assert bench_step_breakdown.kernel_intervals(events) == [("_kv_decode", 4.0, 9.0), ("Memcpy HtoD", 9.5, 9.7)]

@@ -90,8 +90,13 @@ __device__ __forceinline__ float biased_int8_to_float(unsigned biased, int i) {
 // wait_for_inputs() before it reads anything an earlier kernel wrote and before its first global
 // write (the earlier kernel may still read that memory). Work that depends on no earlier kernel
 // (loading weights) can go before the wait. allow_dependents() lets the next programmatic launch
-// start once every block of this grid has called it or exited. Without the launch attribute, or
-// below sm_90, both are no-ops.
+// start once every block of this grid has called it or exited. Our kernels call it only after their
+// wait: a dependent that starts early then knows that every kernel before this one has finished, so
+// it may read their outputs at once and wait only for this one's, as inductor's programmatic kernels
+// do (TORCHINDUCTOR_ENABLE_PDL=1: a kernel waits before the loads of buffers its immediate
+// predecessor writes, not before the others). Called first (as until 2026-11-28), it let such a
+// dependent run while this kernel still waited for the one before. Without the launch attribute,
+// or below sm_90, both are no-ops.
 __device__ __forceinline__ void wait_for_inputs() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -103,7 +103,6 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
                         int64_t row_offset, int64_t prefetch_bytes) {
   static_assert(!STAGED_X || (ROWS == 1 && VECTORIZED && GEMV_VEC == 16), "x is staged for one vectorized row");
   extern __shared__ float4 staged_x[];  // STAGED_X: x as float, K rounded up to 32
-  allow_dependents();
   const int lane = threadIdx.x % WARP;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * GEMV_WARPS + threadIdx.x / WARP) * FEATURES;
   const int features = N - n0 < FEATURES ? static_cast<int>(N - n0) : FEATURES;  // (<= 0: no rows)
@@ -122,6 +121,7 @@ int8_linear_gemv_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict
     prefetch_l2(w_rows + at);
   }
   wait_for_inputs();
+  allow_dependents();  // after the wait (cuda_common.cuh)
   if constexpr (STAGED_X) {  // every thread of the block, before any warp leaves
 #pragma unroll 1
     for (int e = threadIdx.x * GEMV_VEC; e < K; e += GEMV_WARPS * WARP * GEMV_VEC) {

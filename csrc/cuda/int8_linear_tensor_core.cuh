@@ -139,7 +139,6 @@ int8_linear_mma_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict_
                        scalar_t* __restrict__ y, int64_t M, int64_t N, int64_t K, int64_t stride_xm,
                        bool programmatic) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  allow_dependents();
   constexpr int FT = Tiling::FT, RT = Tiling::RT, STAGE = Tiling::STAGE, WARPS_K = Tiling::WARPS_K;
   using Ops = MmaOps<scalar_t>;
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -260,6 +259,7 @@ int8_linear_mma_kernel(const scalar_t* __restrict__ x, const int8_t* __restrict_
     }
   }
   wait_for_inputs();
+  allow_dependents();  // after the wait (cuda_common.cuh)
   Stage even{}, odd{};
   if (warp_k < stages) load_stage(even, warp_k);
   for (int64_t stage = warp_k; stage < stages; stage += 2 * WARPS_K) {

@@ -72,3 +72,43 @@ def test_one_row_gemv_fits_five_blocks_per_sm_without_spilling(sm90_resources, d
 def test_tensor_core_gemv_tilings_do_not_spill(sm90_resources, tiling):
     registers, stack = _find(sm90_resources, MMA_GEMV[tiling])
     assert stack == 0, f"{tiling}: a stack frame of {stack} bytes ({registers} registers)"
+
+
+@pytest.fixture(scope="module")
+def sm90_grid_dependency_order() -> dict[str, list[str]]:
+    """mangled kernel name -> its griddepcontrol instructions in SASS order, for the sm_90a kernels
+    that have any: ACQBULK (griddepcontrol.wait) and PREEXIT (griddepcontrol.launch_dependents)."""
+    if not _extension.extension_loaded() or not _extension.has_kernel("int8_linear", "CUDA"):
+        pytest.skip("requires the extension built with its CUDA kernels")
+    try:
+        import triton
+
+        tool = triton.knobs.nvidia.cuobjdump.path
+    except (ImportError, AttributeError, RuntimeError):
+        pytest.skip("requires the cuobjdump bundled with Triton")
+    from gptfast_kernels import _C
+
+    sass = subprocess.run([tool, "-sass", "-arch", "sm_90a", _C.__file__], capture_output=True, text=True,
+                          timeout=300).stdout
+    order, function = {}, None
+    for line in sass.splitlines():
+        if match := re.search(r"Function : (\S+)", line):
+            function = match[1]
+        elif function and (match := re.search(r"\b(ACQBULK|PREEXIT)\b", line)):
+            order.setdefault(function, []).append(match[1])
+    if not order:
+        pytest.skip("the extension was built without sm_90a code (TORCH_CUDA_ARCH_LIST)")
+    return order
+
+
+def test_programmatic_kernels_allow_dependents_only_after_their_wait(sm90_grid_dependency_order):
+    """Every kernel that lets the next programmatic launch start does so after its own wait for the
+    kernel before it (cuda_common.cuh): a dependent that starts early may then read what came before
+    this kernel at once (inductor's programmatic kernels do). The int8 GEMVs and tensor-core kernels
+    are among them."""
+    for name, instructions in sm90_grid_dependency_order.items():
+        assert "PREEXIT" not in instructions or instructions.index("ACQBULK") < instructions.index("PREEXIT"), \
+            f"{name}: {instructions}"
+    for piece in (*ONE_ROW_GEMV.values(), *MMA_GEMV.values()):
+        assert any(piece in name and "PREEXIT" in instructions
+                   for name, instructions in sm90_grid_dependency_order.items()), piece

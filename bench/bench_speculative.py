@@ -226,7 +226,9 @@ def _timed_rounds(h, generate_fn, rows: int, new_tokens: int, prefill_seconds: f
       run issues them but with none of the rounds' other work between them (drafts' sampling,
       verification, bookkeeping, the host's waits), against the run itself: 1 - (replay + the
       prefills) / run. Both unsynchronised, so host work that the GPU's queue hides costs nothing,
-      as in the run. None where the run cannot be replayed (_ForwardRecorder).
+      as in the run. The replay's restores of the cache lengths (one small copy a forward) count as
+      forward time, so the share is understated by about that. None where the run cannot be
+      replayed (_ForwardRecorder).
     * ``fraction_outside_forwards_upper``: the forwards timed in a run of their own, synchronised
       around every step, against that run's own length: an upper bound, since every host
       operation between the forwards then waits for the GPU and counts in full.

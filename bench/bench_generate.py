@@ -30,7 +30,7 @@ from torch._dynamo.utils import counters
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig,
                           LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM)
 
-from bench.harness import best_seconds, default_dtype
+from bench.harness import best_seconds, default_dtype, tokens_digest
 
 CPU_CONFIG = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=12, vocab_size=32000, max_position_embeddings=2048)
@@ -142,5 +142,8 @@ def _compare(h, build, name: str, batches, *, static_cache: bool = True) -> None
                            "decode_tokens_per_s": ours_decode_tps, "speedup_vs_baseline": ours_tps / hf_tps,
                            "decode_speedup_vs_baseline": ours_decode_tps / hf_decode_tps,
                            "same_tokens_as_float_baseline": bool(torch.equal(ours_out.sequences, hf_out)),
+                           # equal across runs of the same case whose launch choices differ
+                           # (GPTFAST_CUDA_PDL, TORCHINDUCTOR_ENABLE_PDL): they change no arithmetic
+                           "tokens_digest": tokens_digest(ours_out.sequences),
                            # > 0: some compiled step ran without its CUDA graph (inductor said why in the log)
                            "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"]})

@@ -24,8 +24,12 @@
 #                programmatic, the Triton decode attention's not) against GPTFAST_CUDA_PDL=0 (none)
 #                and GPTFAST_CUDA_PDL=1 (both), each in a process of its own: a decode step's linears
 #                and attention calls in a graph (-> ..._int8_linear-kv_cache_attention_layers.json,
-#                ..._layers_nopdl.json, ..._layers_pdl.json), and `generate` batch 1 with none and with
-#                both (-> ..._generate_batch1_nopdl.json, ..._pdl.json; `generate` is the default)
+#                ..._layers_nopdl.json, ..._layers_pdl.json), and `generate` batch 1 at the default,
+#                with none and with both (-> ..._generate_batch1.json, ..._nopdl.json, ..._pdl.json;
+#                rows' tokens_digest equal when the launch choices change no token)
+#   pdl-inductor `generate` batch 1 with every kernel of the compiled step programmatic: ours
+#                (GPTFAST_CUDA_PDL=1) and inductor's (TORCHINDUCTOR_ENABLE_PDL=1, torch's option)
+#                -> ..._generate_batch1_pdl_inductorpdl.json (its tokens_digest against pdl's)
 #   tiles        Triton int8 tile sweep, 2-64 rows (bench_int8_tiles) -> ..._int8_tiles.json
 #   kv-tiles     Triton decode launch-constant sweep (bench_kv_tiles; KV_TILES_QUICK=1: its quick cases)
 #                                                                     -> ..._kv_tiles.json
@@ -64,7 +68,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels int8-kernels pdl tiles kv-tiles profile generate breakdown generate-batched generate-mla generate-llama4 generate-mamba2 speculative speculative-hybrid speculative-assistant continuous speculative-demo}
+STAGES=${*:-build tests sanitize kernels int8-kernels pdl pdl-inductor tiles kv-tiles profile generate breakdown generate-batched generate-mla generate-llama4 generate-mamba2 speculative speculative-hybrid speculative-assistant continuous speculative-demo}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -216,8 +220,10 @@ for stage in $STAGES; do
     pdl) bench int8_linear,kv_cache_attention --cases layers &&
          GPTFAST_CUDA_PDL=0 bench int8_linear,kv_cache_attention --cases layers &&
          GPTFAST_CUDA_PDL=1 bench int8_linear,kv_cache_attention --cases layers &&
+         bench generate --cases batch1 &&
          GPTFAST_CUDA_PDL=0 bench generate --cases batch1 &&
          GPTFAST_CUDA_PDL=1 bench generate --cases batch1 ;;
+    pdl-inductor) GPTFAST_CUDA_PDL=1 TORCHINDUCTOR_ENABLE_PDL=1 bench generate --cases batch1 ;;
     int8-kernels) GPTFAST_INT8_CUDA_KERNEL=tensor_core bench int8_linear --cases one_row &&
                   GPTFAST_INT8_CUDA_KERNEL=fma bench int8_linear --cases multi_row ;;
     tiles) bench int8_tiles ;;

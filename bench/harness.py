@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import glob
+import hashlib
 import json
 import os
 import platform
@@ -59,14 +60,27 @@ GPU_MIN_REPEATS, GPU_MAX_REPEATS = 10, 1000
 GPU_FLUSH_BYTES = 256 << 20
 GRAPH_WARMUP_CALLS = 3  # before a CUDA-graph capture (cuda_graph_replay)
 # environment variables that pick kernels (recorded in every row's metadata when set)
-KERNEL_CHOICE_VARIABLES = ("GPTFAST_INT8_CUDA_KERNEL", "GPTFAST_INT8_GEMV", "GPTFAST_CUDA_PDL")
+KERNEL_CHOICE_VARIABLES = ("GPTFAST_INT8_CUDA_KERNEL", "GPTFAST_INT8_GEMV", "GPTFAST_CUDA_PDL",
+                           "TORCHINDUCTOR_ENABLE_PDL")
 # GPTFAST_CUDA_PDL (read once per process, as the kernels read it): unset, the CUDA int8 kernels
 # launch as programmatic dependent launches and the Triton decode attention does not; 1, both do; 0,
-# neither (csrc/cuda/cuda_common.cuh, gptfast_kernels.triton.programmatic_launch). bench/gpu_run.sh's
-# pdl stage times 0 and 1 against the default, each in a process of its own whose rows carry this
-# suffix.
+# neither (csrc/cuda/cuda_common.cuh, gptfast_kernels.triton.programmatic_launch).
+# TORCHINDUCTOR_ENABLE_PDL=1 (torch's own option) launches inductor's kernels so too, so that with
+# GPTFAST_CUDA_PDL=1 every kernel of a compiled step is. bench/gpu_run.sh's pdl stages time these
+# against the default, each in a process of its own whose rows carry pdl_suffix's suffix.
 PDL_SUFFIXES = {"1": "_pdl", "0": "_nopdl"}  # GPTFAST_CUDA_PDL's value -> row and file suffix
-PDL_SUFFIX = PDL_SUFFIXES.get(os.environ.get("GPTFAST_CUDA_PDL", ""), "")
+INDUCTOR_PDL_SUFFIX = "_inductorpdl"  # TORCHINDUCTOR_ENABLE_PDL=1
+
+
+def pdl_suffix(values) -> str:
+    """The row and file suffix of the launch choices in ``values`` (the environment, or a run's
+    metadata): "_pdl" / "_nopdl" for GPTFAST_CUDA_PDL=1 / 0, then "_inductorpdl" for
+    TORCHINDUCTOR_ENABLE_PDL=1; "" for the defaults."""
+    suffix = PDL_SUFFIXES.get(values.get("GPTFAST_CUDA_PDL", ""), "")
+    return suffix + (INDUCTOR_PDL_SUFFIX if values.get("TORCHINDUCTOR_ENABLE_PDL") == "1" else "")
+
+
+PDL_SUFFIX = pdl_suffix(os.environ)
 GRAPH_SUFFIX = "@graph"  # impl name of a candidate timed as a CUDA-graph replay
 _gpu_flush_buffers: dict[torch.device, torch.Tensor] = {}
 
@@ -208,6 +222,12 @@ def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -
         synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best, out
+
+
+def tokens_digest(tokens: torch.Tensor) -> str:
+    """A short digest of token ids (sha1 of their int64 bytes, 16 hex digits), so that runs in
+    different processes (other launch choices) can show they generated the same tokens."""
+    return hashlib.sha1(tokens.to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 @contextlib.contextmanager

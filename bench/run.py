@@ -14,7 +14,7 @@ import traceback
 
 import torch
 
-from bench.harness import PDL_SUFFIXES, Harness
+from bench.harness import Harness, pdl_suffix
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -26,16 +26,17 @@ def available_benches() -> list[str]:
 
 
 def default_output(harness: Harness, out_dir: str, names: list[str]) -> str:
-    """<out_dir>/<device>_<date>_<commit>[_<benches>][_pdl|_nopdl].json (the benches named when not
-    all ran; _pdl: the Triton decode attention's launches programmatic too, GPTFAST_CUDA_PDL=1;
-    _nopdl: no launch programmatic, GPTFAST_CUDA_PDL=0)."""
+    """<out_dir>/<device>_<date>_<commit>[_<benches>][_pdl|_nopdl][_inductorpdl].json (the benches
+    named when not all ran; _pdl: the Triton decode attention's launches programmatic too,
+    GPTFAST_CUDA_PDL=1; _nopdl: no launch programmatic, GPTFAST_CUDA_PDL=0; _inductorpdl:
+    inductor's too, TORCHINDUCTOR_ENABLE_PDL=1)."""
     device = re.sub(r"[^A-Za-z0-9]+", "-", harness.meta["device"]).strip("-").lower()
     date = datetime.date.today().isoformat()
     subset = "" if sorted(names) == available_benches() else "_" + "-".join(names)
     if harness.cases is not None:
         subset += "_" + "-".join(sorted(harness.cases))
     # beside the same benches at the default
-    subset += PDL_SUFFIXES.get(harness.meta.get("GPTFAST_CUDA_PDL", ""), "")
+    subset += pdl_suffix(harness.meta)
     return os.path.join(out_dir, f"{device}_{date}_{harness.meta['commit']}{subset}.json")
 
 

@@ -153,11 +153,13 @@ def test_cpu_flush_covers_the_largest_cache_sysfs_lists(tmp_path, monkeypatch):
 
 
 def test_kernel_choices_travel_with_the_rows_and_name_the_file(monkeypatch, tmp_path):
-    """A run with GPTFAST_CUDA_PDL=1 or 0 records it in its metadata and writes a file of its own
-    beside the same benches' run at the default (bench/gpu_run.sh's pdl stage)."""
+    """A run with GPTFAST_CUDA_PDL=1 or 0 (or TORCHINDUCTOR_ENABLE_PDL=1) records it in its
+    metadata and writes a file of its own beside the same benches' run at the default
+    (bench/gpu_run.sh's pdl stages)."""
     from bench import run
 
     monkeypatch.delenv("GPTFAST_CUDA_PDL", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
     plain = run.default_output(harness.Harness(torch.device("cpu"), cases=frozenset({"layers"})), str(tmp_path),
                                ["int8_linear"])
     monkeypatch.setenv("GPTFAST_CUDA_PDL", "1")
@@ -170,6 +172,22 @@ def test_kernel_choices_travel_with_the_rows_and_name_the_file(monkeypatch, tmp_
     without = run.default_output(h, str(tmp_path), ["int8_linear"])
     assert plain.endswith("_int8_linear_layers.json") and with_pdl == plain[:-len(".json")] + "_pdl.json"
     assert without == plain[:-len(".json")] + "_nopdl.json"
+    # inductor's kernels programmatic too (torch's own option; the pdl-inductor stage)
+    monkeypatch.setenv("GPTFAST_CUDA_PDL", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "1")
+    h = harness.Harness(torch.device("cpu"), cases=frozenset({"layers"}))
+    assert h.meta["TORCHINDUCTOR_ENABLE_PDL"] == "1"
+    assert run.default_output(h, str(tmp_path), ["int8_linear"]) == plain[:-len(".json")] + "_pdl_inductorpdl.json"
+    assert harness.pdl_suffix({"TORCHINDUCTOR_ENABLE_PDL": "0"}) == ""
+
+
+def test_tokens_digest_tells_token_sequences_apart():
+    """bench_generate's rows carry a digest of the tokens they generated, so that runs with other
+    launch choices, in other processes, can show they generated the same ones."""
+    tokens = torch.tensor([[5, 7, 11], [13, 17, 19]])
+    assert harness.tokens_digest(tokens) == harness.tokens_digest(tokens.clone().to(torch.int32))
+    assert harness.tokens_digest(tokens) != harness.tokens_digest(tokens.flip(1))
+    assert len(harness.tokens_digest(tokens)) == 16
 
 
 @pytest.mark.parametrize("name, family", [

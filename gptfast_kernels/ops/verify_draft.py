@@ -84,14 +84,14 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
                  backend: str = "auto", check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Accepts or rejects k draft tokens per row and emits one more token per row.
 
-    target_probs [B, k+1, V] float32; draft_probs [B, k, V] float32 or None (greedy);
-    draft_tokens [B, k] int64; uniforms [B, k+1] float32 in [0, 1) or None (drawn from
-    ``generator``; greedy verification reads none, so none are drawn) -> (tokens [B, k+1] int64:
-    accepted drafts, the emitted token, then -1; num_emitted [B] int64). Rows of probabilities need
-    not sum to 1 (they are used as weights). k = 0 is allowed: plain sampling (or argmax) from
-    target_probs[:, 0]. In eager mode the values are checked (one fused min/max pass per tensor and one host sync);
-    under torch.compile / CUDA-graph capture they are skipped; an out-of-range draft token then
-    raises in the CPU kernel and counts as rejected in the CUDA / Triton kernels (never read).
+    target_probs [B, k+1, V] float32; draft_probs [B, k, V] float32 or None (greedy); draft_tokens
+    [B, k] int64; uniforms [B, k+1] float32 in [0, 1) or None (drawn from ``generator``; greedy
+    verification reads none, so none are drawn) -> (tokens [B, k+1] int64: accepted drafts, the
+    emitted token, then -1; num_emitted [B] int64). Rows of probabilities need not sum to 1 (they
+    are used as weights). k = 0 is allowed: plain sampling (or argmax) from target_probs[:, 0]. In
+    eager mode the values are checked (one fused min/max pass per tensor and one host sync); under
+    torch.compile / CUDA-graph capture they are skipped; an out-of-range draft token then raises in
+    the CPU kernel and counts as rejected in the CUDA / Triton kernels (never read).
     ``check_values=False`` skips them in eager mode too, for callers whose inputs are valid by
     construction (speculative_generate: softmax outputs and sampled ids), since the check reads
     every probability again and waits for the GPU once per call.

@@ -115,6 +115,18 @@ def test_matches_reference(backend, device, greedy, contiguous):
         assert_matches_reference(got, target, draft, tokens, uniforms)
 
 
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_greedy_draws_no_uniforms(backend, device):
+    """Greedy verification reads no uniforms, so with none given it draws none: its answer is the
+    reference's whatever the uniforms, and the generator is left as it was."""
+    target, _, tokens, uniforms = make_case(5, 4, 300, greedy=True, device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    state = generator.get_state()
+    got = ops.verify_draft(target, None, tokens, generator=generator, backend=backend)
+    assert torch.equal(generator.get_state(), state)
+    assert_matches_reference(got, target, None, tokens, uniforms)
+
+
 @pytest.mark.parametrize("greedy", [False, True], ids=["sampling", "greedy"])
 def test_triton_multi_tile(monkeypatch, greedy):
     """Small tiles make the Triton kernel cross tile boundaries (carry, argmax across tiles)."""

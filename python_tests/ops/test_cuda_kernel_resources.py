@@ -26,9 +26,8 @@ MMA_GEMV = {f"{dtype}-rt{rt}": f"int8_linear_mma_kernelIN3c10{dtype}ENS0_9MmaTil
             for dtype in ("8BFloat16", "4Half") for rt in (1, 2)}
 
 
-@pytest.fixture(scope="module")
-def sm90_resources() -> dict[str, tuple[int, int]]:
-    """mangled kernel name -> (registers, stack bytes) of the extension's sm_90a code."""
+def _cuobjdump(*options: str) -> str:
+    """cuobjdump's output on the built extension (skips without its CUDA kernels or the tool)."""
     if not _extension.extension_loaded() or not _extension.has_kernel("int8_linear", "CUDA"):
         pytest.skip("requires the extension built with its CUDA kernels")
     try:
@@ -39,8 +38,13 @@ def sm90_resources() -> dict[str, tuple[int, int]]:
         pytest.skip("requires the cuobjdump bundled with Triton")
     from gptfast_kernels import _C
 
-    report = subprocess.run([tool, "--dump-resource-usage", _C.__file__], capture_output=True, text=True,
-                            timeout=300).stdout
+    return subprocess.run([tool, *options, _C.__file__], capture_output=True, text=True, timeout=300).stdout
+
+
+@pytest.fixture(scope="module")
+def sm90_resources() -> dict[str, tuple[int, int]]:
+    """mangled kernel name -> (registers, stack bytes) of the extension's sm_90a code."""
+    report = _cuobjdump("--dump-resource-usage")
     usage, arch, function = {}, None, None
     for line in report.splitlines():
         if match := re.search(r"arch = (sm_\w+)", line):
@@ -78,18 +82,7 @@ def test_tensor_core_gemv_tilings_do_not_spill(sm90_resources, tiling):
 def sm90_grid_dependency_order() -> dict[str, list[str]]:
     """mangled kernel name -> its griddepcontrol instructions in SASS order, for the sm_90a kernels
     that have any: ACQBULK (griddepcontrol.wait) and PREEXIT (griddepcontrol.launch_dependents)."""
-    if not _extension.extension_loaded() or not _extension.has_kernel("int8_linear", "CUDA"):
-        pytest.skip("requires the extension built with its CUDA kernels")
-    try:
-        import triton
-
-        tool = triton.knobs.nvidia.cuobjdump.path
-    except (ImportError, AttributeError, RuntimeError):
-        pytest.skip("requires the cuobjdump bundled with Triton")
-    from gptfast_kernels import _C
-
-    sass = subprocess.run([tool, "-sass", "-arch", "sm_90a", _C.__file__], capture_output=True, text=True,
-                          timeout=300).stdout
+    sass = _cuobjdump("-sass", "-arch", "sm_90a")
     order, function = {}, None
     for line in sass.splitlines():
         if match := re.search(r"Function : (\S+)", line):

@@ -139,15 +139,35 @@ def _e2e_rows(h):
             h.rows.append(row)
 
 
-class _ForwardClock:
-    """Wraps the per-round step functions and adds up the time spent inside them."""
+class _PatchedSteps:
+    """Inside a with block, the generators' step functions (``speculative.step_function``, for the
+    target and a draft model, and ``assistant.assistant_step_function``) are ``wrapped``'s."""
 
-    def __init__(self, device):
-        self.device, self.seconds = device, 0.0
+    def __init__(self):
         self.original = speculative_module.step_function
         self.original_assistant = assistant_module.assistant_step_function
 
+    def wrapped(self) -> tuple:
+        """-> (the step_function, the assistant_step_function to use)."""
+        raise NotImplementedError
+
     def __enter__(self):
+        speculative_module.step_function, assistant_module.assistant_step_function = self.wrapped()
+        return self
+
+    def __exit__(self, *exc):
+        speculative_module.step_function = self.original
+        assistant_module.assistant_step_function = self.original_assistant
+
+
+class _ForwardClock(_PatchedSteps):
+    """Wraps the per-round step functions and adds up the time spent inside them."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device, self.seconds = device, 0.0
+
+    def wrapped(self) -> tuple:
         def clocked(original):
             def timed(model, compile, **options):
                 step = original(model, compile, **options)
@@ -162,16 +182,10 @@ class _ForwardClock:
                 return run
             return timed
 
-        speculative_module.step_function = clocked(self.original)
-        assistant_module.assistant_step_function = clocked(self.original_assistant)
-        return self
-
-    def __exit__(self, *exc):
-        speculative_module.step_function = self.original
-        assistant_module.assistant_step_function = self.original_assistant
+        return clocked(self.original), clocked(self.original_assistant)
 
 
-class _ForwardRecorder:
+class _ForwardRecorder(_PatchedSteps):
     """Records every forward a generation makes through ``speculative.step_function`` (the target's
     and a draft model's): the step, copies of its tokens and mask, its cache and that cache's
     lengths before the call, so that ``replay`` can run the same forwards again, back to back
@@ -180,11 +194,10 @@ class _ForwardRecorder:
     used a cache with recurrent layers (whose states a replay would not restore)."""
 
     def __init__(self):
+        super().__init__()
         self.calls, self.replayable = [], True
-        self.original = speculative_module.step_function
-        self.original_assistant = assistant_module.assistant_step_function
 
-    def __enter__(self):
+    def wrapped(self) -> tuple:
         def recorded(model, compile, **options):
             step = self.original(model, compile, **options)
 
@@ -201,13 +214,7 @@ class _ForwardRecorder:
             self.replayable = False
             return self.original_assistant(assistant, compile)
 
-        speculative_module.step_function = recorded
-        assistant_module.assistant_step_function = unreplayable
-        return self
-
-    def __exit__(self, *exc):
-        speculative_module.step_function = self.original
-        assistant_module.assistant_step_function = self.original_assistant
+        return recorded, unreplayable
 
     def replay(self) -> None:
         """The recorded forwards in order, each on its cache with the lengths it had then."""

@@ -10,7 +10,7 @@ profiler); the row "idle" is the wall time no kernel covered (launch gaps, the g
 Kernels that overlap (a programmatic launch starts during its predecessor and waits) count once, the
 overlap for the kernel that started first (exclusive_times).
 Then rows "kernel": the TOP_KERNELS longest kernels by name, each with its family.
-With GPTFAST_CUDA_PDL=1 / 0 the rows are named "_pdl" / "_nopdl" (bench.harness.PDL_SUFFIX).
+The rows' names carry the launch choices' suffix (bench.harness.pdl_suffix: "_pdl", "_nopdl", ...).
 CPU: bench_generate's 125M shape, eager; the families are the ops' own (self) CPU time.
 """
 
@@ -67,22 +67,21 @@ def kernel_intervals(events) -> list[tuple[str, float, float]]:
             if event.device_type == DeviceType.CUDA]
 
 
-def exclusive_times(intervals: list[tuple[str, float, float]]) -> tuple[dict[str, tuple[float, int]], float]:
-    """(name -> (time in us, count), the time any of them ran) of kernels given as (name, start, end)
-    intervals, each kernel counted from its start or from the end of every kernel that started
-    before it, whichever is later: the times partition the span the kernels cover. A programmatic
-    dependent launch starts while the kernel before it still runs and waits for it
-    (GPTFAST_CUDA_PDL, on by default for the CUDA int8 kernels); its own duration would count that
-    wait, and the families' sum would pass the step."""
+def exclusive_times(intervals: list[tuple[str, float, float]]) -> dict[str, tuple[float, int]]:
+    """name -> (time in us, count) of kernels given as (name, start, end) intervals, each kernel
+    counted from its start or from the end of every kernel that started before it, whichever is
+    later: the times partition the span the kernels cover. A programmatic dependent launch starts
+    while the kernel before it still runs and waits for it (GPTFAST_CUDA_PDL, on by default for the
+    CUDA int8 kernels); its own duration would count that wait, and the families' sum would pass
+    the step."""
     times: dict[str, tuple[float, int]] = {}
-    reached, covered = float("-inf"), 0.0
+    reached = float("-inf")
     for name, start, end in sorted(intervals, key=lambda interval: interval[1]):
         own = max(0.0, end - max(start, reached))
         reached = max(reached, end)
-        covered += own
         time_us, count = times.get(name, (0.0, 0))
         times[name] = (time_us + own, count + 1)
-    return times, covered
+    return times
 
 
 def breakdown(times: dict[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
@@ -127,7 +126,7 @@ def step_rows(h, model, name: str, rows: int, context: int, steps: int = STEPS) 
     with torch.profiler.profile(activities=activities) as profile:
         run(steps)
     if on_gpu:  # kernels that overlap (programmatic launches) count once (exclusive_times)
-        times, _ = exclusive_times(kernel_intervals(profile.events()))
+        times = exclusive_times(kernel_intervals(profile.events()))
     else:
         times = cpu_op_times(profile.key_averages())
     totals = breakdown(times)

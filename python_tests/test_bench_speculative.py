@@ -75,3 +75,17 @@ def test_timed_rounds_reports_both_measures():
     assert fields["forwards_per_run"] == rounds * (bench_speculative.SPECULATE_K + 1)
     for name in ("fraction_outside_forwards", "fraction_outside_forwards_upper"):
         assert fields[name] is not None and fields[name] < 1
+
+
+def test_assistant_steps_are_not_replayed():
+    """A Gemma 4 assistant's steps take the previous step's outputs: the recorder says so rather than
+    replay the target's forwards alone."""
+    from python_tests.generation.test_assistant import _assistant_for
+
+    model = tiny_model("gemma4_text", layers=4, vocab=97)
+    assistant = _assistant_for(model)  # (before patch_model swaps the target's layers)
+    patched = patch_model(model, int8=False)
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), bench_speculative._ForwardRecorder() as recorder:
+        _run(patched, assistant, ids, new_tokens=4)
+    assert recorder.calls and not recorder.replayable

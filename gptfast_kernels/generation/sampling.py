@@ -176,6 +176,11 @@ def _on(value, off) -> bool:
     return isinstance(value, torch.Tensor) or (value is not None and value != off)
 
 
+def holds_eos_back(min_new_tokens) -> bool:
+    """Whether ``min_new_tokens`` (a number or [B]) can hold a row's eos back at all."""
+    return isinstance(min_new_tokens, torch.Tensor) or min_new_tokens > 0
+
+
 def too_early(made, min_new_tokens, batch_size: int, device: torch.device) -> torch.Tensor | None:
     """Where a token would be new token number ``made`` (an int for every row, or [B] / [B, T]) of
     its row and so may not be an eos (``min_new_tokens``, a number or [B]): a bool tensor, or None
@@ -184,7 +189,7 @@ def too_early(made, min_new_tokens, batch_size: int, device: torch.device) -> to
         return torch.ones(batch_size, dtype=torch.bool, device=device) if made < min_new_tokens else None
     if not isinstance(made, torch.Tensor):
         return made < min_new_tokens
-    return made < per_row(min_new_tokens, made) if isinstance(min_new_tokens, torch.Tensor) or min_new_tokens else None
+    return made < per_row(min_new_tokens, made) if holds_eos_back(min_new_tokens) else None
 
 
 def per_row(value, like: torch.Tensor):

@@ -23,8 +23,8 @@ from gptfast_kernels.generation.assistant import AssistantProposer, check_assist
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
 from gptfast_kernels.generation.options import check_decode_options
-from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, logits_to_probs, per_row, process_logits,
-                                                 sample_from, token_logprobs, too_early)
+from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs, per_row,
+                                                 process_logits, sample_from, token_logprobs, too_early)
 from gptfast_kernels.generation.stopping import StopMatcher
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
@@ -236,8 +236,7 @@ class SpeculativeRounds:
         and so may not be an eos (``min_new_tokens``): [B] for an int offset, [B, len(offset)] for a
         range. None when nothing is suppressed, and then nothing is computed: a round asks k + 1
         times, and on a GPU every operation is a launch."""
-        held_back = isinstance(self.min_new_tokens, torch.Tensor) or self.min_new_tokens > 0
-        if not self.eos or not held_back:
+        if not self.eos or not holds_eos_back(self.min_new_tokens):
             return None
         if isinstance(offset, range):
             made = generated[:, None] + torch.arange(offset.start, offset.stop, device=generated.device)[None, :]

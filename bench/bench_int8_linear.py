@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.harness import PDL_SUFFIX, add_cpu_isa_rows, cpu_isa_of_row
+from bench.read_floor import read_floor_candidates
 from gptfast_kernels import ops
 
 # decode (1), batched decode (4, 8, 16), speculative verification with k = 4 at B = 1 and 8 (5, 40), prefill
@@ -55,6 +56,8 @@ def run_layers(h, dtype, shapes) -> None:
                 if not suffix:
                     candidates["ours_triton"] = lambda: [ops.int8_linear(x, q, s, backend="triton")
                                                          for q, s in quantized]
+                    if M == 1:  # the weights' bytes alone, one launch a layer (bench/read_floor.py)
+                        candidates.update(read_floor_candidates([q.view(1, -1) for q, _ in quantized]))
             nbytes = layers * (N * K + 4 * N + x.element_size() * M * (K + N))
             h.compare("int8_linear", {"M": M, "N": N, "K": K, "dtype": str(dtype)[6:], "layers": layers},
                       candidates, baseline=baseline, nbytes=nbytes, graphed=tuple(candidates))

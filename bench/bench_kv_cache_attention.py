@@ -54,6 +54,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from bench.harness import PDL_SUFFIX, add_cpu_isa_rows, cpu_isa_of_row
+from bench.read_floor import read_floor_candidates
 from gptfast_kernels import _extension, ops
 
 HQ, HKV, D = 32, 8, 128  # Llama-3-8B
@@ -197,6 +198,9 @@ def run_layers(h, dtype) -> None:
 
             candidates["ours_triton_kernel" + PDL_SUFFIX] = lambda: [
                 kv_cache_attention_triton(q, k, v, kc, vc, pos, scale) for q, k, v, kc, vc, _, pos in steps]
+        if device.type == "cuda" and not PDL_SUFFIX:  # the K / V slots read, one launch a layer
+            candidates.update(read_floor_candidates([
+                cache.view(B * HKV, S * D)[:, :(context + T) * D] for *_, kc, vc, _, _ in steps for cache in (kc, vc)]))
         case = {"B": B, "T": T, "context": context, "S": S, "fill": round(context / S, 2), "dtype": str(dtype)[6:],
                 "layers": layers}
         h.compare("kv_cache_attention", case, candidates, baseline="hf_static_cache", nbytes=layers * nbytes,

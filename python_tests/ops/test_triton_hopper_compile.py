@@ -19,6 +19,7 @@ import tempfile
 import pytest
 import torch
 
+from bench.read_floor import BLOCKS as READ_FLOOR_BLOCKS
 from gptfast_kernels import _extension
 
 SM90 = 90
@@ -82,6 +83,13 @@ def _verify_draft(greedy, V):
                         torch.zeros(B, k, dtype=torch.int64), torch.zeros(B, k + 1))
 
 
+def _read_floor(block):
+    """bench/read_floor.py's kernel over one int8 weight of 4096 x 4096, as the bench launches it."""
+    from bench.read_floor import RowReader
+
+    RowReader(torch.zeros(1, 4096 * 4096, dtype=torch.int8), block)()
+
+
 DECODE = ["_kv_cache_attention_decode_kernel", "_kv_cache_attention_combine_kernel"]  # a 4k cache splits
 PREFILL = ["_kv_cache_attention_scatter_kernel", "_kv_cache_attention_prefill_kernel"]
 # case -> (the call, the kernels it must launch)
@@ -137,6 +145,7 @@ CASES = {
                                      ["_greedy_chunk_kernel", "_greedy_accept_kernel"] if mode == "greedy"
                                      else ["_sampling_kernel"])
        for mode in ("greedy", "sampling") for V in (128256, 50257)},
+    **{f"bench-read_floor-{block}": ((_read_floor, block), ["_read_rows_kernel"]) for block in READ_FLOOR_BLOCKS},
 }
 # Cases whose attention kernels must not spill (a stack frame of 0 bytes). Prefill: the large-head
 # tiles (gptfast_kernels/triton/kv_cache_attention.py, _GPU_LARGE_HEAD) were chosen for it; fp32
@@ -193,8 +202,10 @@ def _compile_for_sm90(jit_fn, args, kwargs) -> dict:
     cubin = compiled.asm.get("cubin", b"")
     ptx = compiled.asm.get("ptx", "")
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    global_loads = re.findall(r"ld\.global\S*", ptx)
     return {"kernel": jit_fn.fn.__name__, "shared": compiled.metadata.shared, "cubin_bytes": len(cubin),
             "griddepcontrol": wait >= 0, "launch_dependents_after_wait": 0 <= wait < launch,
+            "global_loads": sorted(set(global_loads)),
             **_resource_usage(cubin)}
 
 
@@ -263,3 +274,13 @@ def test_compiles_for_sm90(compiled, case):
             f"{r['kernel']}: {r['shared']} bytes of shared memory, an H100 block has at most {H100_MAX_SHARED_BYTES}"
         if case in SPILL_FREE and "stack" in r:
             assert r["stack"] == 0, f"{r['kernel']} spills: a stack frame of {r['stack']} bytes"
+
+
+@pytest.mark.parametrize("block", READ_FLOOR_BLOCKS)
+def test_read_floor_streams_with_16_byte_loads(compiled, block):
+    """The bench's read floor is a floor only if it reads as the fastest kernels do: every load of
+    the weights one 16-byte vector (ld.global...v4.b32), no spills."""
+    [result] = compiled[f"bench-read_floor-{block}"]
+    assert result["global_loads"] and all(load.endswith(".v4.b32") for load in result["global_loads"]), result
+    if "stack" in result:
+        assert result["stack"] == 0, result

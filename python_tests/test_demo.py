@@ -143,3 +143,38 @@ def test_byte_tokenizer_and_prompts():
     prompts = code_prompts(corpus, 3)
     assert len(prompts) == 3 and all("def " in p for p in prompts) and prompts == code_prompts(corpus, 3)
     assert TrainSettings(corpus="a").key() != TrainSettings(corpus="a", seconds=30).key()
+
+
+def _proc_stat(*cpus) -> str:
+    """/proc/stat's text with per-CPU lines of (busy, idle) ticks (busy as user time)."""
+    lines = [f"cpu  {sum(b for b, _ in cpus)} 0 0 {sum(i for _, i in cpus)} 0 0 0 0 0 0"]
+    lines += [f"cpu{n} {busy} 0 0 {idle} 0 0 0 0 0 0" for n, (busy, idle) in enumerate(cpus)]
+    return "\n".join(lines + ["intr 12345", "ctxt 678"])
+
+
+def test_busy_cpus_are_measured_now_on_the_cpus_this_process_may_use(monkeypatch):
+    from gptfast_kernels.demo import run
+
+    monkeypatch.setattr(run, "_usable_cpus", lambda: {0, 1})
+    # 100 ticks each: CPU 0 busy for all of them, CPU 1 for 30; CPU 2 (not ours) busy throughout
+    readings = iter([_proc_stat((1000, 1000), (500, 500), (0, 0)), _proc_stat((1100, 1000), (530, 570), (100, 0))])
+    assert run._busy_cpus(lambda: next(readings), interval=0) == pytest.approx(2 * 130 / 200)
+
+    def unreadable():
+        raise OSError("no /proc/stat here")
+
+    assert run._busy_cpus(unreadable, interval=0) is None
+
+
+@pytest.mark.parametrize("busy, loadavg, expected", [(1.9, 0.0, 1), (0.3, 2.0, 2), (None, 2.0, 1), (None, 0.2, 2)])
+def test_demo_threads_leave_out_the_cores_busy_now(monkeypatch, busy, loadavg, expected):
+    """The load average counts what ran in the last minutes (set-up's compile just before the demo):
+    it decides only where /proc/stat cannot be read."""
+    from gptfast_kernels.demo import run
+
+    monkeypatch.setattr(run, "_usable_cpus", lambda: {0, 1})
+    monkeypatch.setattr(run, "_busy_cpus", lambda: busy)
+    monkeypatch.setattr(run.os, "getloadavg", lambda: (loadavg, loadavg, loadavg))
+    monkeypatch.setattr(run.torch, "get_num_threads", lambda: 2)
+    assert run._choose_threads(None) == expected
+    assert run._choose_threads(3) == 3

@@ -38,17 +38,64 @@ class Side:
     warmup_seconds: float = 0.0                   # its untimed first calls (compiling, with --compile)
 
 
+def _usable_cpus() -> set[int] | None:
+    """The CPUs this process may run on (None where the platform does not say)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
+def _cpu_count() -> int:
+    usable = _usable_cpus()
+    return len(usable) if usable is not None else os.cpu_count() or 1
+
+
+def _read_proc_stat() -> str:
+    with open("/proc/stat") as handle:
+        return handle.read()
+
+
+def _busy_cpus(read_stat=_read_proc_stat, interval: float = 0.25) -> float | None:
+    """How many of the CPUs this process may run on others kept busy over the last ``interval``
+    seconds, from two readings of /proc/stat's per-CPU times (``read_stat()`` returns its text); None
+    where it cannot be read. The load average would lag: a build that ended a minute ago (set-up
+    compiling the extension, just before the README's demo command) still counts there."""
+    usable = _usable_cpus()
+
+    def busy_and_total() -> tuple[int, int]:
+        busy = total = 0
+        for line in read_stat().splitlines():
+            name, *ticks = line.split()
+            if name == "cpu" or not name.startswith("cpu") or (usable is not None and int(name[3:]) not in usable):
+                continue
+            ticks = [int(t) for t in ticks[:8]]  # user nice system idle iowait irq softirq steal
+            busy += sum(ticks) - sum(ticks[3:5])
+            total += sum(ticks)
+        return busy, total
+
+    try:
+        busy0, total0 = busy_and_total()
+        time.sleep(interval)
+        busy1, total1 = busy_and_total()
+    except (OSError, ValueError):
+        return None
+    if total1 <= total0:
+        return None
+    return _cpu_count() * (busy1 - busy0) / (total1 - total0)
+
+
 def _choose_threads(requested: int | None) -> int:
     """The cores not busy right now (OpenMP threads that wait for a busy core make small models
-    several times slower), at most torch's default."""
+    several times slower), at most torch's default. Busy: measured now (``_busy_cpus``), else the
+    one-minute load average."""
     if requested is not None:
         return requested
     threads = torch.get_num_threads()
-    try:
-        busy = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return threads
-    return max(1, min(threads, int((os.cpu_count() or 1) - busy + 0.5)))
+    busy = _busy_cpus()
+    if busy is None:
+        try:
+            busy = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return threads
+    return max(1, min(threads, int(_cpu_count() - busy + 0.5)))
 
 
 def _device(name: str) -> torch.device:

@@ -75,3 +75,28 @@ def test_the_extension_formats_numbers_in_its_error_messages():
         torch.ops.gptfast_kernels.int8_expert_linear(x, torch.zeros(3, 8, 16, dtype=torch.int8), torch.ones(3, 8),
                                                      torch.tensor([0]), None)
 
+
+
+def test_the_build_stamp_names_every_input_of_the_build(tmp_path):
+    """scripts/setup.sh skips the build when scripts/build_stamp.sh prints what it printed after the
+    last checked build: the line must change with the sources, pyproject.toml and the build switches."""
+    root = SETUP.parent
+    for name in ("csrc", "scripts"):
+        shutil.copytree(root / name, tmp_path / name)
+    for name in ("setup.py", "pyproject.toml"):
+        shutil.copy(root / name, tmp_path / name)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "CUDA_HOME": str(tmp_path / "no-cuda")}
+
+    def stamp(**switches) -> str:
+        return subprocess.run(["bash", str(tmp_path / "scripts" / "build_stamp.sh")], env={**env, **switches},
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    first = stamp()
+    assert first == stamp() and f"torch={__import__('torch').__version__}" in first and "nvcc=none" in first
+    changed = {"GPTFAST_KERNELS_REQUIRE_CUDA": "1"}, {"GPTFAST_KERNELS_SKIP_CUDA": "1"}, {"TORCH_CUDA_ARCH_LIST": "9.0a"}
+    assert len({first, *(stamp(**switch) for switch in changed)}) == 4
+    header = next((tmp_path / "csrc").rglob("*.h"))
+    header.write_text(header.read_text() + "\n// one more line\n")
+    after_source = stamp()
+    (tmp_path / "pyproject.toml").write_text((tmp_path / "pyproject.toml").read_text() + "\n")
+    assert len({first, after_source, stamp()}) == 3

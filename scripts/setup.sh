@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-step set-up on a fresh machine: torch, the test/runtime dependencies, and this package
 # built in place with its C++ and (when nvcc is found) CUDA kernels. Idempotent: a second run
-# only rebuilds what changed.
+# builds nothing when the sources, torch and the build switches are unchanged (scripts/build_stamp.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,8 +21,24 @@ if [ -x "$CUDA_HOME/bin/nvcc" ]; then
 else
   echo "setup: no nvcc at $CUDA_HOME; building the CPU kernels only" >&2
 fi
-# --no-build-isolation: the extension must be compiled against the torch installed above.
-MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" -m pip install -q --no-build-isolation -e .
+# A run after a checked build skips it when nothing the extension depends on changed
+# (scripts/build_stamp.sh) and this checkout is the installed package; the check below runs either way.
+# The stamp also holds the checked extension's own digest, so one built otherwise since is rebuilt.
+STAMP=gptfast_kernels/.build_stamp
+EXTENSION=gptfast_kernels/_C.abi3.so
+stamp=$(PYTHON="$PYTHON" bash scripts/build_stamp.sh)
+built() { echo "$stamp extension=$(sha256sum "$EXTENSION" | cut -c1-16)"; }
+installed_here() {
+  [ "$(cd / && "$PYTHON" -c "import gptfast_kernels, os; print(os.path.realpath(os.path.dirname(gptfast_kernels.__file__)))" 2>/dev/null)" \
+    = "$(realpath gptfast_kernels)" ]
+}
+if [ -f "$EXTENSION" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$(built)" ] && installed_here; then
+  echo "setup: the extension was built from these sources with this torch already (scripts/build_stamp.sh); not rebuilding"
+else
+  rm -f "$STAMP"
+  # --no-build-isolation: the extension must be compiled against the torch installed above.
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" -m pip install -q --no-build-isolation -e .
+fi
 
 "$PYTHON" - <<'PY'
 import os, sys
@@ -35,3 +51,4 @@ if os.environ.get("GPTFAST_KERNELS_REQUIRE_CUDA") == "1":
         sys.exit(f"setup: the extension loaded but has no CUDA kernels for {missing}")
     print("setup: CUDA kernels compiled, linked and registered for", list(_extension._OPS_WITH_KERNELS))
 PY
+built > "$STAMP"

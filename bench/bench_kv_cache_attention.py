@@ -175,6 +175,27 @@ GPU_LAYERS_CASES = [(1, 1, 4096, 8192), (1, 1, 16384, 32768), (8, 1, 4096, 8192)
 LAYERS_BYTES = 512 << 20  # bytes the layers read together
 
 
+def fused_combine_candidates(steps, scale, B, T) -> dict:
+    """The Triton decode with its fused combine (the last split program of a group combines: one
+    launch a layer, no combine kernel), its counts zeroed per call ("..._kernel": a memset in the
+    graph) or one workspace kept across the layers ("..._kept_counts_kernel": what a cache could own)."""
+    from gptfast_kernels.triton import kv_cache_attention as kv
+
+    device = steps[0][0].device
+    tune, num_sms = kv._tuning(device, D)
+    tune = tune._replace(fused_combine=True)
+    # one count per (row, kv head, query-row block of at least 16 rows)
+    counts = torch.zeros(B * HKV * -(-(HQ // HKV) * T // 16), dtype=torch.int32, device=device)
+
+    def layers(kept):
+        return lambda: [kv.kv_cache_attention_tuned(q, k, v, kc, vc, pos, scale, tune, num_sms,
+                                                    counts=counts if kept else None)
+                        for q, k, v, kc, vc, _, pos in steps]
+
+    return {"ours_triton_fused_combine_kernel": layers(False),
+            "ours_triton_fused_combine_kept_counts_kernel": layers(True)}
+
+
 def run_layers(h, dtype) -> None:
     device = h.device
     cases = GPU_LAYERS_CASES if device.type == "cuda" else [(1, 1, 1024, 2048)]
@@ -198,6 +219,8 @@ def run_layers(h, dtype) -> None:
 
             candidates["ours_triton_kernel" + PDL_SUFFIX] = lambda: [
                 kv_cache_attention_triton(q, k, v, kc, vc, pos, scale) for q, k, v, kc, vc, _, pos in steps]
+            if not PDL_SUFFIX:
+                candidates.update(fused_combine_candidates(steps, scale, B, T))
         if device.type == "cuda" and not PDL_SUFFIX:  # the K / V slots read, one launch a layer
             candidates.update(read_floor_candidates([
                 cache.view(B * HKV, S * D)[:, :(context + T) * D] for *_, kc, vc, _, _ in steps for cache in (kc, vc)]))

@@ -64,7 +64,7 @@ def run(h) -> None:
         def tuned(tune):
             return lambda: kv.kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale, tune, num_sms)
 
-        fixed = {"current": tuned(current)}
+        fixed = {"current": tuned(current), "current_fused_combine": tuned(current._replace(fused_combine=True))}
         if _extension.has_kernel("kv_cache_attention", "CUDA"):
             fixed["cuda_kernel"] = lambda: torch.ops.gptfast_kernels.kv_cache_attention(
                 q, k, v, k_cache, v_cache, positions, scale)

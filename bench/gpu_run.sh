@@ -25,7 +25,8 @@
 #                and GPTFAST_CUDA_PDL=1 (both), each in a process of its own: a decode step's linears
 #                and attention calls in a graph (-> ..._int8_linear-kv_cache_attention_layers.json,
 #                ..._layers_nopdl.json, ..._layers_pdl.json; the default's rows include "read_floor_*",
-#                a kernel that only reads the same bytes: bench/read_floor.py), and `generate` batch 1 at the default,
+#                a kernel that only reads the same bytes: bench/read_floor.py, and the Triton decode
+#                with its fused combine, "ours_triton_fused_combine*"), and `generate` batch 1 at the default,
 #                with none and with both (-> ..._generate_batch1.json, ..._nopdl.json, ..._pdl.json;
 #                rows' tokens_digest equal when the launch choices change no token)
 #   pdl-inductor `generate` batch 1 with every kernel of the compiled step programmatic: ours

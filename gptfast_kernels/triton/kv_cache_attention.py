@@ -14,8 +14,14 @@ Two regimes, chosen on T (host-known, never on position values):
   the software pipeline's shared-memory buffers untouched. (Before, every tile also loaded the
   matching new rows and merged them in registers: twice the loads, a register round trip of each
   tile and twice the shared memory; see the H200 notes, stop 35.) With more than one split, a second small
-  kernel combines the splits' partial results by log-sum-exp (Triton has no grid-wide barrier; an
-  atomic "last program combines" scheme would save one launch but not bandwidth).
+  kernel combines the splits' partial results by log-sum-exp. ``Tuning.fused_combine`` instead has
+  the last split program of each (row, kv head, query-row block) combine them: each program counts
+  itself in a zeroed int32 workspace once its partials are stored (a block barrier, then one
+  acquire-release atomic), and the one that completes the count reduces the block's partials from
+  L2 and sets the count back to zero. One launch a layer instead of two, for a memset of the counts
+  per call (or none, given a kept workspace: ``counts``) and a combine done by one program per group
+  instead of one per query row. Off by default: not yet timed on a GPU (bench rows
+  ``ours_triton_fused_combine*``).
 * prefill (T > DECODE_MAX_T): every new K/V row is read by many query tiles and programs, so a small
   scatter kernel writes them into the cache first (same stream, so it completes before the next
   launch), then a tiled flash-attention kernel (tl.dot) reads only the cache: each query tile runs
@@ -101,6 +107,7 @@ class Tuning(NamedTuple):
     scatter_block_t: int      # new tokens per scatter program
     combine_block_s: int      # splits reduced per step of the combine kernel
     num_warps: int
+    fused_combine: bool = False  # the last split program of a group combines (no combine kernel): module doc
 
 
 # Hopper defaults. The decode's 32-slot tiles come from a sweep on an H200 (bench_kv_tiles, CUDA-graph
@@ -206,6 +213,35 @@ def _num_splits(tune: Tuning, num_sms: int, programs: int, S: int) -> int:
     return max(1, min(wanted, triton.cdiv(S, tune.min_split_len), tune.max_splits))
 
 
+# Float32 numbers per thread one step of the fused combine loads (query rows x splits x columns).
+# Its registers add to the split kernel's (sm_90a, ptxas, bf16, Llama-3-8B heads, T = 1 / 5): 152 /
+# 160 against 80 / 127 without it, Triton pipelining its steps three deep through shared memory
+# (cp.async; without: 126 / 128, a round trip to L2 per step); 32 numbers unpipelined took 150 /
+# 191. At 152, 3 programs fit an SM, where the decode wants 2 (programs_per_sm). At T = 1 a step is
+# 4 rows x 4 splits x 128 columns: 9 steps for 33 splits; at T = 5 (20 rows) 45, where the combine
+# kernel spreads them over 160 programs: there the fused combine likely loses.
+COMBINE_NUMBERS_PER_THREAD = 16
+
+
+def _fused_combine_blocks(rows: int, width: int, num_splits: int, num_warps: int) -> tuple[int, int]:
+    """(query rows, splits) per step of the fused combine of ``rows`` query rows (a program's block)
+    over ``num_splits`` splits whose partial rows are ``width`` columns wide (head-dim blocks): powers
+    of two whose product times the width stays within COMBINE_NUMBERS_PER_THREAD per thread, with
+    the fewest steps (ties: more splits a step)."""
+    budget = COMBINE_NUMBERS_PER_THREAD * 32 * num_warps
+    best = None
+    combine_rows = 1
+    while combine_rows <= triton.next_power_of_2(rows) and (combine_rows == 1 or combine_rows * width <= budget):
+        splits = 1
+        while splits * 2 <= triton.next_power_of_2(num_splits) and combine_rows * splits * 2 * width <= budget:
+            splits *= 2
+        steps = triton.cdiv(rows, combine_rows) * triton.cdiv(num_splits, splits)
+        if best is None or steps < best[0]:
+            best = (steps, combine_rows, splits)
+        combine_rows *= 2
+    return best[1], best[2]
+
+
 def _v_strides(v: torch.Tensor, value_dim: int) -> tuple[int, int, int]:
     """v's batch, head and token strides; with values in the keys, v is an empty placeholder that
     no kernel addresses (any strides do)."""
@@ -213,7 +249,7 @@ def _v_strides(v: torch.Tensor, value_dim: int) -> tuple[int, int, int]:
 
 
 def _decode(q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scoring, ring, fp32_dot, tune, value_dim,
-            num_sms):
+            num_sms, counts=None):
     B, Hq, T, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     Dv = out.shape[-1]
@@ -230,17 +266,29 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scor
     else:
         o_part = lse_part = out  # never touched with a single split
     pdl = _pdl_options(q.device)
+    fused = {}
+    if num_splits > 1 and tune.fused_combine:  # one count per (row, kv head, query-row block), from zero
+        groups = B * Hkv * num_m_blocks
+        if counts is None:
+            counts = torch.zeros(groups, dtype=torch.int32, device=q.device)
+        elif counts.dtype != torch.int32 or counts.device != q.device or counts.numel() < groups:
+            raise ValueError(f"kv_cache_attention: counts must be int32 on {q.device} with at least {groups} "
+                             f"entries, got {counts.dtype} on {counts.device} with {counts.numel()}")
+        tail_values = block_dt > 0 and (value_dim == 0 or value_dim > block_d)
+        combine_rows, combine_splits = _fused_combine_blocks(min(block_m, G * T), block_d + tail_values * block_dt,
+                                                             num_splits, tune.num_warps)
+        fused = {"FUSED_COMBINE": True, "COMBINE_ROWS": combine_rows, "COMBINE_SPLITS": combine_splits}
     _kv_cache_attention_decode_kernel[(num_splits, Hkv * num_m_blocks, B)](
         q, k, v, k_cache, v_cache, positions, q if sinks is None else sinks,
-        q if alibi_slopes is None else alibi_slopes, out, o_part, lse_part,
+        q if alibi_slopes is None else alibi_slopes, out, o_part, lse_part, positions if counts is None else counts,
         *scoring.args, T, S, D, G, Hq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         *_v_strides(v, value_dim), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT_LEN=tune.min_split_len, NUM_M_BLOCKS=num_m_blocks,
         FP32_DOT=fp32_dot, SOFTCAP=scoring.softcap, HAS_SINKS=sinks is not None, RING=ring, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DT=block_dt, DV=value_dim, CHUNK=scoring.chunk,
-        HAS_ALIBI=alibi_slopes is not None, **_launch_options(q.dtype, tune), **pdl)
-    if num_splits > 1:  # combines rows of the output's width, Dv
+        HAS_ALIBI=alibi_slopes is not None, **_launch_options(q.dtype, tune), **pdl, **fused)
+    if num_splits > 1 and not fused:  # combines rows of the output's width, Dv
         combine_block_d, combine_block_dt = _head_blocks(Dv)
         _kv_cache_attention_combine_kernel[(B * Hq * T,)](
             positions, q if sinks is None else sinks, o_part, lse_part, out, scoring.window, T, S, Dv, Hq,
@@ -294,16 +342,20 @@ def kv_cache_attention_tuned(q, k, v, k_cache, v_cache, positions, scale: float,
                              num_sms: int, window: int = 0, softcap: float = 0.0,
                              sinks: torch.Tensor | None = None, ring: bool = False,
                              value_dim: int = 0, chunk_size: int = 0,
-                             alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                             alibi_slopes: torch.Tensor | None = None,
+                             counts: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton op's computation with the launch constants ``tune`` and an assumed SM count (for
-    tuning: bench/bench_kv_tiles.py); inputs as ``kv_cache_attention_triton``'s."""
+    tuning: bench/bench_kv_tiles.py); inputs as ``kv_cache_attention_triton``'s. ``counts``: with
+    ``tune.fused_combine``, a zeroed int32 workspace of at least batch x kv heads x query-row blocks
+    counts that the decode kernel leaves zeroed (so it can be kept across calls of one stream); None:
+    a zeroed one per call."""
     out = torch.empty(output_shape(q, value_dim), dtype=q.dtype, device=q.device)
     scoring = _Scoring.of(float(scale), int(window), float(softcap), int(chunk_size))
     args = (q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scoring, bool(ring), dot_in_fp32(q.dtype),
             tune, int(value_dim))
     with on_device(q):
         if q.shape[2] <= DECODE_MAX_T:
-            _decode(*args, num_sms)
+            _decode(*args, num_sms, counts)
         else:
             _prefill(*args)
     return out

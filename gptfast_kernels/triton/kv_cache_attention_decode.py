@@ -43,14 +43,15 @@ def _store_rows(cache_ptr, cache_rows, write, rows, offs_d, mask_d):
 @triton.jit
 def _kv_cache_attention_decode_kernel(
         Q_ptr, K_ptr, V_ptr, KC_ptr, VC_ptr, Pos_ptr, Sinks_ptr, Alibi_ptr, Out_ptr, OPart_ptr, LsePart_ptr,
-        qk_scale, cap_log2, inv_cap_log2, window, T, S, D, G, Hq,
+        Count_ptr, qk_scale, cap_log2, inv_cap_log2, window, T, S, D, G, Hq,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_cb, stride_ch, stride_cs,
         NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
         FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, RING: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DT: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr, HAS_ALIBI: tl.constexpr = False,
-        PDL: tl.constexpr = False):
+        PDL: tl.constexpr = False, FUSED_COMBINE: tl.constexpr = False, COMBINE_ROWS: tl.constexpr = 1,
+        COMBINE_SPLITS: tl.constexpr = 1):
     # PDL: a programmatic dependent launch (gptfast_kernels.triton.programmatic_launch). Everything
     # this kernel reads may come from the kernel before it, so it waits first. It lets the next
     # kernel launch only after its tile loop (below). Called first (as through 016c046), it let the
@@ -63,6 +64,8 @@ def _kv_cache_attention_decode_kernel(
     # BLOCK_DT > 0 (D > MAX_BLOCK_D): head-dim columns BLOCK_D.. are a second block (the "_t" tensors).
     # DV > 0: values in the keys (V_ptr / VC_ptr unused); the output holds the key tiles' first DV columns.
     # HAS_ALIBI: scores gain Alibi_ptr[head] * (position - query position) (log2 units after LOG2E_).
+    # FUSED_COMBINE (NUM_SPLITS > 1): no combine kernel; the last split program of each (row, kv head,
+    # query-row block) to store its partials combines them (_combine_if_last), counted in Count_ptr.
     TAIL_VALUES: tl.constexpr = BLOCK_DT > 0 and (DV == 0 or DV > BLOCK_D)  # acc_t needed
     split = tl.program_id(0)
     h = (tl.program_id(1) // NUM_M_BLOCKS).to(tl.int64)  # h * stride_ch may pass 2^31
@@ -115,7 +118,10 @@ def _kv_cache_attention_decode_kernel(
                                                         BLOCK_N, BLOCK_T, RING, CHUNK)
     start = row_first + split * split_len
     if NUM_SPLITS > 1:
-        if start >= row_len:  # nothing of this row here: the combine kernel skips this split
+        if FUSED_COMBINE:  # split 0 of a row with nothing to attend to (all padding) writes its zeros
+            if (split > 0) & (start >= row_len):
+                return
+        elif start >= row_len:  # nothing of this row here: the combine kernel skips this split
             return
     end = tl.minimum(start + split_len, row_len)
     owned = (pos_row >= start) & (pos_row < end)  # padding (-1) never: start >= 0
@@ -206,6 +212,84 @@ def _kv_cache_attention_decode_kernel(
                  mask=row_ok[:, None] & out_mask_dt[None, :])
     if NUM_SPLITS > 1:
         tl.store(LsePart_ptr + part, lse, mask=row_ok)
+        if FUSED_COMBINE:
+            num_active = tl.maximum(tl.cdiv(row_len - row_first, split_len), 1)  # (split 0 of an empty row)
+            group = (b * (Hq // G) + h) * NUM_M_BLOCKS + m_block
+            _combine_if_last(Count_ptr + group, num_active, OPart_ptr, LsePart_ptr, Sinks_ptr, Out_ptr, b, h,
+                             m_block, G, T, Hq, out_d, HAS_SINKS, NUM_SPLITS, BLOCK_M, COMBINE_ROWS,
+                             COMBINE_SPLITS, BLOCK_D, BLOCK_DT, TAIL_VALUES)
+
+
+@triton.jit
+def _combine_if_last(count_ptr, num_active, OPart_ptr, LsePart_ptr, Sinks_ptr, Out_ptr, b, h, m_block, G, T, Hq,
+                     out_d, HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_DT: tl.constexpr, TAIL_VALUES: tl.constexpr):
+    """The fused combine: a split program that has stored its partial outputs counts itself in
+    count_ptr (zero before the call); the one that brings the count to num_active (every split that
+    holds some of the row) reduces its query-row block's partials into Out_ptr and sets the count
+    back to zero. A block barrier first, so that every thread's stores are issued before one
+    thread's acquire-release atomic publishes them (as CUTLASS's semaphores do); the last program's
+    loads follow its acquire and bypass L1 (.cg). The reduction is an online log-sum-exp over steps
+    of COMBINE_SPLITS splits, each step's log-sum-exps and partial rows loaded together (one round
+    trip to L2 a step)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_active - 1:
+        tl.store(count_ptr, 0)  # ready for the next call (the caller's workspace may be kept)
+        rows_here = tl.minimum(G * T - m_block * BLOCK_M, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        out_mask_d = offs_d < out_d
+        if TAIL_VALUES:
+            offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+            out_mask_dt = offs_dt < out_d
+        for r0 in range(0, rows_here, COMBINE_ROWS):
+            offs_r = r0 + tl.arange(0, COMBINE_ROWS)
+            row_ok = offs_r < rows_here
+            m = m_block * BLOCK_M + offs_r
+            hq = (h * G + m // T).to(tl.int64)
+            rows = (b * Hq + hq) * T + m % T  # rows of the [B, Hq, T] output
+            if HAS_SINKS:  # one more term of the denominator, with no value
+                m_i = tl.load(Sinks_ptr + hq, mask=row_ok, other=0.0) * LOG2E_
+                l_i = tl.full((COMBINE_ROWS,), 1.0, dtype=tl.float32)
+            else:
+                m_i = tl.full((COMBINE_ROWS,), -float("inf"), dtype=tl.float32)
+                l_i = tl.zeros((COMBINE_ROWS,), dtype=tl.float32)
+            acc = tl.zeros((COMBINE_ROWS, BLOCK_D), dtype=tl.float32)
+            if TAIL_VALUES:
+                acc_t = tl.zeros((COMBINE_ROWS, BLOCK_DT), dtype=tl.float32)
+            for s0 in tl.range(0, num_active, COMBINE_SPLITS, num_stages=3):
+                offs_s = s0 + tl.arange(0, COMBINE_SPLITS)
+                mask_rs = row_ok[:, None] & (offs_s < num_active)[None, :]
+                part = rows[:, None] * NUM_SPLITS + offs_s[None, :]  # [rows, splits]
+                lse = tl.load(LsePart_ptr + part, mask=mask_rs, other=-float("inf"), cache_modifier=".cg")
+                o = _partial_rows(OPart_ptr + part * out_d, mask_rs, offs_d, out_mask_d)
+                if TAIL_VALUES:
+                    o_t = _partial_rows(OPart_ptr + part * out_d, mask_rs, offs_dt, out_mask_dt)
+                m_new = tl.maximum(m_i, tl.max(lse, axis=1))
+                m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing yet: every weight 0
+                alpha = tl.math.exp2(m_i - m_use)
+                w = tl.math.exp2(lse - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(w, axis=1)
+                acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+                if TAIL_VALUES:
+                    acc_t = acc_t * alpha[:, None] + tl.sum(w[:, :, None] * o_t, axis=1)
+                m_i = m_new
+            norm = tl.where(l_i > 0, l_i, 1.0)[:, None]
+            out_rows = Out_ptr + rows[:, None] * out_d
+            tl.store(out_rows + offs_d[None, :], (acc / norm).to(Out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & out_mask_d[None, :])
+            if TAIL_VALUES:
+                tl.store(out_rows + offs_dt[None, :], (acc_t / norm).to(Out_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & out_mask_dt[None, :])
+
+
+@triton.jit
+def _partial_rows(part_ptrs, mask_rs, offs_d, mask_d):
+    """The columns offs_d (mask_d: < the row width) of the partial rows part_ptrs [R, S] where
+    mask_rs [R, S] (else 0) -> [R, S, len(offs_d)], past L1."""
+    return tl.load(part_ptrs[:, :, None] + offs_d[None, None, :], mask=mask_rs[:, :, None] & mask_d[None, None, :],
+                   other=0.0, cache_modifier=".cg")
 
 
 @triton.jit

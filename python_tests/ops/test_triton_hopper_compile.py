@@ -75,6 +75,18 @@ def _kv_cache_attention_programmatic(dtype, T):
         kv.programmatic_launch = original
 
 
+def _kv_cache_attention_fused_combine(dtype, T, D, S, heads=(32, 8), value_dim=0):
+    """The decode kernel with the fused combine (Tuning.fused_combine): no combine kernel."""
+    import gptfast_kernels.triton.kv_cache_attention as kv
+
+    original = kv._tuning
+    kv._tuning = lambda device, head_dim: (original(device, head_dim)[0]._replace(fused_combine=True), H100_SMS)
+    try:
+        _kv_cache_attention(dtype, T, D, S, 0, heads, value_dim)
+    finally:
+        kv._tuning = original
+
+
 def _verify_draft(greedy, V):
     from gptfast_kernels.triton.verify_draft import verify_draft_triton
 
@@ -141,6 +153,12 @@ CASES = {
        for mode, T in (("decode", 1), ("verify", 5), ("prefill", 64))},
     **{f"kv-{mode}-bf16-pdl": ((_kv_cache_attention_programmatic, torch.bfloat16, T), DECODE)
        for mode, T in (("decode", 1), ("verify", 5))},
+    **{f"kv-{mode}-{name}-fused_combine": ((_kv_cache_attention_fused_combine, dtype, T, *shape),
+                                          ["_kv_cache_attention_decode_kernel"])
+       for mode, T in (("decode", 1), ("verify", 5))
+       for name, dtype, shape in (("bf16", torch.bfloat16, (128, 4096)), ("fp32", torch.float32, (128, 4096)),
+                                  ("bf16-d512", torch.bfloat16, (512, 4096)),
+                                  ("bf16-mla", torch.bfloat16, (576, 4096, MLA_HEADS, 512)))},
     **{f"verify_draft-{mode}-V{V}": ((_verify_draft, mode == "greedy", V),
                                      ["_greedy_chunk_kernel", "_greedy_accept_kernel"] if mode == "greedy"
                                      else ["_sampling_kernel"])
@@ -152,12 +170,15 @@ CASES = {
 # being the correctness path, its prefill keeps a small frame (about 100 bytes at D = 512 / 576), and
 # D = 520 (not a multiple of 16: no vectorised, pipelined loads) spills a little, as D = 500 does in
 # the single-block tiles. Decode and verification: every case but fp32 at D = 128 (255 registers
-# and a 48-byte frame), since the fused scatter moved ahead of the tile loop (stop 35; before, fp32
+# and a 56-byte frame), since the fused scatter moved ahead of the tile loop (stop 35; before, fp32
 # verification at D = 576 took 32 registers and 4 KiB of stack). Values in the keys read K tiles
 # only and keep no tail accumulator: MLA's kernels then need fewer registers and less shared memory.
 SPILL_FREE = ("kv-prefill-bf16-d512", "kv-prefill-fp16-d320", "kv-prefill-bf16-d576", "kv-prefill-bf16-mla",
               "kv-prefill-fp16-mla",
-              *(name for name, (_, kernels) in CASES.items() if kernels == DECODE and name != "kv-decode-fp32"))
+              *(name for name, (_, kernels) in CASES.items() if kernels == DECODE and name != "kv-decode-fp32"),
+              # the fused combine: fp32 as above; T = 5 at D = 128 keeps an 8-byte frame (128 registers)
+              *(name for name in CASES if name.endswith("-fused_combine") and "-fp32-" not in name
+                and name != "kv-verify-bf16-fused_combine"))
 
 
 # -- the child: capture and compile ---------------------------------------------------------------
@@ -203,9 +224,10 @@ def _compile_for_sm90(jit_fn, args, kwargs) -> dict:
     ptx = compiled.asm.get("ptx", "")
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     global_loads = re.findall(r"ld\.global\S*", ptx)
+    atomics = re.findall(r"atom\.\S*", ptx)
     return {"kernel": jit_fn.fn.__name__, "shared": compiled.metadata.shared, "cubin_bytes": len(cubin),
             "griddepcontrol": wait >= 0, "launch_dependents_after_wait": 0 <= wait < launch,
-            "global_loads": sorted(set(global_loads)),
+            "global_loads": sorted(set(global_loads)), "atomics": sorted(set(atomics)),
             **_resource_usage(cubin)}
 
 
@@ -266,6 +288,9 @@ def test_compiles_for_sm90(compiled, case):
     assert [r["kernel"] for r in result] == CASES[case][1]
     if case.endswith("-pdl"):  # griddepcontrol made it into both kernels, the next launch allowed late
         assert all(r["griddepcontrol"] and r["launch_dependents_after_wait"] for r in result), result
+    if case.startswith("kv-"):  # the fused combine's count, acquire-release at GPU scope; nothing else
+        want = ["atom.global.gpu.acq_rel.add.u32"] if case.endswith("-fused_combine") else []
+        assert all(r["atomics"] == want for r in result), [r["atomics"] for r in result]
     for r in result:
         print(f"{case} {r['kernel']}: {r.get('registers', '?')} registers, stack frame {r.get('stack', '?')} bytes, "
               f"{r['shared']} bytes of shared memory")

@@ -34,10 +34,12 @@ installed_here() {
 }
 if [ -f "$EXTENSION" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$(built)" ] && installed_here; then
   echo "setup: the extension was built from these sources with this torch already (scripts/build_stamp.sh); not rebuilding"
+  export GPTFAST_SETUP_BUILT=0
 else
   rm -f "$STAMP"
   # --no-build-isolation: the extension must be compiled against the torch installed above.
   MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PYTHON" -m pip install -q --no-build-isolation -e .
+  export GPTFAST_SETUP_BUILT=1
 fi
 
 "$PYTHON" - <<'PY'
@@ -49,6 +51,7 @@ if os.environ.get("GPTFAST_KERNELS_REQUIRE_CUDA") == "1":
     missing = _extension.ops_without_kernel("CUDA")
     if missing:
         sys.exit(f"setup: the extension loaded but has no CUDA kernels for {missing}")
-    print("setup: CUDA kernels compiled, linked and registered for", list(_extension._OPS_WITH_KERNELS))
+    how = "compiled, linked and" if os.environ["GPTFAST_SETUP_BUILT"] == "1" else "(an earlier build's)"
+    print(f"setup: CUDA kernels {how} registered for", list(_extension._OPS_WITH_KERNELS))
 PY
 built > "$STAMP"

@@ -271,9 +271,11 @@ def _decode(q, k, v, k_cache, v_cache, positions, sinks, alibi_slopes, out, scor
         groups = B * Hkv * num_m_blocks
         if counts is None:
             counts = torch.zeros(groups, dtype=torch.int32, device=q.device)
-        elif counts.dtype != torch.int32 or counts.device != q.device or counts.numel() < groups:
-            raise ValueError(f"kv_cache_attention: counts must be int32 on {q.device} with at least {groups} "
-                             f"entries, got {counts.dtype} on {counts.device} with {counts.numel()}")
+        elif (counts.dtype != torch.int32 or counts.device != q.device or counts.numel() < groups
+              or not counts.is_contiguous()):
+            raise ValueError(f"kv_cache_attention: counts must be contiguous int32 on {q.device} with at least "
+                             f"{groups} entries, got {counts.dtype} on {counts.device} with {counts.numel()}, "
+                             f"strides {counts.stride()}")
         tail_values = block_dt > 0 and (value_dim == 0 or value_dim > block_d)
         combine_rows, combine_splits = _fused_combine_blocks(min(block_m, G * T), block_d + tail_values * block_dt,
                                                              num_splits, tune.num_warps)

@@ -122,9 +122,10 @@ def test_kept_counts_are_left_at_zero_for_the_next_call(backend, device):
 
 @pytest.mark.parametrize("backend, device", TRITON_BACKENDS)
 @pytest.mark.parametrize("counts, match", [
-    (lambda device: torch.zeros(64, dtype=torch.int64, device=device), "counts must be int32"),
+    (lambda device: torch.zeros(64, dtype=torch.int64, device=device), "counts must be contiguous int32"),
     (lambda device: torch.zeros(3, dtype=torch.int32, device=device), "at least 4 entries"),
-], ids=["int64", "too-few"])
+    (lambda device: torch.zeros(64, dtype=torch.int32, device=device)[::2], r"strides \(2,\)"),
+], ids=["int64", "too-few", "strided"])
 def test_bad_counts_are_refused(backend, device, counts, match):
     inputs, kwargs = _case(device, 2, 8, 2, 1, 32, 300, [290, 57], {})
     with pytest.raises(ValueError, match=match):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,14 +65,82 @@ def run_layers(h, dtype, shapes) -> None:
         del weights, quantized
 
 
+# --cases step: every int8 projection of a decode step as the patched model runs it (q / k / v and
+# gate / up fused: modules/fused_qkv.py, modules/gated_mlp.py), each layer's weights distinct, then
+# the output head, back to back in one CUDA graph, at generate's batch 1 / 8 / 32. The shapes of
+# `layers` are the model's unfused ones, three of its five; here a row is the time of the whole
+# step's projections (Llama-3-8B: 129, 7.5 GB of int8) and its GB/s over all their bytes, the figure
+# the end-to-end decode rate rests on. Nothing runs between the projections (no norms, no attention),
+# so a programmatic launch overlaps more than it can in a real step. On a CPU, and with --quick, a
+# two-layer model of the same proportions (the bf16 baseline's 15 GB would not fit a small machine).
+@dataclass(frozen=True)
+class StepModel:
+    name: str
+    hidden: int
+    qkv: int  # the fused q / k / v projection's outputs: (query heads + 2 x kv heads) x head_dim
+    intermediate: int
+    vocab: int
+    layers: int
+
+    def projections(self) -> list[tuple[int, int]]:
+        """(N, K) of every int8 projection of one decode step, in the order the step runs them."""
+        layer = [(self.qkv, self.hidden), (self.hidden, self.hidden), (2 * self.intermediate, self.hidden),
+                 (self.hidden, self.intermediate)]
+        return layer * self.layers + [(self.vocab, self.hidden)]
+
+
+LLAMA3_8B = StepModel("llama-3-8b", hidden=4096, qkv=(32 + 2 * 8) * 128, intermediate=14336, vocab=128256,
+                      layers=32)
+SMALL_STEP = StepModel("small", hidden=256, qkv=(8 + 2 * 2) * 32, intermediate=896, vocab=2048, layers=2)
+STEP_ROWS = (1, 8, 32)
+
+
+def run_step(h, dtype) -> None:
+    device = h.device
+    model = LLAMA3_8B if device.type == "cuda" and not h.quick else SMALL_STEP
+    suffix = "".join(f"_{choice}" for choice in (CUDA_KERNEL, GEMV_SHAPE) if choice) + PDL_SUFFIX \
+        if device.type == "cuda" else ""
+    weights, quantized = [], []
+    for N, K in model.projections():
+        weights.append(torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5)
+        quantized.append(ops.quantize_int8(weights[-1]))
+    baseline = f"F.linear_{str(dtype)[6:]}"
+    for M in (1,) if "one_row" in h.cases else STEP_ROWS:
+        inputs = {K: torch.randn(M, K, device=device, dtype=dtype) for K in {model.hidden, model.intermediate}}
+        candidates = step_candidates(inputs, weights, quantized, baseline, suffix, device)
+        if M == 1 and device.type == "cuda" and not suffix:  # the weights' bytes alone (bench/read_floor.py)
+            candidates.update(read_floor_candidates([q.view(1, -1) for q, _ in quantized]))
+        nbytes = sum(N * K + 4 * N + inputs[K].element_size() * M * (K + N) for N, K in model.projections())
+        h.compare("int8_linear", {"M": M, "step": model.name, "projections": len(weights), "dtype": str(dtype)[6:]},
+                  candidates, baseline=baseline, nbytes=nbytes, graphed=tuple(candidates))
+    del weights, quantized
+
+
+def step_candidates(inputs: dict, weights: list, quantized: list, baseline: str, suffix: str,
+                    device: torch.device) -> dict:
+    """run_step's candidates: each runs every projection on the input of its width (``inputs``: K ->
+    [M, K]) and returns the outputs."""
+    candidates = {baseline: lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
+                  "ours_auto": lambda: [ops.int8_linear(inputs[q.shape[1]], q, s) for q, s in quantized]}
+    if device.type == "cuda":
+        candidates["ours_cuda" + suffix] = lambda: [ops.int8_linear(inputs[q.shape[1]], q, s, backend="cuda")
+                                                    for q, s in quantized]
+        if not suffix:
+            candidates["ours_triton"] = lambda: [ops.int8_linear(inputs[q.shape[1]], q, s, backend="triton")
+                                                 for q, s in quantized]
+    return candidates
+
+
 def run(h) -> None:
     device = h.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = SHAPES[:1] if h.quick else SHAPES
+    if h.cases is not None and "step" in h.cases:
+        run_step(h, dtype)
     if h.cases is not None and "layers" in h.cases:
         run_layers(h, dtype, shapes)
-        if not set(h.cases) & (set(ROWS_OF_CASE) - {"one_row"}):
-            return
+    if h.cases is not None and h.cases & {"layers", "step"} and not h.cases & (set(ROWS_OF_CASE) - {"one_row"}):
+        return
     named = [case for case in ROWS_OF_CASE if h.cases is not None and case in h.cases]
     rows = sorted({m for case in named for m in ROWS_OF_CASE[case]}) if named else ROWS
     suffix = f"_{CUDA_KERNEL}" if CUDA_KERNEL and device.type == "cuda" else ""

@@ -23,10 +23,12 @@
 #   pdl          programmatic dependent launches: the default (the CUDA int8 kernels' launches
 #                programmatic, the Triton decode attention's not) against GPTFAST_CUDA_PDL=0 (none)
 #                and GPTFAST_CUDA_PDL=1 (both), each in a process of its own: a decode step's linears
-#                and attention calls in a graph (-> ..._int8_linear-kv_cache_attention_layers.json,
+#                and attention calls in a graph (-> ..._int8_linear-kv_cache_attention_layers-step.json,
 #                ..._layers_nopdl.json, ..._layers_pdl.json; the default's rows include "read_floor_*",
-#                a kernel that only reads the same bytes: bench/read_floor.py, and the Triton decode
-#                with its fused combine, "ours_triton_fused_combine*"), and `generate` batch 1 at the default,
+#                a kernel that only reads the same bytes: bench/read_floor.py, the Triton decode
+#                with its fused combine, "ours_triton_fused_combine*", and the `step` rows: a whole
+#                Llama-3-8B decode step's 129 int8 projections at batch 1 / 8 / 32, fused as the
+#                patched model runs them), and `generate` batch 1 at the default,
 #                with none and with both (-> ..._generate_batch1.json, ..._nopdl.json, ..._pdl.json;
 #                rows' tokens_digest equal when the launch choices change no token)
 #   pdl-inductor `generate` batch 1 with every kernel of the compiled step programmatic: ours
@@ -219,7 +221,7 @@ for stage in $STAGES; do
              "$PY" -m bench.check_auto "$(ls -t "$OUT_DIR"/*_int8_linear-int8_expert_linear-kv_cache_attention-verify_draft.json | head -1)" \
                | tee -a "$OUT_DIR/bench.log" ;;
     int8-gemv) stage_int8_gemv ;;
-    pdl) bench int8_linear,kv_cache_attention --cases layers &&
+    pdl) bench int8_linear,kv_cache_attention --cases layers,step &&
          GPTFAST_CUDA_PDL=0 bench int8_linear,kv_cache_attention --cases layers &&
          GPTFAST_CUDA_PDL=1 bench int8_linear,kv_cache_attention --cases layers &&
          bench generate --cases batch1 &&

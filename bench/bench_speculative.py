@@ -84,7 +84,9 @@ GEMMA4_CPU = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, 
 ASSISTANT_LAYERS = ["sliding_attention"] * 3 + ["full_attention"]
 
 
-def _demo_models(h):
+def demo_models(h):
+    """(target, draft, corpus, code_prompts): the demo's default trained models on h.device (trained
+    there and cached on first use, in the demo's cache), its corpus and its prompt maker."""
     from gptfast_kernels.demo.data import code_prompts, load_corpus
     from gptfast_kernels.demo.training import TrainSettings, default_cache_dir, load_or_train
 
@@ -95,7 +97,7 @@ def _demo_models(h):
 
 
 def _e2e_rows(h):
-    target, draft, corpus, code_prompts = _demo_models(h)
+    target, draft, corpus, code_prompts = demo_models(h)
     on_gpu = h.device.type == "cuda"
     patched_target = patch_model(copy.deepcopy(target), int8=True)
     patched_draft = patch_model(copy.deepcopy(draft), int8=True)

@@ -59,6 +59,9 @@
 #                lengths, Llama-3.2-1B shapes, compiled                -> ..._continuous.json
 #   speculative-demo   the demo's trained models end to end           -> ..._speculative_demo.json
 #                (carry .demo_cache to skip the demo's training)
+#   compiled-step      the demo's models, compiled `generate` and `speculative_generate`, their steps
+#                without dynamo's guards on the modules (the default) against every guard: the
+#                host's per-call work between graph replays   -> ..._compiled_step.json (carry .demo_cache)
 #
 # Every stage runs (a failing one does not stop the next) while the time budget lasts; the exit
 # code says whether all passed.
@@ -72,7 +75,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels int8-kernels pdl pdl-inductor tiles kv-tiles profile generate breakdown generate-batched generate-mla generate-llama4 generate-mamba2 speculative speculative-hybrid speculative-assistant continuous speculative-demo}
+STAGES=${*:-build tests sanitize kernels int8-kernels pdl pdl-inductor tiles kv-tiles profile generate breakdown generate-batched generate-mla generate-llama4 generate-mamba2 speculative speculative-hybrid speculative-assistant continuous speculative-demo compiled-step}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -244,6 +247,7 @@ for stage in $STAGES; do
     speculative-assistant) bench speculative --cases assistant ;;
     continuous) bench continuous ;;
     speculative-demo) bench speculative --cases demo ;;
+    compiled-step) bench compiled_step ;;
     *) echo "unknown stage $stage"; false ;;
   esac
   rc=$?

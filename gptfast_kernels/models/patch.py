@@ -46,6 +46,8 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"patch_model: model must be a transformers model, got {type(model).__name__}")
     family = family_of(model.config)
+    from gptfast_kernels.generation.forward import forget_compiled  # (generation imports this module)
+    forget_compiled(model)  # steps compiled before were traced through the modules this call replaces
     attention_modules = _attention_modules(model, family)  # (patching below swaps their parts, not them)
     # a hybrid's recurrent blocks, per layer index (patching swaps their parts, not them)
     mixers = recurrent.recurrent_mixers(model, family) if recurrent.stateful_layers(family, model.config) else {}

@@ -1,0 +1,52 @@
+"""What dynamo's guards on a model's modules cost a compiled generation (generation/forward.py,
+CompiledStep): the demo's trained byte-level target and early-exit draft (gptfast_kernels/demo;
+trained and cached on first use), patched, greedy, one prompt, 128 new tokens, ``generate`` and
+``speculative_generate`` (k = 4) with ``compile=True``, each twice: with the steps compiled as the
+package compiles them (without the guards on the modules) and with every guard (the baseline,
+``module_guards``). The models are small, so the per-call work on the host is a large share of a
+step, on a CPU and on a GPU alike (where it is what the GPU waits on between CUDA-graph replays).
+Both copies generate the same tokens (checked before timing).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from bench.bench_speculative import demo_models
+from gptfast_kernels import generate, patch_model, speculative_generate
+from gptfast_kernels.generation.forward import CompiledStep, _forward
+
+NEW_TOKENS = 128
+SPECULATE_K = 4
+
+
+def _patched_pair(target, draft, module_guards: bool):
+    """Patched copies of the demo's models whose compiled steps keep every guard (``module_guards``)
+    or those on the inputs, the cache and the global state only (the package's default)."""
+    patched = [patch_model(copy.deepcopy(model)) for model in (target, draft)]
+    if module_guards:
+        for model in patched:
+            model._gptfast_compiled_forward = CompiledStep(model, _forward, module_guards=True)
+    return patched
+
+
+def run(h) -> None:
+    target, draft, corpus, code_prompts = demo_models(h)
+    ids = torch.tensor([list(code_prompts(corpus, 1)[0].encode())], device=h.device)
+    pairs = {name: _patched_pair(target, draft, name == "module_guards") for name in ("module_guards", "default")}
+    calls = {
+        "generate": lambda t, d: generate(t, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[], compile=True).sequences,
+        "speculative": lambda t, d: speculative_generate(t, d, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[],
+                                                         speculate_k=SPECULATE_K, compile=True).sequences,
+    }
+    for call, fn in calls.items():
+        outputs = [fn(*pair) for pair in pairs.values()]  # (also the compiling warm-up)
+        if not torch.equal(outputs[0], outputs[1]):
+            raise RuntimeError(f"bench_compiled_step: {call} generated other tokens without the module guards")
+        candidates = {name: (lambda pair=pair: fn(*pair)) for name, pair in pairs.items()}
+        rows = h.compare("compiled_step", {"call": call, "new_tokens": NEW_TOKENS, "model": "demo"}, candidates,
+                         baseline="module_guards")
+        for row in rows:
+            row["tokens_per_s"] = NEW_TOKENS / (row["ms_median"] * 1e-3)

@@ -1,0 +1,94 @@
+"""generation/forward.py's CompiledStep: a compiled step without dynamo's guards on the model's
+modules (thousands, evaluated on every call), which checks train / eval mode, the parameters'
+dtype and device and its module arguments itself, and which patch_model and forget_compiled drop."""
+
+import pytest
+import torch
+
+from gptfast_kernels import generate, patch_model
+from gptfast_kernels.generation import forget_compiled
+from gptfast_kernels.generation.forward import CompiledStep, cache_for, step_function
+from python_tests.tiny_models import patched_copy, ragged_prompts, tiny_model
+
+NEW = 5
+
+
+def _generate(model, ids, mask, compile):
+    return generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=compile).sequences
+
+
+def _step_logits(model, step, tokens):
+    """One step of ``step`` on a fresh cache of the model's, after a one-token prompt."""
+    cache = cache_for(model, tokens.shape[0], 16, tokens.device, next(model.parameters()).dtype, reuse=True)
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    step(tokens, mask, cache)
+    return step(tokens, mask, cache)
+
+
+def test_module_attributes_are_not_guarded_and_forget_compiled_retraces():
+    """A module attribute the traced forward reads as a constant (the attention's scaling) changed
+    after a compiled call is not seen (no guard re-checks it on every call): that is the saving, and
+    why a change to the model's modules needs forget_compiled, after which the step traces the model
+    as it is."""
+    patched = patched_copy(tiny_model("llama"), int8=True)
+    step = step_function(patched, True)
+    tokens = torch.tensor([[3], [5]])
+    with torch.no_grad():
+        before = _step_logits(patched, step, tokens)
+        for layer in patched.model.layers:
+            layer.self_attn.scaling = 0.0  # uniform attention: other logits at the second step
+        eager = _step_logits(patched, step_function(patched, False), tokens)
+        assert not torch.allclose(eager, before)
+        assert torch.equal(_step_logits(patched, step, tokens), before)  # the old trace
+        forget_compiled(patched)
+        assert not hasattr(patched, "_gptfast_compiled_forward")
+        again = step_function(patched, True)
+        assert again is not step
+        torch.testing.assert_close(_step_logits(patched, again, tokens), eager)
+
+
+def test_train_mode_and_dtype_changes_compile_the_step_anew():
+    """What changes in normal use is checked on every call: model.train() / eval() and a move to
+    another dtype each trace the step anew (the same CompiledStep, kept on the model), and its tokens
+    are the eager forward's in the model's new state."""
+    patched = patched_copy(tiny_model("llama"), int8=True)
+    ids, mask = ragged_prompts(2, 6, "left")
+    assert torch.equal(_generate(patched, ids, mask, True), _generate(patched, ids, mask, False))
+    step = patched._gptfast_compiled_forward
+    assert isinstance(step, CompiledStep)
+    first = step.compiled
+    patched.train()
+    assert torch.equal(_generate(patched, ids, mask, True), _generate(patched, ids, mask, False))
+    assert patched._gptfast_compiled_forward is step and step.compiled is not first
+    traced_in_train_mode = step.compiled
+    patched.eval().to(torch.bfloat16)
+    assert torch.equal(_generate(patched, ids, mask, True), _generate(patched, ids, mask, False))
+    assert step.compiled is not traced_in_train_mode and step.signature[1] == torch.bfloat16
+    again = step.compiled
+    _generate(patched, ids, mask, True)
+    assert step.compiled is again  # nothing changed: the same trace
+
+
+def test_patch_model_again_drops_the_compiled_steps():
+    """Patching a patched model again (here to plain PyTorch attention) replaces what its compiled
+    steps were traced through, so they are dropped and the next compiled call traces the new model."""
+    patched = patched_copy(tiny_model("llama"), int8=True)
+    ids, mask = ragged_prompts(2, 6, "left")
+    _generate(patched, ids, mask, True)
+    assert hasattr(patched, "_gptfast_compiled_forward")
+    patch_model(patched, int8=False, fused_attention=False)
+    assert not hasattr(patched, "_gptfast_compiled_forward")
+    with torch.no_grad():
+        tokens = torch.tensor([[3], [5]])
+        torch.testing.assert_close(_step_logits(patched, step_function(patched, True), tokens),
+                                   _step_logits(patched, step_function(patched, False), tokens))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_compiled_generation_equals_eager_across_calls(family):
+    """Several compiled calls on one model (batch sizes, prompt lengths and the cache it keeps):
+    each equals the eager generation."""
+    patched = patched_copy(tiny_model(family), int8=True)
+    for rows, length in ((2, 6), (1, 4), (3, 7), (2, 6)):
+        ids, mask = ragged_prompts(rows, length, "left")
+        assert torch.equal(_generate(patched, ids, mask, True), _generate(patched, ids, mask, False))

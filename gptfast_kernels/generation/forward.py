@@ -4,7 +4,9 @@ Compiled (``compile=True``): one ``torch.compile(fullgraph=True)`` function per 
 model so later calls reuse it; on CUDA in "reduce-overhead" mode, i.e. replayed as a CUDA graph
 (the cache buffers and lengths have static addresses, and no step synchronises with the host).
 Each distinct token count T (1 for decode, 2 and k + 1 for speculation) is its own graph. Prefill,
-whose length changes from call to call, runs eagerly.
+whose length changes from call to call, runs eagerly. The step is compiled without dynamo's guards
+on the model's modules, which cost more per call than a small model's step takes to run on a CPU
+(CompiledStep says what is checked instead, and when ``forget_compiled`` is needed).
 """
 
 from __future__ import annotations

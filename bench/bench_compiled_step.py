@@ -16,7 +16,7 @@ import torch
 
 from bench.bench_speculative import demo_models
 from gptfast_kernels import generate, patch_model, speculative_generate
-from gptfast_kernels.generation.forward import CompiledStep, _forward
+from gptfast_kernels.generation.forward import step_function
 
 NEW_TOKENS = 128
 SPECULATE_K = 4
@@ -28,7 +28,7 @@ def _patched_pair(target, draft, module_guards: bool):
     patched = [patch_model(copy.deepcopy(model)) for model in (target, draft)]
     if module_guards:
         for model in patched:
-            model._gptfast_compiled_forward = CompiledStep(model, _forward, module_guards=True)
+            step_function(model, True, module_guards=True)  # the step generation then takes
     return patched
 
 

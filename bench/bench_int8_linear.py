@@ -37,11 +37,42 @@ LAYERS_QUICK_BYTES = 64 << 20
 LAYERS_ROWS = (1, 4, 8, 16)
 
 
+def graph_suffix(device: torch.device) -> str:
+    """This process's kernel choices (GPTFAST_INT8_CUDA_KERNEL, GPTFAST_INT8_GEMV, GPTFAST_CUDA_PDL) as
+    the graphed CUDA candidate's name carries them ("" on a CPU)."""
+    if device.type != "cuda":
+        return ""
+    return "".join(f"_{choice}" for choice in (CUDA_KERNEL, GEMV_SHAPE) if choice) + PDL_SUFFIX
+
+
+def min_bytes(M: int, N: int, K: int, element_size: int) -> int:
+    """What one call must move: int8 weights + scales + activations in + out."""
+    return N * K + 4 * N + element_size * M * (K + N)
+
+
+def projection_candidates(inputs: dict, weights: list, quantized: list, baseline: str, suffix: str,
+                          device: torch.device) -> dict:
+    """Candidates for harness.compare, each running every projection (``weights`` float [N, K], each with
+    its (qweight, scales) in ``quantized``) on the input of its width (``inputs``: K -> [M, K]) and
+    returning the outputs. On a GPU at the default kernel choices (no ``suffix``) also Triton's and, at
+    one row, the read floor over the int8 weights (one launch a projection: bench/read_floor.py)."""
+    candidates = {baseline: lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
+                  "ours_auto": lambda: [ops.int8_linear(inputs[q.shape[1]], q, s) for q, s in quantized]}
+    if device.type == "cuda":
+        candidates["ours_cuda" + suffix] = lambda: [ops.int8_linear(inputs[q.shape[1]], q, s, backend="cuda")
+                                                    for q, s in quantized]
+        if not suffix:
+            candidates["ours_triton"] = lambda: [ops.int8_linear(inputs[q.shape[1]], q, s, backend="triton")
+                                                 for q, s in quantized]
+            if next(iter(inputs.values())).shape[0] == 1:
+                candidates.update(read_floor_candidates([q.view(1, -1) for q, _ in quantized]))
+    return candidates
+
+
 def run_layers(h, dtype, shapes) -> None:
     device = h.device
     one_row = h.quick or "one_row" in h.cases
-    choices = "".join(f"_{choice}" for choice in (CUDA_KERNEL, GEMV_SHAPE) if choice) + PDL_SUFFIX
-    suffix = choices if device.type == "cuda" else ""
+    suffix = graph_suffix(device)
     for N, K in shapes:
         layers = max(2, (LAYERS_QUICK_BYTES if h.quick else LAYERS_BYTES) // (N * K))
         weights = [torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5 for _ in range(layers)]
@@ -49,17 +80,8 @@ def run_layers(h, dtype, shapes) -> None:
         for M in (1,) if one_row else LAYERS_ROWS:
             x = torch.randn(M, K, device=device, dtype=dtype)
             baseline = f"F.linear_{str(dtype)[6:]}"
-            candidates = {baseline: lambda: [F.linear(x, weight) for weight in weights],
-                          "ours_auto": lambda: [ops.int8_linear(x, q, s) for q, s in quantized]}
-            if device.type == "cuda":
-                candidates["ours_cuda" + suffix] = lambda: [ops.int8_linear(x, q, s, backend="cuda")
-                                                            for q, s in quantized]
-                if not suffix:
-                    candidates["ours_triton"] = lambda: [ops.int8_linear(x, q, s, backend="triton")
-                                                         for q, s in quantized]
-                    if M == 1:  # the weights' bytes alone, one launch a layer (bench/read_floor.py)
-                        candidates.update(read_floor_candidates([q.view(1, -1) for q, _ in quantized]))
-            nbytes = layers * (N * K + 4 * N + x.element_size() * M * (K + N))
+            candidates = projection_candidates({K: x}, weights, quantized, baseline, suffix, device)
+            nbytes = layers * min_bytes(M, N, K, x.element_size())
             h.compare("int8_linear", {"M": M, "N": N, "K": K, "dtype": str(dtype)[6:], "layers": layers},
                       candidates, baseline=baseline, nbytes=nbytes, graphed=tuple(candidates))
         del weights, quantized
@@ -98,8 +120,7 @@ STEP_ROWS = (1, 8, 32)
 def run_step(h, dtype) -> None:
     device = h.device
     model = LLAMA3_8B if device.type == "cuda" and not h.quick else SMALL_STEP
-    suffix = "".join(f"_{choice}" for choice in (CUDA_KERNEL, GEMV_SHAPE) if choice) + PDL_SUFFIX \
-        if device.type == "cuda" else ""
+    suffix = graph_suffix(device)
     weights, quantized = [], []
     for N, K in model.projections():
         weights.append(torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5)
@@ -107,28 +128,11 @@ def run_step(h, dtype) -> None:
     baseline = f"F.linear_{str(dtype)[6:]}"
     for M in (1,) if "one_row" in h.cases else STEP_ROWS:
         inputs = {K: torch.randn(M, K, device=device, dtype=dtype) for K in {model.hidden, model.intermediate}}
-        candidates = step_candidates(inputs, weights, quantized, baseline, suffix, device)
-        if M == 1 and device.type == "cuda" and not suffix:  # the weights' bytes alone (bench/read_floor.py)
-            candidates.update(read_floor_candidates([q.view(1, -1) for q, _ in quantized]))
-        nbytes = sum(N * K + 4 * N + inputs[K].element_size() * M * (K + N) for N, K in model.projections())
+        candidates = projection_candidates(inputs, weights, quantized, baseline, suffix, device)
+        nbytes = sum(min_bytes(M, N, K, inputs[K].element_size()) for N, K in model.projections())
         h.compare("int8_linear", {"M": M, "step": model.name, "projections": len(weights), "dtype": str(dtype)[6:]},
                   candidates, baseline=baseline, nbytes=nbytes, graphed=tuple(candidates))
     del weights, quantized
-
-
-def step_candidates(inputs: dict, weights: list, quantized: list, baseline: str, suffix: str,
-                    device: torch.device) -> dict:
-    """run_step's candidates: each runs every projection on the input of its width (``inputs``: K ->
-    [M, K]) and returns the outputs."""
-    candidates = {baseline: lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
-                  "ours_auto": lambda: [ops.int8_linear(inputs[q.shape[1]], q, s) for q, s in quantized]}
-    if device.type == "cuda":
-        candidates["ours_cuda" + suffix] = lambda: [ops.int8_linear(inputs[q.shape[1]], q, s, backend="cuda")
-                                                    for q, s in quantized]
-        if not suffix:
-            candidates["ours_triton"] = lambda: [ops.int8_linear(inputs[q.shape[1]], q, s, backend="triton")
-                                                 for q, s in quantized]
-    return candidates
 
 
 def run(h) -> None:
@@ -160,8 +164,7 @@ def run(h) -> None:
                 candidates["ours_triton"] = lambda: ops.int8_linear(x, qweight, scales,
                                                                     backend="triton")
             add_cpu_isa_rows(candidates, device, "ours_auto")
-            # minimum bytes: int8 weights + scales + activations in + out
-            nbytes = N * K + 4 * N + x.element_size() * M * (K + N)
+            nbytes = min_bytes(M, N, K, x.element_size())
             # as a decode step runs them: in a CUDA graph, without the host's launch work
             graphed = tuple(name for name in candidates if name != "torch._weight_int8pack_mm")
             h.compare("int8_linear", {"M": M, "N": N, "K": K, "dtype": str(dtype)[6:], **cpu_isa_of_row(device)},

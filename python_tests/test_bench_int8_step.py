@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bench import bench_int8_linear
-from bench.bench_int8_linear import LLAMA3_8B, SMALL_STEP, StepModel, step_candidates
+from bench.bench_int8_linear import LLAMA3_8B, SMALL_STEP, StepModel, projection_candidates
 from bench.harness import Harness
 from gptfast_kernels import ops, patch_model
 from gptfast_kernels.modules import Int8Linear
@@ -47,7 +47,7 @@ def test_llama3_8b_step_reads_its_int8_weights():
     assert 7.4e9 < weight_bytes < 7.6e9
 
 
-def test_step_candidates_compute_every_projection():
+def test_projection_candidates_compute_every_projection():
     """Each projection gets the input of its width; the int8 candidate's outputs are the float ones'
     up to the weights' rounding, and exactly F.linear over the dequantized weights."""
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def test_step_candidates_compute_every_projection():
     inputs = {K: torch.randn(M, K) for K in (SMALL_STEP.hidden, SMALL_STEP.intermediate)}
     weights = [torch.randn(N, K) / K ** 0.5 for N, K in SMALL_STEP.projections()]
     quantized = [ops.quantize_int8(w) for w in weights]
-    candidates = step_candidates(inputs, weights, quantized, "F.linear_float32", "", torch.device("cpu"))
+    candidates = projection_candidates(inputs, weights, quantized, "F.linear_float32", "", torch.device("cpu"))
     assert set(candidates) == {"F.linear_float32", "ours_auto"}
     floats, ours = candidates["F.linear_float32"](), candidates["ours_auto"]()
     assert [tuple(y.shape) for y in ours] == [(M, N) for N, _ in SMALL_STEP.projections()]
@@ -65,7 +65,7 @@ def test_step_candidates_compute_every_projection():
         assert (y - want).abs().max() < 0.05 * want.abs().max()
 
 
-def test_step_rows_at_each_batch(monkeypatch):
+def test_step_rows_at_each_batch():
     """--cases step writes one row per candidate and batch, each with the step's whole byte count; with
     one_row only batch 1; `layers` and the per-call cases are not run alongside unless named."""
     h = Harness(torch.device("cpu"), quick=True, cases=frozenset({"step"}))

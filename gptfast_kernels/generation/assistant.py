@@ -142,7 +142,7 @@ def assistant_step_function(assistant, compile: bool):
     the compile check is its text model's family's)."""
     if not compile:
         return functools.partial(_assistant_forward, assistant=assistant)
-    return compiled_function(assistant, _assistant_forward, "_gptfast_compiled_assistant_forward",
+    return compiled_function(assistant, _assistant_forward, "assistant_forward",
                              family_model=assistant.model)
 
 

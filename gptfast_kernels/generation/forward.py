@@ -119,28 +119,33 @@ def forget_compiled(model) -> None:
         delattr(model, name)
 
 
-def compiled_function(model, function, attribute: str, *, family_model=None) -> CompiledStep:
-    """``function(..., model=model)`` compiled (CompiledStep), once, and kept on ``model`` as
-    ``attribute`` (which starts with COMPILED_PREFIX). Its family's compile check runs on
+def compiled_function(model, function, name: str, *, family_model=None,
+                      module_guards: bool = False) -> CompiledStep:
+    """``function(..., model=model)`` compiled (CompiledStep; ``module_guards``: keeping every guard),
+    once, and kept on ``model`` as COMPILED_PREFIX + ``name``. Its family's compile check runs on
     ``family_model`` (default ``model``: a Gemma 4 assistant passes its text model)."""
+    attribute = COMPILED_PREFIX + name
     compiled = getattr(model, attribute, None)
     if compiled is None:
         family_model = model if family_model is None else family_model
         family_of(family_model.config).check_compile(family_model)
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-        compiled = CompiledStep(model, function)
+        compiled = CompiledStep(model, function, module_guards=module_guards)
         setattr(model, attribute, compiled)
     return compiled
 
 
-def step_function(model, compile: bool, *, hidden: bool = False):
+def step_function(model, compile: bool, *, hidden: bool = False, module_guards: bool = False):
     """(tokens [B, T], attention_mask [B, T], cache) -> logits [B, T, V]; with ``hidden``, (logits,
-    the last hidden states [B, T, H]: the final norm's output, which the output head takes)."""
+    the last hidden states [B, T, H]: the final norm's output, which the output head takes).
+    ``module_guards``: a step compiled by this call keeps dynamo's guards on the model's modules
+    (bench_compiled_step's baseline; an already compiled step is returned as it is)."""
     function = _forward_with_hidden if hidden else _forward
     if not compile:
         return functools.partial(function, model=model)
-    return compiled_function(model, function, "_gptfast_compiled_forward" + ("_hidden" if hidden else ""))
+    name = "forward" + ("_hidden" if hidden else "")
+    return compiled_function(model, function, name, module_guards=module_guards)
 
 
 def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool,

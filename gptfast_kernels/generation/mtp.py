@@ -96,7 +96,7 @@ def mtp_step_function(mtp, compile: bool):
     """_mtp_forward on ``mtp``, eager or compiled (as generation.forward.step_function)."""
     if not compile:
         return functools.partial(_mtp_forward, mtp=mtp)
-    return compiled_function(mtp, _mtp_forward, "_gptfast_compiled_mtp_forward")
+    return compiled_function(mtp, _mtp_forward, "mtp_forward")
 
 
 class MtpProposer:

@@ -59,13 +59,7 @@ def triton_available() -> bool:
 
 def usable_backends(device: torch.device) -> list[str]:
     """The backends that can run on tensors of this device, in no particular order."""
-    key = (device.type, triton_interpreting())
-    if key not in _USABLE:  # asked on every op call: the answer never changes in a process
-        _USABLE[key] = _usable_backends(*key)
-    return list(_USABLE[key])
-
-
-_USABLE: dict[tuple[str, bool], tuple[str, ...]] = {}  # a dict, not lru_cache: torch.compile traces it
+    return list(_USABLE.get((device.type, triton_interpreting()), ("reference",)))
 
 
 def _usable_backends(device_type: str, interpreting: bool) -> tuple[str, ...]:
@@ -81,3 +75,11 @@ def _usable_backends(device_type: str, interpreting: bool) -> tuple[str, ...]:
         if triton_available() and not interpreting:
             backends.append("triton")
     return tuple(backends)
+
+
+# Asked on every op call, and the answer never changes in a process: computed once, here, for every
+# key (other device types: the reference only). (Filled lazily instead, a torch.compile'd first call that came before any eager op call would
+# trace the insertion and guard on the key's absence, so its second call would compile again.)
+_USABLE: dict[tuple[str, bool], tuple[str, ...]] = {
+    (device_type, interpreting): _usable_backends(device_type, interpreting)
+    for device_type in ("cpu", "cuda") for interpreting in (False, True)}

@@ -2,6 +2,10 @@
 modules (thousands, evaluated on every call), which checks train / eval mode, the parameters'
 dtype and device and its module arguments itself, and which patch_model and forget_compiled drop."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -92,3 +96,30 @@ def test_compiled_generation_equals_eager_across_calls(family):
     for rows, length in ((2, 6), (1, 4), (3, 7), (2, 6)):
         ids, mask = ragged_prompts(rows, length, "left")
         assert torch.equal(_generate(patched, ids, mask, True), _generate(patched, ids, mask, False))
+
+
+_USER_COMPILE = """
+import torch
+from torch._dynamo.testing import CompileCounter
+from python_tests.tiny_models import patched_copy, tiny_model
+model = patched_copy(tiny_model("llama"), int8=True)
+counter = CompileCounter()
+forward = torch.compile(lambda ids: model(ids).logits, backend=counter, fullgraph=True)
+ids = torch.tensor([[1, 2, 3]])
+with torch.no_grad():
+    first = forward(ids)
+    for _ in range(2):
+        assert torch.equal(forward(ids), first)
+print("frames", counter.frame_count)
+"""
+
+
+def test_a_users_compiled_forward_before_any_eager_op_call_compiles_once():
+    """A user's own torch.compile of a patched model, called before any eager op call in a fresh
+    process (so nothing has asked which backends are usable yet), compiles once for repeated calls:
+    the answer is computed at import, not inserted into a cache while dynamo traces (which guarded
+    on the key's absence, and so compiled a second time on the second call)."""
+    run = subprocess.run([sys.executable, "-c", _USER_COMPILE], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "frames 1" in run.stdout.splitlines(), run.stdout

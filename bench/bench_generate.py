@@ -10,7 +10,8 @@ compiles itself for static caches on CUDA), ours with ``compile=True`` (decode s
 graph), batch 1, 8 and 32 rows. tokens_per_s includes the prefill of a 32-token prompt;
 decode_tokens_per_s leaves it out (the time of a run with 1 new token subtracted), the figure to
 hold against the decode anchors.
-Cases (``--cases``): batch1, batch8, batch32; mla (a DeepSeek-V2-Lite-shaped model, multi-head latent
+Cases (``--cases``): batch1, batch8, batch32; small (Qwen2.5-0.5B's shapes, batch 1: a model small
+enough that the host's per-step work may set the pace on a GPU; ``host_fraction``); mla (a DeepSeek-V2-Lite-shaped model, multi-head latent
 attention, batch 1 and on a GPU 8: transformers expands its latent cache every step, ours attends over
 the latents); llama4 (4 of Llama-4-Scout's layers, batch 1 and on a GPU 8: chunked attention,
 NoPE layers, 16 experts top-1 beside a shared expert, which transformers runs densely on every token);
@@ -30,7 +31,7 @@ from torch._dynamo.utils import counters
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig,
                           LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM)
 
-from bench.harness import best_seconds, default_dtype, tokens_digest
+from bench.harness import best_seconds, best_seconds_and_host, default_dtype, tokens_digest
 
 CPU_CONFIG = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=12, vocab_size=32000, max_position_embeddings=2048)
@@ -63,6 +64,14 @@ MAMBA2_GPU_CONFIG = dict(hidden_size=2560, num_hidden_layers=64, num_heads=80, h
                          n_groups=1, expand=2, vocab_size=50288)
 MAMBA2_CPU_CONFIG = dict(hidden_size=512, num_hidden_layers=8, num_heads=16, head_dim=64, state_size=64, n_groups=1,
                          expand=2, vocab_size=32000)
+# A small model on a GPU: Qwen2.5-0.5B's shapes (hidden 896, 24 layers, 14 heads over 2 kv heads of 64,
+# vocab 151936) as a Llama. Its decode step reads ~0.5 GB of int8 weights, a fraction of a millisecond
+# on an H100 / H200, about what the host spends a step on its 24 layers' per-call work (dynamo's guards
+# and inputs, the CUDA graph's replay, the step's eager ops): the case where the host, not the GPU, may
+# set the pace (host_fraction). CPU: the same structure, 4 layers
+SMALL_GPU_CONFIG = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                        num_key_value_heads=2, head_dim=64, vocab_size=151936, max_position_embeddings=8192)
+SMALL_CPU_CONFIG = dict(SMALL_GPU_CONFIG, num_hidden_layers=4, vocab_size=32000)
 PROMPT_LEN = 32
 
 
@@ -74,6 +83,9 @@ def run(h) -> None:
     batches = [rows for rows in ((1, 8, 32) if on_gpu else (1,)) if h.wants(f"batch{rows}")]
     if batches:
         _compare(h, lambda: LlamaForCausalLM(LlamaConfig(**cfg)), "llama", batches)
+    if h.wants("small"):
+        _compare(h, lambda: LlamaForCausalLM(LlamaConfig(**(SMALL_GPU_CONFIG if on_gpu else SMALL_CPU_CONFIG))),
+                 "llama-qwen2.5-0.5b-shapes", (1,))
     if h.wants("mla"):
         mla = dict(MLA_GPU_CONFIG if on_gpu else MLA_CPU_CONFIG)
         if h.quick and not on_gpu:
@@ -134,13 +146,17 @@ def _compare(h, build, name: str, batches, *, static_cache: bool = True) -> None
                 return generate(patched, input_ids, mask, max_new_tokens=tokens, eos_token_id=[], compile=compiled)
 
             with torch.no_grad():
-                ours_seconds, ours_out = best_seconds(lambda: ours_run(new_tokens), h.device, repeats=2)
+                ours_seconds, ours_host, ours_out = best_seconds_and_host(lambda: ours_run(new_tokens), h.device,
+                                                                          repeats=2)
                 ours_first, _ = best_seconds(lambda: ours_run(1), h.device, repeats=2)
             ours_tps = rows * new_tokens / ours_seconds
             ours_decode_tps = rows * steps / max(ours_seconds - ours_first, 1e-9)
             h.rows.append({**case, "impl": impl, "compiled": compiled, "tokens_per_s": ours_tps,
                            "decode_tokens_per_s": ours_decode_tps, "speedup_vs_baseline": ours_tps / hf_tps,
                            "decode_speedup_vs_baseline": ours_decode_tps / hf_decode_tps,
+                           # on a GPU, the share of the run the host took to queue it (compiled, no eos:
+                           # no step waits for the GPU): near 1, the host set the pace
+                           "host_fraction": ours_host / ours_seconds if on_gpu else None,
                            "same_tokens_as_float_baseline": bool(torch.equal(ours_out.sequences, hf_out)),
                            # equal across runs of the same case whose launch choices differ
                            # (GPTFAST_CUDA_PDL, TORCHINDUCTOR_ENABLE_PDL): they change no arithmetic

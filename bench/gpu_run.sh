@@ -42,6 +42,8 @@
 #   breakdown    where that decode step's time goes (profiled CUDA-graph replays, batch 1 and 8, 4k
 #                context): int8 projections, attention, other kernels, idle -> ..._step_breakdown.json
 #   generate-batched   the same at batch 8 and 32                     -> ..._generate_batch32-batch8.json
+#   generate-small     the same for Qwen2.5-0.5B's shapes, batch 1: a step short enough that the
+#                host's per-step work may set the pace (host_fraction near 1) -> ..._generate_small.json
 #   generate-mla the same for multi-head latent attention, DeepSeek-V2-Lite's attention, batch 1 and 8
 #                                                                     -> ..._generate_mla.json
 #   generate-llama4    the same for Llama 4 (4 of Llama-4-Scout's layers), batch 1 and 8
@@ -75,7 +77,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-bench/results}}
 shift || true
-STAGES=${*:-build tests sanitize kernels int8-kernels pdl pdl-inductor tiles kv-tiles profile generate breakdown generate-batched generate-mla generate-llama4 generate-mamba2 speculative speculative-hybrid speculative-assistant continuous speculative-demo compiled-step}
+STAGES=${*:-build tests sanitize kernels int8-kernels pdl pdl-inductor tiles kv-tiles profile generate breakdown generate-batched generate-small generate-mla generate-llama4 generate-mamba2 speculative speculative-hybrid speculative-assistant continuous speculative-demo compiled-step}
 case " $STAGES " in *" build "*) ;; *) STAGES="build $STAGES" ;; esac  # every other stage needs it
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -239,6 +241,7 @@ for stage in $STAGES; do
     generate) bench generate --cases batch1 ;;
     breakdown) bench step_breakdown ;;
     generate-batched) bench generate --cases batch8,batch32 ;;
+    generate-small) bench generate --cases small ;;
     generate-mla) bench generate --cases mla ;;
     generate-llama4) bench generate --cases llama4 ;;
     generate-mamba2) bench generate --cases mamba2 ;;

@@ -190,6 +190,31 @@ def test_tokens_digest_tells_token_sequences_apart():
     assert len(harness.tokens_digest(tokens)) == 16
 
 
+def test_best_seconds_and_host_splits_the_host_from_the_wait_for_the_device(monkeypatch):
+    """bench_generate's host_fraction: of the fastest run, the seconds until the call returned
+    (queued work not yet done) apart from the total after waiting for the device; a run whose
+    device work outlasts its host work shows a host share well below 1."""
+    clock = {"now": 0.0, "pending": 0.0}
+    # (host seconds, the device's seconds left when the call returns): the warm-up call first
+    runs = iter([(0.010, 0.050), (0.012, 0.030), (0.011, 0.060)])
+
+    def fn():
+        host, left = next(runs)
+        clock["now"] += host
+        clock["pending"] = left
+        return host
+
+    def synchronize(device):
+        clock["now"] += clock["pending"]
+        clock["pending"] = 0.0
+
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(harness, "synchronize", synchronize)
+    seconds, host, out = harness.best_seconds_and_host(fn, torch.device("cuda"), repeats=2)
+    assert seconds == pytest.approx(0.042) and host == pytest.approx(0.012)  # the faster of the two timed runs
+    assert out == pytest.approx(0.011)  # the last call's result, as best_seconds returns
+
+
 @pytest.mark.parametrize("name, family", [
     ("void gptfast_kernels::int8_linear_gemv_kernel<c10::BFloat16, 1, 1, true, 4, false, false>(...)", "int8_linear"),
     ("_int8_linear_tiled_kernel", "int8_linear"),

@@ -5,7 +5,9 @@ trained and cached on first use), patched, greedy, one prompt, 128 new tokens, `
 package compiles them (without the guards on the modules) and with every guard (the baseline,
 ``module_guards``). The models are small, so the per-call work on the host is a large share of a
 step, on a CPU and on a GPU alike (where it is what the GPU waits on between CUDA-graph replays).
-Both copies generate the same tokens (checked before timing).
+Both copies generate the same tokens (checked before timing). Then ``speculative_drafts``: a
+compiled greedy round's k drafts in one call of the draft (the package's way) against one compiled
+step per draft, on the package's copies.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import copy
 
 import torch
 
+import gptfast_kernels.generation.speculative as speculative_module
 from bench.bench_speculative import demo_models
 from gptfast_kernels import generate, patch_model, speculative_generate
-from gptfast_kernels.generation.forward import step_function
+from gptfast_kernels.generation.forward import greedy_drafts_function, step_function
 
 NEW_TOKENS = 128
 SPECULATE_K = 4
@@ -29,6 +32,7 @@ def _patched_pair(target, draft, module_guards: bool):
     if module_guards:
         for model in patched:
             step_function(model, True, module_guards=True)  # the step generation then takes
+            greedy_drafts_function(model, module_guards=True)  # (a speculative round's drafts in one call)
     return patched
 
 
@@ -50,3 +54,25 @@ def run(h) -> None:
                          baseline="module_guards")
         for row in rows:
             row["tokens_per_s"] = NEW_TOKENS / (row["ms_median"] * 1e-3)
+    # a compiled greedy round's k drafts in one call (the package's way) against k draft steps
+    target_model, draft_model = pairs["default"]
+    speculative = calls["speculative"]
+    candidates = {"drafts_in_one_call": lambda: speculative(target_model, draft_model),
+                  "drafts_step_by_step": lambda: _drafting_step_by_step(speculative, target_model, draft_model)}
+    outputs = [fn() for fn in candidates.values()]  # (also the compiling warm-up)
+    if not torch.equal(outputs[0], outputs[1]):
+        raise RuntimeError("bench_compiled_step: drafting step by step generated other tokens")
+    rows = h.compare("compiled_step", {"call": "speculative_drafts", "new_tokens": NEW_TOKENS, "model": "demo"},
+                     candidates, baseline="drafts_step_by_step")
+    for row in rows:
+        row["tokens_per_s"] = NEW_TOKENS / (row["ms_median"] * 1e-3)
+
+
+def _drafting_step_by_step(speculative, target_model, draft_model):
+    """``speculative(target_model, draft_model)`` with the draft proposing one compiled step per draft."""
+    original = speculative_module.greedy_drafts_function
+    speculative_module.greedy_drafts_function = lambda model: None  # (DraftModelProposer then steps)
+    try:
+        return speculative(target_model, draft_model)
+    finally:
+        speculative_module.greedy_drafts_function = original

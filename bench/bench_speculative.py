@@ -142,24 +142,29 @@ def _e2e_rows(h):
 
 
 class _PatchedSteps:
-    """Inside a with block, the generators' step functions (``speculative.step_function``, for the
-    target and a draft model, and ``assistant.assistant_step_function``) are ``wrapped``'s."""
+    """Inside a with block, the generators' step functions are ``wrapped``'s: the target's and a
+    draft model's steps (``speculative.step_function``), a draft's round of greedy drafts in one
+    call (``speculative.greedy_drafts_function``) and a Gemma 4 assistant's steps
+    (``assistant.assistant_step_function``)."""
+
+    PATCHED = ((speculative_module, "step_function"), (speculative_module, "greedy_drafts_function"),
+               (assistant_module, "assistant_step_function"))
 
     def __init__(self):
-        self.original = speculative_module.step_function
-        self.original_assistant = assistant_module.assistant_step_function
+        self.originals = [getattr(module, name) for module, name in self.PATCHED]
 
     def wrapped(self) -> tuple:
-        """-> (the step_function, the assistant_step_function to use)."""
+        """-> the three functions to use, in PATCHED's order."""
         raise NotImplementedError
 
     def __enter__(self):
-        speculative_module.step_function, assistant_module.assistant_step_function = self.wrapped()
+        for (module, name), function in zip(self.PATCHED, self.wrapped()):
+            setattr(module, name, function)
         return self
 
     def __exit__(self, *exc):
-        speculative_module.step_function = self.original
-        assistant_module.assistant_step_function = self.original_assistant
+        for (module, name), function in zip(self.PATCHED, self.originals):
+            setattr(module, name, function)
 
 
 class _ForwardClock(_PatchedSteps):
@@ -171,8 +176,8 @@ class _ForwardClock(_PatchedSteps):
 
     def wrapped(self) -> tuple:
         def clocked(original):
-            def timed(model, compile, **options):
-                step = original(model, compile, **options)
+            def timed(model, *options, **keywords):
+                step = original(model, *options, **keywords)
 
                 def run(*args):
                     synchronize(self.device)
@@ -184,47 +189,52 @@ class _ForwardClock(_PatchedSteps):
                 return run
             return timed
 
-        return clocked(self.original), clocked(self.original_assistant)
+        return tuple(clocked(original) for original in self.originals)
 
 
 class _ForwardRecorder(_PatchedSteps):
     """Records every forward a generation makes through ``speculative.step_function`` (the target's
-    and a draft model's): the step, copies of its tokens and mask, its cache and that cache's
-    lengths before the call, so that ``replay`` can run the same forwards again, back to back
-    without the rounds' other work. ``replayable`` is False when the run also drafted through
-    another step (a Gemma 4 assistant's, whose arguments include the previous step's outputs) or
-    used a cache with recurrent layers (whose states a replay would not restore)."""
+    and a draft model's) and ``speculative.greedy_drafts_function`` (a round's drafts in one call):
+    the function, copies of its tensor arguments, its cache and that cache's lengths before the
+    call, so that ``replay`` can run the same calls again, back to back without the rounds' other
+    work. ``replayable`` is False when the run also drafted through another step (a Gemma 4
+    assistant's, whose arguments include the previous step's outputs) or used a cache with recurrent
+    layers (whose states a replay would not restore)."""
 
     def __init__(self):
         super().__init__()
         self.calls, self.replayable = [], True
 
     def wrapped(self) -> tuple:
-        def recorded(model, compile, **options):
-            step = self.original(model, compile, **options)
+        def recorded(original):
+            def recording(model, *options, **keywords):
+                step = original(model, *options, **keywords)
 
-            def run(tokens, mask, cache):
-                self.replayable &= not cache.has_recurrent_layers
-                lengths = [cache.seq_lengths.clone()]
-                if cache.has_ring_layers:
-                    lengths.append(cache.written_lengths.clone())
-                self.calls.append((step, tokens.clone(), mask.clone(), cache, lengths))
-                return step(tokens, mask, cache)
-            return run
+                def run(*args):
+                    cache = next(arg for arg in args if isinstance(arg, StaticKVCache))
+                    self.replayable &= not cache.has_recurrent_layers
+                    lengths = [cache.seq_lengths.clone()]
+                    if cache.has_ring_layers:
+                        lengths.append(cache.written_lengths.clone())
+                    copies = tuple(arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args)
+                    self.calls.append((step, copies, cache, lengths))
+                    return step(*args)
+                return run
+            return recording
 
         def unreplayable(assistant, compile):
             self.replayable = False
-            return self.original_assistant(assistant, compile)
+            return self.originals[2](assistant, compile)
 
-        return recorded, unreplayable
+        return recorded(self.originals[0]), recorded(self.originals[1]), unreplayable
 
     def replay(self) -> None:
-        """The recorded forwards in order, each on its cache with the lengths it had then."""
-        for step, tokens, mask, cache, lengths in self.calls:
+        """The recorded calls in order, each on its cache with the lengths it had then."""
+        for step, args, cache, lengths in self.calls:
             cache.seq_lengths.copy_(lengths[0])
             if cache.has_ring_layers:
                 cache.written_lengths.copy_(lengths[1])
-            step(tokens, mask, cache)
+            step(*args)
 
 
 def _timed_rounds(h, generate_fn, rows: int, new_tokens: int, prefill_seconds: float) -> tuple[dict, object]:
@@ -259,7 +269,7 @@ def _timed_rounds(h, generate_fn, rows: int, new_tokens: int, prefill_seconds: f
     fields = {"batch": rows, "speculate_k": SPECULATE_K,
               "rounds_per_s": int(out.num_proposed.max()) // SPECULATE_K / seconds,
               "tokens_per_s": rows * new_tokens / seconds,
-              "forwards_per_run": len(recorder.calls),
+              "step_calls_per_run": len(recorder.calls),  # (a round of greedy drafts in one call counts once)
               "fraction_outside_forwards": outside,
               "fraction_outside_forwards_upper": 1 - (clock.seconds + prefill_seconds) / clocked_seconds,
               "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"]}

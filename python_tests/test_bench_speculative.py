@@ -49,12 +49,56 @@ def test_replay_repeats_the_runs_forwards(monkeypatch, family):
         # each round: k draft forwards (the first of two tokens) and the target's of k + 1
         assert recorder.replayable
         assert len(recorder.calls) == rounds * (bench_speculative.SPECULATE_K + 1)
-        assert [tokens.shape[1] for _, tokens, *_ in recorder.calls[:5]] == [2, 1, 1, 1, 5]
+        assert [args[0].shape[1] for _, args, *_ in recorder.calls[:5]] == [2, 1, 1, 1, 5]
         recorder.replay()
     assert speculative_module.step_function is logging  # restored
     assert len(logged) == len(run_logits)
     for replayed, original_logits in zip(logged, run_logits):
         torch.testing.assert_close(replayed, original_logits, rtol=0, atol=0)
+
+
+def test_compiled_greedy_rounds_replay_their_drafts_call(monkeypatch):
+    """Compiled and greedy, a round drafts in one call (speculative.greedy_drafts_function): the
+    recorder and the clock see it beside the target's forward (two calls a round), and the replay
+    gives the run's drafts and logits exactly."""
+    target, draft = _pair("llama")
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    logged = []
+
+    def logging(original):
+        def make(model, *options, **keywords):
+            step = original(model, *options, **keywords)
+
+            def run(*args):
+                out = step(*args)
+                logged.append(out.clone())
+                return out
+            return run
+        return make
+
+    for name in ("step_function", "greedy_drafts_function"):
+        monkeypatch.setattr(speculative_module, name, logging(getattr(speculative_module, name)))
+
+    def run():
+        return speculative_generate(target, draft, ids, max_new_tokens=10, speculate_k=bench_speculative.SPECULATE_K,
+                                    eos_token_id=[], compile=True)
+
+    with torch.no_grad():
+        run()  # (compiles)
+        logged[:] = []
+        with bench_speculative._ForwardRecorder() as recorder:
+            out = run()
+        run_outputs, logged[:] = list(logged), []
+        rounds = int(out.num_proposed.max()) // bench_speculative.SPECULATE_K
+        assert recorder.replayable and len(recorder.calls) == 2 * rounds
+        assert [args[0].shape[1] for _, args, *_ in recorder.calls[:2]] == [2, bench_speculative.SPECULATE_K + 1]
+        recorder.replay()
+        assert len(logged) == len(run_outputs) == 2 * rounds
+        for replayed, original in zip(logged, run_outputs):
+            torch.testing.assert_close(replayed, original, rtol=0, atol=0)
+        h = types.SimpleNamespace(device=torch.device("cpu"))
+        fields, _ = bench_speculative._timed_rounds(h, run, 2, 10, 0.0)
+    assert fields["step_calls_per_run"] == 2 * rounds and 0 <= fields["fraction_outside_forwards_upper"] < 1
 
 
 def test_recurrent_caches_are_not_replayed():
@@ -72,7 +116,7 @@ def test_timed_rounds_reports_both_measures():
     with torch.no_grad():
         fields, out = bench_speculative._timed_rounds(h, lambda: _run(target, draft, ids), 1, 10, 0.0)
     rounds = int(out.num_proposed.max()) // bench_speculative.SPECULATE_K
-    assert fields["forwards_per_run"] == rounds * (bench_speculative.SPECULATE_K + 1)
+    assert fields["step_calls_per_run"] == rounds * (bench_speculative.SPECULATE_K + 1)
     for name in ("fraction_outside_forwards", "fraction_outside_forwards_upper"):
         assert fields[name] is not None and fields[name] < 1
 

@@ -198,6 +198,9 @@ class _DraftRows(DraftModelProposer):
     def fill(self, batcher: SpeculativeBatcher, spans: dict[int, tuple[int, int]], going: list[int]) -> None:
         batcher._run(self.model, self.cache, self.step, [], spans, going)
 
+    def drafts_in_one_call(self, rounds: SpeculativeRounds, history: History) -> bool:
+        return self.merging is None and super().drafts_in_one_call(rounds, history)  # (merging: first_logits's)
+
     def first_logits(self, first_input: torch.Tensor, first_mask: torch.Tensor) -> torch.Tensor:
         if self.merging is None:
             return super().first_logits(first_input, first_mask)

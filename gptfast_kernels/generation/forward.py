@@ -3,8 +3,9 @@
 Compiled (``compile=True``): one ``torch.compile(fullgraph=True)`` function per model, kept on the
 model so later calls reuse it; on CUDA in "reduce-overhead" mode, i.e. replayed as a CUDA graph
 (the cache buffers and lengths have static addresses, and no step synchronises with the host).
-Each distinct token count T (1 for decode, 2 and k + 1 for speculation) is its own graph. Prefill,
-whose length changes from call to call, runs eagerly. The step is compiled without dynamo's guards
+Each distinct token count T (1 for decode, 2 and k + 1 for speculation) is its own graph; a draft
+model's greedy round (its k forwards and their argmaxes) is one more (greedy_drafts_function).
+Prefill, whose length changes from call to call, runs eagerly. The step is compiled without dynamo's guards
 on the model's modules, which cost more per call than a small model's step takes to run on a CPU
 (CompiledStep says what is checked instead, and when ``forget_compiled`` is needed).
 """
@@ -55,6 +56,26 @@ def _forward_with_hidden(tokens: torch.Tensor, attention_mask: torch.Tensor, cac
                          model=None) -> tuple[torch.Tensor, torch.Tensor]:
     out = forward_with_cache(model, tokens, cache, attention_mask=attention_mask, output_hidden_states=True)
     return out.logits, out.hidden_states[-1]
+
+
+def _greedy_drafts(first_input: torch.Tensor, first_mask: torch.Tensor, active: torch.Tensor, cache: StaticKVCache,
+                   k: int, model=None) -> torch.Tensor:
+    """A speculative round's k greedy drafts per row in one call (one compiled graph instead of k
+    steps, each with its host work between them): the round's first draft forward over
+    ``first_input`` [B, 2] under ``first_mask`` [B, 2], then k - 1 one-token forwards over each
+    draft under ``active`` [B], each draft the argmax of the forward before -> [B, k]."""
+    logits = forward_with_cache(model, first_input, cache, attention_mask=first_mask).logits[:, -1]
+    drafts = [logits.argmax(dim=-1)]
+    for _ in range(k - 1):
+        logits = forward_with_cache(model, drafts[-1][:, None], cache, attention_mask=active[:, None]).logits[:, -1]
+        drafts.append(logits.argmax(dim=-1))
+    return torch.stack(drafts, dim=1)
+
+
+def greedy_drafts_function(model, *, module_guards: bool = False):
+    """``model``'s compiled ``(first_input, first_mask, active, cache, k) -> drafts [B, k]`` (see
+    _greedy_drafts), kept on the model like its steps (``module_guards``: as step_function's)."""
+    return compiled_function(model, _greedy_drafts, "greedy_drafts", module_guards=module_guards)
 
 
 def _bound(function, model):

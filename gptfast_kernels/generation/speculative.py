@@ -20,7 +20,7 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.assistant import AssistantProposer, check_assistant, is_gemma4_assistant
-from gptfast_kernels.generation.forward import cache_for, step_function
+from gptfast_kernels.generation.forward import cache_for, greedy_drafts_function, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
 from gptfast_kernels.generation.options import check_decode_options
 from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs, per_row,
@@ -133,6 +133,10 @@ class DraftModelProposer:
         self.cache = cache_for(draft_model, batch_size, capacity, device, dtype, reuse=compile, step_tokens=k + 1,
                                role="draft")
         self.step = step_function(draft_model, compile)
+        # compiled, a round's greedy drafts are one call (a draft with recurrent states drafts step by
+        # step: its states' history is kept per forward)
+        self.greedy_drafts = (greedy_drafts_function(draft_model) if compile and not self.cache.has_recurrent_layers
+                              else None)
         self.pending = torch.full((batch_size,), -1, dtype=torch.int64, device=device)
 
     def prefill(self, prompt: common.Prompt, target_hidden=None) -> None:
@@ -143,8 +147,15 @@ class DraftModelProposer:
         self.cache.checkpoint()  # (a hybrid draft's recurrent states: commit rolls them back)
         first_input = torch.stack([self.pending.clamp(min=0), last], dim=1)
         first_mask = torch.stack([(self.pending >= 0) & active, active], dim=1)
+        if self.drafts_in_one_call(rounds, history):
+            return self.greedy_drafts(first_input, first_mask, active, self.cache, rounds.k), None
         return rounds.draft(history, self.first_logits(first_input, first_mask),
                             lambda token: self.step(token[:, None], active[:, None], self.cache)[:, -1])
+
+    def drafts_in_one_call(self, rounds: "SpeculativeRounds", history: "History") -> bool:
+        """Whether this round's drafts are one compiled call (compiled, no recurrent states, each
+        draft the argmax of the draft's logits); else ``first_logits``, then a step per draft."""
+        return self.greedy_drafts is not None and rounds.drafts_by_argmax(history)
 
     def first_logits(self, first_input: torch.Tensor, first_mask: torch.Tensor) -> torch.Tensor:
         """The round's first draft forward, [pending, last] [B, 2] -> the last column's logits [B, V]."""
@@ -260,6 +271,12 @@ class SpeculativeRounds:
             return logits.argmax(dim=-1), None
         probs = logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
         return sample_from(probs, self.generator), probs
+
+    def drafts_by_argmax(self, history: History) -> bool:
+        """Whether each draft is the argmax of the draft's logits as they are: greedy, no penalty, no
+        eos held back (then ``draft`` picks nothing else, and a proposer may draft in one call)."""
+        return (self.greedy and history.record.seen is None and history.record.counts is None
+                and self.too_early(history.num_generated, 0) is None)
 
     def draft(self, history: History, logits: torch.Tensor, advance: Callable[[torch.Tensor], torch.Tensor]
               ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -251,12 +251,16 @@ def test_int8_and_compiled_rounds_give_the_eager_tokens(family):
     model = patched_copy(target, int8=True)
     draft = _draft(target, int8=True)
     prompts = _prompts(1)
-    runs = []
+    runs, accepted = [], []
     for compile in (False, True):
         batcher = SpeculativeBatcher(model, draft, speculate_k=2, batch_size=2, max_length=20, eos_token_id=[],
                                      compile=compile)
         runs.append(_serve(batcher, prompts, LIMITS)[0])
+        accepted.append((batcher.num_accepted, batcher.num_proposed))
     assert runs[0] == runs[1]
+    # the same drafts too: compiled greedy rounds draft in one call, except a round whose first draft
+    # forward takes new prompts (merged), which drafts step by step
+    assert accepted[0] == accepted[1]
     assert runs[0] == {i: _alone(model, p, n, []) for i, (p, n) in enumerate(zip(prompts, LIMITS))}
 
 

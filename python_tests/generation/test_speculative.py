@@ -2,12 +2,15 @@
 B = 4, Llama and GPT-2, int8 on and off, any draft), sampled output follows the target's
 distribution (chi-square on a small vocabulary), rows finish independently, bad inputs."""
 
+import collections
 import itertools
 
 import pytest
 import torch
 
 from gptfast_kernels import generate, patch_model, prompt_lookup_generate, speculative_generate
+from gptfast_kernels.generation import forward
+from gptfast_kernels.generation.forward import CompiledStep
 from gptfast_kernels.generation.sampling import (apply_additive_penalties, apply_repetition_penalty, logits_to_probs,
                                                  seen_tokens)
 from python_tests.tiny_models import INDEX_POSITIONED, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
@@ -304,6 +307,46 @@ def test_a_compiled_model_drafting_for_itself_keeps_two_caches():
                                compile=True)
     assert torch.equal(out.sequences, want) and out.acceptance_rate == 1.0
     assert patched._gptfast_cache is not patched._gptfast_cache_draft
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+def test_compiled_greedy_rounds_draft_in_one_call(family, monkeypatch):
+    """Compiled and greedy (no penalty, no eos held back), a round's k drafts are one compiled call
+    of the draft (forward.greedy_drafts_function), not k steps: the same tokens and acceptances as
+    eager rounds, which draft step by step, with rows finishing at their own eos (inactive rows in
+    the call) and, for Mistral, the caches' sliding layers as rings. With a penalty the compiled
+    draft steps one token at a time again."""
+    if family == "mistral":
+        monkeypatch.setattr(forward, "PREFILL_CHUNK", 1)  # rings of window + k slots
+    _, patched, draft = _pair(family, True)
+    ids, mask = ragged_prompts(3, 6, "left")
+    stop = int(generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences[1, 6 + 4])
+    calls = collections.Counter()
+    original = CompiledStep.__call__
+
+    def counting(self, *args):
+        calls[("draft" if self.model is draft else "target", self.function.__name__)] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(CompiledStep, "__call__", counting)
+    for options in ({}, {"repetition_penalty": 1.3}):
+        run = dict(max_new_tokens=NEW, speculate_k=3, eos_token_id=stop, **options)
+        eager = speculative_generate(patched, draft, ids, mask, **run)
+        calls.clear()
+        compiled = speculative_generate(patched, draft, ids, mask, compile=True, **run)
+        assert torch.equal(compiled.sequences, eager.sequences)
+        assert torch.equal(compiled.num_accepted, eager.num_accepted) and 0 < eager.acceptance_rate < 1
+        rounds = calls[("target", "_forward")]  # one verification forward a round
+        assert rounds > 0
+        if options:
+            assert calls[("draft", "_greedy_drafts")] == 0 and calls[("draft", "_forward")] == 3 * rounds
+        else:
+            assert calls[("draft", "_greedy_drafts")] == rounds and calls[("draft", "_forward")] == 0
+            want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=stop).sequences
+            assert torch.equal(compiled.sequences, want)
+            new = compiled.sequences[:, 6:]
+            ends = [row.tolist().index(stop) if stop in row.tolist() else len(row) for row in new]
+            assert len(set(ends)) > 1  # rows ended at different steps: inactive rows drafted
 
 
 # (hybrids: their states roll back in the graph, each kind of one-pass block: Qwen3.5's gated delta nets, Bamba's

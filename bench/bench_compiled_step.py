@@ -46,24 +46,24 @@ def run(h) -> None:
                                                          speculate_k=SPECULATE_K, compile=True).sequences,
     }
     for call, fn in calls.items():
-        outputs = [fn(*pair) for pair in pairs.values()]  # (also the compiling warm-up)
-        if not torch.equal(outputs[0], outputs[1]):
-            raise RuntimeError(f"bench_compiled_step: {call} generated other tokens without the module guards")
         candidates = {name: (lambda pair=pair: fn(*pair)) for name, pair in pairs.items()}
-        rows = h.compare("compiled_step", {"call": call, "new_tokens": NEW_TOKENS, "model": "demo"}, candidates,
-                         baseline="module_guards")
-        for row in rows:
-            row["tokens_per_s"] = NEW_TOKENS / (row["ms_median"] * 1e-3)
+        _compare_ways(h, call, candidates, baseline="module_guards")
     # a compiled greedy round's k drafts in one call (the package's way) against k draft steps
     target_model, draft_model = pairs["default"]
     speculative = calls["speculative"]
     candidates = {"drafts_in_one_call": lambda: speculative(target_model, draft_model),
                   "drafts_step_by_step": lambda: _drafting_step_by_step(speculative, target_model, draft_model)}
-    outputs = [fn() for fn in candidates.values()]  # (also the compiling warm-up)
+    _compare_ways(h, "speculative_drafts", candidates, baseline="drafts_step_by_step")
+
+
+def _compare_ways(h, call: str, candidates: dict, baseline: str) -> None:
+    """Rows timing two ways of the same generation (``candidates``: name -> a run returning its tokens),
+    after a first run of each (which also compiles) has shown they generate the same tokens."""
+    outputs = [fn() for fn in candidates.values()]
     if not torch.equal(outputs[0], outputs[1]):
-        raise RuntimeError("bench_compiled_step: drafting step by step generated other tokens")
-    rows = h.compare("compiled_step", {"call": "speculative_drafts", "new_tokens": NEW_TOKENS, "model": "demo"},
-                     candidates, baseline="drafts_step_by_step")
+        raise RuntimeError(f"bench_compiled_step: {call}: {' and '.join(candidates)} generated other tokens")
+    rows = h.compare("compiled_step", {"call": call, "new_tokens": NEW_TOKENS, "model": "demo"}, candidates,
+                     baseline=baseline)
     for row in rows:
         row["tokens_per_s"] = NEW_TOKENS / (row["ms_median"] * 1e-3)
 

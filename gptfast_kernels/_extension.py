@@ -78,8 +78,9 @@ def _usable_backends(device_type: str, interpreting: bool) -> tuple[str, ...]:
 
 
 # Asked on every op call, and the answer never changes in a process: computed once, here, for every
-# key (other device types: the reference only). (Filled lazily instead, a torch.compile'd first call that came before any eager op call would
-# trace the insertion and guard on the key's absence, so its second call would compile again.)
+# key (other device types: the reference only). (Filled lazily instead, a torch.compile'd first call
+# that came before any eager op call would trace the insertion and guard on the key's absence, so
+# its second call would compile again.)
 _USABLE: dict[tuple[str, bool], tuple[str, ...]] = {
     (device_type, interpreting): _usable_backends(device_type, interpreting)
     for device_type in ("cpu", "cuda") for interpreting in (False, True)}

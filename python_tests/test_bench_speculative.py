@@ -24,22 +24,26 @@ def _run(target, draft, ids, new_tokens: int = 10):
                                 speculate_k=bench_speculative.SPECULATE_K, eos_token_id=[])
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral's tiny config: ring-buffer (window) layers
-def test_replay_repeats_the_runs_forwards(monkeypatch, family):
-    target, draft = _pair(family)
-    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
-    logged = []
-    original = speculative_module.step_function
-
-    def logging(model, compile, **options):
-        step = original(model, compile, **options)
+def _logging(original, logged: list):
+    """``original`` (a step_function-like maker) whose functions also append a copy of each output
+    to ``logged``."""
+    def make(model, *options, **keywords):
+        step = original(model, *options, **keywords)
 
         def run(*args):
             out = step(*args)
             logged.append(out.clone())
             return out
         return run
+    return make
 
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral's tiny config: ring-buffer (window) layers
+def test_replay_repeats_the_runs_forwards(monkeypatch, family):
+    target, draft = _pair(family)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    logged = []
+    logging = _logging(speculative_module.step_function, logged)
     monkeypatch.setattr(speculative_module, "step_function", logging)
     with torch.no_grad():
         with bench_speculative._ForwardRecorder() as recorder:
@@ -64,20 +68,8 @@ def test_compiled_greedy_rounds_replay_their_drafts_call(monkeypatch):
     target, draft = _pair("llama")
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
     logged = []
-
-    def logging(original):
-        def make(model, *options, **keywords):
-            step = original(model, *options, **keywords)
-
-            def run(*args):
-                out = step(*args)
-                logged.append(out.clone())
-                return out
-            return run
-        return make
-
     for name in ("step_function", "greedy_drafts_function"):
-        monkeypatch.setattr(speculative_module, name, logging(getattr(speculative_module, name)))
+        monkeypatch.setattr(speculative_module, name, _logging(getattr(speculative_module, name), logged))
 
     def run():
         return speculative_generate(target, draft, ids, max_new_tokens=10, speculate_k=bench_speculative.SPECULATE_K,

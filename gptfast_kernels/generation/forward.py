@@ -64,11 +64,9 @@ def _greedy_drafts(first_input: torch.Tensor, first_mask: torch.Tensor, active: 
     steps, each with its host work between them): the round's first draft forward over
     ``first_input`` [B, 2] under ``first_mask`` [B, 2], then k - 1 one-token forwards over each
     draft under ``active`` [B], each draft the argmax of the forward before -> [B, k]."""
-    logits = forward_with_cache(model, first_input, cache, attention_mask=first_mask).logits[:, -1]
-    drafts = [logits.argmax(dim=-1)]
+    drafts = [_forward(first_input, first_mask, cache, model=model)[:, -1].argmax(dim=-1)]
     for _ in range(k - 1):
-        logits = forward_with_cache(model, drafts[-1][:, None], cache, attention_mask=active[:, None]).logits[:, -1]
-        drafts.append(logits.argmax(dim=-1))
+        drafts.append(_forward(drafts[-1][:, None], active[:, None], cache, model=model)[:, -1].argmax(dim=-1))
     return torch.stack(drafts, dim=1)
 
 

@@ -7,7 +7,7 @@ package compiles them (without the guards on the modules) and with every guard (
 step, on a CPU and on a GPU alike (where it is what the GPU waits on between CUDA-graph replays).
 Both copies generate the same tokens (checked before timing). Then ``speculative_drafts``: a
 compiled greedy round's k drafts in one call of the draft (the package's way) against one compiled
-step per draft, on the package's copies.
+step per draft, on the package's copies; ``speculative_sampled_drafts`` the same at temperature 0.8.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import torch
 import gptfast_kernels.generation.speculative as speculative_module
 from bench.bench_speculative import demo_models
 from gptfast_kernels import generate, patch_model, speculative_generate
-from gptfast_kernels.generation.forward import greedy_drafts_function, step_function
+from gptfast_kernels.generation.forward import drafts_function, step_function
 
 NEW_TOKENS = 128
 SPECULATE_K = 4
+SAMPLED_TEMPERATURE = 0.8  # speculative_sampled_drafts' rows
 
 
 def _patched_pair(target, draft, module_guards: bool):
@@ -32,7 +33,7 @@ def _patched_pair(target, draft, module_guards: bool):
     if module_guards:
         for model in patched:
             step_function(model, True, module_guards=True)  # the step generation then takes
-            greedy_drafts_function(model, module_guards=True)  # (a speculative round's drafts in one call)
+            drafts_function(model, module_guards=True)  # (a speculative round's drafts in one call)
     return patched
 
 
@@ -48,12 +49,20 @@ def run(h) -> None:
     for call, fn in calls.items():
         candidates = {name: (lambda pair=pair: fn(*pair)) for name, pair in pairs.items()}
         _compare_ways(h, call, candidates, baseline="module_guards")
-    # a compiled greedy round's k drafts in one call (the package's way) against k draft steps
+    # a compiled round's k drafts in one call (the package's way) against k draft steps, greedy and
+    # sampled (each run drawing from a generator seeded alike: the same tokens either way)
     target_model, draft_model = pairs["default"]
-    speculative = calls["speculative"]
-    candidates = {"drafts_in_one_call": lambda: speculative(target_model, draft_model),
-                  "drafts_step_by_step": lambda: _drafting_step_by_step(speculative, target_model, draft_model)}
-    _compare_ways(h, "speculative_drafts", candidates, baseline="drafts_step_by_step")
+
+    def sampled(t, d):
+        generator = torch.Generator(h.device).manual_seed(0)
+        return speculative_generate(t, d, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[], speculate_k=SPECULATE_K,
+                                    compile=True, temperature=SAMPLED_TEMPERATURE, generator=generator).sequences
+
+    for call, speculative in (("speculative_drafts", calls["speculative"]), ("speculative_sampled_drafts", sampled)):
+        candidates = {"drafts_in_one_call": lambda fn=speculative: fn(target_model, draft_model),
+                      "drafts_step_by_step": lambda fn=speculative: _drafting_step_by_step(fn, target_model,
+                                                                                         draft_model)}
+        _compare_ways(h, call, candidates, baseline="drafts_step_by_step")
 
 
 def _compare_ways(h, call: str, candidates: dict, baseline: str) -> None:
@@ -70,9 +79,9 @@ def _compare_ways(h, call: str, candidates: dict, baseline: str) -> None:
 
 def _drafting_step_by_step(speculative, target_model, draft_model):
     """``speculative(target_model, draft_model)`` with the draft proposing one compiled step per draft."""
-    original = speculative_module.greedy_drafts_function
-    speculative_module.greedy_drafts_function = lambda model: None  # (DraftModelProposer then steps)
+    original = speculative_module.drafts_function
+    speculative_module.drafts_function = lambda model: None  # (DraftModelProposer then steps)
     try:
         return speculative(target_model, draft_model)
     finally:
-        speculative_module.greedy_drafts_function = original
+        speculative_module.drafts_function = original

@@ -43,6 +43,7 @@ import time
 
 import torch
 from torch._dynamo.utils import counters
+from torch.utils._pytree import tree_map
 from transformers import (Lfm2Config, Lfm2ForCausalLM, LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM,
                           MambaConfig, MambaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig)
 
@@ -143,11 +144,11 @@ def _e2e_rows(h):
 
 class _PatchedSteps:
     """Inside a with block, the generators' step functions are ``wrapped``'s: the target's and a
-    draft model's steps (``speculative.step_function``), a draft's round of greedy drafts in one
-    call (``speculative.greedy_drafts_function``) and a Gemma 4 assistant's steps
+    draft model's steps (``speculative.step_function``), a draft's round of drafts in one
+    call (``speculative.drafts_function``) and a Gemma 4 assistant's steps
     (``assistant.assistant_step_function``)."""
 
-    PATCHED = ((speculative_module, "step_function"), (speculative_module, "greedy_drafts_function"),
+    PATCHED = ((speculative_module, "step_function"), (speculative_module, "drafts_function"),
                (assistant_module, "assistant_step_function"))
 
     def __init__(self):
@@ -194,7 +195,7 @@ class _ForwardClock(_PatchedSteps):
 
 class _ForwardRecorder(_PatchedSteps):
     """Records every forward a generation makes through ``speculative.step_function`` (the target's
-    and a draft model's) and ``speculative.greedy_drafts_function`` (a round's drafts in one call):
+    and a draft model's) and ``speculative.drafts_function`` (a round's drafts in one call):
     the function, copies of its tensor arguments, its cache and that cache's lengths before the
     call, so that ``replay`` can run the same calls again, back to back without the rounds' other
     work. ``replayable`` is False when the run also drafted through another step (a Gemma 4
@@ -216,7 +217,7 @@ class _ForwardRecorder(_PatchedSteps):
                     lengths = [cache.seq_lengths.clone()]
                     if cache.has_ring_layers:
                         lengths.append(cache.written_lengths.clone())
-                    copies = tuple(arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args)
+                    copies = tree_map(lambda arg: arg.clone() if isinstance(arg, torch.Tensor) else arg, args)
                     self.calls.append((step, copies, cache, lengths))
                     return step(*args)
                 return run
@@ -269,7 +270,7 @@ def _timed_rounds(h, generate_fn, rows: int, new_tokens: int, prefill_seconds: f
     fields = {"batch": rows, "speculate_k": SPECULATE_K,
               "rounds_per_s": int(out.num_proposed.max()) // SPECULATE_K / seconds,
               "tokens_per_s": rows * new_tokens / seconds,
-              "step_calls_per_run": len(recorder.calls),  # (a round of greedy drafts in one call counts once)
+              "step_calls_per_run": len(recorder.calls),  # (a round of drafts in one call counts once)
               "fraction_outside_forwards": outside,
               "fraction_outside_forwards_upper": 1 - (clock.seconds + prefill_seconds) / clocked_seconds,
               "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"]}

@@ -6,6 +6,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._pytree import tree_map
 
 import gptfast_kernels.generation.speculative as speculative_module
 from bench import bench_speculative
@@ -32,7 +33,7 @@ def _logging(original, logged: list):
 
         def run(*args):
             out = step(*args)
-            logged.append(out.clone())
+            logged.append(tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out))
             return out
         return run
     return make
@@ -61,19 +62,21 @@ def test_replay_repeats_the_runs_forwards(monkeypatch, family):
         torch.testing.assert_close(replayed, original_logits, rtol=0, atol=0)
 
 
-def test_compiled_greedy_rounds_replay_their_drafts_call(monkeypatch):
-    """Compiled and greedy, a round drafts in one call (speculative.greedy_drafts_function): the
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}], ids=["greedy", "sampled"])
+def test_compiled_rounds_replay_their_drafts_call(monkeypatch, sampling):
+    """Compiled, a round drafts in one call (speculative.drafts_function), greedy or sampled: the
     recorder and the clock see it beside the target's forward (two calls a round), and the replay
-    gives the run's drafts and logits exactly."""
+    gives the run's drafts (sampled: at the run's uniforms) and logits exactly."""
     target, draft = _pair("llama")
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
     logged = []
-    for name in ("step_function", "greedy_drafts_function"):
+    for name in ("step_function", "drafts_function"):
         monkeypatch.setattr(speculative_module, name, _logging(getattr(speculative_module, name), logged))
 
     def run():
         return speculative_generate(target, draft, ids, max_new_tokens=10, speculate_k=bench_speculative.SPECULATE_K,
-                                    eos_token_id=[], compile=True)
+                                    eos_token_id=[], compile=True, generator=torch.Generator().manual_seed(3),
+                                    **sampling)
 
     with torch.no_grad():
         run()  # (compiles)

@@ -4,7 +4,7 @@ Compiled (``compile=True``): one ``torch.compile(fullgraph=True)`` function per 
 model so later calls reuse it; on CUDA in "reduce-overhead" mode, i.e. replayed as a CUDA graph
 (the cache buffers and lengths have static addresses, and no step synchronises with the host).
 Each distinct token count T (1 for decode, 2 and k + 1 for speculation) is its own graph; a draft
-model's greedy round (its k forwards and their argmaxes) is one more (greedy_drafts_function).
+model's round of drafts (its k forwards and the picks between them) is one more (drafts_function).
 Prefill, whose length changes from call to call, runs eagerly. The step is compiled without dynamo's guards
 on the model's modules, which cost more per call than a small model's step takes to run on a CPU
 (CompiledStep says what is checked instead, and when ``forget_compiled`` is needed).
@@ -17,6 +17,7 @@ import types
 
 import torch
 
+from gptfast_kernels.generation.sampling import logits_to_probs, sample_by_uniform
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels.models.patch import forward_with_cache
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
@@ -58,22 +59,35 @@ def _forward_with_hidden(tokens: torch.Tensor, attention_mask: torch.Tensor, cac
     return out.logits, out.hidden_states[-1]
 
 
-def _greedy_drafts(first_input: torch.Tensor, first_mask: torch.Tensor, active: torch.Tensor, cache: StaticKVCache,
-                   k: int, model=None) -> torch.Tensor:
-    """A speculative round's k greedy drafts per row in one call (one compiled graph instead of k
-    steps, each with its host work between them): the round's first draft forward over
-    ``first_input`` [B, 2] under ``first_mask`` [B, 2], then k - 1 one-token forwards over each
-    draft under ``active`` [B], each draft the argmax of the forward before -> [B, k]."""
-    drafts = [_forward(first_input, first_mask, cache, model=model)[:, -1].argmax(dim=-1)]
-    for _ in range(k - 1):
-        drafts.append(_forward(drafts[-1][:, None], active[:, None], cache, model=model)[:, -1].argmax(dim=-1))
-    return torch.stack(drafts, dim=1)
+def _drafts(first_input: torch.Tensor, first_mask: torch.Tensor, active: torch.Tensor, cache: StaticKVCache,
+            k: int, sampling: tuple | None, model=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A speculative round's k drafts per row in one call (one compiled graph instead of k steps,
+    each with its host work between them): the round's first draft forward over ``first_input``
+    [B, 2] under ``first_mask`` [B, 2], then k - 1 one-token forwards over each draft under
+    ``active`` [B]. Each draft is the argmax of the forward before (``sampling`` None), or sampled
+    from its distribution: ``sampling`` = (uniforms [B, k] float64, draft i of a row taking column
+    i; temperature, top_k, top_p, min_p as [B] tensors, a filter that is off None; see
+    SpeculativeRounds.draft_sampling) -> (drafts [B, k], their distributions [B, k, V] float32, or
+    None when greedy)."""
+    logits = _forward(first_input, first_mask, cache, model=model)[:, -1]
+    drafts, distributions = [], []
+    for i in range(k):
+        if i:
+            logits = _forward(drafts[-1][:, None], active[:, None], cache, model=model)[:, -1]
+        if sampling is None:
+            drafts.append(logits.argmax(dim=-1))
+        else:
+            uniforms, *filters = sampling
+            distributions.append(logits_to_probs(logits, *filters))
+            drafts.append(sample_by_uniform(distributions[-1], uniforms[:, i]))
+    return torch.stack(drafts, dim=1), torch.stack(distributions, dim=1) if distributions else None
 
 
-def greedy_drafts_function(model, *, module_guards: bool = False):
-    """``model``'s compiled ``(first_input, first_mask, active, cache, k) -> drafts [B, k]`` (see
-    _greedy_drafts), kept on the model like its steps (``module_guards``: as step_function's)."""
-    return compiled_function(model, _greedy_drafts, "greedy_drafts", module_guards=module_guards)
+def drafts_function(model, *, module_guards: bool = False):
+    """``model``'s compiled ``(first_input, first_mask, active, cache, k, sampling) -> (drafts
+    [B, k], distributions or None)`` (see _drafts), kept on the model like its steps
+    (``module_guards``: as step_function's)."""
+    return compiled_function(model, _drafts, "drafts", module_guards=module_guards)
 
 
 def _bound(function, model):

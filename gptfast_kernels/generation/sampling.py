@@ -303,6 +303,37 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def sample_by_uniform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[B, V] probabilities (any positive total) and [B] uniforms in [0, 1) -> [B] int64 tokens:
+    each row's inverse CDF at its uniform, the first token whose cumulative mass (float64) passes
+    uniform x total. Sampling from drawn numbers rather than from a generator inside the call lets
+    a compiled function sample (a speculative round's drafts in one call) and an eager one take the
+    same tokens. A token of zero mass is never taken: where rounding leaves no cumulative mass past
+    the mark, the row takes its last token of nonzero mass."""
+    cdf = probs.double().cumsum(dim=-1)
+    past = cdf > (uniforms.double() * cdf[:, -1])[:, None]
+    # (argmax returns the first of equal maxima: the first token past the mark, and the first
+    # token where the cumulative mass reaches its total, which is the last of nonzero mass)
+    return torch.where(past.any(dim=-1), past.to(torch.uint8).argmax(dim=-1), cdf.argmax(dim=-1))
+
+
+def sampling_rows(temperature, top_k, top_p, min_p, batch_size: int, device: torch.device) -> tuple:
+    """check_sampling_args's (temperature, top_k, top_p, min_p) -> the same as [B] per-row tensors, a
+    filter that is off for every row None: logits_to_probs reads them exactly as the numbers, and a
+    compiled function given them is not compiled anew for each value (as it is for numbers)."""
+    def rows(value, dtype):
+        if isinstance(value, torch.Tensor):
+            return value.to(dtype)
+        return torch.full((batch_size,), value, dtype=dtype, device=device)
+
+    def off(value, none) -> bool:
+        return not isinstance(value, torch.Tensor) and (value is None or value == none)
+
+    return (rows(temperature, torch.float32), None if off(top_k, None) else rows(top_k, torch.int64),
+            None if off(top_p, 1) else rows(top_p, torch.float32),
+            None if off(min_p, 0) else rows(min_p, torch.float32))
+
+
 def pick_tokens(logits: torch.Tensor, temperature, top_k, top_p, min_p,
                 generator: torch.Generator | None) -> torch.Tensor:
     """[B, V] logits -> [B] int64 tokens: argmax when temperature is 0, else a sample (per row

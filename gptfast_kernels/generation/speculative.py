@@ -20,11 +20,12 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.assistant import AssistantProposer, check_assistant, is_gemma4_assistant
-from gptfast_kernels.generation.forward import cache_for, greedy_drafts_function, step_function
+from gptfast_kernels.generation.forward import cache_for, drafts_function, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
 from gptfast_kernels.generation.options import check_decode_options
 from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs, per_row,
-                                                 process_logits, sample_from, token_logprobs, too_early)
+                                                 process_logits, sample_by_uniform, sample_from, sampling_rows,
+                                                 token_logprobs, too_early)
 from gptfast_kernels.generation.stopping import StopMatcher
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
@@ -133,10 +134,9 @@ class DraftModelProposer:
         self.cache = cache_for(draft_model, batch_size, capacity, device, dtype, reuse=compile, step_tokens=k + 1,
                                role="draft")
         self.step = step_function(draft_model, compile)
-        # compiled, a round's greedy drafts are one call (a draft with recurrent states drafts step by
-        # step: its states' history is kept per forward)
-        self.greedy_drafts = (greedy_drafts_function(draft_model) if compile and not self.cache.has_recurrent_layers
-                              else None)
+        # compiled, a round's drafts are one call (a draft with recurrent states drafts step by step:
+        # its states' history is kept per forward)
+        self.drafts = drafts_function(draft_model) if compile and not self.cache.has_recurrent_layers else None
         self.pending = torch.full((batch_size,), -1, dtype=torch.int64, device=device)
 
     def prefill(self, prompt: common.Prompt, target_hidden=None) -> None:
@@ -148,14 +148,15 @@ class DraftModelProposer:
         first_input = torch.stack([self.pending.clamp(min=0), last], dim=1)
         first_mask = torch.stack([(self.pending >= 0) & active, active], dim=1)
         if self.drafts_in_one_call(rounds, history):
-            return self.greedy_drafts(first_input, first_mask, active, self.cache, rounds.k), None
+            return self.drafts(first_input, first_mask, active, self.cache, rounds.k, rounds.draft_sampling(last))
         return rounds.draft(history, self.first_logits(first_input, first_mask),
                             lambda token: self.step(token[:, None], active[:, None], self.cache)[:, -1])
 
     def drafts_in_one_call(self, rounds: "SpeculativeRounds", history: "History") -> bool:
-        """Whether this round's drafts are one compiled call (compiled, no recurrent states, each
-        draft the argmax of the draft's logits); else ``first_logits``, then a step per draft."""
-        return self.greedy_drafts is not None and rounds.drafts_by_argmax(history)
+        """Whether this round's drafts are one compiled call (compiled, no recurrent states, the
+        drafts picked from the draft's logits as they are); else ``first_logits``, then a step per
+        draft."""
+        return self.drafts is not None and rounds.drafts_unprocessed(history)
 
     def first_logits(self, first_input: torch.Tensor, first_mask: torch.Tensor) -> torch.Tensor:
         """The round's first draft forward, [pending, last] [B, 2] -> the last column's logits [B, V]."""
@@ -205,6 +206,7 @@ class SpeculativeRounds:
     presence_penalty: float | torch.Tensor = 0.0
     frequency_penalty: float | torch.Tensor = 0.0
     stop: StopMatcher | None = None  # the stop sequences and strings, or None
+    filter_rows: tuple | None = field(default=None, init=False, repr=False)  # (draft_sampling's)
 
     @classmethod
     def checked(cls, op, model, input_ids, attention_mask, max_new_tokens, speculate_k, temperature, top_k, top_p,
@@ -261,22 +263,43 @@ class SpeculativeRounds:
         return process_logits(logits, record, self.repetition_penalty, self.is_eos, early, self.presence_penalty,
                               self.frequency_penalty)
 
-    def pick(self, logits, record: TokenRecord, early=None):
+    def pick(self, logits, record: TokenRecord, early=None, uniforms=None):
         """[B, V] logits -> ([B] tokens, [B, V] float32 probabilities, or None when greedy: greedy
         verification needs only the target's argmax, so no distribution is built). ``record``: what
         the penalties read of each row's text; ``early`` [B]: rows whose eos ids are suppressed (see
-        ``processed``)."""
+        ``processed``); ``uniforms`` [B]: sampled by sample_by_uniform at these (default: from the
+        generator)."""
         logits = self.processed(logits, record, early)
         if self.greedy:
             return logits.argmax(dim=-1), None
         probs = logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
-        return sample_from(probs, self.generator), probs
+        return (sample_from(probs, self.generator) if uniforms is None else sample_by_uniform(probs, uniforms)), probs
 
-    def drafts_by_argmax(self, history: History) -> bool:
-        """Whether each draft is the argmax of the draft's logits as they are: greedy, no penalty, no
-        eos held back (then ``draft`` picks nothing else, and a proposer may draft in one call)."""
-        return (self.greedy and history.record.seen is None and history.record.counts is None
+    def drafts_unprocessed(self, history: History) -> bool:
+        """Whether the drafts are picked from the draft's logits as they are: no penalty, no eos held
+        back (then ``draft`` processes nothing, and a proposer may draft in one call)."""
+        return (history.record.seen is None and history.record.counts is None
                 and self.too_early(history.num_generated, 0) is None)
+
+    def draft_uniforms(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """A round's draws for sampling its drafts, [B, k] float64 uniforms from the generator (draft i
+        of a row sampled at column i: sample_by_uniform), drawn at once so that drafts sampled in one
+        compiled call and step by step are the same; None when greedy. ``rows``: any [B] tensor of
+        the round's, on its device."""
+        if self.greedy:
+            return None
+        return torch.rand(rows.shape[0], self.k, dtype=torch.float64, device=rows.device, generator=self.generator)
+
+    def draft_sampling(self, rows: torch.Tensor) -> tuple | None:
+        """What a round's drafts are sampled with in one compiled call, None when greedy: (uniforms
+        [B, k] (draft_uniforms), temperature, top_k, top_p, min_p as sampling_rows gives them)."""
+        uniforms = self.draft_uniforms(rows)
+        if uniforms is None:
+            return None
+        if self.filter_rows is None:  # (the same for every round of a run)
+            self.filter_rows = sampling_rows(self.temperature, self.top_k, self.top_p, self.min_p, uniforms.shape[0],
+                                             uniforms.device)
+        return uniforms, *self.filter_rows
 
     def draft(self, history: History, logits: torch.Tensor, advance: Callable[[torch.Tensor], torch.Tensor]
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -284,9 +307,11 @@ class SpeculativeRounds:
         from ``advance(token [B])`` -> logits [B, V] (the penalties and eos suppression as at those
         positions of the target) -> (tokens [B, k], distributions [B, k, V] or None when greedy)."""
         record = history.record.map(torch.clone)  # and the drafts, as they come
+        uniforms = self.draft_uniforms(history.num_generated)
         tokens, probs = [], []
         for i in range(self.k):
-            token, distribution = self.pick(logits, record, self.too_early(history.num_generated, i))
+            token, distribution = self.pick(logits, record, self.too_early(history.num_generated, i),
+                                            None if uniforms is None else uniforms[:, i])
             record.add(token[:, None])
             tokens.append(token)
             probs.append(distribution)

@@ -7,6 +7,7 @@ transformers' own bf16 error."""
 import pytest
 import torch
 
+import gptfast_kernels.generation.speculative as speculative_module
 from gptfast_kernels import StaticKVCache, _extension, generate, patch_model, speculative_generate
 from gptfast_kernels.generation.stopping import token_bytes
 from python_tests.tiny_models import PAD, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
@@ -63,8 +64,7 @@ def test_compiled_cuda_graph_decode_equals_eager(family):
 def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatch):
     """Sliding-window layers as ring buffers of window + 2 slots (prompt chunks of 3), on the CUDA
     kernels, in CUDA graphs when compiled: the tokens equal those of full-length caches, float32."""
-    from gptfast_kernels.generation import forward
-
+    
     patched = patch_model(tiny_model(family).cuda(), int8=False)
     ids, mask = _on_cuda(*ragged_prompts(3, 7, "left"))
     want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
@@ -131,6 +131,36 @@ def test_per_row_sampling_rows_sample_as_alone():
     for b, row in enumerate(rows):
         assert torch.equal(mixed[b], run([row] * 3)[b])
     assert torch.equal(mixed[0], generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences[0])
+
+
+def test_sampled_compiled_rounds_draft_in_one_cuda_graph(monkeypatch):
+    """Compiled and sampled, a round's drafts are one call of the draft (one CUDA graph, sampling at
+    uniforms drawn outside it): the same tokens and acceptances as compiled rounds drafting step by
+    step from the same generator seed."""
+    target = tiny_model("llama", layers=3).cuda()
+    patched = patched_copy(target, int8=True)
+    draft = patch_model(draft_of(target, 2).cuda(), int8=True)
+    ids, mask = _on_cuda(*ragged_prompts(3, 6, "left", seed=7))
+
+    def run():
+        return speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=3, eos_token_id=[],
+                                    compile=True, generator=torch.Generator("cuda").manual_seed(9),
+                                    temperature=[0.0, 0.9, 1.1], top_k=[None, 12, None], top_p=[None, None, 0.85])
+
+    calls = []
+    original = speculative_module.drafts_function
+
+    def counted(model):
+        drafts = original(model)
+        return lambda *args: calls.append(args) or drafts(*args)
+
+    monkeypatch.setattr(speculative_module, "drafts_function", counted)
+    in_one_call = run()
+    assert calls and all(args[-1] is not None for args in calls)  # (sampled: the uniforms and filters)
+    monkeypatch.setattr(speculative_module, "drafts_function", lambda model: None)
+    step_by_step = run()
+    assert torch.equal(in_one_call.sequences, step_by_step.sequences)
+    assert torch.equal(in_one_call.num_accepted, step_by_step.num_accepted) and 0 < in_one_call.acceptance_rate < 1
 
 
 def _served_as_alone(batcher, patched, seed: int) -> None:

@@ -12,7 +12,7 @@ from gptfast_kernels import generate, patch_model, prompt_lookup_generate, specu
 from gptfast_kernels.generation import forward
 from gptfast_kernels.generation.forward import CompiledStep
 from gptfast_kernels.generation.sampling import (apply_additive_penalties, apply_repetition_penalty, logits_to_probs,
-                                                 seen_tokens)
+                                                 sample_by_uniform, seen_tokens)
 from python_tests.tiny_models import INDEX_POSITIONED, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 
 NEW = 20
@@ -121,6 +121,26 @@ def test_sampling_follows_the_target_distribution(family, int8, min_p, penalty):
                                generator=g, eos_token_id=[])
     assert 0.05 < out.acceptance_rate < 0.95
     assert_samples_follow_the_target(target, prompt, out.sequences[:, 2:], vocab, temperature, min_p, penalty)
+
+
+def test_drafts_sample_each_rows_inverse_cdf_at_its_uniform():
+    """sample_by_uniform (how a round samples its drafts, step by step and in one compiled call):
+    the first token whose cumulative mass passes uniform x total, never a token of zero mass (at
+    uniform 1, past the last mark, the last token with mass), any positive total; many uniforms
+    from a generator give each token its probability."""
+    probs = torch.tensor([[0.2, 0.0, 0.5, 0.3, 0.0]])
+    uniforms = torch.tensor([0.0, 0.19, 0.21, 0.69, 0.71, 0.99, 1.0], dtype=torch.float64)
+    want = torch.tensor([0, 0, 2, 2, 3, 3, 3])
+    assert torch.equal(sample_by_uniform(probs.expand(len(uniforms), -1), uniforms), want)
+    assert torch.equal(sample_by_uniform(2 * probs.expand(len(uniforms), -1), uniforms), want)
+    g = torch.Generator().manual_seed(4)
+    probs = torch.rand(1, 40, generator=g) * (torch.rand(1, 40, generator=g) > 0.3)
+    probs /= probs.sum()
+    draws = 200_000
+    tokens = sample_by_uniform(probs.expand(draws, -1), torch.rand(draws, dtype=torch.float64, generator=g))
+    frequencies = torch.bincount(tokens, minlength=40) / draws
+    assert (frequencies[probs[0] == 0] == 0).all()
+    torch.testing.assert_close(frequencies, probs[0], rtol=0, atol=0.004)
 
 
 @pytest.mark.parametrize("presence, frequency", [(0.0, 1.5), (1.2, -0.8)])
@@ -309,11 +329,18 @@ def test_a_compiled_model_drafting_for_itself_keeps_two_caches():
     assert patched._gptfast_cache is not patched._gptfast_cache_draft
 
 
+# how a round's drafts are picked: from the draft's logits as they are (greedy, or sampled with
+# scalar or per-row arguments: in one compiled call), or after a penalty (step by step)
+DRAFTING = {"greedy": {}, "penalty": {"repetition_penalty": 1.3}, "sampled": {"temperature": 0.8, "top_k": 20},
+            "per_row": {"temperature": [0.0, 0.7, 1.2], "top_p": [None, 0.9, 0.8], "min_p": [0.05, None, 0.0]}}
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
-def test_compiled_greedy_rounds_draft_in_one_call(family, monkeypatch):
-    """Compiled and greedy (no penalty, no eos held back), a round's k drafts are one compiled call
-    of the draft (forward.greedy_drafts_function), not k steps: the same tokens and acceptances as
-    eager rounds, which draft step by step, with rows finishing at their own eos (inactive rows in
+def test_compiled_rounds_draft_in_one_call(family, monkeypatch):
+    """Compiled, with no penalty and no eos held back, a round's k drafts are one compiled call of
+    the draft (forward.drafts_function), not k steps, greedy or sampled: the same tokens and
+    acceptances as eager rounds, which draft step by step (sampled: from the same generator seed,
+    the drafts drawn at the same uniforms), with rows finishing at their own eos (inactive rows in
     the call) and, for Mistral, the caches' sliding layers as rings. With a penalty the compiled
     draft steps one token at a time again."""
     if family == "mistral":
@@ -329,19 +356,21 @@ def test_compiled_greedy_rounds_draft_in_one_call(family, monkeypatch):
         return original(self, *args)
 
     monkeypatch.setattr(CompiledStep, "__call__", counting)
-    for options in ({}, {"repetition_penalty": 1.3}):
+    for name, options in DRAFTING.items():
         run = dict(max_new_tokens=NEW, speculate_k=3, eos_token_id=stop, **options)
-        eager = speculative_generate(patched, draft, ids, mask, **run)
+        seeded = (lambda: {"generator": torch.Generator().manual_seed(11)}) if "temperature" in options else dict
+        eager = speculative_generate(patched, draft, ids, mask, **run, **seeded())
         calls.clear()
-        compiled = speculative_generate(patched, draft, ids, mask, compile=True, **run)
-        assert torch.equal(compiled.sequences, eager.sequences)
-        assert torch.equal(compiled.num_accepted, eager.num_accepted) and 0 < eager.acceptance_rate < 1
+        compiled = speculative_generate(patched, draft, ids, mask, compile=True, **run, **seeded())
+        assert torch.equal(compiled.sequences, eager.sequences), name
+        assert torch.equal(compiled.num_accepted, eager.num_accepted) and 0 < eager.acceptance_rate < 1, name
         rounds = calls[("target", "_forward")]  # one verification forward a round
         assert rounds > 0
-        if options:
-            assert calls[("draft", "_greedy_drafts")] == 0 and calls[("draft", "_forward")] == 3 * rounds
+        if name == "penalty":
+            assert calls[("draft", "_drafts")] == 0 and calls[("draft", "_forward")] == 3 * rounds
         else:
-            assert calls[("draft", "_greedy_drafts")] == rounds and calls[("draft", "_forward")] == 0
+            assert calls[("draft", "_drafts")] == rounds and calls[("draft", "_forward")] == 0, name
+        if name == "greedy":
             want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=stop).sequences
             assert torch.equal(compiled.sequences, want)
             new = compiled.sequences[:, 6:]

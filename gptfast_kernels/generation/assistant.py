@@ -197,7 +197,8 @@ class AssistantProposer:
 
         def advance(token):
             nonlocal state
-            next_logits, state = self.step(token, state, positions, masks, self.shared, self.embed)
+            # (a copy of the last call's output, as MtpProposer's)
+            next_logits, state = self.step(token, state.clone(), positions, masks, self.shared, self.embed)
             return next_logits
 
         return rounds.draft(history, logits, advance)

@@ -143,7 +143,10 @@ class MtpProposer:
 
         def advance(token):
             nonlocal state
-            state, next_logits = self.step(token[:, None], state[:, None], active[:, None], self.cache, self.first)
+            # (state is the last call's output, which on a GPU the next compiled call may write over,
+            # CUDA graphs' outputs living until then: the call takes a copy)
+            state, next_logits = self.step(token[:, None], state[:, None].clone(), active[:, None], self.cache,
+                                           self.first)
             return next_logits
 
         return rounds.draft(history, logits, advance)

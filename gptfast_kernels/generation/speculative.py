@@ -148,7 +148,11 @@ class DraftModelProposer:
         first_input = torch.stack([self.pending.clamp(min=0), last], dim=1)
         first_mask = torch.stack([(self.pending >= 0) & active, active], dim=1)
         if self.drafts_in_one_call(rounds, history):
-            return self.drafts(first_input, first_mask, active, self.cache, rounds.k, rounds.draft_sampling(last))
+            drafts, distributions = self.drafts(first_input, first_mask, active, self.cache, rounds.k,
+                                                rounds.draft_sampling(last))
+            # (on a GPU a CUDA graph's outputs, which the target's forward, the next compiled call, may
+            # write over: verification reads them after it)
+            return drafts.clone(), None if distributions is None else distributions.clone()
         return rounds.draft(history, self.first_logits(first_input, first_mask),
                             lambda token: self.step(token[:, None], active[:, None], self.cache)[:, -1])
 

@@ -32,8 +32,8 @@ def _compiled_outputs_last_until_the_next_compiled_call(monkeypatch):
     original = CompiledStep.__call__
 
     def call(self, *args):
-        for output in previous:
-            output.fill_(True if output.dtype == torch.bool else -3)
+        for output in previous:  # (NaN: a distribution or a sample built on it fails loudly)
+            output.fill_(float("nan") if output.is_floating_point() else True if output.dtype == torch.bool else -3)
         previous.clear()
         out = original(self, *args)
         previous.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))

@@ -22,11 +22,12 @@ def _generate(model, ids, mask, compile):
 
 
 def _step_logits(model, step, tokens):
-    """One step of ``step`` on a fresh cache of the model's, after a one-token prompt."""
+    """One step of ``step`` on a fresh cache of the model's, after a one-token prompt (its logits
+    copied: a compiled call's outputs last until the next compiled call, conftest.py)."""
     cache = cache_for(model, tokens.shape[0], 16, tokens.device, next(model.parameters()).dtype, reuse=True)
     mask = torch.ones_like(tokens, dtype=torch.bool)
     step(tokens, mask, cache)
-    return step(tokens, mask, cache)
+    return step(tokens, mask, cache).clone()
 
 
 def test_module_attributes_are_not_guarded_and_forget_compiled_retraces():

@@ -9,6 +9,7 @@ import torch
 
 import gptfast_kernels.generation.speculative as speculative_module
 from gptfast_kernels import StaticKVCache, _extension, generate, patch_model, speculative_generate
+from gptfast_kernels.generation import forward
 from gptfast_kernels.generation.stopping import token_bytes
 from python_tests.tiny_models import PAD, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 from python_tests.tiny_tokenizers import byte_level_tokenizer, stop_string_from
@@ -64,7 +65,6 @@ def test_compiled_cuda_graph_decode_equals_eager(family):
 def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatch):
     """Sliding-window layers as ring buffers of window + 2 slots (prompt chunks of 3), on the CUDA
     kernels, in CUDA graphs when compiled: the tokens equal those of full-length caches, float32."""
-    
     patched = patch_model(tiny_model(family).cuda(), int8=False)
     ids, mask = _on_cuda(*ragged_prompts(3, 7, "left"))
     want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences

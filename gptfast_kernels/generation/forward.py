@@ -69,15 +69,15 @@ def _drafts(first_input: torch.Tensor, first_mask: torch.Tensor, active: torch.T
     i; temperature, top_k, top_p, min_p as [B] tensors, a filter that is off None; see
     SpeculativeRounds.draft_sampling) -> (drafts [B, k], their distributions [B, k, V] float32, or
     None when greedy)."""
+    uniforms, *filters = (None,) if sampling is None else sampling
     logits = _forward(first_input, first_mask, cache, model=model)[:, -1]
     drafts, distributions = [], []
     for i in range(k):
         if i:
             logits = _forward(drafts[-1][:, None], active[:, None], cache, model=model)[:, -1]
-        if sampling is None:
+        if uniforms is None:
             drafts.append(logits.argmax(dim=-1))
         else:
-            uniforms, *filters = sampling
             distributions.append(logits_to_probs(logits, *filters))
             drafts.append(sample_by_uniform(distributions[-1], uniforms[:, i]))
     return torch.stack(drafts, dim=1), torch.stack(distributions, dim=1) if distributions else None

@@ -326,12 +326,12 @@ def sampling_rows(temperature, top_k, top_p, min_p, batch_size: int, device: tor
             return value.to(dtype)
         return torch.full((batch_size,), value, dtype=dtype, device=device)
 
-    def off(value, none) -> bool:
-        return not isinstance(value, torch.Tensor) and (value is None or value == none)
+    def off(value, name: str) -> bool:  # (a number that is off: None, or what _OFF holds for a row)
+        return not isinstance(value, torch.Tensor) and (value is None or value == _OFF[name])
 
-    return (rows(temperature, torch.float32), None if off(top_k, None) else rows(top_k, torch.int64),
-            None if off(top_p, 1) else rows(top_p, torch.float32),
-            None if off(min_p, 0) else rows(min_p, torch.float32))
+    return (rows(temperature, torch.float32), None if off(top_k, "top_k") else rows(top_k, torch.int64),
+            None if off(top_p, "top_p") else rows(top_p, torch.float32),
+            None if off(min_p, "min_p") else rows(min_p, torch.float32))
 
 
 def pick_tokens(logits: torch.Tensor, temperature, top_k, top_p, min_p,

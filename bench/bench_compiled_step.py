@@ -8,22 +8,30 @@ step, on a CPU and on a GPU alike (where it is what the GPU waits on between CUD
 Both copies generate the same tokens (checked before timing). Then ``speculative_drafts``: a
 compiled greedy round's k drafts in one call of the draft (the package's way) against one compiled
 step per draft, on the package's copies; ``speculative_sampled_drafts`` the same at temperature 0.8.
+Then ``generate_pick`` and ``generate_sampled_pick``: ``generate``'s step with the next token picked
+(and the rows' state advanced) inside the compiled call (generation/decode_step.py, the package's way)
+against a compiled forward followed by the same pick run eagerly, greedy and at temperature 0.8.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 
 import torch
 
 import gptfast_kernels.generation.speculative as speculative_module
 from bench.bench_speculative import demo_models
 from gptfast_kernels import generate, patch_model, speculative_generate
+from gptfast_kernels.generation.decode_step import decode_function
 from gptfast_kernels.generation.forward import drafts_function, step_function
+
+# (the module: the package's generate function hides it as an attribute of gptfast_kernels.generation)
+generate_module = importlib.import_module("gptfast_kernels.generation.generate")
 
 NEW_TOKENS = 128
 SPECULATE_K = 4
-SAMPLED_TEMPERATURE = 0.8  # speculative_sampled_drafts' rows
+SAMPLED_TEMPERATURE = 0.8  # the sampled rows' (speculative_sampled_drafts, generate_sampled_pick)
 
 
 def _patched_pair(target, draft, module_guards: bool):
@@ -32,7 +40,8 @@ def _patched_pair(target, draft, module_guards: bool):
     patched = [patch_model(copy.deepcopy(model)) for model in (target, draft)]
     if module_guards:
         for model in patched:
-            step_function(model, True, module_guards=True)  # the step generation then takes
+            step_function(model, True, module_guards=True)  # the steps generation then takes
+            decode_function(model, module_guards=True)  # (generate's, its pick in the call)
             drafts_function(model, module_guards=True)  # (a speculative round's drafts in one call)
     return patched
 
@@ -63,6 +72,17 @@ def run(h) -> None:
                       "drafts_step_by_step": lambda fn=speculative: _drafting_step_by_step(fn, target_model,
                                                                                          draft_model)}
         _compare_ways(h, call, candidates, baseline="drafts_step_by_step")
+    # generate's pick inside its compiled step (the package's way) against after it, greedy and sampled
+
+    def generated(temperature):
+        generator = torch.Generator(h.device).manual_seed(0)
+        return generate(target_model, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[], compile=True,
+                        temperature=temperature, generator=generator).sequences
+
+    for call, temperature in (("generate_pick", 0.0), ("generate_sampled_pick", SAMPLED_TEMPERATURE)):
+        candidates = {"pick_in_the_step": lambda t=temperature: generated(t),
+                      "pick_after_the_step": lambda t=temperature: _picking_after_the_step(generated, t)}
+        _compare_ways(h, call, candidates, baseline="pick_after_the_step")
 
 
 def _compare_ways(h, call: str, candidates: dict, baseline: str) -> None:
@@ -79,9 +99,21 @@ def _compare_ways(h, call: str, candidates: dict, baseline: str) -> None:
 
 def _drafting_step_by_step(speculative, target_model, draft_model):
     """``speculative(target_model, draft_model)`` with the draft proposing one compiled step per draft."""
-    original = speculative_module.drafts_function
-    speculative_module.drafts_function = lambda model: None  # (DraftModelProposer then steps)
+    # (DraftModelProposer then steps)
+    return _without(speculative_module, "drafts_function", lambda: speculative(target_model, draft_model))
+
+
+def _picking_after_the_step(generated, temperature):
+    """``generated(temperature)`` with generate's compiled step a forward alone, its pick run eagerly after it."""
+    return _without(generate_module, "decode_function", lambda: generated(temperature))
+
+
+def _without(module, name: str, run):
+    """``run()`` while ``module.name`` (a function making a compiled call) gives None, as when the call is
+    not to be made."""
+    original = getattr(module, name)
+    setattr(module, name, lambda model: None)
     try:
-        return speculative(target_model, draft_model)
+        return run()
     finally:
-        speculative_module.drafts_function = original
+        setattr(module, name, original)

@@ -222,6 +222,17 @@ def check_flag(op: str, name: str, value) -> None:
         raise ValueError(f"{op}: {name} must be True or False, got {value!r}")
 
 
+def check_generator(op: str, generator, device: torch.device) -> None:
+    """None, or a torch.Generator on ``device``'s type (the model's), from which the sampled rows draw."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"{op}: generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator.device.type != device.type:
+        raise ValueError(f"{op}: generator must be on the model's device type ({device.type}), got a "
+                         f"{generator.device.type} generator")
+
+
 def check_streamer(op: str, streamer) -> None:
     """A transformers-style streamer (``put(tokens)``, ``end()``), or None."""
     if streamer is not None and not (callable(getattr(streamer, "put", None))

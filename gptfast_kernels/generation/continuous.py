@@ -115,6 +115,7 @@ class ContinuousBatcher:
         common.check_flag(op, "compile", compile)
         self.model, self.generator = model, generator
         self.device, dtype = common.model_device_dtype(model)
+        common.check_generator(op, generator, self.device)
         self.eos, _ = common.resolve_special_tokens(op, model, eos_token_id)
         self.vocab_size = common.input_vocab_size(model)
         self.cache = cache_for(model, batch_size, max_length + self.extra_slots, self.device, dtype, reuse=compile,

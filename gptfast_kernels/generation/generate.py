@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from gptfast_kernels.generation import common
+from gptfast_kernels.generation.decode_step import DecodeState, StepRule, advance, decode_function
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.options import check_decode_options
-from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, pick_tokens, process_logits, token_logprobs,
-                                                 too_early)
+from gptfast_kernels.generation.sampling import TokenRecord
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 
 
@@ -49,9 +49,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     ``min_new_tokens``: each a number for every row, or a list (or 1-D tensor) of one value per
     row, None for off (per-request sampling and limits): each row samples as it would with its own
     values for the whole batch, greedy rows (temperature 0) beside sampled ones, and a row that
-    reaches its own ``max_new_tokens`` ends as at an eos (pad ids after it).
-    ``compile``: run each decode step through torch.compile (a CUDA graph on GPUs); the model then
-    keeps its compiled step and its cache for later calls (see generation/forward.py).
+    reaches its own ``max_new_tokens`` ends as at an eos (pad ids after it). A sampled row takes,
+    each step, the first token whose cumulative probability passes a uniform drawn for it from
+    ``generator`` (sampling.sample_by_uniform).
+    ``compile``: run each decode step through torch.compile (a CUDA graph on GPUs), the pick of the
+    next token included unless a penalty is on; the model then keeps its compiled step, its cache
+    and its decode state for later calls (see generation/forward.py and decode_step.py).
     ``repetition_penalty``: as transformers' (CTRL's): before sampling, the logit of every token
     already in the row (its prompt, padding aside, and what it generated) is divided by it where
     positive and multiplied by it where negative; > 1 discourages repeats.
@@ -81,7 +84,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, eos_token_id=eos_token_id,
         stop_sequences=stop_sequences, stop_strings=stop_strings, tokenizer=tokenizer,
-        output_logprobs=output_logprobs, compile=compile, streamer=streamer).unpacked()
+        output_logprobs=output_logprobs, compile=compile, streamer=streamer, generator=generator).unpacked()
     B = prompt.input_ids.shape[0]
     if most_new == 0:
         if streamer is not None:
@@ -98,55 +101,55 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             raise ValueError(f"{op}: past_key_values must be a StaticKVCache with batch_size {B} and "
                              f"max_cache_len >= {needed} (longest prompt + max_new_tokens - 1)")
         cache.crop(torch.zeros_like(cache.seq_lengths), check=False)  # stale slots are never read
-    forward_step = step_function(model, compile)
     if streamer is not None:
         streamer.put(prompt.input_ids.cpu())
 
     logits = common.prefill(model, prompt, cache)
-    eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)
-    lengths = torch.zeros(B, dtype=torch.int64, device=device)  # new tokens up to each row's eos
-    finished = lengths >= max_new_tokens  # (per-row limits: rows of limit 0 make nothing)
+    record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, logits.shape[-1], repetition_penalty,
+                               presence_penalty, frequency_penalty)
+    rule = StepRule.build(B, device, logits.shape[-1], max_new_tokens, min_new_tokens, temperature, top_k, top_p,
+                          min_p, repetition_penalty, presence_penalty, frequency_penalty, eos, pad, output_logprobs)
+    state = DecodeState.start(model, B, device, max_new_tokens, reuse=compile)
+    # Without penalties (whose record each step writes) the step picks its token in the compiled
+    # call too: one call a step, and nothing else launched but the sampled rows' uniforms.
+    decode_call = decode_function(model) if compile and record.seen is None and record.counts is None else None
+    forward_step = step_function(model, compile) if decode_call is None else None
     # whether rows may end before most_new steps (an eos, a stop or a per-row limit); without that no
     # step asks whether all have (a GPU sync), and the output keeps every step's column
     ends_early = bool(eos) or stop is not None or isinstance(max_new_tokens, torch.Tensor)
-    record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, logits.shape[-1], repetition_penalty,
-                               presence_penalty, frequency_penalty)
-    is_eos = eos_columns(eos_ids, logits.shape[-1])
     stop_state = stop.start(B) if stop else None  # each row's state in the stop patterns
     new_tokens, logprobs = [], []
     for step in range(most_new):
-        early = too_early(step, min_new_tokens, B, device) if eos else None  # (every row has made `step` tokens)
-        processed = process_logits(logits, record, repetition_penalty, is_eos, early, presence_penalty,
-                                   frequency_penalty)
-        tokens = pick_tokens(processed, temperature, top_k, top_p, min_p, generator)
-        record.add(tokens[:, None])  # (a finished row's record no longer matters: it emits the pad id)
-        if output_logprobs:  # under the raw logits
-            logprobs.append(torch.where(finished, 0.0, token_logprobs(logits, tokens)))
-        tokens = torch.where(finished, pad, tokens)
-        new_tokens.append(tokens)
-        lengths += ~finished
-        finished |= torch.isin(tokens, eos_ids)
-        if isinstance(max_new_tokens, torch.Tensor):
-            finished |= lengths >= max_new_tokens
-        if stop is not None:
-            hits, states = stop.scan(stop_state, tokens[:, None])
-            finished |= hits[:, 0] & (step >= min_new_tokens)
-            stop_state = states[:, 0]
-        if streamer is not None:
-            streamer.put(tokens.cpu())
-        if step == most_new - 1:
-            break
         # Whether every row has finished is a GPU sync, so it is asked every EOS_CHECK_STEPS steps
         # (never without eos ids; every step when a streamer waits for each step anyway); the few
         # steps run past the end are cut off below.
-        if ends_early and (streamer is not None or (step + 1) % EOS_CHECK_STEPS == 0) and bool(finished.all()):
+        if step and ends_early and (streamer is not None or step % EOS_CHECK_STEPS == 0) and bool(
+                state.finished.all()):
             break
-        # finished rows are padding from now on: nothing written, their lengths stay put
-        logits = forward_step(tokens[:, None], ~finished[:, None], cache)[:, -1]
+        if rule.sampled:
+            state.uniforms.uniform_(generator=generator)
+        if not step:
+            logprob = advance(logits, state, rule, record)
+        elif decode_call is not None:
+            logprob = decode_call(state, cache, rule, record)
+        else:  # (finished rows are padding from now on: nothing written, their lengths stay put)
+            logits = forward_step(state.tokens[:, None], ~state.finished[:, None], cache)[:, -1]
+            logprob = advance(logits, state, rule, record)
+        # (copies: the state is the next step's, and a compiled call's outputs live until the next call)
+        tokens = state.tokens.clone()
+        new_tokens.append(tokens)
+        if output_logprobs:
+            logprobs.append(logprob.clone())
+        if stop is not None:
+            hits, states = stop.scan(stop_state, tokens[:, None])
+            state.finished |= hits[:, 0] & (step >= min_new_tokens)
+            stop_state = states[:, 0]
+        if streamer is not None:
+            streamer.put(tokens.cpu())
     if streamer is not None:
         streamer.end()
     generated = torch.stack(new_tokens, dim=1)
     # as transformers: up to the last row's eos (or stop, or limit)
-    new = int(lengths.max()) if ends_early else generated.shape[1]
+    new = int(state.lengths.max()) if ends_early else generated.shape[1]
     return GenerateOutput(torch.cat([prompt.input_ids, generated[:, :new]], dim=1),
                           torch.stack(logprobs, dim=1)[:, :new] if output_logprobs else None)

@@ -36,7 +36,7 @@ class DecodeOptions:
 def check_decode_options(op: str, model, prompt: common.Prompt, device: torch.device, *, max_new_tokens,
                          min_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                          frequency_penalty, eos_token_id, stop_sequences, stop_strings, tokenizer, output_logprobs,
-                         compile, streamer) -> DecodeOptions:
+                         compile, streamer, generator) -> DecodeOptions:
     """Checks what generate and the speculative generators share; each bad value is a ValueError (or
     TypeError) naming its argument."""
     batch = prompt.input_ids.shape[0]
@@ -50,4 +50,5 @@ def check_decode_options(op: str, model, prompt: common.Prompt, device: torch.de
     stop = StopMatcher.build(check_stop_sequences(op, stop_sequences, vocab),
                              check_stop_strings(op, stop_strings, tokenizer), tokenizer, vocab, device)
     common.check_streamer(op, streamer)
+    common.check_generator(op, generator, device)
     return DecodeOptions(*counts, *sampling, *penalties, eos, pad, stop)

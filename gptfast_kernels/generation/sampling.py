@@ -336,8 +336,10 @@ def sampling_rows(temperature, top_k, top_p, min_p, batch_size: int, device: tor
 
 def pick_tokens(logits: torch.Tensor, temperature, top_k, top_p, min_p,
                 generator: torch.Generator | None) -> torch.Tensor:
-    """[B, V] logits -> [B] int64 tokens: argmax when temperature is 0, else a sample (per row
-    with per-row arguments: a row of temperature 0 gets its argmax, from a one-hot distribution)."""
+    """[B, V] logits -> [B] int64 tokens: argmax when temperature is 0, else each row's sample at a
+    uniform of its own drawn from ``generator`` (sample_by_uniform; per row with per-row arguments:
+    a row of temperature 0 gets its argmax, from a one-hot distribution)."""
     if not isinstance(temperature, torch.Tensor) and temperature == 0:
         return logits.argmax(dim=-1)
-    return sample_from(logits_to_probs(logits, temperature, top_k, top_p, min_p), generator)
+    uniforms = torch.rand(logits.shape[0], dtype=torch.float64, device=logits.device, generator=generator)
+    return sample_by_uniform(logits_to_probs(logits, temperature, top_k, top_p, min_p), uniforms)

@@ -228,7 +228,7 @@ class SpeculativeRounds:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, eos_token_id=eos_token_id,
             stop_sequences=stop_sequences, stop_strings=stop_strings, tokenizer=tokenizer,
-            output_logprobs=output_logprobs, compile=compile, streamer=streamer)
+            output_logprobs=output_logprobs, compile=compile, streamer=streamer, generator=generator)
         if streamer is not None and prompt.input_ids.shape[0] != 1:
             raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
                              f"per round), got a batch of {prompt.input_ids.shape[0]}")

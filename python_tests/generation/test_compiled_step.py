@@ -59,12 +59,12 @@ def test_train_mode_and_dtype_changes_compile_the_step_anew():
     patched = patched_copy(tiny_model("llama"), int8=True)
     ids, mask = ragged_prompts(2, 6, "left")
     assert torch.equal(_generate(patched, ids, mask, True), _generate(patched, ids, mask, False))
-    step = patched._gptfast_compiled_forward
+    step = patched._gptfast_compiled_decode
     assert isinstance(step, CompiledStep)
     first = step.compiled
     patched.train()
     assert torch.equal(_generate(patched, ids, mask, True), _generate(patched, ids, mask, False))
-    assert patched._gptfast_compiled_forward is step and step.compiled is not first
+    assert patched._gptfast_compiled_decode is step and step.compiled is not first
     traced_in_train_mode = step.compiled
     patched.eval().to(torch.bfloat16)
     assert torch.equal(_generate(patched, ids, mask, True), _generate(patched, ids, mask, False))
@@ -80,9 +80,9 @@ def test_patch_model_again_drops_the_compiled_steps():
     patched = patched_copy(tiny_model("llama"), int8=True)
     ids, mask = ragged_prompts(2, 6, "left")
     _generate(patched, ids, mask, True)
-    assert hasattr(patched, "_gptfast_compiled_forward")
+    assert hasattr(patched, "_gptfast_compiled_decode")
     patch_model(patched, int8=False, fused_attention=False)
-    assert not hasattr(patched, "_gptfast_compiled_forward")
+    assert not hasattr(patched, "_gptfast_compiled_decode")
     with torch.no_grad():
         tokens = torch.tensor([[3], [5]])
         torch.testing.assert_close(_step_logits(patched, step_function(patched, True), tokens),

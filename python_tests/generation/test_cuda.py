@@ -60,6 +60,34 @@ def test_compiled_cuda_graph_decode_equals_eager(family):
     assert counters["inductor"]["cudagraph_skips"] == skips_before
 
 
+def test_compiled_sampled_decode_picks_in_the_cuda_graph():
+    """generate's compiled step with its pick in the graph: per-row sampling at the step's uniforms,
+    eos held back by min_new_tokens, per-row limits and log-probabilities, on state buffers the
+    graph updates in place (no CUDA-graph skip for them): the same tokens and log-probabilities as
+    eager steps from the same seed, twice (the state's buffers reused)."""
+    from torch._dynamo.utils import counters
+
+    patched = patch_model(tiny_model("llama", layers=3).cuda(), int8=True)
+    ids, mask = _on_cuda(*ragged_prompts(3, 7, "left", seed=8))
+    options = dict(max_new_tokens=[NEW, 5, NEW], min_new_tokens=3, eos_token_id=[4, 9], output_logprobs=True,
+                   temperature=[0.0, 0.9, 1.2], top_k=[None, 8, None], top_p=[None, None, 0.9])
+
+    def run(compile):
+        return generate(patched, ids, mask, compile=compile, generator=torch.Generator("cuda").manual_seed(2),
+                        **options)
+
+    eager = run(False)
+    skips_before = counters["inductor"]["cudagraph_skips"]
+    for _ in range(2):
+        compiled = run(True)
+        assert torch.equal(compiled.sequences, eager.sequences)
+        torch.testing.assert_close(compiled.logprobs, eager.logprobs)
+    assert counters["inductor"]["cudagraph_skips"] == skips_before
+    assert hasattr(patched, "_gptfast_compiled_decode")
+    with pytest.raises(ValueError, match="generator must be on the model's device type"):
+        generate(patched, ids, mask, max_new_tokens=2, temperature=1.0, generator=torch.Generator())
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text", "gpt_oss", "gemma4_text"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatch):

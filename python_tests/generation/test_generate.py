@@ -4,6 +4,7 @@ right-padded ragged batches), int8 equal to HF on the dequantised weights, eos p
 
 import collections
 import copy
+import importlib
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from python_tests.tiny_models import (EOS, FAMILIES, HYBRID, INDEX_POSITIONED, M
                                       patched_copy, ragged_prompts, tiny_model)
 
 NEW = 12
+generate_module = importlib.import_module("gptfast_kernels.generation.generate")  # (not the function)
 
 
 def hf_greedy(model, ids, mask, new=NEW, **kwargs):
@@ -359,6 +361,7 @@ def test_sampled_tokens_follow_the_distribution():
     (dict(compile="yes"), "compile", ValueError),
     (dict(eos_token_id="eos"), "eos_token_id", ValueError),
     (dict(past_key_values="cache"), "past_key_values", ValueError),
+    (dict(generator=0), "generator", TypeError),
 ])
 def test_bad_inputs(kwargs, needle, error):
     patched = patched_copy(tiny_model("llama"), int8=False)
@@ -381,7 +384,8 @@ def test_unpatched_model_and_short_cache_refused():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_decode_step_gives_the_same_tokens(family):
     """compile=True: the decode step runs through torch.compile(fullgraph=True) (a CUDA graph on
-    GPUs); tokens equal the eager run, and a second call reuses the model's compiled step."""
+    GPUs); tokens equal the eager run, and a second call reuses the model's compiled step, cache
+    and decode state."""
     patched = patched_copy(tiny_model(family), int8=True)
     ids, mask = ragged_prompts(2, 6, "left")
     eager = generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[]).sequences
@@ -397,10 +401,77 @@ def test_compiled_decode_step_gives_the_same_tokens(family):
         return
     compiled = generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[], compile=True).sequences
     assert torch.equal(compiled, eager)
-    step, cache = patched._gptfast_compiled_forward, patched._gptfast_cache
+    step, cache, state = patched._gptfast_compiled_decode, patched._gptfast_cache, patched._gptfast_decode_state
     again = generate(patched, ids[:, 1:], mask[:, 1:], max_new_tokens=5, eos_token_id=[], compile=True).sequences
     assert torch.equal(again, generate(patched, ids[:, 1:], mask[:, 1:], max_new_tokens=5, eos_token_id=[]).sequences)
-    assert patched._gptfast_compiled_forward is step and patched._gptfast_cache is cache
+    assert patched._gptfast_compiled_decode is step and patched._gptfast_cache is cache
+    assert patched._gptfast_decode_state is state
+
+
+# generate's options, as (name, keyword arguments): each way a step picks or a row ends
+PICKING = {
+    "greedy": dict(),
+    "sampled": dict(temperature=0.8, top_k=5),
+    "per_row": dict(temperature=[0.0, 0.9, 1.3], top_p=[None, 0.8, 0.9], min_p=[None, None, 0.05]),
+    "eos_held_back": dict(temperature=1.0, min_new_tokens=[2, 5, 3], eos_token_id=[3, 8], output_logprobs=True),
+    "per_row_limits": dict(max_new_tokens=[3, 10, 0], eos_token_id=[6]),
+    "stops": dict(stop_sequences=[[7, 7]], eos_token_id=[5], min_new_tokens=2),
+    "penalty": dict(temperature=0.7, repetition_penalty=1.3, eos_token_id=[4]),
+}
+
+
+@pytest.mark.parametrize("picking", PICKING)
+def test_compiled_steps_pick_their_tokens_in_the_call(picking, monkeypatch):
+    """Compiled, a decode step is one call: the forward, then the pick (argmax, or a sample at the
+    step's uniforms) and each row's eos, limit and length, on buffers the step updates in place.
+    Tokens and log-probabilities equal the eager steps' from the same seed, in every way a step
+    picks or a row ends; with a penalty (whose record each step writes) the forward is the call
+    and the pick follows it."""
+    from gptfast_kernels.generation.forward import CompiledStep
+
+    patched = patched_copy(tiny_model("llama"), int8=True)
+    ids, mask = ragged_prompts(3, 6, "left", seed=3)
+    options = dict(max_new_tokens=10, eos_token_id=[], output_logprobs=True)
+    options.update(PICKING[picking])
+
+    def run(compile):
+        return generate(patched, ids, mask, compile=compile, generator=torch.Generator().manual_seed(4), **options)
+
+    calls = []
+    original = CompiledStep.__call__
+    monkeypatch.setattr(CompiledStep, "__call__", lambda self, *a: calls.append(self.function.__name__)
+                        or original(self, *a))
+    eager, compiled = run(False), run(True)
+    assert calls, "no compiled step ran"
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs)
+    assert set(calls) == {"_forward" if picking == "penalty" else "_decode_step"}
+    assert len(calls) <= compiled.sequences.shape[1] - ids.shape[1] - 1 + generate_module.EOS_CHECK_STEPS
+    if options.get("temperature"):  # (sampled: not the greedy tokens)
+        assert not torch.equal(eager.sequences, generate(patched, ids, mask, **{
+            **options, **dict(temperature=0.0, top_k=None, top_p=None, min_p=None)}).sequences)
+
+
+def test_new_sampling_values_reuse_the_compiled_step():
+    """Another temperature, top-k, top-p, min_new_tokens or per-row limit is not another graph: the
+    step takes them as tensors, and its state's buffers are the model's from call to call."""
+    patched = patched_copy(tiny_model("llama"), int8=True)
+    ids, mask = ragged_prompts(2, 6, "left", seed=5)
+
+    def run(temperature, top_k, top_p, min_new, limits):
+        return generate(patched, ids, mask, max_new_tokens=limits, min_new_tokens=min_new, temperature=temperature,
+                        top_k=top_k, top_p=top_p, eos_token_id=[5], compile=True,
+                        generator=torch.Generator().manual_seed(1)).sequences
+
+    run(0.7, 5, 0.9, 2, [4, 6])
+    graphs, state = torch._dynamo.utils.counters["stats"]["unique_graphs"], patched._gptfast_decode_state
+    for values in ((1.3, 9, 0.8, 3, [6, 2]), ([0.5, 1.1], [3, None], [0.95, 0.6], [1, 4], [5, 3])):
+        want = generate(patched, ids, mask, max_new_tokens=values[4], min_new_tokens=values[3], temperature=values[0],
+                        top_k=values[1], top_p=values[2], eos_token_id=[5],
+                        generator=torch.Generator().manual_seed(1)).sequences
+        assert torch.equal(run(*values), want)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert patched._gptfast_decode_state is state
 
 
 @pytest.mark.parametrize("family", MOE)

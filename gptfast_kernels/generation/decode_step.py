@@ -1,0 +1,122 @@
+"""``generate``'s decode step: a forward over each row's last token, then its next token picked and
+the rows' state advanced, in one compiled call when nothing outside it has to run between them.
+
+The per-row state lives in buffers that each step updates in place (DecodeState). Compiled, they
+are kept with the model between calls, like its cache, at fixed addresses: a CUDA graph reads and
+writes them where they are, so a step launches nothing but its graph (and, sampled, one draw of
+uniforms), where picking outside the graph took an argmax or a softmax and a multinomial, and the
+bookkeeping (the pad id for finished rows, the lengths, the eos test) a handful of small kernels,
+each a launch on a GPU and a dispatch on a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from gptfast_kernels.generation.forward import _forward, compiled_function
+from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs,
+                                                 process_logits, sample_by_uniform, sampling_rows, token_logprobs)
+
+STATE_ATTRIBUTE = "_gptfast_decode_state"  # where a compiling model keeps its DecodeState
+
+
+@dataclass
+class DecodeState:
+    """Each row's state between decode steps, updated in place by ``advance``."""
+    tokens: torch.Tensor    # [B] int64: the row's last token (the pad id once it has finished)
+    finished: torch.Tensor  # [B] bool
+    lengths: torch.Tensor   # [B] int64: new tokens up to the row's end (eos, stop or limit)
+    uniforms: torch.Tensor  # [B] float64: the step's draw, at which a sampled row picks (sample_by_uniform)
+
+    @classmethod
+    def start(cls, model, batch_size: int, device: torch.device, max_new_tokens, *, reuse: bool) -> "DecodeState":
+        """The state before the first new token (a row whose ``max_new_tokens`` is 0 finished).
+        With ``reuse`` (compiled steps) ``model`` keeps it and hands it out again for the same batch
+        size and device, its buffers marked static: compiled graphs are specialised on them."""
+        state = getattr(model, STATE_ATTRIBUTE, None) if reuse else None
+        if state is None or state.tokens.shape[0] != batch_size or state.tokens.device != device:
+            def zeros(dtype):
+                return torch.zeros(batch_size, dtype=dtype, device=device)
+
+            state = cls(zeros(torch.int64), zeros(torch.bool), zeros(torch.int64), zeros(torch.float64))
+            if reuse:
+                for tensor in (state.tokens, state.finished, state.lengths, state.uniforms):
+                    torch._dynamo.mark_static_address(tensor)
+                setattr(model, STATE_ATTRIBUTE, state)
+        state.tokens.zero_()
+        state.lengths.zero_()
+        state.finished.copy_(state.lengths >= max_new_tokens)
+        return state
+
+
+class StepRule(NamedTuple):
+    """How a step picks and when a row ends, as ``advance`` reads it; tensors wherever a value may
+    change between calls, so that a compiled step is not compiled anew for each value."""
+    sampled: bool                          # False: every row takes its argmax
+    filters: tuple                         # sampled: sampling_rows's (temperature, top_k, top_p, min_p)
+    penalties: tuple                       # (repetition, presence, frequency), as process_logits reads them
+    min_new_tokens: torch.Tensor | None    # [B]: no eos before that many new tokens; None: no row held back
+    max_new_tokens: torch.Tensor | None    # [B] per-row limits; None: one limit, the loop's
+    eos_ids: torch.Tensor | None           # [n] int64; None: no eos
+    is_eos: torch.Tensor | None            # [V] bool, the eos columns (only while a row may be held back)
+    pad: int
+    logprobs: bool                         # advance returns each token's log-probability
+
+    @classmethod
+    def build(cls, batch_size: int, device: torch.device, vocab_size: int, max_new_tokens, min_new_tokens,
+              temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+              eos: list[int], pad: int, logprobs: bool) -> "StepRule":
+        """From check_decode_options's values (numbers, or per-row [B] tensors)."""
+        sampled = isinstance(temperature, torch.Tensor) or temperature != 0
+        filters = sampling_rows(temperature, top_k, top_p, min_p, batch_size, device) if sampled else ()
+        eos_ids = torch.tensor(eos, dtype=torch.int64, device=device) if eos else None
+        held = eos_ids is not None and holds_eos_back(min_new_tokens)
+        if held and not isinstance(min_new_tokens, torch.Tensor):  # (one [B] layout either way: no recompile)
+            min_new_tokens = torch.full((batch_size,), min_new_tokens, device=device)
+        return cls(sampled, filters, (repetition_penalty, presence_penalty, frequency_penalty),
+                   min_new_tokens if held else None, max_new_tokens if isinstance(max_new_tokens, torch.Tensor) else None, eos_ids,
+                   eos_columns(eos_ids, vocab_size) if held else None, pad, logprobs)
+
+
+def advance(logits: torch.Tensor, state: DecodeState, rule: StepRule, record: TokenRecord) -> torch.Tensor | None:
+    """[B, V] logits of each row's next token -> the rows' state one token on, in place: the penalties
+    over ``record`` (which takes the tokens) and the eos held back from rows short of their
+    min_new_tokens, then the argmax or a sample at ``state.uniforms``; a finished row gets the pad
+    id; a row ends at an eos or at its own limit. Returns the tokens' log-probabilities under the
+    raw logits (0 for finished rows) when ``rule.logprobs``, else None."""
+    finished = state.finished
+    # (a row that has not finished has made as many tokens as there were steps)
+    early = None if rule.min_new_tokens is None else state.lengths < rule.min_new_tokens
+    processed = process_logits(logits, record, rule.penalties[0], rule.is_eos, early, *rule.penalties[1:])
+    if rule.sampled:
+        tokens = sample_by_uniform(logits_to_probs(processed, *rule.filters), state.uniforms)
+    else:
+        tokens = processed.argmax(dim=-1)
+    record.add(tokens[:, None])  # (a finished row's record no longer matters: it emits the pad id)
+    logprob = torch.where(finished, 0.0, token_logprobs(logits, tokens)) if rule.logprobs else None
+    tokens = torch.where(finished, rule.pad, tokens)
+    ended = finished
+    if rule.eos_ids is not None:
+        ended = ended | torch.isin(tokens, rule.eos_ids)
+    state.lengths += ~finished
+    if rule.max_new_tokens is not None:
+        ended = ended | (state.lengths >= rule.max_new_tokens)
+    state.tokens.copy_(tokens)
+    state.finished.copy_(ended)
+    return logprob
+
+
+def _decode_step(state: DecodeState, cache, rule: StepRule, record: TokenRecord, model=None) -> torch.Tensor | None:
+    """One forward over each row's last token (finished rows as padding: nothing written), then
+    ``advance``."""
+    logits = _forward(state.tokens[:, None], ~state.finished[:, None], cache, model=model)[:, -1]
+    return advance(logits, state, rule, record)
+
+
+def decode_function(model, *, module_guards: bool = False):
+    """``model``'s compiled ``(state, cache, rule, record) -> log-probabilities or None`` (see
+    _decode_step), kept on the model like its other steps (``module_guards``: as step_function's)."""
+    return compiled_function(model, _decode_step, "decode", module_guards=module_guards)

@@ -3,10 +3,10 @@ the rows' state advanced, in one compiled call when nothing outside it has to ru
 
 The per-row state lives in buffers that each step updates in place (DecodeState). Compiled, they
 are kept with the model between calls, like its cache, at fixed addresses: a CUDA graph reads and
-writes them where they are, so a step launches nothing but its graph (and, sampled, one draw of
-uniforms), where picking outside the graph took an argmax or a softmax and a multinomial, and the
-bookkeeping (the pad id for finished rows, the lengths, the eos test) a handful of small kernels,
-each a launch on a GPU and a dispatch on a CPU.
+writes them where they are, so a step launches its graph and a copy of the new tokens (and,
+sampled, one draw of uniforms), where picking outside the graph took an argmax or a softmax and a
+multinomial, and the bookkeeping (the pad id for finished rows, the lengths, the eos test) a
+handful of small kernels, each a launch on a GPU and a dispatch on a CPU.
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ class StepRule(NamedTuple):
         held = eos_ids is not None and holds_eos_back(min_new_tokens)
         if held and not isinstance(min_new_tokens, torch.Tensor):  # (one [B] layout either way: no recompile)
             min_new_tokens = torch.full((batch_size,), min_new_tokens, device=device)
+        limits = max_new_tokens if isinstance(max_new_tokens, torch.Tensor) else None
         return cls(sampled, filters, (repetition_penalty, presence_penalty, frequency_penalty),
-                   min_new_tokens if held else None, max_new_tokens if isinstance(max_new_tokens, torch.Tensor) else None, eos_ids,
+                   min_new_tokens if held else None, limits, eos_ids,
                    eos_columns(eos_ids, vocab_size) if held else None, pad, logprobs)
 
 

@@ -11,6 +11,9 @@ step per draft, on the package's copies; ``speculative_sampled_drafts`` the same
 Then ``generate_pick`` and ``generate_sampled_pick``: ``generate``'s step with the next token picked
 (and the rows' state advanced) inside the compiled call (generation/decode_step.py, the package's way)
 against a compiled forward followed by the same pick run eagerly, greedy and at temperature 0.8.
+Then ``speculative_verify`` and ``speculative_sampled_verify``: a compiled round after its forwards
+(verification, the crop, the rows' state) in one call of the target (generation/verify_step.py, the
+package's way) against the same operations run eagerly after the target's compiled forward.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from bench.bench_speculative import demo_models
 from gptfast_kernels import generate, patch_model, speculative_generate
 from gptfast_kernels.generation.decode_step import decode_function
 from gptfast_kernels.generation.forward import drafts_function, step_function
+from gptfast_kernels.generation.verify_step import verify_function
 
 # (the module: the package's generate function hides it as an attribute of gptfast_kernels.generation)
 generate_module = importlib.import_module("gptfast_kernels.generation.generate")
@@ -43,6 +47,7 @@ def _patched_pair(target, draft, module_guards: bool):
             step_function(model, True, module_guards=True)  # the steps generation then takes
             decode_function(model, module_guards=True)  # (generate's, its pick in the call)
             drafts_function(model, module_guards=True)  # (a speculative round's drafts in one call)
+            verify_function(model, module_guards=True)  # (and the round after its forwards)
     return patched
 
 
@@ -58,8 +63,9 @@ def run(h) -> None:
     for call, fn in calls.items():
         candidates = {name: (lambda pair=pair: fn(*pair)) for name, pair in pairs.items()}
         _compare_ways(h, call, candidates, baseline="module_guards")
-    # a compiled round's k drafts in one call (the package's way) against k draft steps, greedy and
-    # sampled (each run drawing from a generator seeded alike: the same tokens either way)
+    # a compiled round's k drafts, then the round after its forwards, each in one call (the package's
+    # way) against k draft steps / op by op (its own fallback, the call not made), greedy and sampled
+    # (each run drawing from a generator seeded alike: the same tokens either way)
     target_model, draft_model = pairs["default"]
 
     def sampled(t, d):
@@ -67,11 +73,14 @@ def run(h) -> None:
         return speculative_generate(t, d, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[], speculate_k=SPECULATE_K,
                                     compile=True, temperature=SAMPLED_TEMPERATURE, generator=generator).sequences
 
-    for call, speculative in (("speculative_drafts", calls["speculative"]), ("speculative_sampled_drafts", sampled)):
-        candidates = {"drafts_in_one_call": lambda fn=speculative: fn(target_model, draft_model),
-                      "drafts_step_by_step": lambda fn=speculative: _drafting_step_by_step(fn, target_model,
-                                                                                         draft_model)}
-        _compare_ways(h, call, candidates, baseline="drafts_step_by_step")
+    for ways, name, one_call, stepped in (("drafts", "drafts_function", "drafts_in_one_call", "drafts_step_by_step"),
+                                          ("verify", "verify_function", "verify_in_one_call", "verify_op_by_op")):
+        for call, speculative in ((f"speculative_{ways}", calls["speculative"]),
+                                  (f"speculative_sampled_{ways}", sampled)):
+            candidates = {one_call: lambda fn=speculative: fn(target_model, draft_model),
+                          stepped: lambda fn=speculative, name=name: _without(
+                              speculative_module, name, lambda: fn(target_model, draft_model))}
+            _compare_ways(h, call, candidates, baseline=stepped)
     # generate's pick inside its compiled step (the package's way) against after it, greedy and sampled
 
     def generated(temperature):
@@ -95,12 +104,6 @@ def _compare_ways(h, call: str, candidates: dict, baseline: str) -> None:
                      baseline=baseline)
     for row in rows:
         row["tokens_per_s"] = NEW_TOKENS / (row["ms_median"] * 1e-3)
-
-
-def _drafting_step_by_step(speculative, target_model, draft_model):
-    """``speculative(target_model, draft_model)`` with the draft proposing one compiled step per draft."""
-    # (DraftModelProposer then steps)
-    return _without(speculative_module, "drafts_function", lambda: speculative(target_model, draft_model))
 
 
 def _picking_after_the_step(generated, temperature):

@@ -11,8 +11,10 @@ Rows "speculative_rounds" (GPU only): a random-weight target with Llama-3-8B sha
 with 1/8 of its layers (bf16 activations, int8 weights, compiled steps): rounds per second at
 B = 1, 8, 32 and the fraction of a round spent outside the two models' forwards (target < 10%:
 the run against its own forwards replayed back to back, and an upper bound from forwards timed
-one by one; _timed_rounds); the same for prompt_lookup_generate on that target (its rounds and
-overhead; random weights give its lookup nothing to find).
+one by one; _timed_rounds; a compiled round's verification and bookkeeping run inside the
+target's call, generation/verify_step.py, so they count as its forward's time); the same for
+prompt_lookup_generate on that target (its rounds and overhead; random weights give its lookup
+nothing to find).
 
 Rows "hybrid_verify": what a speculative round's verification costs a hybrid model (Qwen3.5's
 layout: three gated-delta-net layers to one attention layer; int8, random weights), where the
@@ -52,6 +54,7 @@ import gptfast_kernels.generation.speculative as speculative_module
 from bench.harness import best_seconds, default_dtype, synchronize
 from gptfast_kernels import StaticKVCache, generate, patch_model, prompt_lookup_generate, speculative_generate
 from gptfast_kernels.generation.forward import step_function
+from gptfast_kernels.generation.verify_step import RoundState
 from gptfast_kernels.models.patch import forward_with_cache
 
 SPECULATE_K = 4
@@ -145,17 +148,18 @@ def _e2e_rows(h):
 class _PatchedSteps:
     """Inside a with block, the generators' step functions are ``wrapped``'s: the target's and a
     draft model's steps (``speculative.step_function``), a draft's round of drafts in one
-    call (``speculative.drafts_function``) and a Gemma 4 assistant's steps
-    (``assistant.assistant_step_function``)."""
+    call (``speculative.drafts_function``), the target's forward with the round's verification and
+    bookkeeping in one call (``speculative.verify_function``; their time counts as the forward's)
+    and a Gemma 4 assistant's steps (``assistant.assistant_step_function``)."""
 
     PATCHED = ((speculative_module, "step_function"), (speculative_module, "drafts_function"),
-               (assistant_module, "assistant_step_function"))
+               (speculative_module, "verify_function"), (assistant_module, "assistant_step_function"))
 
     def __init__(self):
         self.originals = [getattr(module, name) for module, name in self.PATCHED]
 
     def wrapped(self) -> tuple:
-        """-> the three functions to use, in PATCHED's order."""
+        """-> the four functions to use, in PATCHED's order."""
         raise NotImplementedError
 
     def __enter__(self):
@@ -195,12 +199,13 @@ class _ForwardClock(_PatchedSteps):
 
 class _ForwardRecorder(_PatchedSteps):
     """Records every forward a generation makes through ``speculative.step_function`` (the target's
-    and a draft model's) and ``speculative.drafts_function`` (a round's drafts in one call):
-    the function, copies of its tensor arguments, its cache and that cache's lengths before the
-    call, so that ``replay`` can run the same calls again, back to back without the rounds' other
-    work. ``replayable`` is False when the run also drafted through another step (a Gemma 4
-    assistant's, whose arguments include the previous step's outputs) or used a cache with recurrent
-    layers (whose states a replay would not restore)."""
+    and a draft model's), ``speculative.drafts_function`` (a round's drafts in one call) and
+    ``speculative.verify_function`` (the target's forward and the rest of its round in one call):
+    the function, copies of its tensor arguments, and the values before the call of what it updates
+    in place (its cache's lengths, a round's state), so that ``replay`` can run the same calls
+    again, back to back without the rounds' other work. ``replayable`` is False when the run also
+    drafted through another step (a Gemma 4 assistant's, whose arguments include the previous
+    step's outputs) or used a cache with recurrent layers (whose states a replay would not restore)."""
 
     def __init__(self):
         super().__init__()
@@ -214,28 +219,37 @@ class _ForwardRecorder(_PatchedSteps):
                 def run(*args):
                     cache = next(arg for arg in args if isinstance(arg, StaticKVCache))
                     self.replayable &= not cache.has_recurrent_layers
-                    lengths = [cache.seq_lengths.clone()]
-                    if cache.has_ring_layers:
-                        lengths.append(cache.written_lengths.clone())
+                    restores = [(buffer, buffer.clone()) for buffer in _updated_in_place(args)]
                     copies = tree_map(lambda arg: arg.clone() if isinstance(arg, torch.Tensor) else arg, args)
-                    self.calls.append((step, copies, cache, lengths))
+                    self.calls.append((step, copies, restores))
                     return step(*args)
                 return run
             return recording
 
         def unreplayable(assistant, compile):
             self.replayable = False
-            return self.originals[2](assistant, compile)
+            return self.originals[3](assistant, compile)
 
-        return recorded(self.originals[0]), recorded(self.originals[1]), unreplayable
+        return recorded(self.originals[0]), recorded(self.originals[1]), recorded(self.originals[2]), unreplayable
 
     def replay(self) -> None:
-        """The recorded calls in order, each on its cache with the lengths it had then."""
-        for step, args, cache, lengths in self.calls:
-            cache.seq_lengths.copy_(lengths[0])
-            if cache.has_ring_layers:
-                cache.written_lengths.copy_(lengths[1])
+        """The recorded calls in order, each on its cache and state with the values they had then."""
+        for step, args, restores in self.calls:
+            for buffer, value in restores:
+                buffer.copy_(value)
             step(*args)
+
+
+def _updated_in_place(args) -> list[torch.Tensor]:
+    """The buffers a step call updates in place among its arguments: a cache's lengths (and a ring
+    cache's written lengths), a round's state (verify_step.RoundState)."""
+    buffers = []
+    for arg in args:
+        if isinstance(arg, StaticKVCache):
+            buffers += [arg.seq_lengths, *([arg.written_lengths] if arg.has_ring_layers else [])]
+        elif isinstance(arg, RoundState):
+            buffers += arg.buffers()
+    return buffers
 
 
 def _timed_rounds(h, generate_fn, rows: int, new_tokens: int, prefill_seconds: float) -> tuple[dict, object]:

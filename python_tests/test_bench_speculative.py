@@ -65,12 +65,14 @@ def test_replay_repeats_the_runs_forwards(monkeypatch, family):
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}], ids=["greedy", "sampled"])
 def test_compiled_rounds_replay_their_drafts_call(monkeypatch, sampling):
     """Compiled, a round drafts in one call (speculative.drafts_function), greedy or sampled: the
-    recorder and the clock see it beside the target's forward (two calls a round), and the replay
-    gives the run's drafts (sampled: at the run's uniforms) and logits exactly."""
+    recorder and the clock see it beside the target's call (its forward and the round's
+    verification: speculative.verify_function; two calls a round), and the replay, each call on the
+    cache lengths and round state it had, gives the run's drafts (sampled: at the run's uniforms)
+    and the target call's outputs exactly."""
     target, draft = _pair("llama")
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
     logged = []
-    for name in ("step_function", "drafts_function"):
+    for name in ("step_function", "drafts_function", "verify_function"):
         monkeypatch.setattr(speculative_module, name, _logging(getattr(speculative_module, name), logged))
 
     def run():

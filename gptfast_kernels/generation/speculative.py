@@ -27,9 +27,10 @@ from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds
                                                  process_logits, sample_by_uniform, sample_from, sampling_rows,
                                                  token_logprobs, too_early)
 from gptfast_kernels.generation.stopping import StopMatcher
+from gptfast_kernels.generation.verify_step import (RoundRule, RoundState, settle, verification_scores,
+                                                    verify_and_crop, verify_function)
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
-from gptfast_kernels.ops.verify_draft import verify_draft
 
 
 @dataclass
@@ -323,43 +324,69 @@ class SpeculativeRounds:
                 logits = advance(token)
         return torch.stack(tokens, dim=1), None if probs[0] is None else torch.stack(probs, dim=1)
 
-    def verify_round(self, proposer: Proposer, target_step, target_cache: StaticKVCache, last: torch.Tensor,
-                     active: torch.Tensor, history: History) -> tuple:
-        """One round for the ``active`` [B] rows (the others are padding: nothing written): k drafts,
-        the target's forward over ``last`` [B] and them (``target_step``, returning its last hidden
-        states too when the proposer takes them), verification, and each active row's caches cut to
-        its committed tokens (last + the accepted drafts). -> (tokens [B, k + 1]: the row's emitted
-        tokens first, num_emitted [B] (0 where inactive), num_accepted [B], the target's logits
-        [B, k + 1, V], its last hidden states or None)."""
-        k, B = self.k, active.shape[0]
+    def round_forwards(self, proposer: Proposer, target_step, target_cache: StaticKVCache, last: torch.Tensor,
+                       active: torch.Tensor, history: History) -> tuple:
+        """A round's forwards for the ``active`` [B] rows (the others are padding: nothing written):
+        k drafts, then the target's forward over ``last`` [B] and them (``target_step``, returning its
+        last hidden states too when the proposer takes them). -> (draft tokens [B, k], their
+        distributions [B, k, V] or None when greedy, the target's logits [B, k + 1, V], its last
+        hidden states or None)."""
         draft_tokens, draft_probs = proposer.propose(self, last, active, history)
-        # the target scores last + k drafts in one forward, then every row is verified at once
-        target_input = torch.cat([last[:, None], draft_tokens], dim=1)
-        target_cache.checkpoint()  # (a hybrid target's recurrent states: the crop below rolls them back)
-        target_logits = target_step(target_input, active[:, None].expand(B, k + 1).contiguous(), target_cache)
+        target_cache.checkpoint()  # (a hybrid target's recurrent states: the crop rolls them back)
+        target_logits = target_step(*self.target_input(last, draft_tokens, active), target_cache)
         target_hidden = None
         if getattr(proposer, "takes_target_hidden", False):
             target_logits, target_hidden = target_logits
+        return draft_tokens, draft_probs, target_logits, target_hidden
+
+    @staticmethod
+    def target_input(last: torch.Tensor, draft_tokens: torch.Tensor, active: torch.Tensor) -> tuple:
+        """What the target scores in a round, last [B] + the k drafts [B, k] in one forward (every
+        row then verified at once): (tokens [B, k + 1], their attention mask: the active rows')."""
+        B, k = draft_tokens.shape
+        return torch.cat([last[:, None], draft_tokens], dim=1), active[:, None].expand(B, k + 1).contiguous()
+
+    def verification_uniforms(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """A round's draws for verify_draft, [B, k + 1] float32 from the generator (as verify_draft
+        would draw them), drawn before the call that verifies; None when greedy (it reads none).
+        ``rows``: any [B] tensor of the round's, on its device."""
+        if self.greedy:
+            return None
+        return torch.rand((rows.shape[0], self.k + 1), generator=self.generator, device=rows.device,
+                          dtype=torch.float32)
+
+    def verify(self, proposer: Proposer, target_cache: StaticKVCache, active: torch.Tensor, history: History,
+               forwards: tuple) -> tuple:
+        """The round after ``forwards`` (round_forwards's), op by op: the penalties over the round's
+        text at each position, the eos held back under min_new_tokens, verification, the crops
+        (verify_and_crop) and the proposer's commit. -> (tokens [B, k + 1]: the row's emitted
+        tokens first, num_emitted [B] (0 where inactive), num_accepted [B])."""
+        draft_tokens, draft_probs, target_logits, target_hidden = forwards
         round_record = history.record.before_each(draft_tokens)  # position i: the drafts before it too
         # position i scores new token number num_generated + i of its row
-        processed = self.processed(target_logits, round_record, self.too_early(history.num_generated, range(k + 1)))
-        # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync).
-        # Greedy verification compares the drafts with the target's argmax, which the logits give
-        # as they are (the target's own greedy decoding takes the argmax of its logits, too).
-        if self.greedy:
-            target_scores, draft_probs = processed.float(), None
-        else:
-            target_scores = logits_to_probs(processed, self.temperature, self.top_k, self.top_p, self.min_p)
-        tokens, num_emitted = verify_draft(target_scores, draft_probs, draft_tokens, generator=self.generator,
-                                           check_values=False)
-        num_emitted = torch.where(active, num_emitted, 0)
-        num_accepted = (num_emitted - 1).clamp(min=0)
-        # each row's caches keep its committed tokens: last + accepted drafts
-        # (>= 1 by construction: the target wrote k + 1 tokens, so no sync to check it)
-        committed = target_cache.seq_lengths - k + num_accepted
-        target_cache.crop(torch.where(active, committed, target_cache.seq_lengths), check=False)
+        processed = self.processed(target_logits, round_record,
+                                   self.too_early(history.num_generated, range(self.k + 1)))
+        scores = verification_scores(processed, None if self.greedy else
+                                     (self.temperature, self.top_k, self.top_p, self.min_p))
+        tokens, num_emitted, num_accepted, committed = verify_and_crop(
+            scores, draft_probs, draft_tokens, self.verification_uniforms(active), active, target_cache)
         proposer.commit(active, committed, num_accepted, draft_tokens, target_hidden)
-        return tokens, num_emitted, num_accepted, target_logits, target_hidden
+        return tokens, num_emitted, num_accepted
+
+    def verify_round(self, proposer: Proposer, target_step, target_cache: StaticKVCache, last: torch.Tensor,
+                     active: torch.Tensor, history: History) -> tuple:
+        """round_forwards, then ``verify``: one round, op by op after the forwards. -> (tokens,
+        num_emitted, num_accepted (verify's), the target's logits [B, k + 1, V], its last hidden
+        states or None)."""
+        forwards = self.round_forwards(proposer, target_step, target_cache, last, active, history)
+        return (*self.verify(proposer, target_cache, active, history, forwards), *forwards[2:])
+
+    def rounds_in_one_call(self, target_cache: StaticKVCache, record: TokenRecord) -> bool:
+        """Whether each round after its drafts is one compiled call of the target (verify_step: its
+        forward, verification and the rows' state): compiled, with no penalty, no stop pattern, no
+        streamer (which reads each round's tokens) and no recurrent states in the target's cache."""
+        return (self.compile and record.seen is None and record.counts is None and self.stop is None
+                and self.streamer is None and not target_cache.has_recurrent_layers)
 
     def run(self, make_proposer: Callable[[int, StaticKVCache], Proposer]) -> SpeculativeOutput:
         """``make_proposer(capacity, target_cache)``: the proposer, given the cache length the rounds
@@ -397,7 +424,6 @@ class SpeculativeRounds:
 
         # generated tokens; a round writes up to k + 1 more, and column `dump` absorbs masked writes
         out = torch.full((B, self.most_new_tokens + 2 * (k + 1)), pad, dtype=torch.int64, device=device)
-        dump = out.shape[1] - 1
         out[:, 0] = last
         out_logprobs = None
         if self.output_logprobs:  # as out; the target's raw log-probabilities of the tokens there
@@ -405,54 +431,61 @@ class SpeculativeRounds:
             out_logprobs[:, 0] = token_logprobs(logits, last)
         if streamer is not None:
             streamer.put(last[:, None].cpu())
-        num_generated = torch.ones(B, dtype=torch.int64, device=device)
-        finished = torch.isin(last, eos_ids) | (num_generated >= self.max_new_tokens)
+        state = RoundState.start(model, B, device, reuse=self.compile)
+        state.last.copy_(last)
+        state.num_generated.fill_(1)
+        rule = RoundRule.build(k, B, device, V, self.greedy, (self.temperature, self.top_k, self.top_p, self.min_p),
+                               self.max_new_tokens, self.min_new_tokens, self.eos, pad, self.output_logprobs,
+                               dump=out.shape[1] - 1)
+        state.finished.copy_(torch.isin(last, eos_ids) | (state.num_generated >= rule.max_new_tokens))
         stop, stop_state = self.stop, None  # (stop_state: each row's state in the stop patterns)
         if stop is not None:
             hits, states = stop.scan(stop.start(B), last[:, None])
-            finished |= hits[:, 0] & (self.min_new_tokens == 0)
+            state.finished.copy_(state.finished | (hits[:, 0] & (self.min_new_tokens == 0)))
             stop_state = states[:, 0]
-        proposed, accepted = zeros.clone(), zeros.clone()
         columns = torch.arange(k + 1, device=device)
+        history = History(out, state.num_generated, record)
+        one_call = verify_function(model) if self.rounds_in_one_call(target_cache, record) else None
 
-        while not bool(finished.all()):
-            active = ~finished
-            tokens, num_emitted, num_accepted, target_logits, target_hidden = self.verify_round(
-                proposer, target_step, target_cache, last, active, History(out, num_generated, record))
-            proposed += k * active
-            accepted += num_accepted
-            last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], last)
-
-            # append the emitted tokens, cut each row at its first eos and at max_new_tokens
-            emitted = columns[None, :] < num_emitted[:, None]
-            is_eos = torch.isin(tokens, eos_ids) & emitted
-            if stop is not None:  # (before min_new_tokens a stop sequence or string does not count)
-                made = num_generated[:, None] + columns[None, :]  # each position's new token number
-                hits, states = stop.scan(stop_state, tokens)
-                is_eos |= hits & emitted & (made >= per_row(self.min_new_tokens, made))
-            after_eos = (is_eos.to(torch.int64).cumsum(dim=1) - is_eos.to(torch.int64)) > 0
-            emitted &= ~after_eos
-            if stop is not None:
-                stop_state = stop.after(states, stop_state, emitted.sum(dim=1))
-            slots = torch.where(emitted, num_generated[:, None] + columns[None, :], dump)
-            out.scatter_(1, slots, torch.where(emitted, tokens, pad))
+        while not bool(state.finished.all()):
+            active = ~state.finished
+            if one_call is not None:  # the drafts, then one call: the target's forward and the rest
+                draft_tokens, draft_probs = proposer.propose(self, state.last, active, history)
+                slots, values, chosen, committed, num_accepted, target_hidden = one_call(
+                    *self.target_input(state.last, draft_tokens, active), target_cache, draft_tokens, draft_probs,
+                    self.verification_uniforms(active), active, state, rule, takes_hidden)
+                proposer.commit(active, committed, num_accepted, draft_tokens, target_hidden)
+            else:
+                forwards = self.round_forwards(proposer, target_step, target_cache, state.last, active, history)
+                tokens, num_emitted, num_accepted = self.verify(proposer, target_cache, active, history, forwards)
+                stop_hits = None
+                if stop is not None:  # (before min_new_tokens a stop sequence or string does not count)
+                    made = state.num_generated[:, None] + columns[None, :]  # each position's new token number
+                    hits, states = stop.scan(stop_state, tokens)
+                    stop_hits = hits & (made >= per_row(self.min_new_tokens, made))
+                before = int(state.num_generated[0]) if streamer is not None else 0
+                slots, values, chosen, emitted = settle(tokens, num_emitted, num_accepted, forwards[2], active,
+                                                        state, rule, stop_hits)
+                if stop is not None:
+                    stop_state = stop.after(states, stop_state, emitted.sum(dim=1))
+                record.add(torch.where(emitted, tokens, V))
+                if streamer is not None:  # one row: its new tokens, up to max_new_tokens
+                    room = int(rule.max_new_tokens[0]) - before
+                    streamer.put(tokens[:, :min(int(emitted.sum()), room)].cpu())
+            # (on a GPU the compiled call's outputs are read before its next replay)
+            out.scatter_(1, slots, values)
             if out_logprobs is not None:
-                chosen = token_logprobs(target_logits, tokens.clamp(min=0))  # under the raw logits
-                out_logprobs.scatter_(1, slots, torch.where(emitted, chosen, 0.0))
-            record.add(torch.where(emitted, tokens, V))
-            if streamer is not None:  # one row: its new tokens, up to max_new_tokens
-                room = self.max_new_tokens - int(num_generated[0])
-                streamer.put(tokens[:, :min(int(emitted.sum()), room)].cpu())
-            num_generated += emitted.sum(dim=1)
-            finished |= is_eos.any(dim=1) | (num_generated >= self.max_new_tokens)
+                out_logprobs.scatter_(1, slots, chosen)
 
         if streamer is not None:
             streamer.end()
+        num_generated = state.num_generated
         new = min(int(num_generated.max()), self.most_new_tokens)
         # positions past a row's own length hold pad already; rows cut by max_new_tokens lose the rest
         kept = torch.arange(new, device=device)[None, :] < num_generated.clamp(max=self.max_new_tokens)[:, None]
         generated = torch.where(kept, out[:, :new], pad)
         logprobs = None if out_logprobs is None else torch.where(kept, out_logprobs[:, :new], 0.0)
+        proposed, accepted = state.proposed.clone(), state.accepted.clone()
         total_proposed = int(proposed.sum())
         rate = int(accepted.sum()) / total_proposed if total_proposed else 0.0
         return SpeculativeOutput(torch.cat([prompt.input_ids, generated], dim=1), proposed, accepted, rate, logprobs)

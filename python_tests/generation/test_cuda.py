@@ -191,6 +191,36 @@ def test_sampled_compiled_rounds_draft_in_one_cuda_graph(monkeypatch):
     assert torch.equal(in_one_call.num_accepted, step_by_step.num_accepted) and 0 < in_one_call.acceptance_rate < 1
 
 
+def test_compiled_rounds_verify_in_one_cuda_graph():
+    """A compiled round after its drafts in one CUDA graph (verify_step: the target's forward,
+    verification and the rows' state): per-row sampling, eos held back by min_new_tokens, per-row
+    limits and log-probabilities, on state buffers the graph updates in place (no CUDA-graph skip
+    for them): the same tokens, acceptances and log-probabilities as eager rounds from the same
+    seed, twice (the state's buffers reused)."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_model("llama", layers=3).cuda()
+    patched = patched_copy(target, int8=True)
+    draft = patch_model(draft_of(target, 2).cuda(), int8=True)
+    ids, mask = _on_cuda(*ragged_prompts(3, 7, "left", seed=8))
+    options = dict(max_new_tokens=[NEW, 5, NEW], min_new_tokens=3, eos_token_id=[4, 9], output_logprobs=True,
+                   temperature=[0.0, 0.9, 1.2], top_k=[None, 8, None], top_p=[None, None, 0.9], speculate_k=3)
+
+    def run(compile):
+        return speculative_generate(patched, draft, ids, mask, compile=compile,
+                                    generator=torch.Generator("cuda").manual_seed(2), **options)
+
+    eager = run(False)
+    skips_before = counters["inductor"]["cudagraph_skips"]
+    for _ in range(2):
+        compiled = run(True)
+        assert torch.equal(compiled.sequences, eager.sequences)
+        assert torch.equal(compiled.num_accepted, eager.num_accepted)
+        torch.testing.assert_close(compiled.logprobs, eager.logprobs)
+    assert counters["inductor"]["cudagraph_skips"] == skips_before
+    assert hasattr(patched, "_gptfast_compiled_verify")
+
+
 def _served_as_alone(batcher, patched, seed: int) -> None:
     """Five requests of different lengths and limits through ``batcher`` (two rows: reused
     mid-batch): each gets the tokens generate gives its prompt alone."""

@@ -13,6 +13,7 @@ from gptfast_kernels.generation import forward
 from gptfast_kernels.generation.forward import CompiledStep
 from gptfast_kernels.generation.sampling import (apply_additive_penalties, apply_repetition_penalty, logits_to_probs,
                                                  sample_by_uniform, seen_tokens)
+from python_tests.generation.test_generate import PICKING
 from python_tests.tiny_models import INDEX_POSITIONED, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 
 NEW = 20
@@ -329,6 +330,20 @@ def test_a_compiled_model_drafting_for_itself_keeps_two_caches():
     assert patched._gptfast_cache is not patched._gptfast_cache_draft
 
 
+def count_compiled_calls(monkeypatch, draft_model) -> collections.Counter:
+    """A counter, from now on, of the compiled calls: ("draft" or "target", the compiled function's
+    name) -> calls (the draft: ``draft_model``'s)."""
+    calls = collections.Counter()
+    original = CompiledStep.__call__
+
+    def counting(self, *args):
+        calls[("draft" if self.model is draft_model else "target", self.function.__name__)] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(CompiledStep, "__call__", counting)
+    return calls
+
+
 # how a round's drafts are picked: from the draft's logits as they are (greedy, or sampled with
 # scalar or per-row arguments: in one compiled call), or after a penalty (step by step)
 DRAFTING = {"greedy": {}, "penalty": {"repetition_penalty": 1.3}, "sampled": {"temperature": 0.8, "top_k": 20},
@@ -348,14 +363,7 @@ def test_compiled_rounds_draft_in_one_call(family, monkeypatch):
     _, patched, draft = _pair(family, True)
     ids, mask = ragged_prompts(3, 6, "left")
     stop = int(generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences[1, 6 + 4])
-    calls = collections.Counter()
-    original = CompiledStep.__call__
-
-    def counting(self, *args):
-        calls[("draft" if self.model is draft else "target", self.function.__name__)] += 1
-        return original(self, *args)
-
-    monkeypatch.setattr(CompiledStep, "__call__", counting)
+    calls = count_compiled_calls(monkeypatch, draft)
     for name, options in DRAFTING.items():
         run = dict(max_new_tokens=NEW, speculate_k=3, eos_token_id=stop, **options)
         seeded = (lambda: {"generator": torch.Generator().manual_seed(11)}) if "temperature" in options else dict
@@ -364,8 +372,11 @@ def test_compiled_rounds_draft_in_one_call(family, monkeypatch):
         compiled = speculative_generate(patched, draft, ids, mask, compile=True, **run, **seeded())
         assert torch.equal(compiled.sequences, eager.sequences), name
         assert torch.equal(compiled.num_accepted, eager.num_accepted) and 0 < eager.acceptance_rate < 1, name
-        rounds = calls[("target", "_forward")]  # one verification forward a round
+        # one verification forward a round: in the target's round call (verify_step), or with a
+        # penalty a compiled forward of its own and the rest op by op
+        rounds = calls[("target", "_forward")] + calls[("target", "_verify_round")]
         assert rounds > 0
+        assert calls[("target", "_forward" if name == "penalty" else "_verify_round")] == rounds, name
         if name == "penalty":
             assert calls[("draft", "_drafts")] == 0 and calls[("draft", "_forward")] == 3 * rounds
         else:
@@ -376,6 +387,56 @@ def test_compiled_rounds_draft_in_one_call(family, monkeypatch):
             new = compiled.sequences[:, 6:]
             ends = [row.tolist().index(stop) if stop in row.tolist() else len(row) for row in new]
             assert len(set(ends)) > 1  # rows ended at different steps: inactive rows drafted
+
+
+@pytest.mark.parametrize("settling", PICKING)
+def test_compiled_rounds_verify_in_the_targets_call(settling, monkeypatch):
+    """Compiled, a round after its drafts is one call of the target (verify_step): its forward, the
+    eos held back under min_new_tokens, verification, the crop and each row's emitted tokens,
+    counts and end, on buffers the call updates in place. Tokens, acceptances and log-probabilities
+    equal the eager rounds' from the same seed, in every way generate's steps pick or a row ends
+    (generate's PICKING); with a stop pattern or a penalty, which need the host between those, the
+    target's call is its forward alone and the rest runs op by op."""
+    _, patched, draft = _pair("llama", True)
+    ids, mask = ragged_prompts(3, 6, "left", seed=3)
+    options = dict(max_new_tokens=NEW, speculate_k=3, eos_token_id=[], output_logprobs=True)
+    options.update(PICKING[settling])
+
+    def run(compile):
+        return speculative_generate(patched, draft, ids, mask, compile=compile,
+                                    generator=torch.Generator().manual_seed(4), **options)
+
+    calls = count_compiled_calls(monkeypatch, draft)
+    eager, compiled = run(False), run(True)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch.equal(compiled.num_proposed, eager.num_proposed)
+    assert torch.equal(compiled.num_accepted, eager.num_accepted)
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs)
+    rounds = calls[("target", "_forward")] + calls[("target", "_verify_round")]  # (one target forward a round)
+    assert rounds > 0
+    assert calls[("target", "_forward" if settling in ("stops", "penalty") else "_verify_round")] == rounds
+
+
+def test_new_round_values_reuse_the_compiled_verification():
+    """Another temperature, top-k, top-p, min_new_tokens, per-row limit or output width is not
+    another graph: the round's call takes them as tensors, and its state's buffers are the
+    target's from call to call."""
+    _, patched, draft = _pair("llama", True)
+    ids, mask = ragged_prompts(2, 6, "left", seed=5)
+
+    def run(temperature, top_k, top_p, min_new, limits, compile=True):
+        return speculative_generate(patched, draft, ids, mask, max_new_tokens=limits, min_new_tokens=min_new,
+                                    temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=[5],
+                                    speculate_k=3, compile=compile, generator=torch.Generator().manual_seed(1))
+
+    run(0.7, 5, 0.9, 2, [4, 6])
+    graphs, state = torch._dynamo.utils.counters["stats"]["unique_graphs"], patched._gptfast_round_state
+    for values in ((1.3, 9, 0.8, 3, [9, 2]), ([0.5, 1.1], [3, None], [0.95, 0.6], [1, 4], [5, 3])):
+        compiled, eager = run(*values), run(*values, compile=False)
+        assert torch.equal(compiled.sequences, eager.sequences)
+        assert torch.equal(compiled.num_accepted, eager.num_accepted)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert patched._gptfast_round_state is state
 
 
 # (hybrids: their states roll back in the graph, each kind of one-pass block: Qwen3.5's gated delta nets, Bamba's

@@ -1,0 +1,178 @@
+"""A speculative round after its drafts: the target's forward over each row's last token and its
+drafts, the k + 1 positions verified against the drafts, the target's cache cut to each row's
+committed tokens, and the rows' state advanced (the emitted tokens up to an eos or the row's limit,
+the counts), in one compiled call when nothing outside it has to run between those (no penalty,
+whose record grows by the round's tokens; no stop pattern, whose matcher runs on the host; no
+streamer; no recurrent states, whose rollback is bookkeeping of its own).
+
+Done op by op after the forward, that is some forty small kernels a round, each a launch on a GPU
+and a dispatch on a CPU, between the target's forward and the next round's drafts; and a compiled
+forward's logits could not go into another compiled call as they are (on a GPU they live in the
+CUDA-graph pool, which the next call may reuse), so verification in a call of its own would first
+copy them. Compiled, the rows' state lives in buffers (RoundState) that the call updates in place
+and the model keeps between calls, like its cache, at fixed addresses: a CUDA graph reads and
+writes them where they are. What the call returns (where each emitted token goes in the output and
+what it is) is written into the output outside it, whose width changes with ``max_new_tokens`` and
+would otherwise be a graph per width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from gptfast_kernels.generation.forward import _forward, _forward_with_hidden, compiled_function
+from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs,
+                                                 process_logits, sampling_rows, token_logprobs)
+from gptfast_kernels.ops.verify_draft import verify_draft
+
+STATE_ATTRIBUTE = "_gptfast_round_state"  # where a compiling target keeps its RoundState
+
+
+@dataclass
+class RoundState:
+    """Each row's state between speculative rounds, [B] buffers updated in place by ``settle``."""
+    last: torch.Tensor           # int64: the last emitted token, not yet in the target's cache
+    finished: torch.Tensor       # bool
+    num_generated: torch.Tensor  # int64: new tokens so far (the first, picked after the prefill, included)
+    proposed: torch.Tensor       # int64: drafts proposed to the row
+    accepted: torch.Tensor       # int64: drafts the target accepted
+
+    @classmethod
+    def start(cls, model, batch_size: int, device: torch.device, *, reuse: bool) -> "RoundState":
+        """Zeroed buffers. With ``reuse`` (compiled rounds) ``model`` keeps them and hands them out
+        again for the same batch size and device, marked static: compiled graphs are specialised on
+        them."""
+        state = getattr(model, STATE_ATTRIBUTE, None) if reuse else None
+        if state is None or state.last.shape[0] != batch_size or state.last.device != device:
+            def zeros(dtype):
+                return torch.zeros(batch_size, dtype=dtype, device=device)
+
+            state = cls(zeros(torch.int64), zeros(torch.bool), zeros(torch.int64), zeros(torch.int64),
+                        zeros(torch.int64))
+            if reuse:
+                for tensor in state.buffers():
+                    torch._dynamo.mark_static_address(tensor)
+                setattr(model, STATE_ATTRIBUTE, state)
+        for tensor in state.buffers():
+            tensor.zero_()
+        return state
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.last, self.finished, self.num_generated, self.proposed, self.accepted
+
+
+class RoundRule(NamedTuple):
+    """How a round verifies and when a row ends, as ``settle`` and ``_verify_round`` read it;
+    tensors wherever a value may change between calls, so that a compiled round is not compiled
+    anew for each value."""
+    k: int                               # drafts per row and round
+    filters: tuple | None                # sampling_rows's (temperature, top_k, top_p, min_p); None: greedy
+    min_new_tokens: torch.Tensor | None  # [B]: no eos before that many new tokens; None: no row held back
+    max_new_tokens: torch.Tensor         # [B] each row's limit
+    eos_ids: torch.Tensor | None         # [n] int64; None: no eos
+    is_eos: torch.Tensor | None          # [V] bool, the eos columns (only while a row may be held back)
+    pad: int
+    logprobs: bool                       # settle returns each emitted token's log-probability
+    dump: torch.Tensor                   # 0-d int64: the output column that takes the writes of tokens not emitted
+
+    @classmethod
+    def build(cls, k: int, batch_size: int, device: torch.device, vocab_size: int, greedy: bool, sampling: tuple,
+              max_new_tokens, min_new_tokens, eos: list[int], pad: int, logprobs: bool, dump: int) -> "RoundRule":
+        """From check_decode_options's values (numbers, or per-row [B] tensors); ``sampling``: its
+        (temperature, top_k, top_p, min_p)."""
+        def rows(value):  # (a [B] layout of its own, not a stride-0 view: one graph either way)
+            return value if isinstance(value, torch.Tensor) else torch.full((batch_size,), value, device=device)
+
+        eos_ids = torch.tensor(eos, dtype=torch.int64, device=device) if eos else None
+        held = eos_ids is not None and holds_eos_back(min_new_tokens)
+        return cls(k, None if greedy else sampling_rows(*sampling, batch_size, device),
+                   rows(min_new_tokens) if held else None, rows(max_new_tokens), eos_ids,
+                   eos_columns(eos_ids, vocab_size) if held else None, pad, logprobs,
+                   torch.tensor(dump, dtype=torch.int64, device=device))
+
+
+def verification_scores(processed: torch.Tensor, filters: tuple | None) -> torch.Tensor:
+    """The target's processed logits [B, k + 1, V] -> what verify_draft weighs: the sampling
+    distributions after ``filters`` (temperature, top_k, top_p, min_p), or with None (greedy) the
+    logits as they are, whose argmax greedy verification reads (no distribution built)."""
+    return processed.float() if filters is None else logits_to_probs(processed, *filters)
+
+
+def verify_and_crop(scores: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor,
+                    uniforms: torch.Tensor | None, active: torch.Tensor, cache) -> tuple:
+    """verify_draft for the ``active`` [B] rows (the others emit nothing), then each active row's
+    target cache cut to its committed tokens: last + the accepted drafts. -> (tokens [B, k + 1],
+    num_emitted [B], num_accepted [B], committed [B]: each row's cache length after the round)."""
+    k = draft_tokens.shape[1]
+    # softmax outputs and sampled ids: valid by construction, so no value check (a GPU sync)
+    tokens, num_emitted = verify_draft(scores, draft_probs, draft_tokens, uniforms, check_values=False)
+    num_emitted = torch.where(active, num_emitted, 0)
+    num_accepted = (num_emitted - 1).clamp(min=0)
+    # (>= 1 by construction: the target wrote k + 1 tokens, so no sync to check it)
+    committed = cache.seq_lengths - k + num_accepted
+    cache.crop(torch.where(active, committed, cache.seq_lengths), check=False)
+    return tokens, num_emitted, num_accepted, committed
+
+
+def settle(tokens: torch.Tensor, num_emitted: torch.Tensor, num_accepted: torch.Tensor, target_logits: torch.Tensor,
+           active: torch.Tensor, state: RoundState, rule: RoundRule, stop_hits: torch.Tensor | None = None) -> tuple:
+    """The round's outcome into ``state``, in place: each row's emitted tokens up to its first eos (or
+    ``stop_hits`` [B, k + 1], the positions that complete a stop pattern and count), its counts,
+    last token and whether it has finished (at an eos or its limit). -> (slots [B, k + 1]: the
+    output column of each emitted token, ``rule.dump`` for the others; values [B, k + 1]: the
+    emitted tokens, the pad id elsewhere; their log-probabilities under the target's raw logits (0
+    elsewhere), None unless ``rule.logprobs``; emitted [B, k + 1] bool)."""
+    columns = torch.arange(rule.k + 1, device=tokens.device)
+    state.proposed.add_(rule.k * active)
+    state.accepted.add_(num_accepted)
+    last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], state.last)
+    emitted = columns[None, :] < num_emitted[:, None]
+    ends = torch.zeros_like(emitted) if rule.eos_ids is None else torch.isin(tokens, rule.eos_ids) & emitted
+    if stop_hits is not None:
+        ends = ends | (stop_hits & emitted)
+    ends_before = ends.to(torch.int64).cumsum(dim=1) - ends.to(torch.int64)
+    emitted = emitted & (ends_before == 0)  # (a row's tokens after its end are dropped)
+    slots = torch.where(emitted, state.num_generated[:, None] + columns[None, :], rule.dump)
+    values = torch.where(emitted, tokens, rule.pad)
+    chosen = None
+    if rule.logprobs:
+        chosen = torch.where(emitted, token_logprobs(target_logits, tokens.clamp(min=0)), 0.0)
+    state.num_generated.add_(emitted.sum(dim=1))
+    state.finished.copy_(state.finished | ends.any(dim=1) | (state.num_generated >= rule.max_new_tokens))
+    state.last.copy_(last)
+    return slots, values, chosen, emitted
+
+
+def _verify_round(target_input: torch.Tensor, mask: torch.Tensor, cache, draft_tokens: torch.Tensor,
+                  draft_probs: torch.Tensor | None, uniforms: torch.Tensor | None, active: torch.Tensor,
+                  state: RoundState, rule: RoundRule, hidden: bool, model=None) -> tuple:
+    """A round after its drafts, without penalties or stop patterns: the target's forward over
+    ``target_input`` [B, k + 1] (each row's last token and its drafts; ``mask``: the active rows'),
+    the eos held back where a row is short of its min_new_tokens, verification, the crop, ``settle``.
+    -> (slots, values, log-probabilities or None (settle's), committed [B] and num_accepted [B]
+    (what the proposer's commit takes), the target's last hidden states [B, k + 1, H] with
+    ``hidden``, else None)."""
+    if hidden:
+        target_logits, target_hidden = _forward_with_hidden(target_input, mask, cache, model=model)
+    else:
+        target_logits, target_hidden = _forward(target_input, mask, cache, model=model), None
+    early = None
+    if rule.min_new_tokens is not None:  # position i scores new token number num_generated + i of its row
+        made = state.num_generated[:, None] + torch.arange(rule.k + 1, device=active.device)[None, :]
+        early = made < rule.min_new_tokens[:, None]
+    processed = process_logits(target_logits, TokenRecord(), None, rule.is_eos, early)
+    tokens, num_emitted, num_accepted, committed = verify_and_crop(
+        verification_scores(processed, rule.filters), draft_probs, draft_tokens, uniforms, active, cache)
+    slots, values, chosen, _ = settle(tokens, num_emitted, num_accepted, target_logits, active, state, rule)
+    return slots, values, chosen, committed, num_accepted, target_hidden
+
+
+def verify_function(model, *, module_guards: bool = False):
+    """``model``'s compiled ``(target_input, mask, cache, draft_tokens, draft_probs, uniforms, active,
+    state, rule, hidden) -> (slots, values, log-probabilities or None, committed, num_accepted, last
+    hidden states or None)`` (see _verify_round), kept on the model like its steps
+    (``module_guards``: as step_function's)."""
+    return compiled_function(model, _verify_round, "verify", module_guards=module_guards)

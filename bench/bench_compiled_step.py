@@ -11,9 +11,10 @@ step per draft, on the package's copies; ``speculative_sampled_drafts`` the same
 Then ``generate_pick`` and ``generate_sampled_pick``: ``generate``'s step with the next token picked
 (and the rows' state advanced) inside the compiled call (generation/decode_step.py, the package's way)
 against a compiled forward followed by the same pick run eagerly, greedy and at temperature 0.8.
-Then ``speculative_verify`` and ``speculative_sampled_verify``: a compiled round after its forwards
-(verification, the crop, the rows' state) in one call of the target (generation/verify_step.py, the
-package's way) against the same operations run eagerly after the target's compiled forward.
+Then ``speculative_verify`` and ``speculative_sampled_verify``: a compiled round after its drafts
+(the target's forward, verification, the crop, the rows' state) in one call of the target
+(generation/verify_step.py, the package's way) against the target's forward compiled alone and the
+rest run eagerly after it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _patched_pair(target, draft, module_guards: bool):
             step_function(model, True, module_guards=True)  # the steps generation then takes
             decode_function(model, module_guards=True)  # (generate's, its pick in the call)
             drafts_function(model, module_guards=True)  # (a speculative round's drafts in one call)
-            verify_function(model, module_guards=True)  # (and the round after its forwards)
+            verify_function(model, module_guards=True)  # (and the round after its drafts)
     return patched
 
 
@@ -63,7 +64,7 @@ def run(h) -> None:
     for call, fn in calls.items():
         candidates = {name: (lambda pair=pair: fn(*pair)) for name, pair in pairs.items()}
         _compare_ways(h, call, candidates, baseline="module_guards")
-    # a compiled round's k drafts, then the round after its forwards, each in one call (the package's
+    # a compiled round's k drafts, then the round after its drafts, each in one call (the package's
     # way) against k draft steps / op by op (its own fallback, the call not made), greedy and sampled
     # (each run drawing from a generator seeded alike: the same tokens either way)
     target_model, draft_model = pairs["default"]

@@ -88,7 +88,8 @@ def test_compiled_rounds_replay_their_drafts_call(monkeypatch, sampling):
         run_outputs, logged[:] = list(logged), []
         rounds = int(out.num_proposed.max()) // bench_speculative.SPECULATE_K
         assert recorder.replayable and len(recorder.calls) == 2 * rounds
-        assert [args[0].shape[1] for _, args, *_ in recorder.calls[:2]] == [2, bench_speculative.SPECULATE_K + 1]
+        # (the drafts call's first two tokens a row; the target's call takes the k drafts)
+        assert [args[0].shape[1] for _, args, *_ in recorder.calls[:2]] == [2, bench_speculative.SPECULATE_K]
         recorder.replay()
         assert len(logged) == len(run_outputs) == 2 * rounds
         for replayed, original in zip(logged, run_outputs):

@@ -27,7 +27,7 @@ from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds
                                                  process_logits, sample_by_uniform, sample_from, sampling_rows,
                                                  token_logprobs, too_early)
 from gptfast_kernels.generation.stopping import StopMatcher
-from gptfast_kernels.generation.verify_step import (RoundRule, RoundState, settle, verification_scores,
+from gptfast_kernels.generation.verify_step import (RoundRule, RoundState, settle, target_input, verification_scores,
                                                     verify_and_crop, verify_function)
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
@@ -333,18 +333,11 @@ class SpeculativeRounds:
         hidden states or None)."""
         draft_tokens, draft_probs = proposer.propose(self, last, active, history)
         target_cache.checkpoint()  # (a hybrid target's recurrent states: the crop rolls them back)
-        target_logits = target_step(*self.target_input(last, draft_tokens, active), target_cache)
+        target_logits = target_step(*target_input(last, draft_tokens, active), target_cache)
         target_hidden = None
         if getattr(proposer, "takes_target_hidden", False):
             target_logits, target_hidden = target_logits
         return draft_tokens, draft_probs, target_logits, target_hidden
-
-    @staticmethod
-    def target_input(last: torch.Tensor, draft_tokens: torch.Tensor, active: torch.Tensor) -> tuple:
-        """What the target scores in a round, last [B] + the k drafts [B, k] in one forward (every
-        row then verified at once): (tokens [B, k + 1], their attention mask: the active rows')."""
-        B, k = draft_tokens.shape
-        return torch.cat([last[:, None], draft_tokens], dim=1), active[:, None].expand(B, k + 1).contiguous()
 
     def verification_uniforms(self, rows: torch.Tensor) -> torch.Tensor | None:
         """A round's draws for verify_draft, [B, k + 1] float32 from the generator (as verify_draft
@@ -452,8 +445,8 @@ class SpeculativeRounds:
             if one_call is not None:  # the drafts, then one call: the target's forward and the rest
                 draft_tokens, draft_probs = proposer.propose(self, state.last, active, history)
                 slots, values, chosen, committed, num_accepted, target_hidden = one_call(
-                    *self.target_input(state.last, draft_tokens, active), target_cache, draft_tokens, draft_probs,
-                    self.verification_uniforms(active), active, state, rule, takes_hidden)
+                    draft_tokens, draft_probs, self.verification_uniforms(active), active, state, target_cache, rule,
+                    takes_hidden)
                 proposer.commit(active, committed, num_accepted, draft_tokens, target_hidden)
             else:
                 forwards = self.round_forwards(proposer, target_step, target_cache, state.last, active, history)

@@ -146,19 +146,25 @@ def settle(tokens: torch.Tensor, num_emitted: torch.Tensor, num_accepted: torch.
     return slots, values, chosen, emitted
 
 
-def _verify_round(target_input: torch.Tensor, mask: torch.Tensor, cache, draft_tokens: torch.Tensor,
-                  draft_probs: torch.Tensor | None, uniforms: torch.Tensor | None, active: torch.Tensor,
-                  state: RoundState, rule: RoundRule, hidden: bool, model=None) -> tuple:
-    """A round after its drafts, without penalties or stop patterns: the target's forward over
-    ``target_input`` [B, k + 1] (each row's last token and its drafts; ``mask``: the active rows'),
-    the eos held back where a row is short of its min_new_tokens, verification, the crop, ``settle``.
-    -> (slots, values, log-probabilities or None (settle's), committed [B] and num_accepted [B]
-    (what the proposer's commit takes), the target's last hidden states [B, k + 1, H] with
-    ``hidden``, else None)."""
+def target_input(last: torch.Tensor, draft_tokens: torch.Tensor, active: torch.Tensor) -> tuple:
+    """What the target scores in a round, last [B] + the k drafts [B, k] in one forward (every row
+    then verified at once): (tokens [B, k + 1], their attention mask: the ``active`` [B] rows')."""
+    B, k = draft_tokens.shape
+    return torch.cat([last[:, None], draft_tokens], dim=1), active[:, None].expand(B, k + 1).contiguous()
+
+
+def _verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, uniforms: torch.Tensor | None,
+                  active: torch.Tensor, state: RoundState, cache, rule: RoundRule, hidden: bool, model=None) -> tuple:
+    """A round after its drafts [B, k], without penalties or stop patterns: the target's forward
+    over each row's last token and its drafts (``target_input``), the eos held back where a row is
+    short of its min_new_tokens, verification, the crop, ``settle``. -> (slots, values,
+    log-probabilities or None (settle's), committed [B] and num_accepted [B] (what the proposer's
+    commit takes), the target's last hidden states [B, k + 1, H] with ``hidden``, else None)."""
+    tokens_in, mask = target_input(state.last, draft_tokens, active)
     if hidden:
-        target_logits, target_hidden = _forward_with_hidden(target_input, mask, cache, model=model)
+        target_logits, target_hidden = _forward_with_hidden(tokens_in, mask, cache, model=model)
     else:
-        target_logits, target_hidden = _forward(target_input, mask, cache, model=model), None
+        target_logits, target_hidden = _forward(tokens_in, mask, cache, model=model), None
     early = None
     if rule.min_new_tokens is not None:  # position i scores new token number num_generated + i of its row
         made = state.num_generated[:, None] + torch.arange(rule.k + 1, device=active.device)[None, :]
@@ -171,8 +177,8 @@ def _verify_round(target_input: torch.Tensor, mask: torch.Tensor, cache, draft_t
 
 
 def verify_function(model, *, module_guards: bool = False):
-    """``model``'s compiled ``(target_input, mask, cache, draft_tokens, draft_probs, uniforms, active,
-    state, rule, hidden) -> (slots, values, log-probabilities or None, committed, num_accepted, last
-    hidden states or None)`` (see _verify_round), kept on the model like its steps
-    (``module_guards``: as step_function's)."""
+    """``model``'s compiled ``(draft_tokens, draft_probs, uniforms, active, state, cache, rule, hidden)
+    -> (slots, values, log-probabilities or None, committed, num_accepted, last hidden states or
+    None)`` (see _verify_round), kept on the model like its steps (``module_guards``: as
+    step_function's)."""
     return compiled_function(model, _verify_round, "verify", module_guards=module_guards)

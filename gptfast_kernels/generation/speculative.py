@@ -27,8 +27,8 @@ from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds
                                                  process_logits, sample_by_uniform, sample_from, sampling_rows,
                                                  token_logprobs, too_early)
 from gptfast_kernels.generation.stopping import StopMatcher
-from gptfast_kernels.generation.verify_step import (RoundRule, RoundState, settle, target_input, verification_scores,
-                                                    verify_and_crop, verify_function)
+from gptfast_kernels.generation.verify_step import (RoundRule, RoundState, RoundWatch, settle, target_input,
+                                                    verification_scores, verify_and_crop, verify_function)
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
 
@@ -436,11 +436,14 @@ class SpeculativeRounds:
             hits, states = stop.scan(stop.start(B), last[:, None])
             state.finished.copy_(state.finished | (hits[:, 0] & (self.min_new_tokens == 0)))
             stop_state = states[:, 0]
+        state.count_remaining(rule.max_new_tokens)
         columns = torch.arange(k + 1, device=device)
         history = History(out, state.num_generated, record)
         one_call = verify_function(model) if self.rounds_in_one_call(target_cache, record) else None
+        # (compiled rounds on a GPU: the host queues the next round before the last has ended)
+        watch = RoundWatch(state, k, lagged=one_call is not None and device.type in RoundWatch.LAGGED_DEVICES)
 
-        while not bool(state.finished.all()):
+        while watch.another():
             active = ~state.finished
             if one_call is not None:  # the drafts, then one call: the target's forward and the rest
                 draft_tokens, draft_probs = proposer.propose(self, state.last, active, history)
@@ -469,6 +472,7 @@ class SpeculativeRounds:
             out.scatter_(1, slots, values)
             if out_logprobs is not None:
                 out_logprobs.scatter_(1, slots, chosen)
+            watch.queued()
 
         if streamer is not None:
             streamer.end()

@@ -39,6 +39,7 @@ class RoundState:
     num_generated: torch.Tensor  # int64: new tokens so far (the first, picked after the prefill, included)
     proposed: torch.Tensor       # int64: drafts proposed to the row
     accepted: torch.Tensor       # int64: drafts the target accepted
+    remaining: torch.Tensor      # 0-d int64: the most new tokens an unfinished row may still emit (0: all finished)
 
     @classmethod
     def start(cls, model, batch_size: int, device: torch.device, *, reuse: bool) -> "RoundState":
@@ -47,11 +48,11 @@ class RoundState:
         them."""
         state = getattr(model, STATE_ATTRIBUTE, None) if reuse else None
         if state is None or state.last.shape[0] != batch_size or state.last.device != device:
-            def zeros(dtype):
-                return torch.zeros(batch_size, dtype=dtype, device=device)
+            def zeros(dtype, *shape):
+                return torch.zeros(shape, dtype=dtype, device=device)
 
-            state = cls(zeros(torch.int64), zeros(torch.bool), zeros(torch.int64), zeros(torch.int64),
-                        zeros(torch.int64))
+            state = cls(zeros(torch.int64, batch_size), zeros(torch.bool, batch_size), zeros(torch.int64, batch_size),
+                        zeros(torch.int64, batch_size), zeros(torch.int64, batch_size), zeros(torch.int64))
             if reuse:
                 for tensor in state.buffers():
                     torch._dynamo.mark_static_address(tensor)
@@ -61,7 +62,66 @@ class RoundState:
         return state
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
-        return self.last, self.finished, self.num_generated, self.proposed, self.accepted
+        return self.last, self.finished, self.num_generated, self.proposed, self.accepted, self.remaining
+
+    def count_remaining(self, max_new_tokens: torch.Tensor) -> None:
+        """``remaining`` from the rows' ends, counts and limits (``max_new_tokens`` [B])."""
+        self.remaining.copy_(torch.where(self.finished, 0, max_new_tokens - self.num_generated).max())
+
+
+class RoundWatch:
+    """Whether another round is needed, asked of ``state.remaining`` after each round.
+
+    Reading it right after queuing a round is a sync: on a GPU the host would wait for that round to
+    end before queuing the next one's launches, and the GPU would idle while it does. ``lagged`` (a
+    GPU's compiled rounds) copies the value to pinned host memory behind each round and reads the
+    round before the last: when that one left every unfinished row more than k + 1 tokens short of
+    its limit, the last round cannot end them all at their limits (a round emits at most k + 1
+    tokens a row), so the next round is queued without waiting; otherwise the host waits for the
+    last round. So only rows that all reach an eos in the same round cost a round past the end,
+    in which no row is active: nothing is written and no state changes.
+    """
+
+    # the devices whose rounds are watched ``lagged`` when compiled (tests add "cpu" to run the logic there)
+    LAGGED_DEVICES = ("cuda",)
+
+    def __init__(self, state: RoundState, k: int, lagged: bool):
+        self.state, self.k, self.lagged = state, k, lagged
+        self.known = int(state.remaining)  # the latest value read (the state before the first round)
+        self.pending = []  # [(host copy, event or None)]: queued rounds' values not yet read, oldest first
+        if lagged:
+            pinned = state.remaining.is_cuda
+            # two of each: the next round's copy never overwrites the one still pending
+            self.copies = [torch.empty((), dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+            self.events = [torch.cuda.Event() if pinned else None for _ in range(2)]
+            self.queued_rounds = 0
+
+    def queued(self) -> None:
+        """After queuing a round: its ``remaining``, read now or (``lagged``) on its way to the host."""
+        if not self.lagged:
+            self.known = int(self.state.remaining)
+            return
+        slot = self.queued_rounds % 2
+        self.queued_rounds += 1
+        host, event = self.copies[slot], self.events[slot]
+        host.copy_(self.state.remaining, non_blocking=event is not None)
+        if event is not None:
+            event.record()
+        self.pending.append((host, event))
+
+    def _read_oldest(self) -> None:
+        host, event = self.pending.pop(0)
+        if event is not None:
+            event.synchronize()
+        self.known = int(host)
+
+    def another(self) -> bool:
+        """Whether to queue another round: some row has not finished, as far as the host knows."""
+        while len(self.pending) > 1:
+            self._read_oldest()
+        if self.pending and 0 < self.known <= self.k + 1:  # the last round may have ended every row
+            self._read_oldest()
+        return self.known > 0
 
 
 class RoundRule(NamedTuple):
@@ -143,6 +203,7 @@ def settle(tokens: torch.Tensor, num_emitted: torch.Tensor, num_accepted: torch.
     state.num_generated.add_(emitted.sum(dim=1))
     state.finished.copy_(state.finished | ends.any(dim=1) | (state.num_generated >= rule.max_new_tokens))
     state.last.copy_(last)
+    state.count_remaining(rule.max_new_tokens)
     return slots, values, chosen, emitted
 
 

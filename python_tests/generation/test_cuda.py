@@ -11,6 +11,7 @@ import gptfast_kernels.generation.speculative as speculative_module
 from gptfast_kernels import StaticKVCache, _extension, generate, patch_model, speculative_generate
 from gptfast_kernels.generation import forward
 from gptfast_kernels.generation.stopping import token_bytes
+from gptfast_kernels.generation.verify_step import RoundWatch
 from python_tests.tiny_models import PAD, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 from python_tests.tiny_tokenizers import byte_level_tokenizer, stop_string_from
 
@@ -191,13 +192,22 @@ def test_sampled_compiled_rounds_draft_in_one_cuda_graph(monkeypatch):
     assert torch.equal(in_one_call.num_accepted, step_by_step.num_accepted) and 0 < in_one_call.acceptance_rate < 1
 
 
-def test_compiled_rounds_verify_in_one_cuda_graph():
+def test_compiled_rounds_verify_in_one_cuda_graph(monkeypatch):
     """A compiled round after its drafts in one CUDA graph (verify_step: the target's forward,
     verification and the rows' state): per-row sampling, eos held back by min_new_tokens, per-row
     limits and log-probabilities, on state buffers the graph updates in place (no CUDA-graph skip
     for them): the same tokens, acceptances and log-probabilities as eager rounds from the same
-    seed, twice (the state's buffers reused)."""
+    seed, twice (the state's buffers reused), with the rows' end read a round late through pinned
+    memory (RoundWatch)."""
     from torch._dynamo.utils import counters
+
+    watches, init = [], RoundWatch.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        watches.append(self)
+
+    monkeypatch.setattr(RoundWatch, "__init__", recording)
 
     target = tiny_model("llama", layers=3).cuda()
     patched = patched_copy(target, int8=True)
@@ -219,6 +229,8 @@ def test_compiled_rounds_verify_in_one_cuda_graph():
         torch.testing.assert_close(compiled.logprobs, eager.logprobs)
     assert counters["inductor"]["cudagraph_skips"] == skips_before
     assert hasattr(patched, "_gptfast_compiled_verify")
+    assert [watch.lagged for watch in watches] == [False, True, True]  # (eager rounds read each round's end)
+    assert all(watch.copies[0].is_pinned() and watch.events[0] is not None for watch in watches[1:])
 
 
 def _served_as_alone(batcher, patched, seed: int) -> None:

@@ -13,6 +13,7 @@ from gptfast_kernels.generation import forward
 from gptfast_kernels.generation.forward import CompiledStep
 from gptfast_kernels.generation.sampling import (apply_additive_penalties, apply_repetition_penalty, logits_to_probs,
                                                  sample_by_uniform, seen_tokens)
+from gptfast_kernels.generation.verify_step import RoundWatch
 from python_tests.generation.test_generate import PICKING
 from python_tests.tiny_models import INDEX_POSITIONED, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 
@@ -415,6 +416,58 @@ def test_compiled_rounds_verify_in_the_targets_call(settling, monkeypatch):
     rounds = calls[("target", "_forward")] + calls[("target", "_verify_round")]  # (one target forward a round)
     assert rounds > 0
     assert calls[("target", "_forward" if settling in ("stops", "penalty") else "_verify_round")] == rounds
+
+
+@pytest.mark.parametrize("ending", ["limits", "eos", "eos_sampled"])
+def test_lagged_watch_queues_rounds_before_the_last_ends(ending, monkeypatch):
+    """Compiled rounds on a GPU ask whether every row has finished one round late (RoundWatch,
+    here run on the CPU): the next round is queued before the last one is read, unless the last
+    could have ended every row at its limit. Rows ending at their limits (per-row) cost no extra
+    round; one row ending at an eos costs one round past the end, in which no row is active. Either
+    way tokens, counts and log-probabilities equal the eager rounds' and the rounds read at once."""
+    _, patched, draft = _pair("llama", True)
+    options = dict(speculate_k=3, output_logprobs=True,
+                   **({"temperature": 0.9, "top_k": 30} if ending == "eos_sampled" else {}))
+    if ending == "limits":
+        ids, mask = ragged_prompts(3, 6, "left", seed=3)
+        options.update(max_new_tokens=[NEW, NEW - 7, 13], eos_token_id=[])
+    else:  # one row, its eos a token it first emits a few rounds in
+        ids, mask = ragged_prompts(1, 6, "left", seed=3)
+        free = speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, eos_token_id=[],
+                                    generator=torch.Generator().manual_seed(4), **options).sequences[0, 6:].tolist()
+        at = next(i for i in range(8, NEW) if free[i] not in free[:i])
+        options.update(max_new_tokens=NEW, eos_token_id=free[at])
+
+    def run(compile):
+        return speculative_generate(patched, draft, ids, mask, compile=compile,
+                                    generator=torch.Generator().manual_seed(4), **options)
+
+    calls = count_compiled_calls(monkeypatch, draft)
+    eager, read_at_once = run(False), run(True)
+    rounds_at_once = calls.pop(("target", "_verify_round"))
+    monkeypatch.setattr(RoundWatch, "LAGGED_DEVICES", ("cuda", "cpu"))
+    unread = []  # per round: how many queued rounds were still unread when the next was queued
+    another = RoundWatch.another
+
+    def watched(self):
+        more = another(self)
+        if more and self.lagged:
+            unread.append(len(self.pending))
+        return more
+
+    monkeypatch.setattr(RoundWatch, "another", watched)
+    lagged = run(True)
+    for out in (read_at_once, lagged):
+        assert torch.equal(out.sequences, eager.sequences)
+        assert torch.equal(out.num_proposed, eager.num_proposed)
+        assert torch.equal(out.num_accepted, eager.num_accepted)
+        torch.testing.assert_close(out.logprobs, eager.logprobs)
+    if ending != "limits":
+        assert int(eager.sequences[0, -1]) == options["eos_token_id"]  # (the row ended at its eos)
+    assert calls[("target", "_verify_round")] == rounds_at_once + (ending != "limits")
+    assert unread[0] == 0 and 1 in unread  # (the first round: nothing queued before it)
+    if ending == "limits":
+        assert 0 in unread[1:]  # near the limits the host waited for the last round
 
 
 def test_new_round_values_reuse_the_compiled_verification():

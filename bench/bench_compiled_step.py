@@ -14,7 +14,10 @@ against a compiled forward followed by the same pick run eagerly, greedy and at 
 Then ``speculative_verify`` and ``speculative_sampled_verify``: a compiled round after its drafts
 (the target's forward, verification, the crop, the rows' state) in one call of the target
 (generation/verify_step.py, the package's way) against the target's forward compiled alone and the
-rest run eagerly after it.
+rest run eagerly after it. Then ``speculative_watch``: compiled greedy rounds whose host reads whether
+every row has finished one round late (generation/verify_step.py's RoundWatch, the package's way on
+a GPU), queuing the next round while the last runs, against reading it after each round (the way
+on a CPU, where nothing runs behind the host: there the two do the same work).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from bench.bench_speculative import demo_models
 from gptfast_kernels import generate, patch_model, speculative_generate
 from gptfast_kernels.generation.decode_step import decode_function
 from gptfast_kernels.generation.forward import drafts_function, step_function
-from gptfast_kernels.generation.verify_step import verify_function
+from gptfast_kernels.generation.verify_step import RoundWatch, verify_function
 
 # (the module: the package's generate function hides it as an attribute of gptfast_kernels.generation)
 generate_module = importlib.import_module("gptfast_kernels.generation.generate")
@@ -82,6 +85,11 @@ def run(h) -> None:
                           stepped: lambda fn=speculative, name=name: _without(
                               speculative_module, name, lambda: fn(target_model, draft_model))}
             _compare_ways(h, call, candidates, baseline=stepped)
+    # the rows' end read a round late (the package's way on a GPU) against after each round
+    lagged_on_this_device = (torch.device(h.device).type,)
+    candidates = {"read_a_round_late": lambda: _watched(lagged_on_this_device, calls["speculative"], pairs["default"]),
+                  "read_each_round": lambda: _watched((), calls["speculative"], pairs["default"])}
+    _compare_ways(h, "speculative_watch", candidates, baseline="read_each_round")
     # generate's pick inside its compiled step (the package's way) against after it, greedy and sampled
 
     def generated(temperature):
@@ -110,6 +118,16 @@ def _compare_ways(h, call: str, candidates: dict, baseline: str) -> None:
 def _picking_after_the_step(generated, temperature):
     """``generated(temperature)`` with generate's compiled step a forward alone, its pick run eagerly after it."""
     return _without(generate_module, "decode_function", lambda: generated(temperature))
+
+
+def _watched(lagged_devices: tuple, speculative, pair):
+    """``speculative(*pair)`` with compiled rounds on ``lagged_devices`` reading the rows' end a round late."""
+    original = RoundWatch.LAGGED_DEVICES
+    RoundWatch.LAGGED_DEVICES = lagged_devices
+    try:
+        return speculative(*pair)
+    finally:
+        RoundWatch.LAGGED_DEVICES = original
 
 
 def _without(module, name: str, run):

@@ -5,8 +5,8 @@ The per-row state lives in buffers that each step updates in place (DecodeState)
 are kept with the model between calls, like its cache, at fixed addresses: a CUDA graph reads and
 writes them where they are, so a step launches its graph and a copy of the new tokens (and,
 sampled, one draw of uniforms), where picking outside the graph took an argmax or a softmax and a
-multinomial, and the bookkeeping (the pad id for finished rows, the lengths, the eos test) a
-handful of small kernels, each a launch on a GPU and a dispatch on a CPU.
+multinomial, and the bookkeeping (the pad id for finished rows, the lengths, the eos test, the stop
+automata's gathers) a handful of small kernels, each a launch on a GPU and a dispatch on a CPU.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from gptfast_kernels.generation.forward import _forward, compiled_function
 from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs,
                                                  process_logits, sample_by_uniform, sampling_rows, token_logprobs)
+from gptfast_kernels.generation.stopping import StopMatcher
 
 STATE_ATTRIBUTE = "_gptfast_decode_state"  # where a compiling model keeps its DecodeState
 
@@ -30,24 +31,30 @@ class DecodeState:
     finished: torch.Tensor  # [B] bool
     lengths: torch.Tensor   # [B] int64: new tokens up to the row's end (eos, stop or limit)
     uniforms: torch.Tensor  # [B] float64: the step's draw, at which a sampled row picks (sample_by_uniform)
+    stop_state: torch.Tensor  # [B, M] int64: the row's state in the M stop automata (StopMatcher's; M = 0: none)
 
     @classmethod
-    def start(cls, model, batch_size: int, device: torch.device, max_new_tokens, *, reuse: bool) -> "DecodeState":
-        """The state before the first new token (a row whose ``max_new_tokens`` is 0 finished).
-        With ``reuse`` (compiled steps) ``model`` keeps it and hands it out again for the same batch
-        size and device, its buffers marked static: compiled graphs are specialised on them."""
+    def start(cls, model, batch_size: int, device: torch.device, max_new_tokens, *, reuse: bool,
+              stop_automata: int = 0) -> "DecodeState":
+        """The state before the first new token (a row whose ``max_new_tokens`` is 0 finished;
+        ``stop_automata``: the stop matcher's automata, 0 without one). With ``reuse`` (compiled
+        steps) ``model`` keeps it and hands it out again for the same batch size, device and
+        automata, its buffers marked static: compiled graphs are specialised on them."""
         state = getattr(model, STATE_ATTRIBUTE, None) if reuse else None
-        if state is None or state.tokens.shape[0] != batch_size or state.tokens.device != device:
-            def zeros(dtype):
-                return torch.zeros(batch_size, dtype=dtype, device=device)
+        if (state is None or state.tokens.shape[0] != batch_size or state.tokens.device != device
+                or state.stop_state.shape[1] != stop_automata):
+            def zeros(dtype, *more):
+                return torch.zeros((batch_size, *more), dtype=dtype, device=device)
 
-            state = cls(zeros(torch.int64), zeros(torch.bool), zeros(torch.int64), zeros(torch.float64))
+            state = cls(zeros(torch.int64), zeros(torch.bool), zeros(torch.int64), zeros(torch.float64),
+                        zeros(torch.int64, stop_automata))
             if reuse:
-                for tensor in (state.tokens, state.finished, state.lengths, state.uniforms):
+                for tensor in (state.tokens, state.finished, state.lengths, state.uniforms, state.stop_state):
                     torch._dynamo.mark_static_address(tensor)
                 setattr(model, STATE_ATTRIBUTE, state)
         state.tokens.zero_()
         state.lengths.zero_()
+        state.stop_state.zero_()
         state.finished.copy_(state.lengths >= max_new_tokens)
         return state
 
@@ -64,12 +71,15 @@ class StepRule(NamedTuple):
     is_eos: torch.Tensor | None            # [V] bool, the eos columns (only while a row may be held back)
     pad: int
     logprobs: bool                         # advance returns each token's log-probability
+    stop_tables: tuple | None = None       # StopMatcher's tables; None: no stop pattern
+    stops_from: torch.Tensor | None = None  # [B]: a stop pattern counts from that many new tokens on
 
     @classmethod
     def build(cls, batch_size: int, device: torch.device, vocab_size: int, max_new_tokens, min_new_tokens,
               temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
-              eos: list[int], pad: int, logprobs: bool) -> "StepRule":
-        """From check_decode_options's values (numbers, or per-row [B] tensors)."""
+              eos: list[int], pad: int, logprobs: bool, stop: StopMatcher | None = None) -> "StepRule":
+        """From check_decode_options's values (numbers, or per-row [B] tensors); ``stop``: its
+        stop matcher."""
         sampled = isinstance(temperature, torch.Tensor) or temperature != 0
         filters = sampling_rows(temperature, top_k, top_p, min_p, batch_size, device) if sampled else ()
         eos_ids = torch.tensor(eos, dtype=torch.int64, device=device) if eos else None
@@ -77,17 +87,23 @@ class StepRule(NamedTuple):
         if held and not isinstance(min_new_tokens, torch.Tensor):  # (one [B] layout either way: no recompile)
             min_new_tokens = torch.full((batch_size,), min_new_tokens, device=device)
         limits = max_new_tokens if isinstance(max_new_tokens, torch.Tensor) else None
+        stops_from = None
+        if stop is not None:
+            stops_from = (min_new_tokens.to(torch.int64) if isinstance(min_new_tokens, torch.Tensor)
+                          else torch.full((batch_size,), min_new_tokens, dtype=torch.int64, device=device))
         return cls(sampled, filters, (repetition_penalty, presence_penalty, frequency_penalty),
                    min_new_tokens if held else None, limits, eos_ids,
-                   eos_columns(eos_ids, vocab_size) if held else None, pad, logprobs)
+                   eos_columns(eos_ids, vocab_size) if held else None, pad, logprobs,
+                   None if stop is None else tuple(stop.tables), stops_from)
 
 
 def advance(logits: torch.Tensor, state: DecodeState, rule: StepRule, record: TokenRecord) -> torch.Tensor | None:
     """[B, V] logits of each row's next token -> the rows' state one token on, in place: the penalties
     over ``record`` (which takes the tokens) and the eos held back from rows short of their
     min_new_tokens, then the argmax or a sample at ``state.uniforms``; a finished row gets the pad
-    id; a row ends at an eos or at its own limit. Returns the tokens' log-probabilities under the
-    raw logits (0 for finished rows) when ``rule.logprobs``, else None."""
+    id; a row ends at an eos, at a token that completes a stop pattern (from its min_new_tokens
+    on) or at its own limit. Returns the tokens' log-probabilities under the raw logits (0 for
+    finished rows) when ``rule.logprobs``, else None."""
     finished = state.finished
     # (a row that has not finished has made as many tokens as there were steps)
     early = None if rule.min_new_tokens is None else state.lengths < rule.min_new_tokens
@@ -102,6 +118,10 @@ def advance(logits: torch.Tensor, state: DecodeState, rule: StepRule, record: To
     ended = finished
     if rule.eos_ids is not None:
         ended = ended | torch.isin(tokens, rule.eos_ids)
+    if rule.stop_tables is not None:  # (lengths: this token's new token number, in rows not finished)
+        hits, stop_states = StopMatcher(list(rule.stop_tables)).scan(state.stop_state, tokens[:, None])
+        ended = ended | (hits[:, 0] & (state.lengths >= rule.stops_from))
+        state.stop_state.copy_(stop_states[:, 0])
     state.lengths += ~finished
     if rule.max_new_tokens is not None:
         ended = ended | (state.lengths >= rule.max_new_tokens)

@@ -108,8 +108,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     record = TokenRecord.start(prompt.input_ids, prompt.attention_mask, logits.shape[-1], repetition_penalty,
                                presence_penalty, frequency_penalty)
     rule = StepRule.build(B, device, logits.shape[-1], max_new_tokens, min_new_tokens, temperature, top_k, top_p,
-                          min_p, repetition_penalty, presence_penalty, frequency_penalty, eos, pad, output_logprobs)
-    state = DecodeState.start(model, B, device, max_new_tokens, reuse=compile)
+                          min_p, repetition_penalty, presence_penalty, frequency_penalty, eos, pad, output_logprobs,
+                          stop)
+    state = DecodeState.start(model, B, device, max_new_tokens, reuse=compile,
+                              stop_automata=0 if stop is None else len(stop.tables))
     # Without penalties (whose record each step writes) the step picks its token in the compiled
     # call too: one call a step, and nothing else launched but the sampled rows' uniforms.
     decode_call = decode_function(model) if compile and record.seen is None and record.counts is None else None
@@ -117,7 +119,6 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     # whether rows may end before most_new steps (an eos, a stop or a per-row limit); without that no
     # step asks whether all have (a GPU sync), and the output keeps every step's column
     ends_early = bool(eos) or stop is not None or isinstance(max_new_tokens, torch.Tensor)
-    stop_state = stop.start(B) if stop else None  # each row's state in the stop patterns
     new_tokens, logprobs = [], []
     for step in range(most_new):
         # Whether every row has finished is a GPU sync, so it is asked every EOS_CHECK_STEPS steps
@@ -140,10 +141,6 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         new_tokens.append(tokens)
         if output_logprobs:
             logprobs.append(logprob.clone())
-        if stop is not None:
-            hits, states = stop.scan(stop_state, tokens[:, None])
-            state.finished |= hits[:, 0] & (step >= min_new_tokens)
-            stop_state = states[:, 0]
         if streamer is not None:
             streamer.put(tokens.cpu())
     if streamer is not None:

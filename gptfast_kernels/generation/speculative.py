@@ -23,7 +23,7 @@ from gptfast_kernels.generation.assistant import AssistantProposer, check_assist
 from gptfast_kernels.generation.forward import cache_for, drafts_function, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
 from gptfast_kernels.generation.options import check_decode_options
-from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs, per_row,
+from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs,
                                                  process_logits, sample_by_uniform, sample_from, sampling_rows,
                                                  token_logprobs, too_early)
 from gptfast_kernels.generation.stopping import StopMatcher
@@ -376,10 +376,11 @@ class SpeculativeRounds:
 
     def rounds_in_one_call(self, target_cache: StaticKVCache, record: TokenRecord) -> bool:
         """Whether each round after its drafts is one compiled call of the target (verify_step: its
-        forward, verification and the rows' state): compiled, with no penalty, no stop pattern, no
-        streamer (which reads each round's tokens) and no recurrent states in the target's cache."""
-        return (self.compile and record.seen is None and record.counts is None and self.stop is None
-                and self.streamer is None and not target_cache.has_recurrent_layers)
+        forward, verification and the rows' state, stop patterns included): compiled, with no
+        penalty, no streamer (which reads each round's tokens) and no recurrent states in the
+        target's cache."""
+        return (self.compile and record.seen is None and record.counts is None and self.streamer is None
+                and not target_cache.has_recurrent_layers)
 
     def run(self, make_proposer: Callable[[int, StaticKVCache], Proposer]) -> SpeculativeOutput:
         """``make_proposer(capacity, target_cache)``: the proposer, given the cache length the rounds
@@ -424,20 +425,20 @@ class SpeculativeRounds:
             out_logprobs[:, 0] = token_logprobs(logits, last)
         if streamer is not None:
             streamer.put(last[:, None].cpu())
-        state = RoundState.start(model, B, device, reuse=self.compile)
+        stop = self.stop
+        state = RoundState.start(model, B, device, reuse=self.compile,
+                                 stop_automata=0 if stop is None else len(stop.tables))
         state.last.copy_(last)
         state.num_generated.fill_(1)
         rule = RoundRule.build(k, B, device, V, self.greedy, (self.temperature, self.top_k, self.top_p, self.min_p),
                                self.max_new_tokens, self.min_new_tokens, self.eos, pad, self.output_logprobs,
-                               dump=out.shape[1] - 1)
+                               dump=out.shape[1] - 1, stop=stop)
         state.finished.copy_(torch.isin(last, eos_ids) | (state.num_generated >= rule.max_new_tokens))
-        stop, stop_state = self.stop, None  # (stop_state: each row's state in the stop patterns)
-        if stop is not None:
+        if stop is not None:  # (the first token: a stop counts with no min_new_tokens)
             hits, states = stop.scan(stop.start(B), last[:, None])
             state.finished.copy_(state.finished | (hits[:, 0] & (self.min_new_tokens == 0)))
-            stop_state = states[:, 0]
+            state.stop_state.copy_(states[:, 0])
         state.count_remaining(rule.max_new_tokens)
-        columns = torch.arange(k + 1, device=device)
         history = History(out, state.num_generated, record)
         one_call = verify_function(model) if self.rounds_in_one_call(target_cache, record) else None
         # (compiled rounds on a GPU: the host queues the next round before the last has ended)
@@ -454,16 +455,9 @@ class SpeculativeRounds:
             else:
                 forwards = self.round_forwards(proposer, target_step, target_cache, state.last, active, history)
                 tokens, num_emitted, num_accepted = self.verify(proposer, target_cache, active, history, forwards)
-                stop_hits = None
-                if stop is not None:  # (before min_new_tokens a stop sequence or string does not count)
-                    made = state.num_generated[:, None] + columns[None, :]  # each position's new token number
-                    hits, states = stop.scan(stop_state, tokens)
-                    stop_hits = hits & (made >= per_row(self.min_new_tokens, made))
                 before = int(state.num_generated[0]) if streamer is not None else 0
                 slots, values, chosen, emitted = settle(tokens, num_emitted, num_accepted, forwards[2], active,
-                                                        state, rule, stop_hits)
-                if stop is not None:
-                    stop_state = stop.after(states, stop_state, emitted.sum(dim=1))
+                                                        state, rule)
                 record.add(torch.where(emitted, tokens, V))
                 if streamer is not None:  # one row: its new tokens, up to max_new_tokens
                     room = int(rule.max_new_tokens[0]) - before

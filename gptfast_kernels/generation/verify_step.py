@@ -1,9 +1,9 @@
 """A speculative round after its drafts: the target's forward over each row's last token and its
 drafts, the k + 1 positions verified against the drafts, the target's cache cut to each row's
-committed tokens, and the rows' state advanced (the emitted tokens up to an eos or the row's limit,
-the counts), in one compiled call when nothing outside it has to run between those (no penalty,
-whose record grows by the round's tokens; no stop pattern, whose matcher runs on the host; no
-streamer; no recurrent states, whose rollback is bookkeeping of its own).
+committed tokens, and the rows' state advanced (the emitted tokens up to an eos, a stop pattern or
+the row's limit, the counts, the stop automata's states: a gather per token, on the device), in
+one compiled call when nothing outside it has to run between those (no penalty, whose record grows
+by the round's tokens; no streamer; no recurrent states, whose rollback is bookkeeping of its own).
 
 Done op by op after the forward, that is some forty small kernels a round, each a launch on a GPU
 and a dispatch on a CPU, between the target's forward and the next round's drafts; and a compiled
@@ -26,6 +26,7 @@ import torch
 from gptfast_kernels.generation.forward import _forward, _forward_with_hidden, compiled_function
 from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs,
                                                  process_logits, sampling_rows, token_logprobs)
+from gptfast_kernels.generation.stopping import StopMatcher
 from gptfast_kernels.ops.verify_draft import verify_draft
 
 STATE_ATTRIBUTE = "_gptfast_round_state"  # where a compiling target keeps its RoundState
@@ -40,19 +41,23 @@ class RoundState:
     proposed: torch.Tensor       # int64: drafts proposed to the row
     accepted: torch.Tensor       # int64: drafts the target accepted
     remaining: torch.Tensor      # 0-d int64: the most new tokens an unfinished row may still emit (0: all finished)
+    stop_state: torch.Tensor     # [B, M] int64: each row's state in the M stop automata (StopMatcher's; M = 0: none)
 
     @classmethod
-    def start(cls, model, batch_size: int, device: torch.device, *, reuse: bool) -> "RoundState":
-        """Zeroed buffers. With ``reuse`` (compiled rounds) ``model`` keeps them and hands them out
-        again for the same batch size and device, marked static: compiled graphs are specialised on
-        them."""
+    def start(cls, model, batch_size: int, device: torch.device, *, reuse: bool, stop_automata: int = 0
+              ) -> "RoundState":
+        """Zeroed buffers (``stop_automata``: the stop matcher's automata, 0 without one). With
+        ``reuse`` (compiled rounds) ``model`` keeps them and hands them out again for the same batch
+        size, device and automata, marked static: compiled graphs are specialised on them."""
         state = getattr(model, STATE_ATTRIBUTE, None) if reuse else None
-        if state is None or state.last.shape[0] != batch_size or state.last.device != device:
+        if (state is None or state.last.shape[0] != batch_size or state.last.device != device
+                or state.stop_state.shape[1] != stop_automata):
             def zeros(dtype, *shape):
                 return torch.zeros(shape, dtype=dtype, device=device)
 
             state = cls(zeros(torch.int64, batch_size), zeros(torch.bool, batch_size), zeros(torch.int64, batch_size),
-                        zeros(torch.int64, batch_size), zeros(torch.int64, batch_size), zeros(torch.int64))
+                        zeros(torch.int64, batch_size), zeros(torch.int64, batch_size), zeros(torch.int64),
+                        zeros(torch.int64, batch_size, stop_automata))
             if reuse:
                 for tensor in state.buffers():
                     torch._dynamo.mark_static_address(tensor)
@@ -62,7 +67,8 @@ class RoundState:
         return state
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
-        return self.last, self.finished, self.num_generated, self.proposed, self.accepted, self.remaining
+        return (self.last, self.finished, self.num_generated, self.proposed, self.accepted, self.remaining,
+                self.stop_state)
 
     def count_remaining(self, max_new_tokens: torch.Tensor) -> None:
         """``remaining`` from the rows' ends, counts and limits (``max_new_tokens`` [B])."""
@@ -137,12 +143,15 @@ class RoundRule(NamedTuple):
     pad: int
     logprobs: bool                       # settle returns each emitted token's log-probability
     dump: torch.Tensor                   # 0-d int64: the output column that takes the writes of tokens not emitted
+    stop_tables: tuple | None            # StopMatcher's tables; None: no stop pattern
+    stops_from: torch.Tensor | None      # [B]: a stop pattern counts from that many new tokens on (with stop_tables)
 
     @classmethod
     def build(cls, k: int, batch_size: int, device: torch.device, vocab_size: int, greedy: bool, sampling: tuple,
-              max_new_tokens, min_new_tokens, eos: list[int], pad: int, logprobs: bool, dump: int) -> "RoundRule":
+              max_new_tokens, min_new_tokens, eos: list[int], pad: int, logprobs: bool, dump: int,
+              stop: StopMatcher | None = None) -> "RoundRule":
         """From check_decode_options's values (numbers, or per-row [B] tensors); ``sampling``: its
-        (temperature, top_k, top_p, min_p)."""
+        (temperature, top_k, top_p, min_p); ``stop``: its stop matcher."""
         def rows(value):  # (a [B] layout of its own, not a stride-0 view: one graph either way)
             return value if isinstance(value, torch.Tensor) else torch.full((batch_size,), value, device=device)
 
@@ -151,7 +160,8 @@ class RoundRule(NamedTuple):
         return cls(k, None if greedy else sampling_rows(*sampling, batch_size, device),
                    rows(min_new_tokens) if held else None, rows(max_new_tokens), eos_ids,
                    eos_columns(eos_ids, vocab_size) if held else None, pad, logprobs,
-                   torch.tensor(dump, dtype=torch.int64, device=device))
+                   torch.tensor(dump, dtype=torch.int64, device=device), None if stop is None else tuple(stop.tables),
+                   None if stop is None else rows(min_new_tokens).to(torch.int64))
 
 
 def verification_scores(processed: torch.Tensor, filters: tuple | None) -> torch.Tensor:
@@ -178,21 +188,24 @@ def verify_and_crop(scores: torch.Tensor, draft_probs: torch.Tensor | None, draf
 
 
 def settle(tokens: torch.Tensor, num_emitted: torch.Tensor, num_accepted: torch.Tensor, target_logits: torch.Tensor,
-           active: torch.Tensor, state: RoundState, rule: RoundRule, stop_hits: torch.Tensor | None = None) -> tuple:
-    """The round's outcome into ``state``, in place: each row's emitted tokens up to its first eos (or
-    ``stop_hits`` [B, k + 1], the positions that complete a stop pattern and count), its counts,
-    last token and whether it has finished (at an eos or its limit). -> (slots [B, k + 1]: the
-    output column of each emitted token, ``rule.dump`` for the others; values [B, k + 1]: the
-    emitted tokens, the pad id elsewhere; their log-probabilities under the target's raw logits (0
-    elsewhere), None unless ``rule.logprobs``; emitted [B, k + 1] bool)."""
+           active: torch.Tensor, state: RoundState, rule: RoundRule) -> tuple:
+    """The round's outcome into ``state``, in place: each row's emitted tokens up to its first eos
+    or the first token that completes a stop pattern (one that counts: from the row's
+    min_new_tokens on), its counts, last token, stop automata's state and whether it has finished
+    (at an eos, a stop or its limit). -> (slots [B, k + 1]: the output column of each emitted
+    token, ``rule.dump`` for the others; values [B, k + 1]: the emitted tokens, the pad id
+    elsewhere; their log-probabilities under the target's raw logits (0 elsewhere), None unless
+    ``rule.logprobs``; emitted [B, k + 1] bool)."""
     columns = torch.arange(rule.k + 1, device=tokens.device)
     state.proposed.add_(rule.k * active)
     state.accepted.add_(num_accepted)
     last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], state.last)
     emitted = columns[None, :] < num_emitted[:, None]
     ends = torch.zeros_like(emitted) if rule.eos_ids is None else torch.isin(tokens, rule.eos_ids) & emitted
-    if stop_hits is not None:
-        ends = ends | (stop_hits & emitted)
+    if rule.stop_tables is not None:  # (position i is new token number num_generated + i of its row)
+        hits, stop_states = StopMatcher(list(rule.stop_tables)).scan(state.stop_state, tokens)
+        made = state.num_generated[:, None] + columns[None, :]
+        ends = ends | (hits & (made >= rule.stops_from[:, None]) & emitted)
     ends_before = ends.to(torch.int64).cumsum(dim=1) - ends.to(torch.int64)
     emitted = emitted & (ends_before == 0)  # (a row's tokens after its end are dropped)
     slots = torch.where(emitted, state.num_generated[:, None] + columns[None, :], rule.dump)
@@ -203,6 +216,8 @@ def settle(tokens: torch.Tensor, num_emitted: torch.Tensor, num_accepted: torch.
     state.num_generated.add_(emitted.sum(dim=1))
     state.finished.copy_(state.finished | ends.any(dim=1) | (state.num_generated >= rule.max_new_tokens))
     state.last.copy_(last)
+    if rule.stop_tables is not None:
+        state.stop_state.copy_(StopMatcher.after(stop_states, state.stop_state, emitted.sum(dim=1)))
     state.count_remaining(rule.max_new_tokens)
     return slots, values, chosen, emitted
 
@@ -216,9 +231,9 @@ def target_input(last: torch.Tensor, draft_tokens: torch.Tensor, active: torch.T
 
 def _verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, uniforms: torch.Tensor | None,
                   active: torch.Tensor, state: RoundState, cache, rule: RoundRule, hidden: bool, model=None) -> tuple:
-    """A round after its drafts [B, k], without penalties or stop patterns: the target's forward
-    over each row's last token and its drafts (``target_input``), the eos held back where a row is
-    short of its min_new_tokens, verification, the crop, ``settle``. -> (slots, values,
+    """A round after its drafts [B, k], without penalties: the target's forward over each row's last
+    token and its drafts (``target_input``), the eos held back where a row is short of its
+    min_new_tokens, verification, the crop, ``settle`` (stop patterns too). -> (slots, values,
     log-probabilities or None (settle's), committed [B] and num_accepted [B] (what the proposer's
     commit takes), the target's last hidden states [B, k + 1, H] with ``hidden``, else None)."""
     tokens_in, mask = target_input(state.last, draft_tokens, active)

@@ -396,8 +396,8 @@ def test_compiled_rounds_verify_in_the_targets_call(settling, monkeypatch):
     eos held back under min_new_tokens, verification, the crop and each row's emitted tokens,
     counts and end, on buffers the call updates in place. Tokens, acceptances and log-probabilities
     equal the eager rounds' from the same seed, in every way generate's steps pick or a row ends
-    (generate's PICKING); with a stop pattern or a penalty, which need the host between those, the
-    target's call is its forward alone and the rest runs op by op."""
+    (generate's PICKING), stop patterns included; with a penalty, whose record the round writes
+    between those, the target's call is its forward alone and the rest runs op by op."""
     _, patched, draft = _pair("llama", True)
     ids, mask = ragged_prompts(3, 6, "left", seed=3)
     options = dict(max_new_tokens=NEW, speculate_k=3, eos_token_id=[], output_logprobs=True)
@@ -415,7 +415,7 @@ def test_compiled_rounds_verify_in_the_targets_call(settling, monkeypatch):
     torch.testing.assert_close(compiled.logprobs, eager.logprobs)
     rounds = calls[("target", "_forward")] + calls[("target", "_verify_round")]  # (one target forward a round)
     assert rounds > 0
-    assert calls[("target", "_forward" if settling in ("stops", "penalty") else "_verify_round")] == rounds
+    assert calls[("target", "_forward" if settling == "penalty" else "_verify_round")] == rounds
 
 
 @pytest.mark.parametrize("ending", ["limits", "eos", "eos_sampled"])

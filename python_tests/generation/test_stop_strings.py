@@ -10,6 +10,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from gptfast_kernels import generate, patch_model, prompt_lookup_generate, speculative_generate
 from gptfast_kernels.generation.stopping import StopMatcher, token_bytes
+from python_tests.generation.test_speculative import count_compiled_calls
 from python_tests.tiny_models import PAD, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 from python_tests.tiny_tokenizers import TOKENIZERS, byte_level_tokenizer, rule_hits, stop_string_from
 
@@ -109,7 +110,10 @@ def test_greedy_stops_as_transformers_tokens_cut_by_the_text_rule(family, min_ne
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_speculative_generators_stop_where_generate_does(k):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_speculative_generators_stop_where_generate_does(k, compile, monkeypatch):
+    """Stop strings and sequences together (two automata), eager and compiled (matched inside the
+    target's round call, verify_step, and generate's compiled step, decode_step)."""
     tokenizer = byte_level_tokenizer()
     pieces = token_bytes(tokenizer)
     target = tiny_model("llama", layers=3)
@@ -123,8 +127,15 @@ def test_speculative_generators_stop_where_generate_does(k):
                    stop_sequences=[free[3, P + 6:P + 8].tolist()])
     want = generate(patched, ids, mask, **options).sequences
     assert (want == PAD).any(dim=1)[[0, 2, 3]].all()  # (every kind of stop ends a row)
-    assert torch.equal(speculative_generate(patched, draft, ids, mask, speculate_k=k, **options).sequences, want)
-    assert torch.equal(prompt_lookup_generate(patched, ids, mask, speculate_k=k, **options).sequences, want)
+    calls = count_compiled_calls(monkeypatch, draft)
+    assert torch.equal(speculative_generate(patched, draft, ids, mask, speculate_k=k, compile=compile,
+                                            **options).sequences, want)
+    assert torch.equal(prompt_lookup_generate(patched, ids, mask, speculate_k=k, compile=compile,
+                                              **options).sequences, want)
+    assert calls[("target", "_forward")] == 0 and (calls[("target", "_verify_round")] > 0) == compile
+    if compile:  # and generate's compiled step, which matches them in its call too
+        assert torch.equal(generate(patched, ids, mask, compile=True, **options).sequences, want)
+        assert calls[("target", "_decode_step")] > 0 and calls[("target", "_forward")] == 0
 
 
 def test_tables_are_kept_per_tokenizer_and_rebuilt_when_it_grows():

@@ -7,6 +7,7 @@ import torch
 
 from gptfast_kernels import generate, patch_model, prompt_lookup_generate, speculative_generate
 from gptfast_kernels.generation.stopping import StopMatcher
+from python_tests.generation.test_speculative import count_compiled_calls
 from python_tests.tiny_models import PAD, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 
 NEW, P = 16, 7
@@ -63,9 +64,12 @@ def _repeated_token(new, min_new_tokens):
 
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("min_new_tokens", [0, 6])
-def test_speculative_generators_stop_where_generate_does(k, min_new_tokens):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_speculative_generators_stop_where_generate_does(k, min_new_tokens, compile, monkeypatch):
     """A round that completes a stop sequence keeps the tokens up to its end, whatever position of
-    the round it ends at: output equal to generate's, with a draft model and with prompt lookup."""
+    the round it ends at: output equal to generate's, with a draft model and with prompt lookup;
+    compiled, the patterns are matched inside the target's round call (verify_step), and inside
+    generate's compiled step (decode_step)."""
     target = tiny_model("llama", layers=3)
     patched = patched_copy(target, int8=False)
     draft = patch_model(draft_of(target, 2), int8=False)
@@ -75,9 +79,15 @@ def test_speculative_generators_stop_where_generate_does(k, min_new_tokens):
     options = dict(max_new_tokens=NEW, eos_token_id=[], stop_sequences=stops, min_new_tokens=min_new_tokens)
     want = generate(patched, ids, mask, **options).sequences
     assert (want[:, P:] == PAD).any()
-    out = speculative_generate(patched, draft, ids, mask, speculate_k=k, **options)
+    calls = count_compiled_calls(monkeypatch, draft)
+    out = speculative_generate(patched, draft, ids, mask, speculate_k=k, compile=compile, **options)
     assert torch.equal(out.sequences, want) and 0 < out.acceptance_rate
-    assert torch.equal(prompt_lookup_generate(patched, ids, mask, speculate_k=k, **options).sequences, want)
+    assert torch.equal(prompt_lookup_generate(patched, ids, mask, speculate_k=k, compile=compile,
+                                              **options).sequences, want)
+    assert calls[("target", "_forward")] == 0 and (calls[("target", "_verify_round")] > 0) == compile
+    if compile:  # and generate's compiled step, which matches them in its call too
+        assert torch.equal(generate(patched, ids, mask, compile=True, **options).sequences, want)
+        assert calls[("target", "_decode_step")] > 0 and calls[("target", "_forward")] == 0
 
 
 def test_compiled_steps_with_penalties_and_stops_equal_eager():

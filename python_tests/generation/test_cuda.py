@@ -140,6 +140,32 @@ def test_penalised_speculative_equals_penalised_generate(compile):
     assert torch.equal(out.sequences, want)
 
 
+def test_stops_are_matched_inside_the_cuda_graphs():
+    """Without penalties the stop automata run inside generate's compiled step and the speculative
+    round's call (their states in the state buffers, marked static: no CUDA-graph skip): both stop
+    where eager generate does, at a stop sequence and a stop string."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_model("llama", layers=3).cuda()
+    patched = patched_copy(target, int8=True)
+    draft = patch_model(draft_of(target, 2).cuda(), int8=True)
+    ids, mask = _on_cuda(*ragged_prompts(4, 6, "left", seed=4))
+    options = dict(max_new_tokens=NEW, eos_token_id=[], min_new_tokens=2)
+    free = generate(patched, ids, mask, **options).sequences
+    tokenizer = byte_level_tokenizer()
+    options.update(stop_sequences=[free[1, 6 + 4:6 + 6].tolist()], tokenizer=tokenizer,
+                   stop_strings=[stop_string_from(token_bytes(tokenizer), free[2, 6:].tolist())])
+    want = generate(patched, ids, mask, **options).sequences
+    assert bool((want[1, 6 + 6:] == PAD).all()) and bool((want[2, 6:] == PAD).any())
+    skips_before = counters["inductor"]["cudagraph_skips"]
+    for _ in range(2):
+        assert torch.equal(generate(patched, ids, mask, compile=True, **options).sequences, want)
+        assert torch.equal(speculative_generate(patched, draft, ids, mask, speculate_k=4, compile=True,
+                                                **options).sequences, want)
+    assert counters["inductor"]["cudagraph_skips"] == skips_before
+    assert hasattr(patched, "_gptfast_compiled_decode") and hasattr(patched, "_gptfast_compiled_verify")
+
+
 def test_per_row_sampling_rows_sample_as_alone():
     """Per-row temperature / top-k / top-p on the GPU, compiled rounds: each row of a batch of greedy
     and sampled rows samples as it would with its values for the whole batch (the GPU's

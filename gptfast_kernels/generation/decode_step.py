@@ -87,10 +87,7 @@ class StepRule(NamedTuple):
         if held and not isinstance(min_new_tokens, torch.Tensor):  # (one [B] layout either way: no recompile)
             min_new_tokens = torch.full((batch_size,), min_new_tokens, device=device)
         limits = max_new_tokens if isinstance(max_new_tokens, torch.Tensor) else None
-        stops_from = None
-        if stop is not None:
-            stops_from = (min_new_tokens.to(torch.int64) if isinstance(min_new_tokens, torch.Tensor)
-                          else torch.full((batch_size,), min_new_tokens, dtype=torch.int64, device=device))
+        stops_from = None if stop is None else StopMatcher.counting_from(min_new_tokens, batch_size, device)
         return cls(sampled, filters, (repetition_penalty, presence_penalty, frequency_penalty),
                    min_new_tokens if held else None, limits, eos_ids,
                    eos_columns(eos_ids, vocab_size) if held else None, pad, logprobs,

@@ -110,6 +110,14 @@ class StopMatcher:
         return torch.stack(hits, dim=1), torch.stack(states, dim=1)
 
     @staticmethod
+    def counting_from(min_new_tokens, batch_size: int, device: torch.device) -> torch.Tensor:
+        """``min_new_tokens`` (a number or [B]) as [B] int64: the new token number from which a
+        row's matches count (what compiled steps take, so another value is not another graph)."""
+        if isinstance(min_new_tokens, torch.Tensor):
+            return min_new_tokens.to(torch.int64)
+        return torch.full((batch_size,), min_new_tokens, dtype=torch.int64, device=device)
+
+    @staticmethod
     def after(states: torch.Tensor, state: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """states [B, T, M] from ``scan`` of ``state`` [B, M] -> the state after each row's first
         ``count`` [B] tokens (0: ``state`` itself)."""

@@ -161,7 +161,7 @@ class RoundRule(NamedTuple):
                    rows(min_new_tokens) if held else None, rows(max_new_tokens), eos_ids,
                    eos_columns(eos_ids, vocab_size) if held else None, pad, logprobs,
                    torch.tensor(dump, dtype=torch.int64, device=device), None if stop is None else tuple(stop.tables),
-                   None if stop is None else rows(min_new_tokens).to(torch.int64))
+                   None if stop is None else StopMatcher.counting_from(min_new_tokens, batch_size, device))
 
 
 def verification_scores(processed: torch.Tensor, filters: tuple | None) -> torch.Tensor:

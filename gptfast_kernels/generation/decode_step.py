@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from gptfast_kernels.generation.end_watch import UNBOUNDED
 from gptfast_kernels.generation.forward import _forward, compiled_function
 from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs,
                                                  process_logits, sample_by_uniform, sampling_rows, token_logprobs)
@@ -32,6 +33,9 @@ class DecodeState:
     lengths: torch.Tensor   # [B] int64: new tokens up to the row's end (eos, stop or limit)
     uniforms: torch.Tensor  # [B] float64: the step's draw, at which a sampled row picks (sample_by_uniform)
     stop_state: torch.Tensor  # [B, M] int64: the row's state in the M stop automata (StopMatcher's; M = 0: none)
+    # 0-d int64, which generate's EndWatch reads: the most new tokens an unfinished row may still emit
+    # (0: every row has finished; end_watch.UNBOUNDED without per-row limits: the loop's bounds every row)
+    remaining: torch.Tensor
 
     @classmethod
     def start(cls, model, batch_size: int, device: torch.device, max_new_tokens, *, reuse: bool,
@@ -47,16 +51,24 @@ class DecodeState:
                 return torch.zeros((batch_size, *more), dtype=dtype, device=device)
 
             state = cls(zeros(torch.int64), zeros(torch.bool), zeros(torch.int64), zeros(torch.float64),
-                        zeros(torch.int64, stop_automata))
+                        zeros(torch.int64, stop_automata), torch.zeros((), dtype=torch.int64, device=device))
             if reuse:
-                for tensor in (state.tokens, state.finished, state.lengths, state.uniforms, state.stop_state):
+                for tensor in (state.tokens, state.finished, state.lengths, state.uniforms, state.stop_state,
+                               state.remaining):
                     torch._dynamo.mark_static_address(tensor)
                 setattr(model, STATE_ATTRIBUTE, state)
         state.tokens.zero_()
         state.lengths.zero_()
         state.stop_state.zero_()
         state.finished.copy_(state.lengths >= max_new_tokens)
+        state.count_remaining(max_new_tokens if isinstance(max_new_tokens, torch.Tensor) else None)
         return state
+
+    def count_remaining(self, max_new_tokens: torch.Tensor | None) -> None:
+        """``remaining`` from the rows' ends, lengths and limits (``max_new_tokens`` [B]; None: one
+        limit for every row, which the loop enforces)."""
+        left = UNBOUNDED if max_new_tokens is None else max_new_tokens - self.lengths
+        self.remaining.copy_(torch.where(self.finished, 0, left).max())
 
 
 class StepRule(NamedTuple):
@@ -124,6 +136,7 @@ def advance(logits: torch.Tensor, state: DecodeState, rule: StepRule, record: To
         ended = ended | (state.lengths >= rule.max_new_tokens)
     state.tokens.copy_(tokens)
     state.finished.copy_(ended)
+    state.count_remaining(rule.max_new_tokens)
     return logprob
 
 

@@ -8,6 +8,7 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.decode_step import DecodeState, StepRule, advance, decode_function
+from gptfast_kernels.generation.end_watch import EndWatch
 from gptfast_kernels.generation.forward import cache_for, step_function
 from gptfast_kernels.generation.options import check_decode_options
 from gptfast_kernels.generation.sampling import TokenRecord
@@ -20,10 +21,6 @@ class GenerateOutput:
     # [B, new] float32 with output_logprobs=True: each new token's log-probability under the model's
     # raw distribution (log-softmax of its logits, before any sampling argument); 0 after a row's eos
     logprobs: torch.Tensor | None = None
-
-
-# Decode steps between checks that every row has emitted an eos (each check waits for the GPU).
-EOS_CHECK_STEPS = 8
 
 
 @torch.no_grad()
@@ -117,15 +114,15 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     decode_call = decode_function(model) if compile and record.seen is None and record.counts is None else None
     forward_step = step_function(model, compile) if decode_call is None else None
     # whether rows may end before most_new steps (an eos, a stop or a per-row limit); without that no
-    # step asks whether all have (a GPU sync), and the output keeps every step's column
+    # step asks whether all have, and the output keeps every step's column
     ends_early = bool(eos) or stop is not None or isinstance(max_new_tokens, torch.Tensor)
+    # Asked after each step; on a GPU a step late (EndWatch), so that the host queues the next step
+    # while the last runs (unless a streamer waits for each step anyway): a step run past the end
+    # (every row finished, nothing written) is cut off below.
+    watch = EndWatch(state.remaining, 1, lagged=streamer is None and EndWatch.lags_on(device)) if ends_early else None
     new_tokens, logprobs = [], []
     for step in range(most_new):
-        # Whether every row has finished is a GPU sync, so it is asked every EOS_CHECK_STEPS steps
-        # (never without eos ids; every step when a streamer waits for each step anyway); the few
-        # steps run past the end are cut off below.
-        if step and ends_early and (streamer is not None or step % EOS_CHECK_STEPS == 0) and bool(
-                state.finished.all()):
+        if watch is not None and not watch.another():
             break
         if rule.sampled:
             state.uniforms.uniform_(generator=generator)
@@ -143,6 +140,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             logprobs.append(logprob.clone())
         if streamer is not None:
             streamer.put(tokens.cpu())
+        if watch is not None:
+            watch.queued()
     if streamer is not None:
         streamer.end()
     generated = torch.stack(new_tokens, dim=1)

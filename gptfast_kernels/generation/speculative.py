@@ -20,6 +20,7 @@ import torch
 
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.assistant import AssistantProposer, check_assistant, is_gemma4_assistant
+from gptfast_kernels.generation.end_watch import EndWatch
 from gptfast_kernels.generation.forward import cache_for, drafts_function, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
 from gptfast_kernels.generation.options import check_decode_options
@@ -27,7 +28,7 @@ from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds
                                                  process_logits, sample_by_uniform, sample_from, sampling_rows,
                                                  token_logprobs, too_early)
 from gptfast_kernels.generation.stopping import StopMatcher
-from gptfast_kernels.generation.verify_step import (RoundRule, RoundState, RoundWatch, settle, target_input,
+from gptfast_kernels.generation.verify_step import (RoundRule, RoundState, settle, target_input,
                                                     verification_scores, verify_and_crop, verify_function)
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int
@@ -442,7 +443,7 @@ class SpeculativeRounds:
         history = History(out, state.num_generated, record)
         one_call = verify_function(model) if self.rounds_in_one_call(target_cache, record) else None
         # (compiled rounds on a GPU: the host queues the next round before the last has ended)
-        watch = RoundWatch(state, k, lagged=one_call is not None and device.type in RoundWatch.LAGGED_DEVICES)
+        watch = EndWatch(state.remaining, k + 1, lagged=one_call is not None and EndWatch.lags_on(device))
 
         while watch.another():
             active = ~state.finished

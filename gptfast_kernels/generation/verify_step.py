@@ -40,7 +40,8 @@ class RoundState:
     num_generated: torch.Tensor  # int64: new tokens so far (the first, picked after the prefill, included)
     proposed: torch.Tensor       # int64: drafts proposed to the row
     accepted: torch.Tensor       # int64: drafts the target accepted
-    remaining: torch.Tensor      # 0-d int64: the most new tokens an unfinished row may still emit (0: all finished)
+    remaining: torch.Tensor      # 0-d int64: the most new tokens an unfinished row may still emit (0: all
+    #                              finished), which the round loop's EndWatch reads
     stop_state: torch.Tensor     # [B, M] int64: each row's state in the M stop automata (StopMatcher's; M = 0: none)
 
     @classmethod
@@ -73,61 +74,6 @@ class RoundState:
     def count_remaining(self, max_new_tokens: torch.Tensor) -> None:
         """``remaining`` from the rows' ends, counts and limits (``max_new_tokens`` [B])."""
         self.remaining.copy_(torch.where(self.finished, 0, max_new_tokens - self.num_generated).max())
-
-
-class RoundWatch:
-    """Whether another round is needed, asked of ``state.remaining`` after each round.
-
-    Reading it right after queuing a round is a sync: on a GPU the host would wait for that round to
-    end before queuing the next one's launches, and the GPU would idle while it does. ``lagged`` (a
-    GPU's compiled rounds) copies the value to pinned host memory behind each round and reads the
-    round before the last: when that one left every unfinished row more than k + 1 tokens short of
-    its limit, the last round cannot end them all at their limits (a round emits at most k + 1
-    tokens a row), so the next round is queued without waiting; otherwise the host waits for the
-    last round. So only rows that all reach an eos in the same round cost a round past the end,
-    in which no row is active: nothing is written and no state changes.
-    """
-
-    # the devices whose rounds are watched ``lagged`` when compiled (tests add "cpu" to run the logic there)
-    LAGGED_DEVICES = ("cuda",)
-
-    def __init__(self, state: RoundState, k: int, lagged: bool):
-        self.state, self.k, self.lagged = state, k, lagged
-        self.known = int(state.remaining)  # the latest value read (the state before the first round)
-        self.pending = []  # [(host copy, event or None)]: queued rounds' values not yet read, oldest first
-        if lagged:
-            pinned = state.remaining.is_cuda
-            # two of each: the next round's copy never overwrites the one still pending
-            self.copies = [torch.empty((), dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
-            self.events = [torch.cuda.Event() if pinned else None for _ in range(2)]
-            self.queued_rounds = 0
-
-    def queued(self) -> None:
-        """After queuing a round: its ``remaining``, read now or (``lagged``) on its way to the host."""
-        if not self.lagged:
-            self.known = int(self.state.remaining)
-            return
-        slot = self.queued_rounds % 2
-        self.queued_rounds += 1
-        host, event = self.copies[slot], self.events[slot]
-        host.copy_(self.state.remaining, non_blocking=event is not None)
-        if event is not None:
-            event.record()
-        self.pending.append((host, event))
-
-    def _read_oldest(self) -> None:
-        host, event = self.pending.pop(0)
-        if event is not None:
-            event.synchronize()
-        self.known = int(host)
-
-    def another(self) -> bool:
-        """Whether to queue another round: some row has not finished, as far as the host knows."""
-        while len(self.pending) > 1:
-            self._read_oldest()
-        if self.pending and 0 < self.known <= self.k + 1:  # the last round may have ended every row
-            self._read_oldest()
-        return self.known > 0
 
 
 class RoundRule(NamedTuple):

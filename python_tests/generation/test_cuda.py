@@ -11,7 +11,7 @@ import gptfast_kernels.generation.speculative as speculative_module
 from gptfast_kernels import StaticKVCache, _extension, generate, patch_model, speculative_generate
 from gptfast_kernels.generation import forward
 from gptfast_kernels.generation.stopping import token_bytes
-from gptfast_kernels.generation.verify_step import RoundWatch
+from gptfast_kernels.generation.end_watch import EndWatch
 from python_tests.tiny_models import PAD, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 from python_tests.tiny_tokenizers import byte_level_tokenizer, stop_string_from
 
@@ -24,6 +24,18 @@ NEW = 16
 
 def _on_cuda(*tensors):
     return [t.cuda() for t in tensors]
+
+
+def _recorded_watches(monkeypatch) -> list:
+    """The EndWatch instances made from now on, in order."""
+    watches, init = [], EndWatch.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        watches.append(self)
+
+    monkeypatch.setattr(EndWatch, "__init__", recording)
+    return watches
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gpt2", "qwen3_5_text", "gemma4_text",
@@ -61,13 +73,15 @@ def test_compiled_cuda_graph_decode_equals_eager(family):
     assert counters["inductor"]["cudagraph_skips"] == skips_before
 
 
-def test_compiled_sampled_decode_picks_in_the_cuda_graph():
+def test_compiled_sampled_decode_picks_in_the_cuda_graph(monkeypatch):
     """generate's compiled step with its pick in the graph: per-row sampling at the step's uniforms,
     eos held back by min_new_tokens, per-row limits and log-probabilities, on state buffers the
     graph updates in place (no CUDA-graph skip for them): the same tokens and log-probabilities as
-    eager steps from the same seed, twice (the state's buffers reused)."""
+    eager steps from the same seed, twice (the state's buffers reused), with the rows' end read a
+    step late through pinned memory (EndWatch), eager steps and compiled alike."""
     from torch._dynamo.utils import counters
 
+    watches = _recorded_watches(monkeypatch)
     patched = patch_model(tiny_model("llama", layers=3).cuda(), int8=True)
     ids, mask = _on_cuda(*ragged_prompts(3, 7, "left", seed=8))
     options = dict(max_new_tokens=[NEW, 5, NEW], min_new_tokens=3, eos_token_id=[4, 9], output_logprobs=True,
@@ -85,6 +99,8 @@ def test_compiled_sampled_decode_picks_in_the_cuda_graph():
         torch.testing.assert_close(compiled.logprobs, eager.logprobs)
     assert counters["inductor"]["cudagraph_skips"] == skips_before
     assert hasattr(patched, "_gptfast_compiled_decode")
+    assert len(watches) == 3 and all(watch.lagged and watch.copies[0].is_pinned() and watch.events[0] is not None
+                                     for watch in watches)
     with pytest.raises(ValueError, match="generator must be on the model's device type"):
         generate(patched, ids, mask, max_new_tokens=2, temperature=1.0, generator=torch.Generator())
 
@@ -224,17 +240,10 @@ def test_compiled_rounds_verify_in_one_cuda_graph(monkeypatch):
     limits and log-probabilities, on state buffers the graph updates in place (no CUDA-graph skip
     for them): the same tokens, acceptances and log-probabilities as eager rounds from the same
     seed, twice (the state's buffers reused), with the rows' end read a round late through pinned
-    memory (RoundWatch)."""
+    memory (EndWatch)."""
     from torch._dynamo.utils import counters
 
-    watches, init = [], RoundWatch.__init__
-
-    def recording(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        watches.append(self)
-
-    monkeypatch.setattr(RoundWatch, "__init__", recording)
-
+    watches = _recorded_watches(monkeypatch)
     target = tiny_model("llama", layers=3).cuda()
     patched = patched_copy(target, int8=True)
     draft = patch_model(draft_of(target, 2).cuda(), int8=True)

@@ -4,7 +4,6 @@ right-padded ragged batches), int8 equal to HF on the dequantised weights, eos p
 
 import collections
 import copy
-import importlib
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from transformers.generation.logits_process import (LogitsProcessor, LogitsProce
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from gptfast_kernels import Int8Linear, StaticKVCache, generate
+from gptfast_kernels.generation.end_watch import EndWatch
 from gptfast_kernels.models.families import family_of, transformers_before
 from gptfast_kernels.generation.sampling import apply_repetition_penalty, eos_columns, logits_to_probs, seen_tokens
 from python_tests import tiny_models
@@ -20,7 +20,6 @@ from python_tests.tiny_models import (EOS, FAMILIES, HYBRID, INDEX_POSITIONED, M
                                       patched_copy, ragged_prompts, tiny_model)
 
 NEW = 12
-generate_module = importlib.import_module("gptfast_kernels.generation.generate")  # (not the function)
 
 
 def hf_greedy(model, ids, mask, new=NEW, **kwargs):
@@ -116,7 +115,7 @@ def test_rows_stop_at_eos_independently():
 @pytest.mark.parametrize("stop_steps", [(2, 4, 1), (0, 9, 3), (10, 10, 10)], ids=["early", "across-a-check", "late"])
 def test_output_ends_where_the_last_row_stops(stop_steps):
     """Every row reaches an eos before max_new_tokens; the output ends at the step of the last one
-    (as transformers' does), although generate asks whether all rows stopped only every few steps."""
+    (as transformers' does), although on a GPU generate reads whether all rows stopped a step late."""
     model = tiny_model("llama")
     patched = patched_copy(model, int8=False)
     ids, mask = ragged_prompts(3, 5, "left")
@@ -446,10 +445,65 @@ def test_compiled_steps_pick_their_tokens_in_the_call(picking, monkeypatch):
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(compiled.logprobs, eager.logprobs)
     assert set(calls) == {"_forward" if picking == "penalty" else "_decode_step"}
-    assert len(calls) <= compiled.sequences.shape[1] - ids.shape[1] - 1 + generate_module.EOS_CHECK_STEPS
+    # one call a step after the first (picked from the prefill's logits), none past the end (read at once on a CPU)
+    assert len(calls) == compiled.sequences.shape[1] - ids.shape[1] - 1
     if options.get("temperature"):  # (sampled: not the greedy tokens)
         assert not torch.equal(eager.sequences, generate(patched, ids, mask, **{
             **options, **dict(temperature=0.0, top_k=None, top_p=None, min_p=None)}).sequences)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("ending", ["limits", "eos", "eos_sampled"])
+def test_lagged_watch_queues_steps_before_the_last_ends(ending, compile, monkeypatch):
+    """On a GPU generate reads whether every row has finished one step late (EndWatch, here run on
+    the CPU): the next step is queued before the last one is read, unless the last could have ended
+    every row at its limit. The last row ending at its own limit costs no extra step; one ending at
+    an eos costs one step past the end, in which no row is active. Either way tokens and
+    log-probabilities equal those of the steps read at once."""
+    patched = patched_copy(tiny_model("llama"), int8=True)
+    options = dict(output_logprobs=True, **({"temperature": 0.9, "top_k": 30} if ending == "eos_sampled" else {}))
+    new = 24
+    rows = 3 if ending == "limits" else 1
+    ids, mask = ragged_prompts(rows, 6, "left", seed=3)
+    free = generate(patched, ids, mask, max_new_tokens=new, eos_token_id=[], generator=torch.Generator().manual_seed(4),
+                    **options).sequences[:, 6:].tolist()
+    if ending == "limits":  # row 0 ends at an eos a few steps in, row 1 at its limit (10) after the others
+        at, eos = next((i, free[0][i]) for i in range(2, 7) if free[0][i] not in free[0][:i] + free[1][:10])
+        options.update(max_new_tokens=[new, 10, 4], eos_token_id=eos)
+    else:  # one row, its eos a token it first emits a few steps in
+        at = next(i for i in range(4, new) if free[0][i] not in free[0][:i])
+        options.update(max_new_tokens=new, eos_token_id=free[0][at])
+    steps, unread = [], []  # per run: the steps queued; per question: queued steps still unread after it
+    another, queued = EndWatch.another, EndWatch.queued
+
+    def watched(self):
+        more = another(self)
+        if self.lagged:
+            unread.append(len(self.pending))
+        return more
+
+    def counted(self):
+        steps[-1] += 1
+        queued(self)
+
+    monkeypatch.setattr(EndWatch, "another", watched)
+    monkeypatch.setattr(EndWatch, "queued", counted)
+
+    def run():
+        steps.append(0)
+        return generate(patched, ids, mask, compile=compile, generator=torch.Generator().manual_seed(4), **options)
+
+    read_at_once = run()
+    monkeypatch.setattr(EndWatch, "LAGGED_DEVICES", ("cuda", "cpu"))
+    lagged = run()
+    assert torch.equal(lagged.sequences, read_at_once.sequences)
+    torch.testing.assert_close(lagged.logprobs, read_at_once.logprobs)
+    emitted = read_at_once.sequences.shape[1] - 6
+    assert emitted == (10 if ending == "limits" else at + 1)  # (the rows did end as planned)
+    assert steps == [emitted, emitted + (ending != "limits")]
+    assert unread[0] == 0 and 1 in unread  # (the first step: nothing queued before it)
+    # at the end: near the limit the host waited for the last step; after an eos it had not
+    assert unread[-1] == (0 if ending == "limits" else 1)
 
 
 def test_new_sampling_values_reuse_the_compiled_step():

@@ -13,7 +13,7 @@ from gptfast_kernels.generation import forward
 from gptfast_kernels.generation.forward import CompiledStep
 from gptfast_kernels.generation.sampling import (apply_additive_penalties, apply_repetition_penalty, logits_to_probs,
                                                  sample_by_uniform, seen_tokens)
-from gptfast_kernels.generation.verify_step import RoundWatch
+from gptfast_kernels.generation.end_watch import EndWatch
 from python_tests.generation.test_generate import PICKING
 from python_tests.tiny_models import INDEX_POSITIONED, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
 
@@ -420,7 +420,7 @@ def test_compiled_rounds_verify_in_the_targets_call(settling, monkeypatch):
 
 @pytest.mark.parametrize("ending", ["limits", "eos", "eos_sampled"])
 def test_lagged_watch_queues_rounds_before_the_last_ends(ending, monkeypatch):
-    """Compiled rounds on a GPU ask whether every row has finished one round late (RoundWatch,
+    """Compiled rounds on a GPU ask whether every row has finished one round late (EndWatch,
     here run on the CPU): the next round is queued before the last one is read, unless the last
     could have ended every row at its limit. Rows ending at their limits (per-row) cost no extra
     round; one row ending at an eos costs one round past the end, in which no row is active. Either
@@ -445,9 +445,9 @@ def test_lagged_watch_queues_rounds_before_the_last_ends(ending, monkeypatch):
     calls = count_compiled_calls(monkeypatch, draft)
     eager, read_at_once = run(False), run(True)
     rounds_at_once = calls.pop(("target", "_verify_round"))
-    monkeypatch.setattr(RoundWatch, "LAGGED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(EndWatch, "LAGGED_DEVICES", ("cuda", "cpu"))
     unread = []  # per round: how many queued rounds were still unread when the next was queued
-    another = RoundWatch.another
+    another = EndWatch.another
 
     def watched(self):
         more = another(self)
@@ -455,7 +455,7 @@ def test_lagged_watch_queues_rounds_before_the_last_ends(ending, monkeypatch):
             unread.append(len(self.pending))
         return more
 
-    monkeypatch.setattr(RoundWatch, "another", watched)
+    monkeypatch.setattr(EndWatch, "another", watched)
     lagged = run(True)
     for out in (read_at_once, lagged):
         assert torch.equal(out.sequences, eager.sequences)

@@ -15,9 +15,11 @@ Then ``speculative_verify`` and ``speculative_sampled_verify``: a compiled round
 (the target's forward, verification, the crop, the rows' state) in one call of the target
 (generation/verify_step.py, the package's way) against the target's forward compiled alone and the
 rest run eagerly after it. Then ``speculative_watch``: compiled greedy rounds whose host reads whether
-every row has finished one round late (generation/verify_step.py's RoundWatch, the package's way on
+every row has finished one round late (generation/end_watch.py's EndWatch, the package's way on
 a GPU), queuing the next round while the last runs, against reading it after each round (the way
-on a CPU, where nothing runs behind the host: there the two do the same work).
+on a CPU, where nothing runs behind the host: there the two do the same work); ``generate_watch``
+the same for ``generate``'s compiled steps (with a per-row limit, so that the rows' end is watched):
+read a step late against after each step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from bench.bench_speculative import demo_models
 from gptfast_kernels import generate, patch_model, speculative_generate
 from gptfast_kernels.generation.decode_step import decode_function
 from gptfast_kernels.generation.forward import drafts_function, step_function
-from gptfast_kernels.generation.verify_step import RoundWatch, verify_function
+from gptfast_kernels.generation.end_watch import EndWatch
+from gptfast_kernels.generation.verify_step import verify_function
 
 # (the module: the package's generate function hides it as an attribute of gptfast_kernels.generation)
 generate_module = importlib.import_module("gptfast_kernels.generation.generate")
@@ -90,6 +93,13 @@ def run(h) -> None:
     candidates = {"read_a_round_late": lambda: _watched(lagged_on_this_device, calls["speculative"], pairs["default"]),
                   "read_each_round": lambda: _watched((), calls["speculative"], pairs["default"])}
     _compare_ways(h, "speculative_watch", candidates, baseline="read_each_round")
+
+    def limited(t, d):  # (a per-row limit, so that generate watches the rows' end)
+        return generate(t, ids, max_new_tokens=[NEW_TOKENS], eos_token_id=[], compile=True).sequences
+
+    candidates = {"read_a_step_late": lambda: _watched(lagged_on_this_device, limited, pairs["default"]),
+                  "read_each_step": lambda: _watched((), limited, pairs["default"])}
+    _compare_ways(h, "generate_watch", candidates, baseline="read_each_step")
     # generate's pick inside its compiled step (the package's way) against after it, greedy and sampled
 
     def generated(temperature):
@@ -120,14 +130,15 @@ def _picking_after_the_step(generated, temperature):
     return _without(generate_module, "decode_function", lambda: generated(temperature))
 
 
-def _watched(lagged_devices: tuple, speculative, pair):
-    """``speculative(*pair)`` with compiled rounds on ``lagged_devices`` reading the rows' end a round late."""
-    original = RoundWatch.LAGGED_DEVICES
-    RoundWatch.LAGGED_DEVICES = lagged_devices
+def _watched(lagged_devices: tuple, generation, pair):
+    """``generation(*pair)`` (speculative or not) with its loop on ``lagged_devices`` reading the rows' end a
+    call late."""
+    original = EndWatch.LAGGED_DEVICES
+    EndWatch.LAGGED_DEVICES = lagged_devices
     try:
-        return speculative(*pair)
+        return generation(*pair)
     finally:
-        RoundWatch.LAGGED_DEVICES = original
+        EndWatch.LAGGED_DEVICES = original
 
 
 def _without(module, name: str, run):

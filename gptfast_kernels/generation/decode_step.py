@@ -34,7 +34,7 @@ class DecodeState:
     uniforms: torch.Tensor  # [B] float64: the step's draw, at which a sampled row picks (sample_by_uniform)
     stop_state: torch.Tensor  # [B, M] int64: the row's state in the M stop automata (StopMatcher's; M = 0: none)
     # 0-d int64, which generate's EndWatch reads: the most new tokens an unfinished row may still emit
-    # (0: every row has finished; end_watch.UNBOUNDED without per-row limits: the loop's bounds every row)
+    # (0: every row has finished; end_watch.UNBOUNDED without per-row limits: the loop's one limit holds)
     remaining: torch.Tensor
 
     @classmethod

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-# rows whose limit the loop itself enforces (one limit for every row) count as this far from it
-UNBOUNDED = torch.iinfo(torch.int64).max
+# rows whose limit the loop itself enforces (one limit for every row) count as this far from it: more
+# than any limit a cache can hold (and, unlike int64's largest value, an ordinary constant in a kernel)
+UNBOUNDED = 2**31 - 1
 
 
 class EndWatch:

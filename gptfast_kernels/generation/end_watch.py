@@ -53,8 +53,8 @@ class EndWatch:
         self.queued_calls += 1
         host, event = self.copies[slot], self.events[slot]
         host.copy_(self.remaining, non_blocking=event is not None)
-        if event is not None:
-            event.record()
+        if event is not None:  # (on the stream that copies: that of the count's device, the current one or not)
+            event.record(torch.cuda.current_stream(self.remaining.device))
         self.pending.append((host, event))
 
     def _read_oldest(self) -> None:

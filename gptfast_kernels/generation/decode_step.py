@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from gptfast_kernels.generation.end_watch import UNBOUNDED
+from gptfast_kernels.generation.end_watch import count_remaining
 from gptfast_kernels.generation.forward import _forward, compiled_function
 from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs,
                                                  process_logits, sample_by_uniform, sampling_rows, token_logprobs)
@@ -65,10 +65,8 @@ class DecodeState:
         return state
 
     def count_remaining(self, max_new_tokens: torch.Tensor | None) -> None:
-        """``remaining`` from the rows' ends, lengths and limits (``max_new_tokens`` [B]; None: one
-        limit for every row, which the loop enforces)."""
-        left = UNBOUNDED if max_new_tokens is None else max_new_tokens - self.lengths
-        self.remaining.copy_(torch.where(self.finished, 0, left).max())
+        """``remaining`` from the rows' ends, lengths and limits (``max_new_tokens`` [B] or None)."""
+        count_remaining(self.remaining, self.finished, self.lengths, max_new_tokens)
 
 
 class StepRule(NamedTuple):

@@ -21,6 +21,15 @@ import torch
 UNBOUNDED = 2**31 - 1
 
 
+def count_remaining(remaining: torch.Tensor, finished: torch.Tensor, made: torch.Tensor,
+                    limits: torch.Tensor | None) -> None:
+    """Writes into ``remaining`` (0-d int64) the most new tokens an unfinished row may still emit:
+    its limit (``limits`` [B]; None: one limit for every row, which the loop enforces) less the
+    tokens it ``made`` [B]; 0 when every row has ``finished``."""
+    left = UNBOUNDED if limits is None else limits - made
+    remaining.copy_(torch.where(finished, 0, left).max())
+
+
 class EndWatch:
     """``remaining``: the 0-d int64 count, updated in place by each call; ``per_call``: the most new
     tokens one call emits in a row (1 for a decode step, k + 1 for a speculative round)."""

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from gptfast_kernels.generation.end_watch import count_remaining
 from gptfast_kernels.generation.forward import _forward, _forward_with_hidden, compiled_function
 from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs,
                                                  process_logits, sampling_rows, token_logprobs)
@@ -73,7 +74,7 @@ class RoundState:
 
     def count_remaining(self, max_new_tokens: torch.Tensor) -> None:
         """``remaining`` from the rows' ends, counts and limits (``max_new_tokens`` [B])."""
-        self.remaining.copy_(torch.where(self.finished, 0, max_new_tokens - self.num_generated).max())
+        count_remaining(self.remaining, self.finished, self.num_generated, max_new_tokens)
 
 
 class RoundRule(NamedTuple):

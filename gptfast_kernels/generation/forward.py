@@ -1,7 +1,7 @@
 """One model forward on a StaticKVCache, eager or compiled.
 
 Compiled (``compile=True``): one ``torch.compile(fullgraph=True)`` function per model, kept on the
-model so later calls reuse it; on CUDA in "reduce-overhead" mode, i.e. replayed as a CUDA graph
+model so later calls reuse it; on CUDA with inductor's CUDA graphs ("reduce-overhead"), i.e. replayed as a CUDA graph
 (the cache buffers and lengths have static addresses, and no step synchronises with the host).
 Each distinct token count T (1 for decode, 2 and k + 1 for speculation) is its own graph; a draft
 model's round of drafts (its k forwards and the picks between them) is one more (drafts_function).
@@ -122,6 +122,15 @@ class CompiledStep:
         self.first_parameter = next(model.parameters())
         self.compiled, self.signature = None, None
 
+    def compile_options(self, on_cuda: bool) -> dict:
+        """torch.compile's options: CUDA graphs on CUDA (all that mode="reduce-overhead" sets; a
+        mode beside any options is refused), dynamo's guards on the modules skipped unless
+        ``module_guards``."""
+        options = {"triton.cudagraphs": True} if on_cuda else {}
+        if not self.module_guards and _MODULE_GUARDS_SKIPPED is not None:
+            options["guard_filter_fn"] = _MODULE_GUARDS_SKIPPED
+        return options
+
     def _signature(self, args) -> tuple:
         first = self.first_parameter
         return (self.model.training, first.dtype, first.device,
@@ -133,11 +142,9 @@ class CompiledStep:
             on_cuda = self.first_parameter.device.type == "cuda"
             if on_cuda:
                 _partition_host_syncing_ops()
-            skip = not self.module_guards and _MODULE_GUARDS_SKIPPED is not None
-            options = {"guard_filter_fn": _MODULE_GUARDS_SKIPPED} if skip else {}
             # (_bound: a code object of its own, whose recompiles count against no other step's limit)
             self.compiled = torch.compile(_bound(self.function, self.model), fullgraph=True, dynamic=False,
-                                          mode="reduce-overhead" if on_cuda else None, options=options)
+                                          options=self.compile_options(on_cuda))
             self.signature = signature
         return self.compiled(*args)
 

@@ -4,6 +4,7 @@ dtype and device and its module arguments itself, and which patch_model and forg
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,37 @@ def test_module_attributes_are_not_guarded_and_forget_compiled_retraces():
         again = step_function(patched, True)
         assert again is not step
         torch.testing.assert_close(_step_logits(patched, again, tokens), eager)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_compile_call_is_one_torch_accepts_on_every_device(monkeypatch, device):
+    """On CUDA the step is compiled with CUDA graphs, beside the guard filter: torch.compile refuses
+    a mode together with options (mode="reduce-overhead" did that, so every compiled step on a GPU
+    raised before tracing; no CPU run passes a mode). The real torch.compile checks the arguments
+    here; the parameters' device is faked, since nothing else of the call depends on it."""
+    import torch._inductor.config as inductor_config
+
+    real_compile, calls = torch.compile, []
+
+    def compile_checked(function, **kwargs):
+        calls.append({**kwargs, "options": dict(kwargs["options"])})  # (torch.compile takes some options out)
+        real_compile(function, **kwargs)  # (raises at once for arguments it refuses; traces nothing)
+        return lambda *args: "stepped"
+
+    monkeypatch.setattr(torch, "compile", compile_checked)
+    monkeypatch.setattr(inductor_config, "custom_should_partition_ops",
+                        list(getattr(inductor_config, "custom_should_partition_ops", [])), raising=False)
+    model = tiny_model("llama")
+    step = CompiledStep(model, lambda tokens, model=None: tokens)
+    step.first_parameter = types.SimpleNamespace(device=torch.device(device), dtype=torch.float32)
+    assert step(torch.zeros(1)) == "stepped"
+    [kwargs] = calls
+    assert "mode" not in kwargs and kwargs["fullgraph"] and kwargs["dynamic"] is False
+    assert kwargs["options"].get("triton.cudagraphs", False) == (device == "cuda")
+    guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+    assert kwargs["options"].get("guard_filter_fn") is guards
+    with_guards = CompiledStep(model, lambda tokens, model=None: tokens, module_guards=True)
+    assert "guard_filter_fn" not in with_guards.compile_options(device == "cuda")
 
 
 def test_train_mode_and_dtype_changes_compile_the_step_anew():

@@ -54,7 +54,7 @@ def test_greedy_equals_transformers(family):
                                     "gemma4_text", "gemma3n_text", "deepseek_v3", "mimo_v2_flash", "gptj",
                                     "falcon", "bloom", "mpt", "beam", "mamba", "mamba2", "zamba2"])
 def test_compiled_cuda_graph_decode_equals_eager(family):
-    """compile=True: torch.compile(fullgraph=True, mode="reduce-overhead") per step, so the decode
+    """compile=True: torch.compile(fullgraph=True) with CUDA graphs per step, so the decode
     step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse).
     The hybrids' recurrent states (transformers' state layers, updated in place) must survive the
     graph's replays too, as must StableLM's per-attention-module cache hook, DBRX's Int8Experts

@@ -230,7 +230,8 @@ def _combine_if_last(count_ptr, num_active, OPart_ptr, LsePart_ptr, Sinks_ptr, O
     holds some of the row) reduces its query-row block's partials into Out_ptr and sets the count
     back to zero. A block barrier first, so that every thread's stores are issued before one
     thread's acquire-release atomic publishes them (as CUTLASS's semaphores do); the last program's
-    loads follow its acquire and bypass L1 (.cg). The reduction is an online log-sum-exp over steps
+    loads follow its acquire (which invalidates its SM's L1: the partial rows' loads bypass L1 with
+    .cg, the log-sum-exps' go through it). The reduction is an online log-sum-exp over steps
     of COMBINE_ROWS rows x COMBINE_SPLITS splits, each step's log-sum-exps and partial rows loaded
     together, three steps in flight (Triton pipelines the loop through shared memory: one program
     does what the combine kernel spreads over one program per row). The same mathematics as the

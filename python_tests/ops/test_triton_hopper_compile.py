@@ -75,16 +75,19 @@ def _kv_cache_attention_programmatic(dtype, T):
         kv.programmatic_launch = original
 
 
-def _kv_cache_attention_fused_combine(dtype, T, D, S, heads=(32, 8), value_dim=0):
-    """The decode kernel with the fused combine (Tuning.fused_combine): no combine kernel."""
+def _kv_cache_attention_fused_combine(dtype, T, D, S, heads=(32, 8), value_dim=0, programmatic=False):
+    """The decode kernel with the fused combine (Tuning.fused_combine): no combine kernel;
+    ``programmatic``: launched as a programmatic dependent launch too (GPTFAST_CUDA_PDL=1)."""
     import gptfast_kernels.triton.kv_cache_attention as kv
 
-    original = kv._tuning
+    original, original_launch = kv._tuning, kv.programmatic_launch
     kv._tuning = lambda device, head_dim: (original(device, head_dim)[0]._replace(fused_combine=True), H100_SMS)
+    if programmatic:
+        kv.programmatic_launch = lambda device: True
     try:
         _kv_cache_attention(dtype, T, D, S, 0, heads, value_dim)
     finally:
-        kv._tuning = original
+        kv._tuning, kv.programmatic_launch = original, original_launch
 
 
 def _verify_draft(greedy, V):
@@ -159,6 +162,10 @@ CASES = {
        for name, dtype, shape in (("bf16", torch.bfloat16, (128, 4096)), ("fp32", torch.float32, (128, 4096)),
                                   ("bf16-d512", torch.bfloat16, (512, 4096)),
                                   ("bf16-mla", torch.bfloat16, (576, 4096, MLA_HEADS, 512)))},
+    # ... as a programmatic launch: the count's atomic and the combine after the wait, the next launch allowed late
+    **{f"kv-{mode}-bf16-fused_combine-pdl": ((_kv_cache_attention_fused_combine, torch.bfloat16, T, 128, 4096,
+                                              (32, 8), 0, True), ["_kv_cache_attention_decode_kernel"])
+       for mode, T in (("decode", 1), ("verify", 5))},
     **{f"verify_draft-{mode}-V{V}": ((_verify_draft, mode == "greedy", V),
                                      ["_greedy_chunk_kernel", "_greedy_accept_kernel"] if mode == "greedy"
                                      else ["_sampling_kernel"])
@@ -289,7 +296,7 @@ def test_compiles_for_sm90(compiled, case):
     if case.endswith("-pdl"):  # griddepcontrol made it into both kernels, the next launch allowed late
         assert all(r["griddepcontrol"] and r["launch_dependents_after_wait"] for r in result), result
     if case.startswith("kv-"):  # the fused combine's count, acquire-release at GPU scope; nothing else
-        want = ["atom.global.gpu.acq_rel.add.u32"] if case.endswith("-fused_combine") else []
+        want = ["atom.global.gpu.acq_rel.add.u32"] if "-fused_combine" in case else []
         assert all(r["atomics"] == want for r in result), [r["atomics"] for r in result]
     for r in result:
         print(f"{case} {r['kernel']}: {r.get('registers', '?')} registers, stack frame {r.get('stack', '?')} bytes, "

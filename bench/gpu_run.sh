@@ -17,8 +17,9 @@
 #                kernels' figures from `kernels`: M = 1 on tensor cores instead of the FMA GEMV
 #                (-> ..._int8_linear_one_row.json), and 4-16 rows on the FMA GEMV instead of
 #                tensor cores (-> ..._int8_linear_multi_row.json)
-#   int8-gemv    the one-row CUDA GEMV's shapes (GPTFAST_INT8_GEMV: unroll depth, features per warp)
-#                and one row on tensor cores, each in a process of its own, over a decode step's
+#   int8-gemv    the one-row CUDA GEMV's shapes (GPTFAST_INT8_GEMV: unroll depth, features per warp;
+#                GPTFAST_INT8_CUDA_KERNEL=fma, so every layer takes them) and one row on tensor
+#                cores, each in a process of its own, over a decode step's
 #                layers back to back in a CUDA graph (--cases layers,one_row) -> ..._int8_gemv.json
 #   pdl          programmatic dependent launches: the default (the CUDA int8 kernels' launches
 #                programmatic, the Triton decode attention's not) against GPTFAST_CUDA_PDL=0 (none)
@@ -67,7 +68,8 @@
 #
 # Every stage runs (a failing one does not stop the next) while the time budget lasts; the exit
 # code says whether all passed.
-# Logs of the bench stages go to bench.log. The device tool brings back 8 files at most: one call
+# Logs of the bench stages go to bench.log. The device tool brings back 8 files at most (past that,
+# the JSON results are packed into results_json.tar.gz at the end): one call
 # per group of stages. Seen on an H100 (2026-11-23): tests 140 s (8 workers), sanitize about 4 min,
 # kernels 130 s, generate 85 s, generate-batched 215 s, speculative 250 s; so e.g.
 # "tests sanitize", "kernels tiles", "kv-tiles profile generate", "generate-batched speculative",
@@ -176,18 +178,29 @@ stage_profile() {
 }
 
 # One process per kernel choice (each is read once per process), their rows merged into one file.
+# The GEMV's shapes run with GPTFAST_INT8_CUDA_KERNEL=fma: by default one row of a layer with K > N
+# (4096 x 14336) goes to tensor cores, whatever GPTFAST_INT8_GEMV says. The untimed shapes first
+# (u4s, u4p), then the default (u4f1) and tensor cores, then the shapes e9ab4ef timed.
 stage_int8_gemv() {
-  local tmp choice status=0
+  local tmp choice left status=0
   tmp=$(mktemp -d)
-  for choice in GPTFAST_INT8_GEMV=u4f1 GPTFAST_INT8_GEMV=u8f1 GPTFAST_INT8_GEMV=u16f1 GPTFAST_INT8_GEMV=u4f2 \
-                GPTFAST_INT8_GEMV=u8f2 GPTFAST_INT8_GEMV=u4p GPTFAST_INT8_GEMV=u4s GPTFAST_INT8_CUDA_KERNEL=tensor_core; do
-    env "$choice" timeout "$((BUDGET - SECONDS - 5))" "$PY" -m bench.run --ops int8_linear --cases layers,one_row \
-      --out "$tmp/${choice#*=}.json" 2>&1 | tee -a "$OUT_DIR/bench.log" | grep "@graph"
+  for choice in u4s u4p u4f1 tensor_core u8f1 u16f1 u4f2 u8f2; do
+    left=$((BUDGET - SECONDS - 5))
+    if [ "$left" -lt 20 ]; then echo "int8-gemv: no time left for $choice and after"; status=1; break; fi
+    if [ "$choice" = tensor_core ]; then set -- GPTFAST_INT8_CUDA_KERNEL=tensor_core
+    else set -- GPTFAST_INT8_CUDA_KERNEL=fma GPTFAST_INT8_GEMV="$choice"; fi
+    env "$@" timeout "$left" "$PY" -m bench.run --ops int8_linear --cases layers,one_row \
+      --out "$tmp/$choice.json" 2>&1 | tee -a "$OUT_DIR/bench.log" | grep "@graph"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
   "$PY" - "$tmp" "$OUT_DIR" <<'PY'
 import glob, json, os, re, sys
-runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(sys.argv[1], "*.json")))]
+runs = []
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    try:  # (a process stopped while writing leaves a truncated file: the others' rows still count)
+        runs.append(json.load(open(path)))
+    except ValueError as error:
+        print(f"skipped {os.path.basename(path)}: {error}")
 if runs:
     meta = {k: v for k, v in runs[0]["meta"].items() if not k.startswith("GPTFAST_")}
     device = re.sub(r"[^A-Za-z0-9]+", "-", meta["device"]).strip("-").lower()
@@ -199,9 +212,25 @@ PY
   return $status
 }
 
-bench() {  # bench <comma-separated benches> [bench.run options]
-  local ops=$1; shift
-  timeout "$STAGE_TIMEOUT" "$PY" -m bench.run --ops "$ops" --out-dir "$OUT_DIR" "$@" 2>&1 | tee -a "$OUT_DIR/bench.log" | tail -60
+bench() {  # bench <comma-separated benches> [bench.run options], in the budget's time left
+  local ops=$1 left=$((BUDGET - SECONDS - 5)); shift
+  if [ "$left" -lt 20 ]; then echo "bench $ops $*: no time left" | tee -a "$OUT_DIR/bench.log"; return 1; fi
+  timeout "$left" "$PY" -m bench.run --ops "$ops" --out-dir "$OUT_DIR" "$@" 2>&1 | tee -a "$OUT_DIR/bench.log" | tail -60
+  return "${PIPESTATUS[0]}"
+}
+
+check_auto_latest() {  # bench/check_auto.py over the latest `kernels` file: where "auto" picks the slower kernel
+  local latest
+  latest=$(ls -t "$OUT_DIR"/*_int8_linear-int8_expert_linear-kv_cache_attention-verify_draft.json 2>/dev/null | head -1)
+  [ -n "$latest" ] || { echo "check_auto: no kernels file"; return 1; }
+  "$PY" -m bench.check_auto "$latest" | tee -a "$OUT_DIR/bench.log"
+  return "${PIPESTATUS[0]}"
+}
+
+every() {  # every "command" ...: each run (one failing does not skip the rest); 0 when all passed
+  local command status=0
+  for command in "$@"; do eval "$command" || status=1; done
+  return $status
 }
 
 {
@@ -222,19 +251,18 @@ for stage in $STAGES; do
     build) stage_build ;;
     tests) stage_tests ;;
     sanitize) stage_sanitize ;;
-    kernels) bench int8_linear,int8_expert_linear,kv_cache_attention,verify_draft &&
-             "$PY" -m bench.check_auto "$(ls -t "$OUT_DIR"/*_int8_linear-int8_expert_linear-kv_cache_attention-verify_draft.json | head -1)" \
-               | tee -a "$OUT_DIR/bench.log" ;;
+    kernels) every "bench int8_linear,int8_expert_linear,kv_cache_attention,verify_draft" \
+                   "check_auto_latest" ;;
     int8-gemv) stage_int8_gemv ;;
-    pdl) bench int8_linear,kv_cache_attention --cases layers,step &&
-         GPTFAST_CUDA_PDL=0 bench int8_linear,kv_cache_attention --cases layers &&
-         GPTFAST_CUDA_PDL=1 bench int8_linear,kv_cache_attention --cases layers &&
-         bench generate --cases batch1 &&
-         GPTFAST_CUDA_PDL=0 bench generate --cases batch1 &&
-         GPTFAST_CUDA_PDL=1 bench generate --cases batch1 ;;
+    pdl) every "bench int8_linear,kv_cache_attention --cases layers,step" \
+               "GPTFAST_CUDA_PDL=0 bench int8_linear,kv_cache_attention --cases layers" \
+               "GPTFAST_CUDA_PDL=1 bench int8_linear,kv_cache_attention --cases layers" \
+               "bench generate --cases batch1" \
+               "GPTFAST_CUDA_PDL=0 bench generate --cases batch1" \
+               "GPTFAST_CUDA_PDL=1 bench generate --cases batch1" ;;
     pdl-inductor) GPTFAST_CUDA_PDL=1 TORCHINDUCTOR_ENABLE_PDL=1 bench generate --cases batch1 ;;
-    int8-kernels) GPTFAST_INT8_CUDA_KERNEL=tensor_core bench int8_linear --cases one_row &&
-                  GPTFAST_INT8_CUDA_KERNEL=fma bench int8_linear --cases multi_row ;;
+    int8-kernels) every "GPTFAST_INT8_CUDA_KERNEL=tensor_core bench int8_linear --cases one_row" \
+                        "GPTFAST_INT8_CUDA_KERNEL=fma bench int8_linear --cases multi_row" ;;
     tiles) bench int8_tiles ;;
     kv-tiles) bench kv_tiles ${KV_TILES_QUICK:+--quick} ;;
     profile) stage_profile ;;
@@ -258,4 +286,13 @@ for stage in $STAGES; do
   [ "$rc" -eq 0 ] || failed+=("$stage")
   if [ "$stage" = build ] && [ "$rc" -ne 0 ]; then echo "no extension: stopping"; exit 1; fi
 done
+# The device tool brings back 8 files at most (MAX_FILES): past that, the JSON results travel as
+# one archive (tar xzf it into bench/results/).
+files=$(find "$OUT_DIR" -maxdepth 1 -type f | wc -l)
+jsons=$(cd "$OUT_DIR" && ls -- *.json 2>/dev/null)
+if [ "$files" -gt "${MAX_FILES:-8}" ] && [ -n "$jsons" ]; then
+  # shellcheck disable=SC2086  (file names without spaces, made by bench/run.py)
+  (cd "$OUT_DIR" && tar czf results_json.tar.gz $jsons && rm -f $jsons) &&
+    echo "$files files: the JSON results packed into $OUT_DIR/results_json.tar.gz" | tee -a "$OUT_DIR/gpu.txt"
+fi
 [ ${#failed[@]} -eq 0 ] || { echo "FAILED stages: ${failed[*]}"; exit 1; }

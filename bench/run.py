@@ -40,8 +40,10 @@ def default_output(harness: Harness, out_dir: str, names: list[str]) -> str:
     return os.path.join(out_dir, f"{device}_{date}_{harness.meta['commit']}{subset}.json")
 
 
-class Stopped(Exception):
-    """SIGTERM arrived (e.g. from `timeout`) while a benchmark ran."""
+class Stopped(BaseException):
+    """SIGTERM arrived (e.g. from `timeout`) while a benchmark ran. Not an Exception: the handlers
+    that record a failing config and go on (harness.checked, a sweep's) must not swallow it, since
+    `timeout` sends its signal once."""
 
 
 def _stop(signum, frame):

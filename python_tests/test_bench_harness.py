@@ -3,6 +3,9 @@ GPU on CI): every timed call comes right after a read-only L2 flush, the repeat 
 the call's cost, and the percentiles are those of the per-call event times."""
 
 import contextlib
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -74,6 +77,24 @@ def test_checked_times_only_correct_configs():
     assert harness.checked(right, want, 1e-3) is right
     assert harness.checked(wrong, want, 1e-3).startswith("relative error 1.00e+00")
     assert harness.checked(broken, want, 1e-3) == "RuntimeError: out of resource: shared memory"
+
+
+def test_a_stop_signal_during_a_config_stops_the_sweep():
+    """`timeout` sends SIGTERM once: a sweep recording each failing config and going on must not
+    take the stop for a config's failure (bench/run.py keeps the rows measured so far and ends)."""
+    from bench import run
+
+    def stopped_while_compiling():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # (the handler raises at the next bytecode: the sleep is interrupted)
+        return torch.ones(4, 4)
+
+    previous = signal.signal(signal.SIGTERM, run._stop)
+    try:
+        with pytest.raises(run.Stopped):
+            harness.checked(stopped_while_compiling, torch.ones(4, 4), 1e-3)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_sweep_times_the_fixed_candidates_and_the_correct_configs():

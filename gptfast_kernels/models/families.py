@@ -112,8 +112,9 @@ class Family:
     # nn.Linear whose model code reads their .weight, and small maps that mix whole hidden states (Gemma 3n)
     float_linears: tuple[str, ...] = ()
     # the first transformers release whose model code torch.compile traces with a StaticKVCache (None: all
-    # that gptfast_kernels supports)
+    # that gptfast_kernels supports), and what the earlier releases' code does that it cannot trace
     compiles_from: str | None = None
+    compiles_from_reason: str = "size a tensor by the cache's length"
     # why no transformers release's model code for this family traces (None: it does, see compiles_from)
     compile_blocker: str | None = None
     # hybrid models: the config's layer_types of layers that keep a recurrent (linear-attention /
@@ -208,8 +209,8 @@ class Family:
             raise ValueError(f"compile=True: transformers' {self.model_type} models {self.compile_blocker}, which "
                              "torch.compile cannot trace (pass compile=False)")
         if self.compiles_from and transformers_before(self.compiles_from):
-            raise ValueError(f"compile=True: transformers {transformers.__version__}'s {self.model_type} models size "
-                             "a tensor by the cache's length, which torch.compile cannot trace; it works from "
+            raise ValueError(f"compile=True: transformers {transformers.__version__}'s {self.model_type} models "
+                             f"{self.compiles_from_reason}, which torch.compile cannot trace; it works from "
                              f"transformers {self.compiles_from} on (upgrade, or pass compile=False)")
 
     def check_config(self, config) -> None:
@@ -314,8 +315,12 @@ FAMILIES: dict[str, Family] = {
         # sigmoid gate per head (biased) on the attention output; MLPs and experts gate in float32; grouped routing
         Family("beam", "BeamAttention", "num_key_value_heads", "head_dim", "BeamMLP", experts_class="BeamExperts",
                gated_mlp_in_float32=True),
+        # (before 5.18 its experts are two grouped GEMM modules, which Int8Experts does not reproduce: they
+        # stay float, and loop over the experts in Python)
         Family("aria_text", "AriaTextAttention", "num_key_value_heads", "head_dim", "AriaSharedExpertsMLP",
-               experts_class="AriaExperts"),
+               experts_class="AriaExperts", compiles_from="5.18",
+               compiles_from_reason="run their experts (float: Int8Experts does not reproduce these) as a Python "
+                                    "loop over data-dependent slices"),
         # local (sliding-window) and global layers
         # per-layer head dims and kv heads (global layers: 512, some with keys as values), the last layers
         # attending over earlier layers' keys and values, per-layer embeddings, experts beside the MLP

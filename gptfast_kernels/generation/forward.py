@@ -16,6 +16,7 @@ import functools
 import types
 
 import torch
+from packaging.version import Version
 
 from gptfast_kernels.generation.sampling import logits_to_probs, sample_by_uniform
 from gptfast_kernels.models.families import family_of
@@ -35,6 +36,12 @@ RECOMPILE_LIMIT = 64
 # max_step_tokens), so longer prompts go through in chunks of this many tokens.
 PREFILL_CHUNK = 2048
 
+
+# Torch 2.11's C++ code generator (CPU) vectorises a hybrid model's speculative steps (their copies
+# of recurrent states into the state history) into code that does not compile ("'tmp12' was not
+# declared") or that corrupts the heap (the continuous batcher's steps of a Qwen3.5); 2.14.1's does
+# neither. Before this release such models' steps compile unvectorised (releases between not tried).
+CPU_VECTORISES_RECURRENT_STATES = "2.14"
 
 # Ops that synchronise with the host and so cannot be captured in a CUDA graph, which inductor runs
 # outside the graphs (its graph partitions) instead: transformers' grouped matmul for mixture-of-experts
@@ -117,18 +124,23 @@ class CompiledStep:
     after a compiled call (replacing one, adding a hook, editing the config) need
     ``forget_compiled(model)``."""
 
-    def __init__(self, model, function, *, module_guards: bool = False):
+    def __init__(self, model, function, *, module_guards: bool = False, recurrent: bool = False):
         self.model, self.function, self.module_guards = model, function, module_guards  # (True: every guard)
+        self.recurrent = recurrent  # whether the model has recurrent layers (compile_options)
         self.first_parameter = next(model.parameters())
         self.compiled, self.signature = None, None
 
     def compile_options(self, on_cuda: bool) -> dict:
         """torch.compile's options: CUDA graphs on CUDA (all that mode="reduce-overhead" sets; a
         mode beside any options is refused), dynamo's guards on the modules skipped unless
-        ``module_guards``."""
+        ``module_guards``; on a CPU under torch before CPU_VECTORISES_RECURRENT_STATES, a model with
+        recurrent layers compiled without vectorisation (see there)."""
         options = {"triton.cudagraphs": True} if on_cuda else {}
         if not self.module_guards and _MODULE_GUARDS_SKIPPED is not None:
             options["guard_filter_fn"] = _MODULE_GUARDS_SKIPPED
+        if (not on_cuda and self.recurrent
+                and Version(torch.__version__.split("+")[0]) < Version(CPU_VECTORISES_RECURRENT_STATES)):
+            options["cpp.simdlen"] = 1
         return options
 
     def _signature(self, args) -> tuple:
@@ -168,10 +180,12 @@ def compiled_function(model, function, name: str, *, family_model=None,
     compiled = getattr(model, attribute, None)
     if compiled is None:
         family_model = model if family_model is None else family_model
-        family_of(family_model.config).check_compile(family_model)
+        family = family_of(family_model.config)
+        family.check_compile(family_model)
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-        compiled = CompiledStep(model, function, module_guards=module_guards)
+        compiled = CompiledStep(model, function, module_guards=module_guards,
+                                recurrent=bool(family.recurrent_layer_types))
         setattr(model, attribute, compiled)
     return compiled
 

@@ -85,6 +85,23 @@ def test_the_compile_call_is_one_torch_accepts_on_every_device(monkeypatch, devi
     assert "guard_filter_fn" not in with_guards.compile_options(device == "cuda")
 
 
+def test_hybrids_compile_unvectorised_on_a_cpu_only_under_an_older_torch():
+    """Torch 2.11's C++ code generator miscompiles a hybrid model's speculative and batched steps
+    (code that does not build, or heap corruption): there such models' steps compile unvectorised
+    on a CPU; never on CUDA, never for models without recurrent layers, never from 2.14."""
+    from packaging.version import Version
+
+    from gptfast_kernels.generation import forward
+
+    old = Version(torch.__version__.split("+")[0]) < Version(forward.CPU_VECTORISES_RECURRENT_STATES)
+    for recurrent in (False, True):
+        step = CompiledStep(tiny_model("llama"), lambda tokens, model=None: tokens, recurrent=recurrent)
+        assert step.compile_options(on_cuda=False).get("cpp.simdlen") == (1 if recurrent and old else None)
+        assert "cpp.simdlen" not in step.compile_options(on_cuda=True)
+    hybrid = patched_copy(tiny_model("qwen3_5_text"), int8=True)
+    assert step_function(hybrid, True).recurrent and not step_function(patched_copy(tiny_model("llama")), True).recurrent
+
+
 def test_train_mode_and_dtype_changes_compile_the_step_anew():
     """What changes in normal use is checked on every call: model.train() / eval() and a move to
     another dtype each trace the step anew (the same CompiledStep, kept on the model), and its tokens

@@ -33,7 +33,8 @@ done
 sleep "${FAKE_SECONDS:-0}"
 n=$(wc -l < "$FAKE_LOG")
 [ -n "$out" ] || out="$out_dir/fake_${ops//,/-}_${GPTFAST_CUDA_PDL:-default}_$n.json"
-echo '{"meta": {"device": "Fake GPU", "date": "2026-11-30T00:00:00", "commit": "abc1234"}, "rows": [{"ops": "'"$ops"'"}]}' > "$out"
+meta='"meta": {"device": "Fake GPU", "date": "2026-11-30T00:00:00", "commit": "abc1234"}'
+echo "{$meta, \"rows\": [{\"ops\": \"$ops\"}]}" > "$out"
 case ",${FAIL_OPS:-}," in *",$ops,"*) exit 1 ;; esac
 exit 0
 """

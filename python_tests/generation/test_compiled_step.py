@@ -98,8 +98,8 @@ def test_hybrids_compile_unvectorised_on_a_cpu_only_under_an_older_torch():
         step = CompiledStep(tiny_model("llama"), lambda tokens, model=None: tokens, recurrent=recurrent)
         assert step.compile_options(on_cuda=False).get("cpp.simdlen") == (1 if recurrent and old else None)
         assert "cpp.simdlen" not in step.compile_options(on_cuda=True)
-    hybrid = patched_copy(tiny_model("qwen3_5_text"), int8=True)
-    assert step_function(hybrid, True).recurrent and not step_function(patched_copy(tiny_model("llama")), True).recurrent
+    hybrid, plain = patched_copy(tiny_model("qwen3_5_text"), int8=True), patched_copy(tiny_model("llama"))
+    assert step_function(hybrid, True).recurrent and not step_function(plain, True).recurrent
 
 
 def test_train_mode_and_dtype_changes_compile_the_step_anew():

@@ -236,7 +236,8 @@ every() {  # every "command" ...: each run (one failing does not skip the rest);
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
   echo "commit $GPTFAST_COMMIT"
-  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  "$PY" -c "import torch, triton, transformers, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+    'triton', triton.__version__, 'transformers', transformers.__version__, 'pytest', pytest.__version__)"
 } 2>&1 | tee -a "$OUT_DIR/gpu.txt"
 
 for stage in $STAGES; do

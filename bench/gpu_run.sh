@@ -91,6 +91,10 @@ PY=${PYTHON:-python3}
 BUDGET=${BUDGET:-570}
 failed=()
 
+time_left() {  # seconds of the budget a command started now may take (5 s kept for the logs)
+  echo $((BUDGET - SECONDS - 5))
+}
+
 has_cuda_kernels() {
   "$PY" - <<'PY' 2>/dev/null
 import sys
@@ -129,7 +133,7 @@ stage_build() {
 }
 
 build_with() {  # CXX CC: the extension in place, with those compilers, in the time left
-  local start=$SECONDS left=$((BUDGET - SECONDS - 5))
+  local start=$SECONDS left=$(time_left)
   if [ "$left" -lt 30 ]; then echo "no time left to build with $1"; return 1; fi
   echo "building with $1 / $2"
   CXX=$1 CC=$2 timeout "$left" "$PY" setup.py -q build_ext --inplace 2>&1 | grep -v "WARNING: Location" | tail -20
@@ -149,7 +153,7 @@ stage_tests() {
   "$PY" -c "import xdist" 2>/dev/null && extra="-n ${TEST_WORKERS:-8}"
   "$PY" -c "import pytest_timeout" 2>/dev/null && extra="$extra --timeout 300"
   for part in "${parts[@]}"; do
-    left=$((BUDGET - SECONDS - 5))
+    left=$(time_left)
     if [ "$left" -lt 20 ]; then echo "tests: no time left for $part" | tee -a "$OUT_DIR/tests.log"; status=1; continue; fi
     echo "== pytest $part" | tee -a "$OUT_DIR/tests.log"
     # shellcheck disable=SC2086  (a part may hold several paths / options)
@@ -185,7 +189,7 @@ stage_int8_gemv() {
   local tmp choice left status=0
   tmp=$(mktemp -d)
   for choice in u4s u4p u4f1 tensor_core u8f1 u16f1 u4f2 u8f2; do
-    left=$((BUDGET - SECONDS - 5))
+    left=$(time_left)
     if [ "$left" -lt 20 ]; then echo "int8-gemv: no time left for $choice and after"; status=1; break; fi
     if [ "$choice" = tensor_core ]; then set -- GPTFAST_INT8_CUDA_KERNEL=tensor_core
     else set -- GPTFAST_INT8_CUDA_KERNEL=fma GPTFAST_INT8_GEMV="$choice"; fi
@@ -213,7 +217,7 @@ PY
 }
 
 bench() {  # bench <comma-separated benches> [bench.run options], in the budget's time left
-  local ops=$1 left=$((BUDGET - SECONDS - 5)); shift
+  local ops=$1 left=$(time_left); shift
   if [ "$left" -lt 20 ]; then echo "bench $ops $*: no time left" | tee -a "$OUT_DIR/bench.log"; return 1; fi
   timeout "$left" "$PY" -m bench.run --ops "$ops" --out-dir "$OUT_DIR" "$@" 2>&1 | tee -a "$OUT_DIR/bench.log" | tail -60
   return "${PIPESTATUS[0]}"
@@ -241,7 +245,7 @@ every() {  # every "command" ...: each run (one failing does not skip the rest);
 } 2>&1 | tee -a "$OUT_DIR/gpu.txt"
 
 for stage in $STAGES; do
-  STAGE_TIMEOUT=$((BUDGET - SECONDS - 5))
+  STAGE_TIMEOUT=$(time_left)
   if [ "$STAGE_TIMEOUT" -lt 30 ]; then
     echo "== $stage: skipped, only $((BUDGET - SECONDS)) s of the budget left" | tee -a "$OUT_DIR/gpu.txt"
     failed+=("$stage"); continue

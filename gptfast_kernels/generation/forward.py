@@ -16,7 +16,6 @@ import functools
 import types
 
 import torch
-from packaging.version import Version
 
 from gptfast_kernels.generation.sampling import logits_to_probs, sample_by_uniform
 from gptfast_kernels.models.families import family_of
@@ -138,8 +137,7 @@ class CompiledStep:
         options = {"triton.cudagraphs": True} if on_cuda else {}
         if not self.module_guards and _MODULE_GUARDS_SKIPPED is not None:
             options["guard_filter_fn"] = _MODULE_GUARDS_SKIPPED
-        if (not on_cuda and self.recurrent
-                and Version(torch.__version__.split("+")[0]) < Version(CPU_VECTORISES_RECURRENT_STATES)):
+        if not on_cuda and self.recurrent and torch.__version__ < CPU_VECTORISES_RECURRENT_STATES:
             options["cpp.simdlen"] = 1
         return options
 

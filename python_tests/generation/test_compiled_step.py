@@ -94,6 +94,7 @@ def test_hybrids_compile_unvectorised_on_a_cpu_only_under_an_older_torch():
     from gptfast_kernels.generation import forward
 
     old = Version(torch.__version__.split("+")[0]) < Version(forward.CPU_VECTORISES_RECURRENT_STATES)
+    assert (torch.__version__ < forward.CPU_VECTORISES_RECURRENT_STATES) == old  # (torch's comparison, as used)
     for recurrent in (False, True):
         step = CompiledStep(tiny_model("llama"), lambda tokens, model=None: tokens, recurrent=recurrent)
         assert step.compile_options(on_cuda=False).get("cpp.simdlen") == (1 if recurrent and old else None)

@@ -112,9 +112,10 @@ class Family:
     # nn.Linear whose model code reads their .weight, and small maps that mix whole hidden states (Gemma 3n)
     float_linears: tuple[str, ...] = ()
     # the first transformers release whose model code torch.compile traces with a StaticKVCache (None: all
-    # that gptfast_kernels supports), and what the earlier releases' code does that it cannot trace
+    # that gptfast_kernels supports), and what the earlier releases' code does that it cannot trace (given
+    # with compiles_from)
     compiles_from: str | None = None
-    compiles_from_reason: str = "size a tensor by the cache's length"
+    compiles_from_reason: str | None = None
     # why no transformers release's model code for this family traces (None: it does, see compiles_from)
     compile_blocker: str | None = None
     # hybrid models: the config's layer_types of layers that keep a recurrent (linear-attention /
@@ -155,6 +156,11 @@ class Family:
     # a hybrid's recurrent blocks' linear projections of their input, in the order they are called (Qwen3.5's
     # gated delta net: qkv, z, b, a): with int8 one Int8Linear (one launch a step) whose output they split
     recurrent_input_projections: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if bool(self.compiles_from) != bool(self.compiles_from_reason):
+            raise ValueError(f"Family {self.model_type!r}: compiles_from and compiles_from_reason go together "
+                             f"(got {self.compiles_from!r} and {self.compiles_from_reason!r})")
 
     def layer_kinds(self, config) -> list[str]:
         """Per decoder layer: "attention" (keys and values), "recurrent" (a recurrent state, no keys /

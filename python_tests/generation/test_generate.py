@@ -380,6 +380,18 @@ def test_unpatched_model_and_short_cache_refused():
                  past_key_values=StaticKVCache(patched.config, 1, 4))
 
 
+def _compile_refused_before_its_release(family, compiled_call) -> bool:
+    """Whether the installed transformers is older than the release ``family``'s model code compiles
+    from (Aria before 5.18: its float experts loop in Python); then ``compiled_call`` raises the
+    ValueError naming the release."""
+    first = family.compiles_from
+    if not (first and transformers_before(first)):
+        return False
+    with pytest.raises(ValueError, match=f"compile=True.*from transformers {first}"):
+        compiled_call()
+    return True
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_decode_step_gives_the_same_tokens(family):
     """compile=True: the decode step runs through torch.compile(fullgraph=True) (a CUDA graph on
@@ -393,10 +405,8 @@ def test_compiled_decode_step_gives_the_same_tokens(family):
         with pytest.raises(ValueError, match=f"compile=True: transformers' {family.model_type} models"):
             generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[], compile=True)
         return
-    first = family.compiles_from
-    if first and transformers_before(first):  # Aria before transformers 5.18 (its float experts)
-        with pytest.raises(ValueError, match=f"compile=True.*from transformers {first}"):
-            generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[], compile=True)
+    if _compile_refused_before_its_release(
+            family, lambda: generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[], compile=True)):
         return
     compiled = generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[], compile=True).sequences
     assert torch.equal(compiled, eager)
@@ -533,16 +543,16 @@ def test_float_experts_compile_to_one_graph_and_match_transformers(family):
     model = tiny_model(family)
     patched = patched_copy(model, int8=False)
     ids, mask = ragged_prompts(2, 6, "left")
+    def compiled_call():
+        return generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[], compile=True)
+
     if not family_of(model.config).float_experts_compile:  # DBRX: a Python loop over the routed experts
         with pytest.raises(ValueError, match="compile=True: dbrx's float experts .*int8=True"):
-            generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[], compile=True)
+            compiled_call()
         return
-    first = family_of(model.config).compiles_from
-    if first and transformers_before(first):  # Aria before transformers 5.18: grouped GEMMs in a Python loop
-        with pytest.raises(ValueError, match=f"compile=True.*from transformers {first}"):
-            generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[], compile=True)
+    if _compile_refused_before_its_release(family_of(model.config), compiled_call):
         return
-    compiled = generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[], compile=True).sequences
+    compiled = compiled_call().sequences
     want = hf_greedy(model, ids, mask, 6, eos_token_id=None, pad_token_id=PAD)
     assert torch.equal(compiled, want)
 

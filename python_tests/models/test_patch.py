@@ -612,3 +612,14 @@ def test_attention_checks_each_call_signature_once():
         wide = torch.randn(B, Hkv, 3, D + 1)
         attention._attend(layer, wide, wide, wide, positions, None, None, None, None, False, "auto")
     assert len(layer.checked_calls) == 1
+
+
+def test_a_family_that_compiles_from_a_release_says_why_the_earlier_ones_do_not():
+    """compiles_from and compiles_from_reason come together: the earlier releases' refusal names what
+    their model code does (check_compile's ValueError), so a table entry with one alone is refused."""
+    from gptfast_kernels.models.families import Family
+    with pytest.raises(ValueError, match="'aria_text'.*compiles_from and compiles_from_reason go together"):
+        Family("aria_text", "AriaTextAttention", "num_key_value_heads", "head_dim", None, compiles_from="5.18")
+    with pytest.raises(ValueError, match="compiles_from and compiles_from_reason"):
+        Family("aria_text", "AriaTextAttention", "num_key_value_heads", "head_dim", None,
+               compiles_from_reason="loop in Python")

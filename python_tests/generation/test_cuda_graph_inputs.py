@@ -1,0 +1,153 @@
+"""Every compiled call of the generation loops is a graph that CUDA graph trees can capture whole,
+checked on any device. On a GPU inductor replays a graph only if every input it writes in place
+is static (a parameter, a buffer or a tensor marked with torch._dynamo.mark_static_address); one
+unmarked state tensor written in the graph and inductor runs that graph without CUDA graphs, with
+nothing but a logged warning (the step then pays every kernel's launch again). A static input must
+also keep its address from call to call, or the tree records the graph again. Both follow from
+inductor's own bookkeeping of each compiled graph (its mutated and static input indices), which is
+the same on a CPU: it is read here, for each way the package compiles a model's calls."""
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+import torch._inductor.output_code as output_code
+
+from gptfast_kernels import (ContinuousBatcher, SpeculativeBatcher, generate, prompt_lookup_generate,
+                             speculative_generate)
+from python_tests.tiny_models import draft_of, patched_copy, ragged_prompts, tiny_model
+
+NEW = 6
+
+
+@dataclasses.dataclass
+class Graph:
+    """One graph inductor compiled: its inputs' names, which it writes in place, which are static,
+    the kinds of its inputs that are not tensors, and per static tensor input the addresses it was
+    called with."""
+    names: list[str]
+    mutated: set[int]
+    static: set[int]
+    not_tensors: list[str]
+    addresses: dict[int, set[int]] = dataclasses.field(default_factory=dict)
+    calls: int = 0
+
+    def problems(self) -> list[str]:
+        unmarked = [self.names[i] for i in sorted(self.mutated - self.static)]
+        moved = [self.names[i] for i, seen in sorted(self.addresses.items()) if len(seen) > 1]
+        return ([f"writes inputs that are not static: {unmarked}"] * bool(unmarked)
+                + [f"inputs that are not tensors: {self.not_tensors}"] * bool(self.not_tensors)
+                + [f"static inputs whose address changed between calls: {moved}"] * bool(moved))
+
+
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    """The graphs inductor compiles in the test (its FX graph and AOT caches off, so that each is
+    compiled here, not loaded), each with the addresses of its static inputs at every call."""
+    graphs: list[Graph] = []
+    init, call = output_code.CompiledFxGraph.__init__, output_code.CompiledFxGraph.__call__
+    signature = inspect.signature(init)
+    assert "static_input_idxs" in signature.parameters, "inductor's CompiledFxGraph no longer says its static inputs"
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        names = [node.name for node in arguments["gm"].graph.nodes if node.op == "placeholder"]
+        not_tensors = [type(value).__name__ for value in arguments["example_inputs"]
+                       if not isinstance(value, (torch.Tensor, torch.SymInt, torch.Generator))]
+        self._recorded = Graph(names, set(self.mutated_input_idxs), set(arguments["static_input_idxs"]), not_tensors)
+        graphs.append(self._recorded)
+
+    def recording_call(self, inputs):
+        recorded = self._recorded
+        recorded.calls += 1
+        for index in recorded.static:
+            if isinstance(inputs[index], torch.Tensor):
+                recorded.addresses.setdefault(index, set()).add(inputs[index].data_ptr())
+        return call(self, inputs)
+
+    monkeypatch.setattr(output_code.CompiledFxGraph, "__init__", recording_init)
+    monkeypatch.setattr(output_code.CompiledFxGraph, "__call__", recording_call)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield graphs
+
+
+def _assert_captured_whole(graphs: list[Graph]) -> None:
+    assert graphs and all(graph.calls for graph in graphs), [graph.calls for graph in graphs]
+    problems = [(i, problem) for i, graph in enumerate(graphs) for problem in graph.problems()]
+    assert not problems, problems
+
+
+def _prompts():
+    return ragged_prompts(2, 6, "left")
+
+
+def _submitted(batcher, ids, mask):
+    for row in range(3):  # one row more than the batch: a finished row's slot is refilled
+        batcher.submit(ids[row % 2][mask[row % 2].bool()].tolist(), max_new_tokens=4, temperature=0.5 * (row % 2))
+    batcher.run()
+
+
+SAMPLED = dict(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.2, stop_sequences=[[3, 4]],
+               eos_token_id=[5])
+
+# each way a model's calls are compiled: (name, run(target, draft, ids, mask))
+CALLS = {
+    "generate": lambda target, draft, ids, mask: generate(target, ids, mask, max_new_tokens=NEW, eos_token_id=[],
+                                                          compile=True),
+    "generate_sampled": lambda target, draft, ids, mask: generate(
+        target, ids, mask, max_new_tokens=NEW, min_new_tokens=2, output_logprobs=True, compile=True, **SAMPLED),
+    "speculative": lambda target, draft, ids, mask: speculative_generate(
+        target, draft, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True),
+    "speculative_sampled": lambda target, draft, ids, mask: speculative_generate(
+        target, draft, ids, mask, max_new_tokens=NEW, compile=True, **SAMPLED),
+    "prompt_lookup": lambda target, draft, ids, mask: prompt_lookup_generate(
+        target, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True),
+    "continuous": lambda target, draft, ids, mask: _submitted(
+        ContinuousBatcher(target, batch_size=2, max_length=24, eos_token_id=[], compile=True), ids, mask),
+    "speculative_batcher": lambda target, draft, ids, mask: _submitted(
+        SpeculativeBatcher(target, draft, speculate_k=3, batch_size=2, max_length=28, eos_token_id=[], compile=True),
+        ids, mask),
+}
+
+
+def _models(family: str, draft_layers: int):
+    model = tiny_model(family)
+    return patched_copy(model, int8=True), patched_copy(draft_of(model, draft_layers), int8=True)
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_each_compiled_call_is_captured_whole(compiled_graphs, name):
+    """Greedy and sampled generate (penalties, stop sequences, log-probabilities), speculative
+    rounds (the drafts call and the target's verify call), prompt lookup and both batchers."""
+    target, draft = _models("llama", 1)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        CALLS[name](target, draft, ids, mask)
+    _assert_captured_whole(compiled_graphs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma2", "deepseek_v3", "mamba2"])
+def test_each_kind_of_cache_is_captured_whole(compiled_graphs, family):
+    """The caches beside keys and values: a hybrid's recurrent states and their history (Qwen3-Next),
+    sliding-window ring buffers (Gemma 2), latents (DeepSeek-V3), an attention-free model (Mamba 2)."""
+    target, draft = _models(family, 2)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        CALLS["generate"](target, draft, ids, mask)
+        CALLS["speculative"](target, draft, ids, mask)
+    _assert_captured_whole(compiled_graphs)
+
+
+def test_the_check_sees_a_state_tensor_left_unmarked(compiled_graphs, monkeypatch):
+    """The check can fail: with nothing marked static (the cache's tensors, the decode state's
+    buffers), generate's compiled step writes inputs that are not static (on a GPU: a step without
+    CUDA graphs)."""
+    monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda tensor, guard=False: None)
+    target, draft = _models("llama", 1)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        CALLS["generate"](target, draft, ids, mask)
+    with pytest.raises(AssertionError, match="writes inputs that are not static"):
+        _assert_captured_whole(compiled_graphs)

@@ -193,7 +193,10 @@ class AssistantProposer:
         """-> draft tokens [B, k], and their distributions [B, k, V] (None when greedy)."""
         positions = self.cache.seq_lengths.clone()  # (last's position: the target has not taken it in)
         masks = self.masks(positions)
-        logits, state = self.step(last, self.hidden, positions, masks, self.shared, self.embed)
+        # (a copy of last: compiled rounds keep it in a buffer marked static, and a call that took it would
+        # compile the step with its tokens static, at last's address, which the draft tokens of the later
+        # calls do not have: on a GPU each call would record its CUDA graph again)
+        logits, state = self.step(last.clone(), self.hidden, positions, masks, self.shared, self.embed)
 
         def advance(token):
             nonlocal state

@@ -109,6 +109,9 @@ CALLS = {
     "speculative_batcher": lambda target, draft, ids, mask: _submitted(
         SpeculativeBatcher(target, draft, speculate_k=3, batch_size=2, max_length=28, eos_token_id=[], compile=True),
         ids, mask),
+    "speculative_batcher_lookup": lambda target, draft, ids, mask: _submitted(
+        SpeculativeBatcher(target, None, speculate_k=3, batch_size=2, max_length=28, eos_token_id=[], compile=True),
+        ids, mask),
 }
 
 
@@ -120,7 +123,8 @@ def _models(family: str, draft_layers: int):
 @pytest.mark.parametrize("name", CALLS)
 def test_each_compiled_call_is_captured_whole(compiled_graphs, name):
     """Greedy and sampled generate (penalties, stop sequences, log-probabilities), speculative
-    rounds (the drafts call and the target's verify call), prompt lookup and both batchers."""
+    rounds (the drafts call and the target's verify call), prompt lookup and both batchers (the
+    speculative one with a draft model and with prompt lookup)."""
     target, draft = _models("llama", 1)
     ids, mask = _prompts()
     with torch.no_grad():
@@ -137,6 +141,24 @@ def test_each_kind_of_cache_is_captured_whole(compiled_graphs, family):
     with torch.no_grad():
         CALLS["generate"](target, draft, ids, mask)
         CALLS["speculative"](target, draft, ids, mask)
+    _assert_captured_whole(compiled_graphs)
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "assistant"])
+def test_each_drafter_model_is_captured_whole(compiled_graphs, drafter):
+    """Speculative rounds drafted by the target's MTP layer (GLM-4 MoE) or by a Gemma 4 assistant
+    (which reads the target's keys and values): their own compiled draft steps too."""
+    from python_tests.generation import test_assistant, test_mtp
+
+    if drafter == "mtp":
+        _, _, target, draft = test_mtp._with_mtp("glm4_moe", int8=True)
+        vocab = test_mtp.VOCAB
+    else:
+        model, target = test_assistant._target()
+        draft, vocab = test_assistant._assistant_for(model), test_assistant.VOCAB
+    ids, mask = ragged_prompts(2, 6, "left", vocab=vocab)
+    with torch.no_grad():
+        speculative_generate(target, draft, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True)
     _assert_captured_whole(compiled_graphs)
 
 

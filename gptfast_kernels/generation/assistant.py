@@ -195,7 +195,7 @@ class AssistantProposer:
         masks = self.masks(positions)
         # (a copy of last: compiled rounds keep it in a buffer marked static, and a call that took it would
         # compile the step with its tokens static, at last's address, which the draft tokens of the later
-        # calls do not have: on a GPU each call would record its CUDA graph again)
+        # calls do not have: on a GPU CUDA graph trees record the graph again for each new address)
         logits, state = self.step(last.clone(), self.hidden, positions, masks, self.shared, self.embed)
 
         def advance(token):

@@ -543,6 +543,7 @@ def test_float_experts_compile_to_one_graph_and_match_transformers(family):
     model = tiny_model(family)
     patched = patched_copy(model, int8=False)
     ids, mask = ragged_prompts(2, 6, "left")
+
     def compiled_call():
         return generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[], compile=True)
 

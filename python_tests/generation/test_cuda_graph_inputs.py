@@ -124,11 +124,18 @@ def _models(family: str, draft_layers: int):
 def test_each_compiled_call_is_captured_whole(compiled_graphs, name):
     """Greedy and sampled generate (penalties, stop sequences, log-probabilities), speculative
     rounds (the drafts call and the target's verify call), prompt lookup and both batchers (the
-    speculative one with a draft model and with prompt lookup)."""
+    speculative one with a draft model and with prompt lookup). Called again with other prompts
+    (longer, as a second request would be), the model's graphs serve it: none compiled anew, each
+    static input where it was (on a GPU: the recorded CUDA graphs replayed, none recorded again)."""
     target, draft = _models("llama", 1)
     ids, mask = _prompts()
     with torch.no_grad():
         CALLS[name](target, draft, ids, mask)
+        compiled = len(compiled_graphs)
+        calls = [graph.calls for graph in compiled_graphs]
+        CALLS[name](target, draft, *ragged_prompts(2, 9, "left", seed=3))
+    assert len(compiled_graphs) == compiled
+    assert all(graph.calls > before for graph, before in zip(compiled_graphs, calls))
     _assert_captured_whole(compiled_graphs)
 
 

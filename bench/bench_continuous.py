@@ -23,6 +23,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench import cuda_graph_records
 from gptfast_kernels import ContinuousBatcher, SpeculativeBatcher, generate, patch_model, prompt_lookup_generate
 
 CPU_CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -146,7 +147,8 @@ def run(h) -> None:
         h.rows.append({"op": "continuous", **case, "impl": name, "baseline": baseline, "seconds": seconds,
                        "tokens_per_s": made / seconds, "forwards": forwards,
                        **({"speculate_k": K, "acceptance_rate": acceptance} if acceptance is not None else {}),
-                       "speedup_vs_baseline": results[baseline][0] / seconds, **h.meta})
+                       "speedup_vs_baseline": results[baseline][0] / seconds,
+                       "cudagraph_recorded_again_so_far": cuda_graph_records.recorded_again(), **h.meta})
     _chunked_prefill(h, model, sizes, cuda)
     _shared_prefix(h, model, sizes, cuda)
 
@@ -191,7 +193,8 @@ def _chunked_prefill(h, model, sizes, cuda) -> None:
                        "baseline": "ContinuousBatcher", "seconds": seconds, "tokens_per_s": made / seconds,
                        "steps": len(steps), "median_step_ms": steps[len(steps) // 2] * 1e3,
                        "longest_step_ms": steps[-1] * 1e3, "longest_step_vs_baseline": base_steps[-1] / steps[-1],
-                       "speedup_vs_baseline": base_seconds / seconds, **h.meta})
+                       "speedup_vs_baseline": base_seconds / seconds,
+                       "cudagraph_recorded_again_so_far": cuda_graph_records.recorded_again(), **h.meta})
 
 
 def _shared_prefix(h, model, sizes, cuda) -> None:

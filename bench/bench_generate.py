@@ -31,6 +31,7 @@ from torch._dynamo.utils import counters
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig,
                           LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM)
 
+from bench import cuda_graph_records
 from bench.harness import best_seconds, best_seconds_and_host, default_dtype, tokens_digest
 
 CPU_CONFIG = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
@@ -162,4 +163,6 @@ def _compare(h, build, name: str, batches, *, static_cache: bool = True) -> None
                            # (GPTFAST_CUDA_PDL, TORCHINDUCTOR_ENABLE_PDL): they change no arithmetic
                            "tokens_digest": tokens_digest(ours_out.sequences),
                            # > 0: some compiled step ran without its CUDA graph (inductor said why in the log)
-                           "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"]})
+                           "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"],
+                           # > 0: some compiled step's graph was recorded again (cuda_graph_records)
+                           "cudagraph_recorded_again_so_far": cuda_graph_records.recorded_again()})

@@ -51,6 +51,7 @@ from transformers import (Lfm2Config, Lfm2ForCausalLM, LlamaConfig, LlamaForCaus
 
 import gptfast_kernels.generation.assistant as assistant_module
 import gptfast_kernels.generation.speculative as speculative_module
+from bench import cuda_graph_records
 from bench.harness import best_seconds, default_dtype, synchronize
 from gptfast_kernels import StaticKVCache, generate, patch_model, prompt_lookup_generate, speculative_generate
 from gptfast_kernels.generation.forward import step_function
@@ -287,7 +288,8 @@ def _timed_rounds(h, generate_fn, rows: int, new_tokens: int, prefill_seconds: f
               "step_calls_per_run": len(recorder.calls),  # (a round of drafts in one call counts once)
               "fraction_outside_forwards": outside,
               "fraction_outside_forwards_upper": 1 - (clock.seconds + prefill_seconds) / clocked_seconds,
-              "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"]}
+              "cudagraph_skips_so_far": counters["inductor"]["cudagraph_skips"],
+              "cudagraph_recorded_again_so_far": cuda_graph_records.recorded_again()}
     return fields, out
 
 

@@ -14,6 +14,7 @@ import traceback
 
 import torch
 
+from bench import cuda_graph_records
 from bench.harness import Harness, pdl_suffix
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = frozenset(args.cases.split(",")) if args.cases else None
     harness = Harness(torch.device(args.device), quick=args.quick, cases=cases)
+    if harness.device.type == "cuda":  # (the benches' rows say how often a CUDA graph was recorded again)
+        cuda_graph_records.install()
     signal.signal(signal.SIGTERM, _stop)  # `timeout` stops a run: keep the rows measured so far
     print(f"copy bandwidth on {harness.meta['device']}: {harness.measure_copy_bandwidth():.1f} GB/s")
     names = args.ops.split(",")

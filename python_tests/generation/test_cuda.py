@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import gptfast_kernels.generation.speculative as speculative_module
+from bench.cuda_graph_records import GraphRecords
 from gptfast_kernels import StaticKVCache, _extension, generate, patch_model, speculative_generate
 from gptfast_kernels.generation import forward
 from gptfast_kernels.generation.stopping import token_bytes
@@ -24,6 +25,21 @@ NEW = 16
 
 def _on_cuda(*tensors):
     return [t.cuda() for t in tensors]
+
+
+@pytest.fixture
+def graph_records(monkeypatch) -> GraphRecords:
+    """The CUDA graphs that the test's compiled calls record (bench.cuda_graph_records)."""
+    records = GraphRecords()
+    for owner, name, replacement in records.patches():
+        monkeypatch.setattr(owner, name, replacement)
+    return records
+
+
+def _assert_recorded_once(records: GraphRecords) -> None:
+    """Some graph was recorded, and none twice: every later call of a compiled function replayed its
+    graph (a static input that moved, or a state allocated anew per call, would record it again)."""
+    assert records.recorded and records.again == 0, records.reasons
 
 
 def _recorded_watches(monkeypatch) -> list:
@@ -53,7 +69,7 @@ def test_greedy_equals_transformers(family):
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_5_text", "lfm2", "falcon_h1", "stablelm", "dbrx",
                                     "gemma4_text", "gemma3n_text", "deepseek_v3", "mimo_v2_flash", "gptj",
                                     "falcon", "bloom", "mpt", "beam", "mamba", "mamba2", "zamba2"])
-def test_compiled_cuda_graph_decode_equals_eager(family):
+def test_compiled_cuda_graph_decode_equals_eager(family, graph_records):
     """compile=True: torch.compile(fullgraph=True) with CUDA graphs per step, so the decode
     step replays a CUDA graph holding the int8 and attention kernels; called twice (graph reuse).
     The hybrids' recurrent states (transformers' state layers, updated in place) must survive the
@@ -71,9 +87,10 @@ def test_compiled_cuda_graph_decode_equals_eager(family):
                            eager)
     # inductor did not fall back to eager launches (e.g. for a mutated input it cannot keep static)
     assert counters["inductor"]["cudagraph_skips"] == skips_before
+    _assert_recorded_once(graph_records)  # (the second call replayed the first's graphs)
 
 
-def test_compiled_sampled_decode_picks_in_the_cuda_graph(monkeypatch):
+def test_compiled_sampled_decode_picks_in_the_cuda_graph(monkeypatch, graph_records):
     """generate's compiled step with its pick in the graph: per-row sampling at the step's uniforms,
     eos held back by min_new_tokens, per-row limits and log-probabilities, on state buffers the
     graph updates in place (no CUDA-graph skip for them): the same tokens and log-probabilities as
@@ -98,6 +115,7 @@ def test_compiled_sampled_decode_picks_in_the_cuda_graph(monkeypatch):
         assert torch.equal(compiled.sequences, eager.sequences)
         torch.testing.assert_close(compiled.logprobs, eager.logprobs)
     assert counters["inductor"]["cudagraph_skips"] == skips_before
+    _assert_recorded_once(graph_records)
     assert hasattr(patched, "_gptfast_compiled_decode")
     assert len(watches) == 3 and all(watch.lagged and watch.copies[0].is_pinned() and watch.events[0] is not None
                                      for watch in watches)
@@ -107,7 +125,7 @@ def test_compiled_sampled_decode_picks_in_the_cuda_graph(monkeypatch):
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text", "gpt_oss", "gemma4_text"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatch):
+def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatch, graph_records):
     """Sliding-window layers as ring buffers of window + 2 slots (prompt chunks of 3), on the CUDA
     kernels, in CUDA graphs when compiled: the tokens equal those of full-length caches, float32."""
     patched = patch_model(tiny_model(family).cuda(), int8=False)
@@ -116,11 +134,13 @@ def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatc
     monkeypatch.setattr(forward, "PREFILL_CHUNK", 3)
     got = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=compile).sequences
     assert torch.equal(got, want)
+    if compile:
+        _assert_recorded_once(graph_records)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text", "falcon_h1", "mamba2", "zamba2", "lfm2"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_speculative_equals_target_greedy(family, compile):
+def test_speculative_equals_target_greedy(family, compile, graph_records):
     """Hybrids too: their recurrent states roll back through the cache's state history, whose slots
     a CUDA graph replays writes into (compiled)."""
     target = tiny_model(family, layers=3).cuda()
@@ -132,10 +152,12 @@ def test_speculative_equals_target_greedy(family, compile):
                                compile=compile)
     assert torch.equal(out.sequences, want)
     assert 0 < out.acceptance_rate < 1
+    if compile:
+        _assert_recorded_once(graph_records)
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_penalised_speculative_equals_penalised_generate(compile):
+def test_penalised_speculative_equals_penalised_generate(compile, graph_records):
     """The penalties' per-row state (seen tokens, generated counts) and the stop patterns' states live
     on the GPU beside the compiled steps: penalised speculative greedy equals penalised generate, and
     both stop at the same stop sequence and stop string."""
@@ -154,9 +176,11 @@ def test_penalised_speculative_equals_penalised_generate(compile):
     assert bool((want[2, 6:] == PAD).any())
     out = speculative_generate(patched, draft, ids, mask, speculate_k=4, compile=compile, **options)
     assert torch.equal(out.sequences, want)
+    if compile:
+        _assert_recorded_once(graph_records)
 
 
-def test_stops_are_matched_inside_the_cuda_graphs():
+def test_stops_are_matched_inside_the_cuda_graphs(graph_records):
     """Without penalties the stop automata run inside generate's compiled step and the speculative
     round's call (their states in the state buffers, marked static: no CUDA-graph skip): both stop
     where eager generate does, at a stop sequence and a stop string."""
@@ -179,10 +203,11 @@ def test_stops_are_matched_inside_the_cuda_graphs():
         assert torch.equal(speculative_generate(patched, draft, ids, mask, speculate_k=4, compile=True,
                                                 **options).sequences, want)
     assert counters["inductor"]["cudagraph_skips"] == skips_before
+    _assert_recorded_once(graph_records)
     assert hasattr(patched, "_gptfast_compiled_decode") and hasattr(patched, "_gptfast_compiled_verify")
 
 
-def test_per_row_sampling_rows_sample_as_alone():
+def test_per_row_sampling_rows_sample_as_alone(graph_records):
     """Per-row temperature / top-k / top-p on the GPU, compiled rounds: each row of a batch of greedy
     and sampled rows samples as it would with its values for the whole batch (the GPU's
     multinomial draws the same noise whatever the distributions)."""
@@ -202,9 +227,10 @@ def test_per_row_sampling_rows_sample_as_alone():
     for b, row in enumerate(rows):
         assert torch.equal(mixed[b], run([row] * 3)[b])
     assert torch.equal(mixed[0], generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences[0])
+    _assert_recorded_once(graph_records)
 
 
-def test_sampled_compiled_rounds_draft_in_one_cuda_graph(monkeypatch):
+def test_sampled_compiled_rounds_draft_in_one_cuda_graph(monkeypatch, graph_records):
     """Compiled and sampled, a round's drafts are one call of the draft (one CUDA graph, sampling at
     uniforms drawn outside it): the same tokens and acceptances as compiled rounds drafting step by
     step from the same generator seed."""
@@ -232,9 +258,10 @@ def test_sampled_compiled_rounds_draft_in_one_cuda_graph(monkeypatch):
     step_by_step = run()
     assert torch.equal(in_one_call.sequences, step_by_step.sequences)
     assert torch.equal(in_one_call.num_accepted, step_by_step.num_accepted) and 0 < in_one_call.acceptance_rate < 1
+    _assert_recorded_once(graph_records)
 
 
-def test_compiled_rounds_verify_in_one_cuda_graph(monkeypatch):
+def test_compiled_rounds_verify_in_one_cuda_graph(monkeypatch, graph_records):
     """A compiled round after its drafts in one CUDA graph (verify_step: the target's forward,
     verification and the rows' state): per-row sampling, eos held back by min_new_tokens, per-row
     limits and log-probabilities, on state buffers the graph updates in place (no CUDA-graph skip
@@ -263,6 +290,7 @@ def test_compiled_rounds_verify_in_one_cuda_graph(monkeypatch):
         assert torch.equal(compiled.num_accepted, eager.num_accepted)
         torch.testing.assert_close(compiled.logprobs, eager.logprobs)
     assert counters["inductor"]["cudagraph_skips"] == skips_before
+    _assert_recorded_once(graph_records)
     assert hasattr(patched, "_gptfast_compiled_verify")
     assert [watch.lagged for watch in watches] == [False, True, True]  # (eager rounds read each round's end)
     assert all(watch.copies[0].is_pinned() and watch.events[0] is not None for watch in watches[1:])
@@ -283,7 +311,7 @@ def _served_as_alone(batcher, patched, seed: int) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
-def test_continuous_batching_requests_equal_generate_alone(family):
+def test_continuous_batching_requests_equal_generate_alone(family, graph_records):
     """ContinuousBatcher on the GPU, compiled (CUDA-graph) decode steps: rows reused mid-batch give
     every greedy request the tokens generate gives its prompt alone (a hybrid's recurrent states,
     which the graphs update in place, kept per row)."""
@@ -291,10 +319,11 @@ def test_continuous_batching_requests_equal_generate_alone(family):
 
     patched = patched_copy(tiny_model(family, layers=3).cuda(), int8=True)
     _served_as_alone(ContinuousBatcher(patched, batch_size=2, max_length=24, eos_token_id=[], compile=True), patched, 3)
+    _assert_recorded_once(graph_records)
 
 
 @pytest.mark.parametrize("proposer", ["draft", "lookup"])
-def test_speculative_batching_requests_equal_generate_alone(proposer):
+def test_speculative_batching_requests_equal_generate_alone(proposer, graph_records):
     """SpeculativeBatcher on the GPU, compiled (CUDA-graph) rounds of int8 models: rows reused
     mid-batch give every greedy request the tokens generate gives its prompt alone."""
     from gptfast_kernels import SpeculativeBatcher
@@ -304,6 +333,7 @@ def test_speculative_batching_requests_equal_generate_alone(proposer):
     draft = patched_copy(draft_of(target).cuda(), int8=True) if proposer == "draft" else None
     _served_as_alone(SpeculativeBatcher(patched, draft, speculate_k=3, batch_size=2, max_length=24, eos_token_id=[],
                                         compile=True), patched, 4)
+    _assert_recorded_once(graph_records)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

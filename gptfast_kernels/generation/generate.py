@@ -50,8 +50,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     each step, the first token whose cumulative probability passes a uniform drawn for it from
     ``generator`` (sampling.sample_by_uniform).
     ``compile``: run each decode step through torch.compile (a CUDA graph on GPUs), the pick of the
-    next token included unless a penalty is on; the model then keeps its compiled step, its cache
-    and its decode state for later calls (see generation/forward.py and decode_step.py).
+    next token included unless a penalty is on; the model then keeps its compiled step, its cache,
+    its decode state and its stop tables (of a few sizes: stop patterns of similar length share a
+    compiled step) for later calls (see generation/forward.py, decode_step.py and stopping.py).
     ``repetition_penalty``: as transformers' (CTRL's): before sampling, the logit of every token
     already in the row (its prompt, padding aside, and what it generated) is divided by it where
     positive and multiplied by it where negative; > 1 discourages repeats.

@@ -49,6 +49,8 @@ def check_decode_options(op: str, model, prompt: common.Prompt, device: torch.de
     vocab = common.output_vocab_size(model)
     stop = StopMatcher.build(check_stop_sequences(op, stop_sequences, vocab),
                              check_stop_strings(op, stop_strings, tokenizer), tokenizer, vocab, device)
+    if compile and stop is not None:  # (tables of a few sizes, kept where compiled steps read them)
+        stop = stop.kept_on(model)
     common.check_streamer(op, streamer)
     common.check_generator(op, generator, device)
     return DecodeOptions(*counts, *sampling, *penalties, eos, pad, stop)

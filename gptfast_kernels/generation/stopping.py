@@ -35,6 +35,9 @@ import torch
 _PREFIX = "abcdef"
 # lifted tables kept per tokenizer (each is [states, V] int32 on the host)
 _TABLES_PER_TOKENIZER = 8
+# StopMatcher.kept_on: a table's states rounded up to a power of two, at least this many
+MIN_KEPT_STATES = 16
+KEPT_TABLES_ATTRIBUTE = "_gptfast_stop_tables"  # where a compiling model keeps them
 
 
 def check_stop_sequences(op: str, stop_sequences, vocab_size: int) -> list[list[int]]:
@@ -90,6 +93,31 @@ class StopMatcher:
         if strings:
             tables.append(_string_table(tokenizer, strings, vocab_size))
         return cls([torch.from_numpy(t).to(device) for t in tables]) if tables else None
+
+    def kept_on(self, model) -> "StopMatcher":
+        """This matcher for compiled steps: each table copied into one that ``model`` keeps for its
+        place and size, with its states rounded up to a power of two (at least MIN_KEPT_STATES),
+        marked static. A compiled step is specialised on its inputs' shapes: tables of every other
+        size would each compile it anew (under fullgraph a hard error past the recompile limit),
+        where rounded, patterns of similar length share a step. And a CUDA graph copies an input
+        that is not static into itself at every replay (a table over a 128k vocabulary holds 0.5 MB
+        a state); kept, a table is copied once per call. The states past a table's own keep what an
+        earlier table left there: no transition leads to them. The kept tables stay with the model
+        (generation's state and caches do too: one generation at a time per model)."""
+        kept = getattr(model, KEPT_TABLES_ATTRIBUTE, None)
+        if kept is None:
+            kept = {}
+            setattr(model, KEPT_TABLES_ATTRIBUTE, kept)
+        tables = []
+        for place, table in enumerate(self.tables):
+            states = max(MIN_KEPT_STATES, 1 << (table.shape[0] - 1).bit_length())
+            key = (place, states, table.shape[1], table.device)
+            if key not in kept:
+                kept[key] = torch.zeros((states, table.shape[1]), dtype=table.dtype, device=table.device)
+                torch._dynamo.mark_static_address(kept[key])
+            kept[key][:table.shape[0]].copy_(table)
+            tables.append(kept[key])
+        return StopMatcher(tables)
 
     def start(self, batch_size: int) -> torch.Tensor:
         """[B, M]: the state of rows that have generated nothing yet."""

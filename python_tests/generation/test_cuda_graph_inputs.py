@@ -169,6 +169,35 @@ def test_each_drafter_model_is_captured_whole(compiled_graphs, drafter):
     _assert_captured_whole(compiled_graphs)
 
 
+def test_stop_patterns_of_other_lengths_reuse_the_compiled_calls(compiled_graphs):
+    """Compiled generate and speculative rounds with stop sequences and strings of other lengths
+    (automata of 2 to 12 states: one size of kept table) reuse the graphs compiled for the first
+    (the tables static inputs), each stopping where eager generate does; only longer patterns (a
+    table of another size) compile the decode step and the round's call once more."""
+    from gptfast_kernels.generation.stopping import token_bytes
+    from python_tests.tiny_tokenizers import byte_level_tokenizer, stop_string_from
+
+    target, draft = _models("llama", 1)
+    ids, mask = _prompts()
+    tokenizer, P, new = byte_level_tokenizer(), ids.shape[1], 12
+    free = generate(target, ids, mask, max_new_tokens=new, eos_token_id=[]).sequences
+    patterns = [dict(stop_sequences=[free[1, P + 2:P + 4].tolist()], stop_strings=["q"]),
+                dict(stop_sequences=[[3, 4, 5, 6, 7]],
+                     stop_strings=[stop_string_from(token_bytes(tokenizer), free[0, P:].tolist()), "abcdefghijk"]),
+                dict(stop_sequences=[[9], [10, 11]], stop_strings=["xy", "zw"]),
+                dict(stop_sequences=[[9]], stop_strings=["a much longer stop string, of forty bytes"])]
+    compiled = []
+    with torch.no_grad():
+        for stops in patterns:
+            options = dict(max_new_tokens=new, eos_token_id=[], tokenizer=tokenizer, **stops)
+            want = generate(target, ids, mask, **options).sequences
+            assert torch.equal(generate(target, ids, mask, compile=True, **options).sequences, want)
+            assert torch.equal(speculative_generate(target, draft, ids, mask, compile=True, **options).sequences, want)
+            compiled.append(len(compiled_graphs))
+    assert compiled[1:] == [compiled[0], compiled[0], compiled[0] + 2]
+    _assert_captured_whole(compiled_graphs)
+
+
 def test_the_check_sees_a_state_tensor_left_unmarked(compiled_graphs, monkeypatch):
     """The check can fail: with nothing marked static (the cache's tensors, the decode state's
     buffers), generate's compiled step writes inputs that are not static (on a GPU: a step without

@@ -141,6 +141,32 @@ def test_a_sequence_inside_another_is_found_by_the_automaton():
     assert stop.scan(stop.start(1), torch.tensor([[1, 2, 3]]))[0].tolist() == [[False, True, True]]
 
 
+def test_kept_tables_match_as_their_own_and_are_shared_by_similar_sizes():
+    """kept_on: a table is copied into one the model keeps per place and size (states rounded up to
+    a power of two, at least MIN_KEPT_STATES), static; the states past its own, stale rows of a
+    larger table, are never reached: it matches as the matcher it came from."""
+    from gptfast_kernels.generation.stopping import KEPT_TABLES_ATTRIBUTE, MIN_KEPT_STATES
+
+    model, cpu, V = torch.nn.Module(), torch.device("cpu"), 12
+    tokens = torch.randint(0, V, (4, 200), generator=torch.Generator().manual_seed(0))
+    tokens[0, 50:70] = torch.arange(1, 21) % V  # (long matches too: the 20-token stop below)
+
+    def kept_matches(sequences):
+        own = StopMatcher.build(sequences, [], None, V, cpu)
+        kept = own.kept_on(model)
+        for got, want in zip(kept.scan(kept.start(4), tokens), own.scan(own.start(4), tokens)):
+            assert torch.equal(got, want)
+        return own.tables[0].shape[0], kept.tables[0]
+
+    states, long_table = kept_matches([(torch.arange(1, 21) % V).tolist(), [3, 4]])
+    assert states == 23 and long_table.shape == (32, V)
+    states, table = kept_matches([(torch.arange(1, 19) % V).tolist()])  # 19 states: the same kept table
+    assert states == 19 and table is long_table
+    states, short_table = kept_matches([[5, 6, 7], [9]])
+    assert states == 5 and short_table.shape == (MIN_KEPT_STATES, V)
+    assert len(getattr(model, KEPT_TABLES_ATTRIBUTE)) == 2
+
+
 @pytest.mark.parametrize("bad", [[[]], [[-1]], [[97]], [1, 2], "stop", [[1.0]], [[True]]])
 def test_bad_stop_sequences_name_the_argument(bad):
     patched = patched_copy(tiny_model("llama"), int8=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 
 import torch
 
@@ -28,7 +29,7 @@ CACHE_LEN_QUANTUM = 256
 # Every (batch size, token count, cache) of a model is a graph of its own, all compiled from that
 # model's code object (see _own_forward), whose default recompile limit (8) one model at three batch
 # sizes and three token counts already exceeds; under fullgraph=True that is a hard error.
-# step_function raises the limit to at least this.
+# step_function raises the limit to at least this; a call past it starts the step afresh (CompiledStep).
 RECOMPILE_LIMIT = 64
 # Prompt tokens per prefill forward when the model has sliding-window layers: the caches generation
 # allocates keep those layers as ring buffers of window + PREFILL_CHUNK - 1 slots (StaticKVCache's
@@ -149,14 +150,28 @@ class CompiledStep:
     def __call__(self, *args):
         signature = self._signature(args)
         if signature != self.signature:
-            on_cuda = self.first_parameter.device.type == "cuda"
-            if on_cuda:
-                _partition_host_syncing_ops()
-            # (_bound: a code object of its own, whose recompiles count against no other step's limit)
-            self.compiled = torch.compile(_bound(self.function, self.model), fullgraph=True, dynamic=False,
-                                          options=self.compile_options(on_cuda))
+            self._compile()
             self.signature = signature
-        return self.compiled(*args)
+        try:
+            return self.compiled(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # (raised before the call runs anything)
+            # A call unlike the last RECOMPILE_LIMIT kinds compiled (batch sizes, token counts,
+            # options: each a graph of its own): the step starts afresh, on a code object of its
+            # own, where under fullgraph dynamo would fail every such call from now on.
+            warnings.warn(f"gptfast_kernels: {self.function.__name__} of this {type(self.model).__name__} was "
+                          f"compiled for {torch._dynamo.config.recompile_limit} kinds of call (batch sizes, token "
+                          "counts, options); those are dropped and each compiled again when next called",
+                          stacklevel=2)
+            self._compile()
+            return self.compiled(*args)
+
+    def _compile(self) -> None:
+        on_cuda = self.first_parameter.device.type == "cuda"
+        if on_cuda:
+            _partition_host_syncing_ops()
+        # (_bound: a code object of its own, whose recompiles count against no other step's limit)
+        self.compiled = torch.compile(_bound(self.function, self.model), fullgraph=True, dynamic=False,
+                                      options=self.compile_options(on_cuda))
 
 
 # (torch >= 2.8; before it the steps keep every guard)

@@ -2,6 +2,7 @@
 modules (thousands, evaluated on every call), which checks train / eval mode, the parameters'
 dtype and device and its module arguments itself, and which patch_model and forget_compiled drop."""
 
+import contextlib
 import subprocess
 import sys
 import types
@@ -123,6 +124,26 @@ def test_train_mode_and_dtype_changes_compile_the_step_anew():
     again = step.compiled
     _generate(patched, ids, mask, True)
     assert step.compiled is again  # nothing changed: the same trace
+
+
+def test_a_step_past_the_recompile_limit_starts_afresh_with_a_warning(monkeypatch):
+    """Past the recompile limit (here 2) a call of a new kind (a third batch size) would fail under
+    fullgraph; the step is compiled afresh instead, with a warning, and gives the eager tokens, as
+    do the calls after it (a dropped batch size compiled again)."""
+    import gptfast_kernels.generation.forward as forward
+
+    patched = patched_copy(tiny_model("llama", layers=1), int8=True)
+    monkeypatch.setattr(forward, "RECOMPILE_LIMIT", 2)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for batch, warns in [(1, False), (2, False), (3, True), (1, False)]:
+            ids, mask = ragged_prompts(batch, 6, "left")
+            with pytest.warns() if warns else contextlib.nullcontext() as caught:
+                compiled = _generate(patched, ids, mask, True)
+            assert torch.equal(compiled, _generate(patched, ids, mask, False))
+            if warns:
+                assert [str(w.message) for w in caught] == [
+                    "gptfast_kernels: _decode_step of this LlamaForCausalLM was compiled for 2 kinds of call (batch "
+                    "sizes, token counts, options); those are dropped and each compiled again when next called"]
 
 
 def test_patch_model_again_drops_the_compiled_steps():

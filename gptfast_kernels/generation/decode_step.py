@@ -18,8 +18,9 @@ import torch
 
 from gptfast_kernels.generation.end_watch import count_remaining
 from gptfast_kernels.generation.forward import _forward, compiled_function
-from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs,
-                                                 process_logits, sample_by_uniform, sampling_rows, token_logprobs)
+from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, eos_id_tensor, holds_eos_back,
+                                                 logits_to_probs, process_logits, sample_by_uniform, sampling_rows,
+                                                 token_logprobs)
 from gptfast_kernels.generation.stopping import StopMatcher
 
 STATE_ATTRIBUTE = "_gptfast_decode_state"  # where a compiling model keeps its DecodeState
@@ -92,7 +93,7 @@ class StepRule(NamedTuple):
         stop matcher."""
         sampled = isinstance(temperature, torch.Tensor) or temperature != 0
         filters = sampling_rows(temperature, top_k, top_p, min_p, batch_size, device) if sampled else ()
-        eos_ids = torch.tensor(eos, dtype=torch.int64, device=device) if eos else None
+        eos_ids = eos_id_tensor(eos, device)
         held = eos_ids is not None and holds_eos_back(min_new_tokens)
         if held and not isinstance(min_new_tokens, torch.Tensor):  # (one [B] layout either way: no recompile)
             min_new_tokens = torch.full((batch_size,), min_new_tokens, device=device)

@@ -204,6 +204,16 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty) 
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
+def eos_id_tensor(eos: list[int], device: torch.device) -> torch.Tensor | None:
+    """eos ids -> [n] int64 on ``device`` (None for none), n their count rounded up to a power of two,
+    at least 4, by repeating the first: compiled steps, which take it, are specialised on its shape,
+    so that one to four eos ids (most models' count) share a step."""
+    if not eos:
+        return None
+    n = max(4, 1 << (len(eos) - 1).bit_length())
+    return torch.tensor(eos + eos[:1] * (n - len(eos)), dtype=torch.int64, device=device)
+
+
 def eos_columns(eos_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """eos ids [n] -> [vocab_size] bool, True at each eos id (ids past the vocabulary left out;
     built by a scatter, without the host sync a boolean index would cost)."""

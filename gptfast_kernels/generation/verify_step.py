@@ -25,8 +25,8 @@ import torch
 
 from gptfast_kernels.generation.end_watch import count_remaining
 from gptfast_kernels.generation.forward import _forward, _forward_with_hidden, compiled_function
-from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs,
-                                                 process_logits, sampling_rows, token_logprobs)
+from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, eos_id_tensor, holds_eos_back,
+                                                 logits_to_probs, process_logits, sampling_rows, token_logprobs)
 from gptfast_kernels.generation.stopping import StopMatcher
 from gptfast_kernels.ops.verify_draft import verify_draft
 
@@ -102,7 +102,7 @@ class RoundRule(NamedTuple):
         def rows(value):  # (a [B] layout of its own, not a stride-0 view: one graph either way)
             return value if isinstance(value, torch.Tensor) else torch.full((batch_size,), value, device=device)
 
-        eos_ids = torch.tensor(eos, dtype=torch.int64, device=device) if eos else None
+        eos_ids = eos_id_tensor(eos, device)
         held = eos_ids is not None and holds_eos_back(min_new_tokens)
         return cls(k, None if greedy else sampling_rows(*sampling, batch_size, device),
                    rows(min_new_tokens) if held else None, rows(max_new_tokens), eos_ids,

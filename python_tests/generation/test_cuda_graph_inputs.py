@@ -198,6 +198,31 @@ def test_stop_patterns_of_other_lengths_reuse_the_compiled_calls(compiled_graphs
     _assert_captured_whole(compiled_graphs)
 
 
+def test_eos_ids_of_other_counts_reuse_the_compiled_calls(compiled_graphs):
+    """One to four eos ids (padded to four by repeating the first) share generate's compiled step and
+    the round's call, each row ending where eager generate ends it; five compile them once more."""
+    from gptfast_kernels.generation.sampling import eos_id_tensor
+
+    assert eos_id_tensor([4, 9, 11], torch.device("cpu")).tolist() == [4, 9, 11, 4]
+    assert eos_id_tensor([], torch.device("cpu")) is None
+    target, draft = _models("llama", 1)
+    ids, mask = _prompts()
+    P, new = ids.shape[1], 12
+    free = generate(target, ids, mask, max_new_tokens=new, eos_token_id=[]).sequences[:, P:]
+    ends = [int(free[0, 3]), int(free[1, 5])]  # (each ends a row early)
+    compiled = []
+    with torch.no_grad():
+        for eos in ([ends[0]], ends, ends + [1, 2], [1, 2, 3, 2, ends[1]]):
+            want = generate(target, ids, mask, max_new_tokens=new, eos_token_id=eos).sequences
+            assert torch.equal(generate(target, ids, mask, max_new_tokens=new, eos_token_id=eos, compile=True).sequences,
+                               want)
+            assert torch.equal(speculative_generate(target, draft, ids, mask, max_new_tokens=new, eos_token_id=eos,
+                                                    compile=True).sequences, want)
+            compiled.append(len(compiled_graphs))
+    assert compiled[1:] == [compiled[0], compiled[0], compiled[0] + 2]
+    _assert_captured_whole(compiled_graphs)
+
+
 def test_the_check_sees_a_state_tensor_left_unmarked(compiled_graphs, monkeypatch):
     """The check can fail: with nothing marked static (the cache's tensors, the decode state's
     buffers), generate's compiled step writes inputs that are not static (on a GPU: a step without

@@ -50,6 +50,8 @@ class GraphRecords:
             status, describe = check(graph_node, inputs)
             if status != cudagraph_trees.CheckInvariantStatus.SUCCESS:
                 self._last_failure[graph_node.device] = f"{status}: {describe()}"
+            else:  # (a graph replayed: an earlier failure explains no later recording)
+                self._last_failure.pop(graph_node.device, None)
             return status, describe
 
         return [(manager, "record_function", counted_record), (node, "check_invariants", kept_failure)]

@@ -59,7 +59,10 @@ def test_a_function_recorded_again_counts_with_its_reason(stand_ins):
     assert records.again == 1
     assert records.reasons == [f"step0: {STATUS.StaticInputIdxMismatch}: placeholder 3 moved"]
     assert records.recorded[tree] == {0: 2, 1: 1}
-    record(tree, [], other)  # recorded again with no failed check since the last recording
+    stand_ins.append(STATUS.StaticInputIdxMismatch)
+    check(Node(0), [])
+    check(Node(0), [])  # (another node replayed after that failure)
+    record(tree, [], other)  # recorded again with no failed check since the last replay
     assert records.again == 2 and records.reasons[-1] == "step1: no failed check"
 
 

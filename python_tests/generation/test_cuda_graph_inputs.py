@@ -213,11 +213,10 @@ def test_eos_ids_of_other_counts_reuse_the_compiled_calls(compiled_graphs):
     compiled = []
     with torch.no_grad():
         for eos in ([ends[0]], ends, ends + [1, 2], [1, 2, 3, 2, ends[1]]):
-            want = generate(target, ids, mask, max_new_tokens=new, eos_token_id=eos).sequences
-            assert torch.equal(generate(target, ids, mask, max_new_tokens=new, eos_token_id=eos, compile=True).sequences,
-                               want)
-            assert torch.equal(speculative_generate(target, draft, ids, mask, max_new_tokens=new, eos_token_id=eos,
-                                                    compile=True).sequences, want)
+            options = dict(max_new_tokens=new, eos_token_id=eos)
+            want = generate(target, ids, mask, **options).sequences
+            assert torch.equal(generate(target, ids, mask, compile=True, **options).sequences, want)
+            assert torch.equal(speculative_generate(target, draft, ids, mask, compile=True, **options).sequences, want)
             compiled.append(len(compiled_graphs))
     assert compiled[1:] == [compiled[0], compiled[0], compiled[0] + 2]
     _assert_captured_whole(compiled_graphs)

@@ -74,3 +74,8 @@ def recorded_again() -> int | None:
     """The recordings of a function recorded before, in this process since ``install`` (None
     before it: not counted)."""
     return None if _PROCESS is None else _PROCESS.again
+
+
+def reasons_again() -> list[str]:
+    """Why each of those recordings happened (GraphRecords.reasons; none before ``install``)."""
+    return [] if _PROCESS is None else list(_PROCESS.reasons)

@@ -80,9 +80,11 @@ def test_a_new_tree_starts_its_count_afresh(stand_ins):
 def test_install_patches_the_tree_once(stand_ins, monkeypatch):
     monkeypatch.setattr(cuda_graph_records, "_PROCESS", None)
     assert cuda_graph_records.recorded_again() is None  # (before install: not counted, not 0)
+    assert cuda_graph_records.reasons_again() == []
     records = cuda_graph_records.install()
     assert cuda_graph_records.install() is records and cuda_graph_records.recorded_again() == 0
     tree, step = Tree(0), cudagraph_trees.FunctionID(0)
     MANAGER.record_function(tree, [], step)
     MANAGER.record_function(tree, [], step)
     assert cuda_graph_records.recorded_again() == 1  # (patched once: a second install did not wrap it twice)
+    assert cuda_graph_records.reasons_again() == ["step0: no failed check"]

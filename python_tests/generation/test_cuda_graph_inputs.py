@@ -169,9 +169,22 @@ def test_each_drafter_model_is_captured_whole(compiled_graphs, drafter):
     _assert_captured_whole(compiled_graphs)
 
 
+def _graphs_after_each(graphs: list[Graph], target, draft, ids, mask, option_sets: list[dict]) -> list[int]:
+    """Compiled generate and speculative_generate with each of ``option_sets`` in turn, each equal to
+    eager generate -> the graphs compiled so far after each set."""
+    compiled = []
+    with torch.no_grad():
+        for options in option_sets:
+            want = generate(target, ids, mask, **options).sequences
+            assert torch.equal(generate(target, ids, mask, compile=True, **options).sequences, want)
+            assert torch.equal(speculative_generate(target, draft, ids, mask, compile=True, **options).sequences, want)
+            compiled.append(len(graphs))
+    return compiled
+
+
 def test_stop_patterns_of_other_lengths_reuse_the_compiled_calls(compiled_graphs):
     """Compiled generate and speculative rounds with stop sequences and strings of other lengths
-    (automata of 2 to 12 states: one size of kept table) reuse the graphs compiled for the first
+    (automata of 2 to 16 states: one size of kept table) reuse the graphs compiled for the first
     (the tables static inputs), each stopping where eager generate does; only longer patterns (a
     table of another size) compile the decode step and the round's call once more."""
     from gptfast_kernels.generation.stopping import token_bytes
@@ -186,14 +199,9 @@ def test_stop_patterns_of_other_lengths_reuse_the_compiled_calls(compiled_graphs
                      stop_strings=[stop_string_from(token_bytes(tokenizer), free[0, P:].tolist()), "abcdefghijk"]),
                 dict(stop_sequences=[[9], [10, 11]], stop_strings=["xy", "zw"]),
                 dict(stop_sequences=[[9]], stop_strings=["a much longer stop string, of forty bytes"])]
-    compiled = []
-    with torch.no_grad():
-        for stops in patterns:
-            options = dict(max_new_tokens=new, eos_token_id=[], tokenizer=tokenizer, **stops)
-            want = generate(target, ids, mask, **options).sequences
-            assert torch.equal(generate(target, ids, mask, compile=True, **options).sequences, want)
-            assert torch.equal(speculative_generate(target, draft, ids, mask, compile=True, **options).sequences, want)
-            compiled.append(len(compiled_graphs))
+    compiled = _graphs_after_each(compiled_graphs, target, draft, ids, mask,
+                                  [dict(max_new_tokens=new, eos_token_id=[], tokenizer=tokenizer, **stops)
+                                   for stops in patterns])
     assert compiled[1:] == [compiled[0], compiled[0], compiled[0] + 2]
     _assert_captured_whole(compiled_graphs)
 
@@ -210,14 +218,9 @@ def test_eos_ids_of_other_counts_reuse_the_compiled_calls(compiled_graphs):
     P, new = ids.shape[1], 12
     free = generate(target, ids, mask, max_new_tokens=new, eos_token_id=[]).sequences[:, P:]
     ends = [int(free[0, 3]), int(free[1, 5])]  # (each ends a row early)
-    compiled = []
-    with torch.no_grad():
-        for eos in ([ends[0]], ends, ends + [1, 2], [1, 2, 3, 2, ends[1]]):
-            options = dict(max_new_tokens=new, eos_token_id=eos)
-            want = generate(target, ids, mask, **options).sequences
-            assert torch.equal(generate(target, ids, mask, compile=True, **options).sequences, want)
-            assert torch.equal(speculative_generate(target, draft, ids, mask, compile=True, **options).sequences, want)
-            compiled.append(len(compiled_graphs))
+    compiled = _graphs_after_each(compiled_graphs, target, draft, ids, mask,
+                                  [dict(max_new_tokens=new, eos_token_id=eos)
+                                   for eos in ([ends[0]], ends, ends + [1, 2], [1, 2, 3, 2, ends[1]])])
     assert compiled[1:] == [compiled[0], compiled[0], compiled[0] + 2]
     _assert_captured_whole(compiled_graphs)
 

@@ -8,9 +8,10 @@ step, on a CPU and on a GPU alike (where it is what the GPU waits on between CUD
 Both copies generate the same tokens (checked before timing). Then ``speculative_drafts``: a
 compiled greedy round's k drafts in one call of the draft (the package's way) against one compiled
 step per draft, on the package's copies; ``speculative_sampled_drafts`` the same at temperature 0.8.
-Then ``generate_pick`` and ``generate_sampled_pick``: ``generate``'s step with the next token picked
-(and the rows' state advanced) inside the compiled call (generation/decode_step.py, the package's way)
-against a compiled forward followed by the same pick run eagerly, greedy and at temperature 0.8.
+Then ``generate_pick``, ``generate_sampled_pick`` and ``generate_penalised_pick``: ``generate``'s step
+with the next token picked (and the rows' state advanced) inside the compiled call
+(generation/decode_step.py, the package's way) against a compiled forward followed by the same pick
+run eagerly, greedy, at temperature 0.8, and greedy with a repetition and a frequency penalty.
 Then ``speculative_verify`` and ``speculative_sampled_verify``: a compiled round after its drafts
 (the target's forward, verification, the crop, the rows' state) in one call of the target
 (generation/verify_step.py, the package's way) against the target's forward compiled alone and the
@@ -43,6 +44,7 @@ generate_module = importlib.import_module("gptfast_kernels.generation.generate")
 NEW_TOKENS = 128
 SPECULATE_K = 4
 SAMPLED_TEMPERATURE = 0.8  # the sampled rows' (speculative_sampled_drafts, generate_sampled_pick)
+PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2)  # generate_penalised_pick's (greedy)
 
 
 def _patched_pair(target, draft, module_guards: bool):
@@ -102,14 +104,15 @@ def run(h) -> None:
     _compare_ways(h, "generate_watch", candidates, baseline="read_each_step")
     # generate's pick inside its compiled step (the package's way) against after it, greedy and sampled
 
-    def generated(temperature):
+    def generated(options):
         generator = torch.Generator(h.device).manual_seed(0)
         return generate(target_model, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[], compile=True,
-                        temperature=temperature, generator=generator).sequences
+                        generator=generator, **options).sequences
 
-    for call, temperature in (("generate_pick", 0.0), ("generate_sampled_pick", SAMPLED_TEMPERATURE)):
-        candidates = {"pick_in_the_step": lambda t=temperature: generated(t),
-                      "pick_after_the_step": lambda t=temperature: _picking_after_the_step(generated, t)}
+    for call, options in (("generate_pick", {}), ("generate_sampled_pick", dict(temperature=SAMPLED_TEMPERATURE)),
+                          ("generate_penalised_pick", PENALTIES)):
+        candidates = {"pick_in_the_step": lambda o=options: generated(o),
+                      "pick_after_the_step": lambda o=options: _picking_after_the_step(generated, o)}
         _compare_ways(h, call, candidates, baseline="pick_after_the_step")
 
 
@@ -125,9 +128,9 @@ def _compare_ways(h, call: str, candidates: dict, baseline: str) -> None:
         row["tokens_per_s"] = NEW_TOKENS / (row["ms_median"] * 1e-3)
 
 
-def _picking_after_the_step(generated, temperature):
-    """``generated(temperature)`` with generate's compiled step a forward alone, its pick run eagerly after it."""
-    return _without(generate_module, "decode_function", lambda: generated(temperature))
+def _picking_after_the_step(generated, options: dict):
+    """``generated(options)`` with generate's compiled step a forward alone, its pick run eagerly after it."""
+    return _without(generate_module, "decode_function", lambda: generated(options))
 
 
 def _watched(lagged_devices: tuple, generation, pair):

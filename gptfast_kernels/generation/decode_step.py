@@ -19,8 +19,8 @@ import torch
 from gptfast_kernels.generation.end_watch import count_remaining
 from gptfast_kernels.generation.forward import _forward, compiled_function
 from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, eos_id_tensor, holds_eos_back,
-                                                 logits_to_probs, process_logits, sample_by_uniform, sampling_rows,
-                                                 token_logprobs)
+                                                 logits_to_probs, penalty_rows, process_logits, sample_by_uniform,
+                                                 sampling_rows, token_logprobs)
 from gptfast_kernels.generation.stopping import StopMatcher
 
 STATE_ATTRIBUTE = "_gptfast_decode_state"  # where a compiling model keeps its DecodeState
@@ -99,7 +99,8 @@ class StepRule(NamedTuple):
             min_new_tokens = torch.full((batch_size,), min_new_tokens, device=device)
         limits = max_new_tokens if isinstance(max_new_tokens, torch.Tensor) else None
         stops_from = None if stop is None else StopMatcher.counting_from(min_new_tokens, batch_size, device)
-        return cls(sampled, filters, (repetition_penalty, presence_penalty, frequency_penalty),
+        penalties = penalty_rows(repetition_penalty, presence_penalty, frequency_penalty, batch_size, device)
+        return cls(sampled, filters, penalties,
                    min_new_tokens if held else None, limits, eos_ids,
                    eos_columns(eos_ids, vocab_size) if held else None, pad, logprobs,
                    None if stop is None else tuple(stop.tables), stops_from)

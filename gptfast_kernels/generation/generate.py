@@ -50,8 +50,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     each step, the first token whose cumulative probability passes a uniform drawn for it from
     ``generator`` (sampling.sample_by_uniform).
     ``compile``: run each decode step through torch.compile (a CUDA graph on GPUs), the pick of the
-    next token included unless a penalty is on; the model then keeps its compiled step, its cache,
-    its decode state and its stop tables (of a few sizes: stop patterns of similar length share a
+    next token included; the model then keeps its compiled step, its cache, its decode state, the
+    penalties' record and its stop tables (of a few sizes: stop patterns of similar length share a
     compiled step) for later calls (see generation/forward.py, decode_step.py and stopping.py).
     ``repetition_penalty``: as transformers' (CTRL's): before sampling, the logit of every token
     already in the row (its prompt, padding aside, and what it generated) is divided by it where
@@ -110,9 +110,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                           stop)
     state = DecodeState.start(model, B, device, max_new_tokens, reuse=compile,
                               stop_automata=0 if stop is None else len(stop.tables))
-    # Without penalties (whose record each step writes) the step picks its token in the compiled
-    # call too: one call a step, and nothing else launched but the sampled rows' uniforms.
-    decode_call = decode_function(model) if compile and record.seen is None and record.counts is None else None
+    # Compiled, the step picks its token in the call too (the penalties' record, which each step
+    # writes, kept static on the model): one call a step, and nothing else launched but the sampled
+    # rows' uniforms.
+    if compile:
+        record = record.kept_on(model)
+    decode_call = decode_function(model) if compile else None
     forward_step = step_function(model, compile) if decode_call is None else None
     # whether rows may end before most_new steps (an eos, a stop or a per-row limit); without that no
     # step asks whether all have, and the output keeps every step's column

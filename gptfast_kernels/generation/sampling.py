@@ -128,6 +128,9 @@ def seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_siz
     return seen[:, :vocab_size]
 
 
+KEPT_RECORD_ATTRIBUTE = "_gptfast_token_record"  # where a compiling model keeps TokenRecord's tensors
+
+
 @dataclass
 class TokenRecord:
     """What the penalties read of each row's text, per row ([B, V + 1]) or per row and position of a
@@ -150,6 +153,27 @@ class TokenRecord:
                    input_ids.new_zeros(input_ids.shape[0], vocab_size + 1, dtype=torch.int32)
                    if _on(presence_penalty, 0) or _on(frequency_penalty, 0) else None)
 
+    def kept_on(self, model) -> "TokenRecord":
+        """This record for a compiled step, which writes it in place: each tensor copied into one
+        that ``model`` keeps for its shape, marked static (a CUDA graph replays a graph only where
+        what it writes is static; generation's state and caches are kept alike: one generation at
+        a time per model)."""
+        kept = getattr(model, KEPT_RECORD_ATTRIBUTE, None)
+        if kept is None:
+            kept = {}
+            setattr(model, KEPT_RECORD_ATTRIBUTE, kept)
+
+        def keep(name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None:
+                return None
+            key = (name, tuple(tensor.shape), tensor.device)
+            if key not in kept:
+                kept[key] = torch.empty_like(tensor)
+                torch._dynamo.mark_static_address(kept[key])
+            return kept[key].copy_(tensor)
+
+        return TokenRecord(keep("seen", self.seen), keep("counts", self.counts))
+
     def map(self, fn) -> "TokenRecord":
         """A record of ``fn`` applied to each tensor kept."""
         return TokenRecord(*(None if t is None else fn(t) for t in (self.seen, self.counts)))
@@ -169,6 +193,15 @@ class TokenRecord:
         for i in range(k):  # draft i is before positions i + 1 ..
             record.map(lambda t: t[:, i + 1:]).add(drafts[:, i, None, None].expand(B, k - i, 1))  # noqa: B023
         return record
+
+
+def penalty_rows(repetition, presence, frequency, batch_size: int, device: torch.device) -> tuple:
+    """check_penalties's (repetition, presence, frequency) with each penalty that is on as [B] float32
+    values (a number as every row's), those that are off as they are: what a compiled step takes,
+    so that another value is not another graph (process_logits computes alike either way)."""
+    return tuple(torch.full((batch_size,), float(value), device=device)
+                 if not isinstance(value, torch.Tensor) and _on(value, off) else value
+                 for value, off in ((repetition, 1), (presence, 0), (frequency, 0)))
 
 
 def _on(value, off) -> bool:
@@ -236,8 +269,12 @@ def process_logits(logits: torch.Tensor, record: TokenRecord, penalty, is_eos: t
     the presence and frequency penalties over ``record.counts`` (None: none), then the eos columns
     ``is_eos`` [V] at -inf where ``early`` [B, ...] holds (transformers' ``min_new_tokens``: no eos
     before that many new tokens; None: nowhere); vLLM's order. Each penalty is a number or per-row
-    values [B] (check_penalties)."""
+    values [B] (check_penalties). Penalised logits are float32 (as transformers' processors take
+    them), whether a penalty is a number or a tensor."""
     V = logits.shape[-1]
+    if (record.seen is not None and _on(penalty, 1)) or (record.counts is not None
+                                                          and (_on(presence, 0) or _on(frequency, 0))):
+        logits = logits.float()
     if record.seen is not None and _on(penalty, 1):
         logits = apply_repetition_penalty(logits, record.seen[..., :V], per_row(penalty, logits))
     if record.counts is not None and (_on(presence, 0) or _on(frequency, 0)):

@@ -225,6 +225,23 @@ def test_eos_ids_of_other_counts_reuse_the_compiled_calls(compiled_graphs):
     _assert_captured_whole(compiled_graphs)
 
 
+def test_penalties_of_other_values_reuse_the_compiled_calls(compiled_graphs):
+    """With penalties, generate's compiled step is one call too (the record kept static on the model,
+    the penalties as [B] values): other values, as numbers or per row, share it, each equal to eager
+    generate; another penalty turned on is a graph of its own (the speculative rounds' graphs, whose
+    picks with penalties run eagerly, are shared throughout)."""
+    target, draft = _models("llama", 1)
+    ids, mask = _prompts()
+    compiled = _graphs_after_each(compiled_graphs, target, draft, ids, mask,
+                                  [dict(max_new_tokens=8, eos_token_id=[], **penalties) for penalties in (
+                                      dict(repetition_penalty=1.2), dict(repetition_penalty=1.5),
+                                      dict(repetition_penalty=[1.2, 0.8]),
+                                      dict(repetition_penalty=1.2, frequency_penalty=0.5))])
+    # (the one graph more is generate's step, which picks in the call: a forward alone would be shared)
+    assert compiled[1:] == [compiled[0], compiled[0], compiled[0] + 1]
+    _assert_captured_whole(compiled_graphs)
+
+
 def test_the_check_sees_a_state_tensor_left_unmarked(compiled_graphs, monkeypatch):
     """The check can fail: with nothing marked static (the cache's tensors, the decode state's
     buffers), generate's compiled step writes inputs that are not static (on a GPU: a step without

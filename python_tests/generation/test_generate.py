@@ -426,6 +426,8 @@ PICKING = {
     "per_row_limits": dict(max_new_tokens=[3, 10, 0], eos_token_id=[6]),
     "stops": dict(stop_sequences=[[7, 7]], eos_token_id=[5], min_new_tokens=2),
     "penalty": dict(temperature=0.7, repetition_penalty=1.3, eos_token_id=[4]),
+    "penalties_per_row": dict(repetition_penalty=[1.3, 1.0, 0.8], presence_penalty=0.4,
+                              frequency_penalty=[0.0, 0.3, 0.6]),
 }
 
 
@@ -434,8 +436,7 @@ def test_compiled_steps_pick_their_tokens_in_the_call(picking, monkeypatch):
     """Compiled, a decode step is one call: the forward, then the pick (argmax, or a sample at the
     step's uniforms) and each row's eos, limit and length, on buffers the step updates in place.
     Tokens and log-probabilities equal the eager steps' from the same seed, in every way a step
-    picks or a row ends; with a penalty (whose record each step writes) the forward is the call
-    and the pick follows it."""
+    picks or a row ends, penalties too (their record, which each step writes, kept static)."""
     from gptfast_kernels.generation.forward import CompiledStep
 
     patched = patched_copy(tiny_model("llama"), int8=True)
@@ -454,7 +455,7 @@ def test_compiled_steps_pick_their_tokens_in_the_call(picking, monkeypatch):
     assert calls, "no compiled step ran"
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(compiled.logprobs, eager.logprobs)
-    assert set(calls) == {"_forward" if picking == "penalty" else "_decode_step"}
+    assert set(calls) == {"_decode_step"}
     # one call a step after the first (picked from the prefill's logits), none past the end (read at once on a CPU)
     assert len(calls) == compiled.sequences.shape[1] - ids.shape[1] - 1
     if options.get("temperature"):  # (sampled: not the greedy tokens)

@@ -131,6 +131,20 @@ def seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_siz
 KEPT_RECORD_ATTRIBUTE = "_gptfast_token_record"  # where a compiling model keeps TokenRecord's tensors
 
 
+def kept_buffer(model, attribute: str, key: tuple, make) -> torch.Tensor:
+    """The tensor that ``model`` keeps under ``key`` in its dict ``attribute``: made by ``make()``
+    and marked static the first time (what a compiled step writes in place, or reads at every
+    replay, at one address from call to call)."""
+    kept = getattr(model, attribute, None)
+    if kept is None:
+        kept = {}
+        setattr(model, attribute, kept)
+    if key not in kept:
+        kept[key] = make()
+        torch._dynamo.mark_static_address(kept[key])
+    return kept[key]
+
+
 @dataclass
 class TokenRecord:
     """What the penalties read of each row's text, per row ([B, V + 1]) or per row and position of a
@@ -158,19 +172,11 @@ class TokenRecord:
         that ``model`` keeps for its shape, marked static (a CUDA graph replays a graph only where
         what it writes is static; generation's state and caches are kept alike: one generation at
         a time per model)."""
-        kept = getattr(model, KEPT_RECORD_ATTRIBUTE, None)
-        if kept is None:
-            kept = {}
-            setattr(model, KEPT_RECORD_ATTRIBUTE, kept)
-
         def keep(name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
             if tensor is None:
                 return None
             key = (name, tuple(tensor.shape), tensor.device)
-            if key not in kept:
-                kept[key] = torch.empty_like(tensor)
-                torch._dynamo.mark_static_address(kept[key])
-            return kept[key].copy_(tensor)
+            return kept_buffer(model, KEPT_RECORD_ATTRIBUTE, key, lambda: torch.empty_like(tensor)).copy_(tensor)
 
         return TokenRecord(keep("seen", self.seen), keep("counts", self.counts))
 
@@ -272,12 +278,13 @@ def process_logits(logits: torch.Tensor, record: TokenRecord, penalty, is_eos: t
     values [B] (check_penalties). Penalised logits are float32 (as transformers' processors take
     them), whether a penalty is a number or a tensor."""
     V = logits.shape[-1]
-    if (record.seen is not None and _on(penalty, 1)) or (record.counts is not None
-                                                          and (_on(presence, 0) or _on(frequency, 0))):
+    repetition = record.seen is not None and _on(penalty, 1)
+    additive = record.counts is not None and (_on(presence, 0) or _on(frequency, 0))
+    if repetition or additive:
         logits = logits.float()
-    if record.seen is not None and _on(penalty, 1):
+    if repetition:
         logits = apply_repetition_penalty(logits, record.seen[..., :V], per_row(penalty, logits))
-    if record.counts is not None and (_on(presence, 0) or _on(frequency, 0)):
+    if additive:
         logits = apply_additive_penalties(logits, record.counts[..., :V], per_row(presence, logits),
                                           per_row(frequency, logits))
     if early is not None:

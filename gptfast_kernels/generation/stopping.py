@@ -30,6 +30,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from gptfast_kernels.generation.sampling import kept_buffer
+
 # Text put before a token when asking the tokenizer for the token's text, so that it is decoded as
 # mid-text (a SentencePiece token keeps its leading space, which a decoder strips at the start)
 _PREFIX = "abcdef"
@@ -104,19 +106,13 @@ class StopMatcher:
         a state); kept, a table is copied once per call. The states past a table's own keep what an
         earlier table left there: no transition leads to them. The kept tables stay with the model
         (generation's state and caches do too: one generation at a time per model)."""
-        kept = getattr(model, KEPT_TABLES_ATTRIBUTE, None)
-        if kept is None:
-            kept = {}
-            setattr(model, KEPT_TABLES_ATTRIBUTE, kept)
         tables = []
         for place, table in enumerate(self.tables):
-            states = max(MIN_KEPT_STATES, 1 << (table.shape[0] - 1).bit_length())
-            key = (place, states, table.shape[1], table.device)
-            if key not in kept:
-                kept[key] = torch.zeros((states, table.shape[1]), dtype=table.dtype, device=table.device)
-                torch._dynamo.mark_static_address(kept[key])
-            kept[key][:table.shape[0]].copy_(table)
-            tables.append(kept[key])
+            shape = (max(MIN_KEPT_STATES, 1 << (table.shape[0] - 1).bit_length()), table.shape[1])
+            kept = kept_buffer(model, KEPT_TABLES_ATTRIBUTE, (place, shape, table.device),
+                               lambda: torch.zeros(shape, dtype=table.dtype, device=table.device))  # noqa: B023
+            kept[:table.shape[0]].copy_(table)
+            tables.append(kept)
         return StopMatcher(tables)
 
     def start(self, batch_size: int) -> torch.Tensor:

@@ -7,7 +7,8 @@ where it was); otherwise it records the function anew: a synchronize, the functi
 and captured, and a graph more kept. A step that does that on every call runs slower than no CUDA
 graph at all, and nothing says so. ``GraphRecords`` counts each function's recordings and keeps
 the tree's reason each time one is recorded again. The GPU benches install one for the process
-(``install``; their rows' ``cudagraph_recorded_again_so_far``), test_cuda.py one per test."""
+(``install``, without the reasons; their rows' ``cudagraph_recorded_again_so_far``), test_cuda.py
+one per test, with them."""
 
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ class GraphRecords:
         self.reasons: list[str] = []
         self._last_failure: dict[int, str] = {}  # per device: its tree's latest failed check, until a recording
 
-    def patches(self) -> list[tuple[type, str, object]]:
+    def patches(self, reasons: bool = True) -> list[tuple[type, str, object]]:
         """(class, attribute, replacement) for each method to patch: the tree manager's
-        ``record_function`` and a node's ``check_invariants``, each wrapping the method the class
-        has now."""
+        ``record_function`` and, with ``reasons``, a node's ``check_invariants`` (which every
+        replay calls: a wrapper there costs each replay a Python call), each wrapping the method
+        the class has now."""
         manager, node = cudagraph_trees.CUDAGraphTreeManager, cudagraph_trees.CUDAGraphNode
         record, check = manager.record_function, node.check_invariants
 
@@ -54,18 +56,19 @@ class GraphRecords:
                 self._last_failure.pop(graph_node.device, None)
             return status, describe
 
-        return [(manager, "record_function", counted_record), (node, "check_invariants", kept_failure)]
+        return [(manager, "record_function", counted_record)] + [(node, "check_invariants", kept_failure)] * reasons
 
 
 _PROCESS: GraphRecords | None = None  # install's
 
 
 def install() -> GraphRecords:
-    """Counts the process's recordings from now on (once: later calls return the same counter)."""
+    """Counts the process's recordings from now on (once: later calls return the same counter),
+    without their reasons: the benches time the replays, which the reasons' wrapper would slow."""
     global _PROCESS
     if _PROCESS is None:
         _PROCESS = GraphRecords()
-        for owner, name, replacement in _PROCESS.patches():
+        for owner, name, replacement in _PROCESS.patches(reasons=False):
             setattr(owner, name, replacement)
     return _PROCESS
 
@@ -77,5 +80,6 @@ def recorded_again() -> int | None:
 
 
 def reasons_again() -> list[str]:
-    """Why each of those recordings happened (GraphRecords.reasons; none before ``install``)."""
+    """Each of those recordings by its function's name (GraphRecords.reasons, "no failed check"
+    for the why: install keeps none; none before ``install``)."""
     return [] if _PROCESS is None else list(_PROCESS.reasons)

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
             harness.rows.append({"op": name, "error": traceback.format_exc(limit=3), **harness.meta})
     print(harness.table())
-    for reason in cuda_graph_records.reasons_again():  # (the rows count them; here is why)
+    for reason in cuda_graph_records.reasons_again():  # (the rows count them; here, whose they were)
         print(f"CUDA graph recorded again: {reason}")
     out = args.out or default_output(harness, args.out_dir, names)
     harness.write_json(out)

@@ -79,10 +79,12 @@ def test_a_new_tree_starts_its_count_afresh(stand_ins):
 
 def test_install_patches_the_tree_once(stand_ins, monkeypatch):
     monkeypatch.setattr(cuda_graph_records, "_PROCESS", None)
+    check = NODE.check_invariants
     assert cuda_graph_records.recorded_again() is None  # (before install: not counted, not 0)
     assert cuda_graph_records.reasons_again() == []
     records = cuda_graph_records.install()
     assert cuda_graph_records.install() is records and cuda_graph_records.recorded_again() == 0
+    assert NODE.check_invariants is check  # (the replays' hot path left alone: no reasons kept)
     tree, step = Tree(0), cudagraph_trees.FunctionID(0)
     MANAGER.record_function(tree, [], step)
     MANAGER.record_function(tree, [], step)

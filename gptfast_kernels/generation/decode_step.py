@@ -19,11 +19,11 @@ import torch
 from gptfast_kernels.generation.end_watch import count_remaining
 from gptfast_kernels.generation.forward import _forward, compiled_function
 from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, eos_id_tensor, holds_eos_back,
-                                                 logits_to_probs, penalty_rows, process_logits, sample_by_uniform,
-                                                 sampling_rows, token_logprobs)
+                                                 kept_on_model, logits_to_probs, penalty_rows, process_logits,
+                                                 sample_by_uniform, sampling_rows, token_logprobs)
 from gptfast_kernels.generation.stopping import StopMatcher
 
-STATE_ATTRIBUTE = "_gptfast_decode_state"  # where a compiling model keeps its DecodeState
+STATE_ATTRIBUTE = "_gptfast_decode_state"  # where a compiling model keeps its DecodeStates (a dict)
 
 
 @dataclass
@@ -44,26 +44,26 @@ class DecodeState:
         """The state before the first new token (a row whose ``max_new_tokens`` is 0 finished;
         ``stop_automata``: the stop matcher's automata, 0 without one). With ``reuse`` (compiled
         steps) ``model`` keeps it and hands it out again for the same batch size, device and
-        automata, its buffers marked static: compiled graphs are specialised on them."""
-        state = getattr(model, STATE_ATTRIBUTE, None) if reuse else None
-        if (state is None or state.tokens.shape[0] != batch_size or state.tokens.device != device
-                or state.stop_state.shape[1] != stop_automata):
-            def zeros(dtype, *more):
-                return torch.zeros((batch_size, *more), dtype=dtype, device=device)
+        automata (one state each: calls in turn find theirs), its buffers marked static: compiled
+        graphs are specialised on them."""
+        def zeros(dtype, *more):
+            return torch.zeros((batch_size, *more), dtype=dtype, device=device)
 
-            state = cls(zeros(torch.int64), zeros(torch.bool), zeros(torch.int64), zeros(torch.float64),
-                        zeros(torch.int64, stop_automata), torch.zeros((), dtype=torch.int64, device=device))
-            if reuse:
-                for tensor in (state.tokens, state.finished, state.lengths, state.uniforms, state.stop_state,
-                               state.remaining):
-                    torch._dynamo.mark_static_address(tensor)
-                setattr(model, STATE_ATTRIBUTE, state)
+        def make():
+            return cls(zeros(torch.int64), zeros(torch.bool), zeros(torch.int64), zeros(torch.float64),
+                       zeros(torch.int64, stop_automata), torch.zeros((), dtype=torch.int64, device=device))
+
+        state = (kept_on_model(model, STATE_ATTRIBUTE, (batch_size, torch.device(device), stop_automata), make,
+                               DecodeState.buffers) if reuse else make())
         state.tokens.zero_()
         state.lengths.zero_()
         state.stop_state.zero_()
         state.finished.copy_(state.lengths >= max_new_tokens)
         state.count_remaining(max_new_tokens if isinstance(max_new_tokens, torch.Tensor) else None)
         return state
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.tokens, self.finished, self.lengths, self.uniforms, self.stop_state, self.remaining
 
     def count_remaining(self, max_new_tokens: torch.Tensor | None) -> None:
         """``remaining`` from the rows' ends, lengths and limits (``max_new_tokens`` [B] or None)."""

@@ -223,7 +223,11 @@ def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool
     cache keeps its recurrent states for as many tokens: ``rollback_tokens``). With ``reuse`` the
     model keeps one cache (rounded-up length) and hands it out again while it fits, so compiled
     graphs, which are specialised on the cache's buffers, are not rebuilt on every call; one per
-    ``role`` ("draft": a model drafting for itself must not share its cache as the target). Its
+    ``role`` ("draft": a model drafting for itself must not share its cache as the target). A
+    smaller batch takes the kept cache's first rows (StaticKVCache.first_rows), so batch sizes in
+    turn neither allocate nor move a graph's buffers (on a GPU: no CUDA graph recorded again); a
+    larger one, or a hybrid model's batch of another size (recurrent states are per cache),
+    allocates the cache anew. Its
     per-forward position check is off: the caller writes at most ``needed`` tokens per row, and the
     check would make every eager decode step wait for the GPU."""
     chunk = max(PREFILL_CHUNK, step_tokens)
@@ -234,12 +238,14 @@ def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool
     else:
         attribute = "_gptfast_cache" + (f"_{role}" if role else "")
         cache = getattr(model, attribute, None)
-        if (cache is None or cache.batch_size != batch_size or cache.max_cache_len < needed or cache.dtype != dtype
-                or cache.max_step_tokens != chunk or (cache.has_recurrent_layers and cache.rollback_tokens < rollback)):
+        if (cache is None or cache.batch_size < batch_size or cache.max_cache_len < needed or cache.dtype != dtype
+                or cache.max_step_tokens != chunk or (cache.has_recurrent_layers and (
+                    cache.batch_size != batch_size or cache.rollback_tokens < rollback))):
             length = -(-needed // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
             cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype, max_step_tokens=chunk,
                                   rollback_tokens=rollback)
             setattr(model, attribute, cache)
+        cache = cache.first_rows(batch_size)
         if cache.state_history is not None:  # (a call that stopped mid-round left it open)
             cache.state_history.close()
         cache.crop(torch.zeros_like(cache.seq_lengths), check=False)

@@ -131,18 +131,26 @@ def seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_siz
 KEPT_RECORD_ATTRIBUTE = "_gptfast_token_record"  # where a compiling model keeps TokenRecord's tensors
 
 
-def kept_buffer(model, attribute: str, key: tuple, make) -> torch.Tensor:
-    """The tensor that ``model`` keeps under ``key`` in its dict ``attribute``: made by ``make()``
-    and marked static the first time (what a compiled step writes in place, or reads at every
-    replay, at one address from call to call)."""
+def kept_on_model(model, attribute: str, key: tuple, make, tensors=lambda made: (made,)):
+    """What ``model`` keeps under ``key`` in its dict ``attribute``: made by ``make()`` the first
+    time, its ``tensors(made)`` then marked static (what a compiled step writes in place, or reads at
+    every replay, at one address from call to call: on a GPU, a CUDA graph replayed, not recorded
+    again), and handed out again for the same key."""
     kept = getattr(model, attribute, None)
     if kept is None:
         kept = {}
         setattr(model, attribute, kept)
     if key not in kept:
-        kept[key] = make()
-        torch._dynamo.mark_static_address(kept[key])
+        made = make()
+        for tensor in tensors(made):
+            torch._dynamo.mark_static_address(tensor)
+        kept[key] = made
     return kept[key]
+
+
+def kept_buffer(model, attribute: str, key: tuple, make) -> torch.Tensor:
+    """kept_on_model for a tensor."""
+    return kept_on_model(model, attribute, key, make)
 
 
 @dataclass

@@ -26,11 +26,12 @@ import torch
 from gptfast_kernels.generation.end_watch import count_remaining
 from gptfast_kernels.generation.forward import _forward, _forward_with_hidden, compiled_function
 from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, eos_id_tensor, holds_eos_back,
-                                                 logits_to_probs, process_logits, sampling_rows, token_logprobs)
+                                                 kept_on_model, logits_to_probs, process_logits, sampling_rows,
+                                                 token_logprobs)
 from gptfast_kernels.generation.stopping import StopMatcher
 from gptfast_kernels.ops.verify_draft import verify_draft
 
-STATE_ATTRIBUTE = "_gptfast_round_state"  # where a compiling target keeps its RoundState
+STATE_ATTRIBUTE = "_gptfast_round_state"  # where a compiling target keeps its RoundStates (a dict)
 
 
 @dataclass
@@ -50,20 +51,18 @@ class RoundState:
               ) -> "RoundState":
         """Zeroed buffers (``stop_automata``: the stop matcher's automata, 0 without one). With
         ``reuse`` (compiled rounds) ``model`` keeps them and hands them out again for the same batch
-        size, device and automata, marked static: compiled graphs are specialised on them."""
-        state = getattr(model, STATE_ATTRIBUTE, None) if reuse else None
-        if (state is None or state.last.shape[0] != batch_size or state.last.device != device
-                or state.stop_state.shape[1] != stop_automata):
-            def zeros(dtype, *shape):
-                return torch.zeros(shape, dtype=dtype, device=device)
+        size, device and automata (one state each: calls in turn find theirs), marked static:
+        compiled graphs are specialised on them."""
+        def zeros(dtype, *shape):
+            return torch.zeros(shape, dtype=dtype, device=device)
 
-            state = cls(zeros(torch.int64, batch_size), zeros(torch.bool, batch_size), zeros(torch.int64, batch_size),
-                        zeros(torch.int64, batch_size), zeros(torch.int64, batch_size), zeros(torch.int64),
-                        zeros(torch.int64, batch_size, stop_automata))
-            if reuse:
-                for tensor in state.buffers():
-                    torch._dynamo.mark_static_address(tensor)
-                setattr(model, STATE_ATTRIBUTE, state)
+        def make():
+            return cls(zeros(torch.int64, batch_size), zeros(torch.bool, batch_size), zeros(torch.int64, batch_size),
+                       zeros(torch.int64, batch_size), zeros(torch.int64, batch_size), zeros(torch.int64),
+                       zeros(torch.int64, batch_size, stop_automata))
+
+        state = (kept_on_model(model, STATE_ATTRIBUTE, (batch_size, torch.device(device), stop_automata), make,
+                               RoundState.buffers) if reuse else make())
         for tensor in state.buffers():
             tensor.zero_()
         return state

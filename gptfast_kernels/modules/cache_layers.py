@@ -5,6 +5,8 @@ key / value buffers (``StaticKVLayer``), the same beside transformers' recurrent
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
@@ -61,6 +63,16 @@ class StaticKVLayer(CacheLayerMixin):
             torch._dynamo.mark_static_address(self.keys)
             torch._dynamo.mark_static_address(self.values)
         self.is_initialized = True
+
+    def first_rows(self, batch_size: int) -> "StaticKVLayer":
+        """This layer over its first ``batch_size`` rows: views of its buffers, at their addresses,
+        marked static (StaticKVCache.first_rows)."""
+        rows = copy.copy(self)
+        rows.batch_size, rows.checked_calls = batch_size, {}
+        rows.keys, rows.values = self.keys[:batch_size], self.values[:batch_size]
+        torch._dynamo.mark_static_address(rows.keys)
+        torch._dynamo.mark_static_address(rows.values)
+        return rows
 
     @property
     def is_ring(self) -> bool:

@@ -21,6 +21,8 @@ its own chunk's A positions, so A + C - 1 slots hold them.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
@@ -209,6 +211,37 @@ class StaticKVCache(Cache):
         # forward. A decoding loop that sized the cache for every token it writes may turn it off
         # (generate / speculative_generate do for the caches they allocate).
         self.check_positions = True
+
+    def first_rows(self, batch_size: int) -> "StaticKVCache":
+        """This cache over its first ``batch_size`` rows (``batch_size`` at most this one's): every
+        buffer a view of this one's, at the same address, so a model that keeps one cache serves
+        smaller batches from it without allocating, and a compiled step specialised on each batch
+        size finds its static inputs where they were when it was recorded (a CUDA graph replayed, not
+        recorded again). The same view is handed out again for the same size. The rows are shared:
+        use one of the two at a time. Not for a cache with recurrent states (transformers makes them
+        at the first forward, per cache): ValueError."""
+        batch_size = check_int("StaticKVCache.first_rows", "batch_size", batch_size, 1)
+        if batch_size > self.batch_size:
+            raise ValueError(f"StaticKVCache.first_rows: batch_size must be at most this cache's {self.batch_size}, "
+                             f"got {batch_size}")
+        if batch_size == self.batch_size:
+            return self
+        if self.has_recurrent_layers:
+            raise ValueError("StaticKVCache.first_rows: this cache's recurrent states are made per cache at its first "
+                             "forward, so they cannot be shared with a view of its rows; allocate a cache of "
+                             f"{batch_size} rows instead")
+        views = self.__dict__.setdefault("_row_views", {})
+        if batch_size not in views:
+            rows = copy.copy(self)
+            rows.layers = [layer.first_rows(batch_size) if isinstance(layer, StaticKVLayer) else layer
+                           for layer in self.layers]
+            rows.attention_layers = [layer for layer in rows.layers if isinstance(layer, StaticKVLayer)]
+            rows.seq_lengths, rows.written_lengths = self.seq_lengths[:batch_size], self.written_lengths[:batch_size]
+            torch._dynamo.mark_static_address(rows.seq_lengths)
+            torch._dynamo.mark_static_address(rows.written_lengths)
+            rows._row_views = {}
+            views[batch_size] = rows
+        return views[batch_size]
 
     @staticmethod
     def geometry_of(config) -> tuple:

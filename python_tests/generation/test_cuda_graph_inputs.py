@@ -84,8 +84,9 @@ def _prompts():
 
 
 def _submitted(batcher, ids, mask):
-    for row in range(3):  # one row more than the batch: a finished row's slot is refilled
-        batcher.submit(ids[row % 2][mask[row % 2].bool()].tolist(), max_new_tokens=4, temperature=0.5 * (row % 2))
+    B = ids.shape[0]
+    for row in range(B + 1):  # one row more than the batch: a finished row's slot is refilled
+        batcher.submit(ids[row % B][mask[row % B].bool()].tolist(), max_new_tokens=4, temperature=0.5 * (row % 2))
     batcher.run()
 
 
@@ -105,13 +106,13 @@ CALLS = {
     "prompt_lookup": lambda target, draft, ids, mask: prompt_lookup_generate(
         target, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True),
     "continuous": lambda target, draft, ids, mask: _submitted(
-        ContinuousBatcher(target, batch_size=2, max_length=24, eos_token_id=[], compile=True), ids, mask),
+        ContinuousBatcher(target, batch_size=ids.shape[0], max_length=24, eos_token_id=[], compile=True), ids, mask),
     "speculative_batcher": lambda target, draft, ids, mask: _submitted(
-        SpeculativeBatcher(target, draft, speculate_k=3, batch_size=2, max_length=28, eos_token_id=[], compile=True),
-        ids, mask),
+        SpeculativeBatcher(target, draft, speculate_k=3, batch_size=ids.shape[0], max_length=28, eos_token_id=[],
+                           compile=True), ids, mask),
     "speculative_batcher_lookup": lambda target, draft, ids, mask: _submitted(
-        SpeculativeBatcher(target, None, speculate_k=3, batch_size=2, max_length=28, eos_token_id=[], compile=True),
-        ids, mask),
+        SpeculativeBatcher(target, None, speculate_k=3, batch_size=ids.shape[0], max_length=28, eos_token_id=[],
+                           compile=True), ids, mask),
 }
 
 
@@ -137,6 +138,39 @@ def test_each_compiled_call_is_captured_whole(compiled_graphs, name):
     assert len(compiled_graphs) == compiled
     assert all(graph.calls > before for graph, before in zip(compiled_graphs, calls))
     _assert_captured_whole(compiled_graphs)
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_batch_sizes_in_turn_keep_their_graphs_inputs(compiled_graphs, name):
+    """Batches of 3 rows and of 2 in turn, as a service's requests come: the smaller batch takes the
+    kept cache's first rows and each size keeps its own decode state, so once both sizes have been
+    compiled, no call compiles anew and every static input stays where it was (on a GPU: each
+    size's CUDA graphs recorded once, then replayed; a cache allocated per size would move them)."""
+    target, draft = _models("llama", 1)
+    with torch.no_grad():
+        CALLS[name](target, draft, *ragged_prompts(3, 6, "left"))
+        CALLS[name](target, draft, *ragged_prompts(2, 6, "left", seed=1))
+        compiled = len(compiled_graphs)
+        CALLS[name](target, draft, *ragged_prompts(3, 8, "left", seed=2))
+        CALLS[name](target, draft, *ragged_prompts(2, 9, "left", seed=3))
+    assert len(compiled_graphs) == compiled
+    _assert_captured_whole(compiled_graphs)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_next"])
+def test_batch_sizes_in_turn_decode_as_eager(family):
+    """Compiled generate and speculative rounds with batches of 3, 2, 3 and 2 rows, the smaller on
+    the kept caches' first rows (Gemma 2: ring buffers too; Qwen3-Next: recurrent states, a cache
+    per call's size), each equal to eager generate."""
+    target, draft = _models(family, 2)
+    with torch.no_grad():
+        for B, seed in ((3, 0), (2, 1), (3, 2), (2, 3)):
+            ids, mask = ragged_prompts(B, 7, "left", seed=seed)
+            want = generate(target, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+            assert torch.equal(generate(target, ids, mask, max_new_tokens=NEW, eos_token_id=[],
+                                        compile=True).sequences, want)
+            assert torch.equal(speculative_generate(target, draft, ids, mask, max_new_tokens=NEW, eos_token_id=[],
+                                                    compile=True).sequences, want)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "gemma2", "deepseek_v3", "mamba2"])

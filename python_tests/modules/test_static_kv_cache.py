@@ -9,7 +9,7 @@ from transformers.cache_utils import Cache, LinearAttentionLayer
 from gptfast_kernels import StaticKVCache
 from gptfast_kernels.modules.cache_layers import NoCacheLayer, StaticKVLayer
 from python_tests.tiny_models import (ATTENTION_FREE, AUTO_CONFIGS, FAMILIES, HYBRID, KV_SHARING, LATENT,
-                                     PARALLEL_HYBRID, tiny_config, tiny_model)
+                                     PARALLEL_HYBRID, patched_copy, tiny_config, tiny_model)
 
 GEOMETRY = {"llama": (2, 2, 16), "mistral": (2, 2, 16), "qwen2": (2, 1, 8), "qwen3": (2, 2, 16),
             "gemma": (2, 1, 32), "gemma2": (2, 2, 16), "gemma3_text": (2, 2, 16), "olmo2": (2, 2, 16),
@@ -138,6 +138,63 @@ def test_generation_caches_skip_the_position_check_only_when_sized_for_the_loop(
         cache.check_positions = True
         with pytest.raises(ValueError, match="full"):
             cache.plan_step(1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v3", "gemma3n_text"])
+def test_first_rows_are_views_of_the_cache(family):
+    """first_rows(b): every buffer the first b rows of the cache's own, at its address (one view per
+    size, handed out again), the lengths shared; a patched model's forward on the view writes the
+    cache's rows as a forward on the cache writes them (ring buffers, latents, shared layers);
+    refused for more rows than the cache has and for recurrent states."""
+    model = patched_copy(tiny_model(family), int8=False)
+    config = model.config
+    cache = StaticKVCache(config, 3, 16, max_step_tokens=8)
+    rows = cache.first_rows(2)
+    assert rows.batch_size == 2 and cache.first_rows(2) is rows and cache.first_rows(3) is cache
+    assert rows.max_cache_len == cache.max_cache_len and rows.geometry == cache.geometry
+    assert [type(layer) for layer in rows.layers] == [type(layer) for layer in cache.layers]
+    for own, view in zip(cache.attention_layers, rows.attention_layers):
+        assert view.keys.data_ptr() == own.keys.data_ptr() and view.keys.shape[0] == 2
+        assert view.values.data_ptr() == own.values.data_ptr() and view.values.shape[1:] == own.values.shape[1:]
+        assert view.is_ring == own.is_ring and view.batch_size == 2 and own.batch_size == 3
+    assert rows.seq_lengths.data_ptr() == cache.seq_lengths.data_ptr()
+    assert rows.written_lengths.data_ptr() == cache.written_lengths.data_ptr()
+    ids = torch.randint(2, config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    alone = StaticKVCache(config, 2, 16, max_step_tokens=8)
+    with torch.no_grad():
+        want = model(ids, past_key_values=alone).logits
+        got = model(ids, past_key_values=rows).logits
+    torch.testing.assert_close(got, want)
+    assert cache.seq_lengths.tolist() == [5, 5, 0]
+    for own, other in zip(cache.attention_layers, alone.attention_layers):
+        torch.testing.assert_close(own.keys[:2], other.keys)
+        assert not own.keys[2].any()
+    for bad in (4, 0):
+        with pytest.raises(ValueError, match="batch_size"):
+            cache.first_rows(bad)
+    hybrid = StaticKVCache(tiny_config("qwen3_next"), 3, 16)
+    with pytest.raises(ValueError, match="recurrent states"):
+        hybrid.first_rows(2)
+
+
+def test_a_kept_cache_serves_smaller_batches_from_its_rows():
+    """cache_for with reuse: a smaller batch takes the kept cache's first rows (no allocation, the
+    same addresses whenever that size comes again), a larger one allocates anew; a hybrid model's
+    cache (recurrent states) is allocated anew for another batch size."""
+    from gptfast_kernels.generation.forward import cache_for
+
+    model = tiny_model("llama")
+    big = cache_for(model, 3, 20, "cpu", torch.float32, reuse=True)
+    small = cache_for(model, 2, 20, "cpu", torch.float32, reuse=True)
+    assert small.batch_size == 2 and small.layers[0].keys.data_ptr() == big.layers[0].keys.data_ptr()
+    assert cache_for(model, 3, 20, "cpu", torch.float32, reuse=True) is big
+    assert cache_for(model, 2, 20, "cpu", torch.float32, reuse=True) is small
+    larger = cache_for(model, 4, 20, "cpu", torch.float32, reuse=True)
+    assert larger.batch_size == 4 and larger is not big
+    hybrid = tiny_model("qwen3_next")
+    first = cache_for(hybrid, 3, 20, "cpu", torch.float32, reuse=True)
+    assert cache_for(hybrid, 2, 20, "cpu", torch.float32, reuse=True).batch_size == 2
+    assert cache_for(hybrid, 3, 20, "cpu", torch.float32, reuse=True) is not first
 
 
 def test_crop_and_reset():

@@ -188,7 +188,8 @@ def test_each_kind_of_cache_is_captured_whole(compiled_graphs, family):
 @pytest.mark.parametrize("drafter", ["mtp", "assistant"])
 def test_each_drafter_model_is_captured_whole(compiled_graphs, drafter):
     """Speculative rounds drafted by the target's MTP layer (GLM-4 MoE) or by a Gemma 4 assistant
-    (which reads the target's keys and values): their own compiled draft steps too."""
+    (which reads the target's keys and values): their own compiled draft steps too, with batches of
+    3 rows and of 2 in turn (nothing compiled anew once both sizes were, no static input moved)."""
     from python_tests.generation import test_assistant, test_mtp
 
     if drafter == "mtp":
@@ -197,9 +198,13 @@ def test_each_drafter_model_is_captured_whole(compiled_graphs, drafter):
     else:
         model, target = test_assistant._target()
         draft, vocab = test_assistant._assistant_for(model), test_assistant.VOCAB
-    ids, mask = ragged_prompts(2, 6, "left", vocab=vocab)
+    compiled = []
     with torch.no_grad():
-        speculative_generate(target, draft, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True)
+        for i, B in enumerate((3, 2, 3, 2)):
+            ids, mask = ragged_prompts(B, 6 + i, "left", vocab=vocab, seed=i)
+            speculative_generate(target, draft, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True)
+            compiled.append(len(compiled_graphs))
+    assert compiled[1:] == [compiled[1]] * 3
     _assert_captured_whole(compiled_graphs)
 
 

@@ -119,7 +119,7 @@ class ContinuousBatcher:
         self.eos, _ = common.resolve_special_tokens(op, model, eos_token_id)
         self.vocab_size = common.input_vocab_size(model)
         self.cache = cache_for(model, batch_size, max_length + self.extra_slots, self.device, dtype, reuse=compile,
-                               step_tokens=self.extra_slots + 1)
+                               step_tokens=self.extra_slots + 1, holder=self)
         if self.max_prefill_tokens is not None and self.cache.has_recurrent_layers:
             raise ValueError(f"{op}: max_prefill_tokens splits prompts across forwards, but {model.config.model_type} "
                              "is a hybrid model, whose recurrent states are not carried from one part of a prompt "

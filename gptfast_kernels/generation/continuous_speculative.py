@@ -68,9 +68,10 @@ class SpeculativeBatcher(ContinuousBatcher):
                          max_prefill_tokens=max_prefill_tokens, reuse_prefixes=reuse_prefixes)
         self.compile = compile
         capacity = self.max_length + self.k
-        self.proposer = (_DraftRows(draft_model, self.batch_size, capacity, compile, self.k) if draft_model is not None
-                         else _LookupRows(self.batch_size, capacity + self.k + 1, max_ngram_size, self.output_vocab,
-                                          self.device))
+        self.proposer = (_DraftRows(draft_model, self.batch_size, capacity, compile, self.k, holder=self)
+                         if draft_model is not None else
+                         _LookupRows(self.batch_size, capacity + self.k + 1, max_ngram_size, self.output_vocab,
+                                     self.device))
         if reuse_prefixes and any(c.has_ring_layers or c.has_recurrent_layers for c in self.proposer.caches):
             raise ValueError(f"{op}: reuse_prefixes copies a row's first positions, but draft_model's cache has "
                              "ring-buffer layers or recurrent states, which do not keep them; leave reuse_prefixes "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import types
 import warnings
+import weakref
 
 import torch
 
@@ -215,8 +216,15 @@ def step_function(model, compile: bool, *, hidden: bool = False, module_guards: 
     return compiled_function(model, function, name, module_guards=module_guards)
 
 
+HOLDER_SUFFIX = "_holder"  # cache_for: beside a kept cache, a weak reference to what holds it (or _nobody)
+
+
+def _nobody() -> None:
+    return None
+
+
 def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool,
-              step_tokens: int = 1, role: str = "") -> StaticKVCache:
+              step_tokens: int = 1, role: str = "", holder=None) -> StaticKVCache:
     """A StaticKVCache with room for ``needed`` tokens per row, its rows emptied, whose sliding-window
     layers are ring buffers taking up to max(PREFILL_CHUNK, ``step_tokens``) tokens a forward
     (``step_tokens``: the most a decoding round writes and rolls back; above 1, a hybrid model's
@@ -227,7 +235,9 @@ def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool
     smaller batch takes the kept cache's first rows (StaticKVCache.first_rows), so batch sizes in
     turn neither allocate nor move a graph's buffers (on a GPU: no CUDA graph recorded again); a
     larger one, or a hybrid model's batch of another size (recurrent states are per cache),
-    allocates the cache anew. Its
+    allocates the cache anew. A ``holder`` (a batcher, whose rows live between its steps) keeps the
+    cache for itself while it lives: another call meanwhile gets a cache of its own, which the model
+    keeps instead (a generate call between the batcher's steps would otherwise empty its rows). Its
     per-forward position check is off: the caller writes at most ``needed`` tokens per row, and the
     check would make every eager decode step wait for the GPU."""
     chunk = max(PREFILL_CHUNK, step_tokens)
@@ -238,13 +248,15 @@ def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool
     else:
         attribute = "_gptfast_cache" + (f"_{role}" if role else "")
         cache = getattr(model, attribute, None)
-        if (cache is None or cache.batch_size < batch_size or cache.max_cache_len < needed or cache.dtype != dtype
-                or cache.max_step_tokens != chunk or (cache.has_recurrent_layers and (
-                    cache.batch_size != batch_size or cache.rollback_tokens < rollback))):
+        held_by = getattr(model, attribute + HOLDER_SUFFIX, _nobody)()
+        if (cache is None or held_by not in (None, holder) or cache.batch_size < batch_size
+                or cache.max_cache_len < needed or cache.dtype != dtype or cache.max_step_tokens != chunk
+                or cache.has_recurrent_layers and (cache.batch_size != batch_size or cache.rollback_tokens < rollback)):
             length = -(-needed // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
             cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype, max_step_tokens=chunk,
                                   rollback_tokens=rollback)
             setattr(model, attribute, cache)
+        setattr(model, attribute + HOLDER_SUFFIX, _nobody if holder is None else weakref.ref(holder))
         cache = cache.first_rows(batch_size)
         if cache.state_history is not None:  # (a call that stopped mid-round left it open)
             cache.state_history.close()

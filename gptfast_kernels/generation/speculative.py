@@ -129,12 +129,13 @@ class DraftModelProposer:
     is not in it yet (``pending``): the round's first draft forward therefore takes two tokens,
     [pending, last], the first one padding (-1 position) in rows with nothing pending."""
 
-    def __init__(self, draft_model, batch_size: int, capacity: int, compile: bool, k: int):
+    def __init__(self, draft_model, batch_size: int, capacity: int, compile: bool, k: int, *, holder=None):
         device, dtype = common.model_device_dtype(draft_model)
         self.model = draft_model
-        # a round writes up to k + 1 tokens (two in its first forward) and rolls back up to k
+        # a round writes up to k + 1 tokens (two in its first forward) and rolls back up to k (``holder``: a
+        # batcher, whose cache this is while it lives: cache_for)
         self.cache = cache_for(draft_model, batch_size, capacity, device, dtype, reuse=compile, step_tokens=k + 1,
-                               role="draft")
+                               role="draft", holder=holder)
         self.step = step_function(draft_model, compile)
         # compiled, a round's drafts are one call (a draft with recurrent states drafts step by step:
         # its states' history is kept per forward)

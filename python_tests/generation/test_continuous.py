@@ -126,6 +126,36 @@ def test_each_request_gets_generate_with_its_own_options():
     assert len(streamed) == len(prompts) and any(len(t) < 12 for t in streamed.values())
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_compiled_calls_between_steps_leave_a_batchers_rows_alone(speculative):
+    """A compiled batcher's caches are its own while it lives: compiled generate (speculative_generate
+    with the speculative batcher's draft model, whose cache the model keeps too) called between its
+    steps, at its batch size and at a smaller one, takes caches of its own, and every request still
+    gets the tokens generate gives its prompt alone."""
+    from gptfast_kernels import SpeculativeBatcher, speculative_generate
+    from python_tests.tiny_models import draft_of, ragged_prompts
+
+    model = patched_copy(tiny_model("llama", layers=2), int8=False)
+    draft = patched_copy(draft_of(model, 1), int8=False)
+    prompts = _prompts(2)[:4]
+    if speculative:
+        batcher = SpeculativeBatcher(model, draft, speculate_k=2, batch_size=2, max_length=20, eos_token_id=[],
+                                     compile=True)
+    else:
+        batcher = ContinuousBatcher(model, batch_size=2, max_length=20, eos_token_id=[], compile=True)
+    for p, n in zip(prompts, LIMITS):
+        batcher.submit(p, max_new_tokens=n)
+    out = {**batcher.step(), **batcher.step()}
+    ids, mask = ragged_prompts(2, 6, "left", seed=4)
+    for B in (2, 1):
+        if speculative:
+            speculative_generate(model, draft, ids[:B], mask[:B], max_new_tokens=5, eos_token_id=[], compile=True)
+        else:
+            generate(model, ids[:B], mask[:B], max_new_tokens=5, eos_token_id=[], compile=True)
+    out.update(batcher.run())
+    assert out == {i: _alone(model, p, n, []) for i, (p, n) in enumerate(zip(prompts, LIMITS))}
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
 def test_int8_and_compiled_steps_give_the_eager_tokens(family):
     model = patched_copy(tiny_model(family, layers=3), int8=True)

@@ -179,8 +179,9 @@ def test_first_rows_are_views_of_the_cache(family):
 
 def test_a_kept_cache_serves_smaller_batches_from_its_rows():
     """cache_for with reuse: a smaller batch takes the kept cache's first rows (no allocation, the
-    same addresses whenever that size comes again), a larger one allocates anew; a hybrid model's
-    cache (recurrent states) is allocated anew for another batch size."""
+    same addresses whenever that size comes again), a larger one allocates anew; a cache a holder
+    took is not handed to another caller while the holder lives; a hybrid model's cache (recurrent
+    states) is allocated anew for another batch size."""
     from gptfast_kernels.generation.forward import cache_for
 
     model = tiny_model("llama")
@@ -191,6 +192,20 @@ def test_a_kept_cache_serves_smaller_batches_from_its_rows():
     assert cache_for(model, 2, 20, "cpu", torch.float32, reuse=True) is small
     larger = cache_for(model, 4, 20, "cpu", torch.float32, reuse=True)
     assert larger.batch_size == 4 and larger is not big
+
+    class Holder:  # (a batcher: its rows live between its steps)
+        pass
+
+    holder = Holder()
+    held = cache_for(model, 4, 20, "cpu", torch.float32, reuse=True, holder=holder)
+    assert held is larger and cache_for(model, 4, 20, "cpu", torch.float32, reuse=True, holder=holder) is held
+    del holder  # (gone: the cache is handed out again)
+    assert cache_for(model, 4, 20, "cpu", torch.float32, reuse=True) is held
+    holder = Holder()
+    assert cache_for(model, 4, 20, "cpu", torch.float32, reuse=True, holder=holder) is held
+    other = cache_for(model, 2, 20, "cpu", torch.float32, reuse=True)  # a call meanwhile: a cache of its own
+    assert other.layers[0].keys.data_ptr() != held.layers[0].keys.data_ptr()
+    assert cache_for(model, 4, 20, "cpu", torch.float32, reuse=True, holder=Holder()) is not held
     hybrid = tiny_model("qwen3_next")
     first = cache_for(hybrid, 3, 20, "cpu", torch.float32, reuse=True)
     assert cache_for(hybrid, 2, 20, "cpu", torch.float32, reuse=True).batch_size == 2

@@ -148,11 +148,6 @@ def kept_on_model(model, attribute: str, key: tuple, make, tensors=lambda made: 
     return kept[key]
 
 
-def kept_buffer(model, attribute: str, key: tuple, make) -> torch.Tensor:
-    """kept_on_model for a tensor."""
-    return kept_on_model(model, attribute, key, make)
-
-
 @dataclass
 class TokenRecord:
     """What the penalties read of each row's text, per row ([B, V + 1]) or per row and position of a
@@ -184,7 +179,7 @@ class TokenRecord:
             if tensor is None:
                 return None
             key = (name, tuple(tensor.shape), tensor.device)
-            return kept_buffer(model, KEPT_RECORD_ATTRIBUTE, key, lambda: torch.empty_like(tensor)).copy_(tensor)
+            return kept_on_model(model, KEPT_RECORD_ATTRIBUTE, key, lambda: torch.empty_like(tensor)).copy_(tensor)
 
         return TokenRecord(keep("seen", self.seen), keep("counts", self.counts))
 

@@ -30,7 +30,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from gptfast_kernels.generation.sampling import kept_buffer
+from gptfast_kernels.generation.sampling import kept_on_model
 
 # Text put before a token when asking the tokenizer for the token's text, so that it is decoded as
 # mid-text (a SentencePiece token keeps its leading space, which a decoder strips at the start)
@@ -109,8 +109,8 @@ class StopMatcher:
         tables = []
         for place, table in enumerate(self.tables):
             shape = (max(MIN_KEPT_STATES, 1 << (table.shape[0] - 1).bit_length()), table.shape[1])
-            kept = kept_buffer(model, KEPT_TABLES_ATTRIBUTE, (place, shape, table.device),
-                               lambda: torch.zeros(shape, dtype=table.dtype, device=table.device))  # noqa: B023
+            kept = kept_on_model(model, KEPT_TABLES_ATTRIBUTE, (place, shape, table.device),
+                                 lambda: torch.zeros(shape, dtype=table.dtype, device=table.device))  # noqa: B023
             kept[:table.shape[0]].copy_(table)
             tables.append(kept)
         return StopMatcher(tables)

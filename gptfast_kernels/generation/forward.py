@@ -185,6 +185,24 @@ def forget_compiled(model) -> None:
         delattr(model, name)
 
 
+KEPT_NAMES = "_gptfast_kept"  # the names of the attributes in which a compiling model keeps its caches and states
+
+
+def keep_on(model, name: str, value) -> None:
+    """``value`` kept on ``model`` as ``name`` for later compiled calls (forget_kept drops it)."""
+    setattr(model, name, value)
+    vars(model).setdefault(KEPT_NAMES, set()).add(name)
+
+
+def forget_kept(model) -> None:
+    """Drops what ``model`` keeps for compiled calls: its caches (as a target and as a draft), its
+    decode and round states, penalty records and stop tables. Their memory is freed once nothing else refers to them
+    (a living batcher keeps its caches); the next compiled call allocates them anew (on a GPU its
+    CUDA graphs are then recorded again; nothing is compiled again)."""
+    for name in vars(model).pop(KEPT_NAMES, ()):
+        vars(model).pop(name, None)
+
+
 def compiled_function(model, function, name: str, *, family_model=None,
                       module_guards: bool = False) -> CompiledStep:
     """``function(..., model=model)`` compiled (CompiledStep; ``module_guards``: keeping every guard),
@@ -255,8 +273,8 @@ def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool
             length = -(-needed // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
             cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype, max_step_tokens=chunk,
                                   rollback_tokens=rollback)
-            setattr(model, attribute, cache)
-        setattr(model, attribute + HOLDER_SUFFIX, _nobody if holder is None else weakref.ref(holder))
+            keep_on(model, attribute, cache)
+        keep_on(model, attribute + HOLDER_SUFFIX, _nobody if holder is None else weakref.ref(holder))
         cache = cache.first_rows(batch_size)
         if cache.state_history is not None:  # (a call that stopped mid-round left it open)
             cache.state_history.close()

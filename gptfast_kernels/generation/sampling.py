@@ -136,10 +136,12 @@ def kept_on_model(model, attribute: str, key: tuple, make, tensors=lambda made: 
     time, its ``tensors(made)`` then marked static (what a compiled step writes in place, or reads at
     every replay, at one address from call to call: on a GPU, a CUDA graph replayed, not recorded
     again), and handed out again for the same key."""
+    from gptfast_kernels.generation.forward import keep_on  # (forward imports this module)
+
     kept = getattr(model, attribute, None)
     if kept is None:
         kept = {}
-        setattr(model, attribute, kept)
+        keep_on(model, attribute, kept)
     if key not in kept:
         made = make()
         for tensor in tensors(made):

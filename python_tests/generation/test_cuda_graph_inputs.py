@@ -281,6 +281,40 @@ def test_penalties_of_other_values_reuse_the_compiled_calls(compiled_graphs):
     _assert_captured_whole(compiled_graphs)
 
 
+def test_forget_kept_frees_what_compiled_calls_keep(compiled_graphs):
+    """forget_kept drops the caches, states, penalty records and stop tables a model keeps for its
+    compiled calls (as a target and as a draft), freed once nothing else holds them; the patch's own
+    attributes stay, and the next compiled calls allocate anew and reuse the compiled graphs."""
+    import gc
+    import weakref
+
+    from gptfast_kernels.generation import forget_kept
+
+    target, draft = _models("llama", 1)
+    ids, mask = _prompts()
+    options = dict(max_new_tokens=NEW, eos_token_id=[], repetition_penalty=1.2, stop_sequences=[[3, 4]])
+    before = {model: set(vars(model)) for model in (target, draft)}
+    with torch.no_grad():
+        generate(target, ids, mask, compile=True, **options)
+        speculative_generate(target, draft, ids, mask, max_new_tokens=NEW, eos_token_id=[], stop_sequences=[[3, 4]],
+                             compile=True)
+    kept = {model: {name for name in set(vars(model)) - before[model] if not name.startswith("_gptfast_compiled")}
+            for model in (target, draft)}
+    assert {"_gptfast_cache", "_gptfast_decode_state", "_gptfast_round_state", "_gptfast_token_record",
+            "_gptfast_stop_tables"} <= kept[target] and "_gptfast_cache_draft" in kept[draft]
+    caches = [weakref.ref(target._gptfast_cache), weakref.ref(draft._gptfast_cache_draft)]
+    compiled = len(compiled_graphs)
+    for model in (target, draft):
+        forget_kept(model)
+        assert not kept[model] & set(vars(model)) and before[model] <= set(vars(model))
+    gc.collect()
+    assert [cache() for cache in caches] == [None, None]
+    with torch.no_grad():
+        want = generate(target, ids, mask, **options).sequences
+        assert torch.equal(generate(target, ids, mask, compile=True, **options).sequences, want)
+    assert len(compiled_graphs) == compiled
+
+
 def test_the_check_sees_a_state_tensor_left_unmarked(compiled_graphs, monkeypatch):
     """The check can fail: with nothing marked static (the cache's tensors, the decode state's
     buffers), generate's compiled step writes inputs that are not static (on a GPU: a step without

@@ -138,6 +138,24 @@ def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatc
         _assert_recorded_once(graph_records)
 
 
+def test_batch_sizes_in_turn_replay_their_cuda_graphs(graph_records):
+    """Compiled generate and speculative rounds with batches of 3, 2, 3 and 2 rows: the smaller batch
+    on the kept caches' first rows, a decode state per size, so each size's graphs are recorded once
+    and then replayed (before 2026-11-30 every switch allocated the caches anew and recorded them
+    again), each call equal to eager generate."""
+    target = tiny_model("llama", layers=3).cuda()
+    patched = patched_copy(target, int8=True)
+    draft = patch_model(draft_of(target, 2).cuda(), int8=True)
+    for B, seed in ((3, 0), (2, 1), (3, 2), (2, 3)):
+        ids, mask = _on_cuda(*ragged_prompts(B, 7, "left", seed=seed))
+        want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+        assert torch.equal(generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True).sequences,
+                           want)
+        assert torch.equal(speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=3,
+                                                eos_token_id=[], compile=True).sequences, want)
+    _assert_recorded_once(graph_records)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text", "falcon_h1", "mamba2", "zamba2", "lfm2"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_speculative_equals_target_greedy(family, compile, graph_records):

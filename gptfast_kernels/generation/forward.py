@@ -13,6 +13,7 @@ on the model's modules, which cost more per call than a small model's step takes
 from __future__ import annotations
 
 import functools
+import gc
 import types
 import warnings
 import weakref
@@ -267,6 +268,10 @@ def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool
         attribute = "_gptfast_cache" + (f"_{role}" if role else "")
         cache = getattr(model, attribute, None)
         held_by = getattr(model, attribute + HOLDER_SUFFIX, _nobody)()
+        if held_by not in (None, holder):  # (a holder that is garbage in a reference cycle waits for the collector)
+            del held_by
+            gc.collect()
+            held_by = getattr(model, attribute + HOLDER_SUFFIX)()
         if (cache is None or held_by not in (None, holder) or cache.batch_size < batch_size
                 or cache.max_cache_len < needed or cache.dtype != dtype or cache.max_step_tokens != chunk
                 or cache.has_recurrent_layers and (cache.batch_size != batch_size or cache.rollback_tokens < rollback)):

@@ -202,6 +202,11 @@ def test_a_kept_cache_serves_smaller_batches_from_its_rows():
     del holder  # (gone: the cache is handed out again)
     assert cache_for(model, 4, 20, "cpu", torch.float32, reuse=True) is held
     holder = Holder()
+    holder.itself = holder  # (garbage in a reference cycle, as a batcher may be, until the collector runs)
+    assert cache_for(model, 4, 20, "cpu", torch.float32, reuse=True, holder=holder) is held
+    del holder
+    assert cache_for(model, 4, 20, "cpu", torch.float32, reuse=True) is held
+    holder = Holder()
     assert cache_for(model, 4, 20, "cpu", torch.float32, reuse=True, holder=holder) is held
     other = cache_for(model, 2, 20, "cpu", torch.float32, reuse=True)  # a call meanwhile: a cache of its own
     assert other.layers[0].keys.data_ptr() != held.layers[0].keys.data_ptr()

@@ -197,9 +197,9 @@ def keep_on(model, name: str, value) -> None:
 
 def forget_kept(model) -> None:
     """Drops what ``model`` keeps for compiled calls: its caches (as a target and as a draft), its
-    decode and round states, penalty records and stop tables. Their memory is freed once nothing else refers to them
-    (a living batcher keeps its caches); the next compiled call allocates them anew (on a GPU its
-    CUDA graphs are then recorded again; nothing is compiled again)."""
+    decode and round states, penalty records and stop tables. Their memory is freed once nothing
+    else refers to them (a living batcher keeps its caches); the next compiled call allocates them
+    anew (on a GPU its CUDA graphs are then recorded again; nothing is compiled again)."""
     for name in vars(model).pop(KEPT_NAMES, ()):
         vars(model).pop(name, None)
 

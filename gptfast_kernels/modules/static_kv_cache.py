@@ -211,6 +211,7 @@ class StaticKVCache(Cache):
         # forward. A decoding loop that sized the cache for every token it writes may turn it off
         # (generate / speculative_generate do for the caches they allocate).
         self.check_positions = True
+        self._row_views: dict[int, StaticKVCache] = {}  # first_rows's views, per batch size
 
     def first_rows(self, batch_size: int) -> "StaticKVCache":
         """This cache over its first ``batch_size`` rows (``batch_size`` at most this one's): every
@@ -230,7 +231,7 @@ class StaticKVCache(Cache):
             raise ValueError("StaticKVCache.first_rows: this cache's recurrent states are made per cache at its first "
                              "forward, so they cannot be shared with a view of its rows; allocate a cache of "
                              f"{batch_size} rows instead")
-        views = self.__dict__.setdefault("_row_views", {})
+        views = self._row_views
         if batch_size not in views:
             rows = copy.copy(self)
             rows.layers = [layer.first_rows(batch_size) if isinstance(layer, StaticKVLayer) else layer

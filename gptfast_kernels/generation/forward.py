@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from gptfast_kernels.generation.sampling import logits_to_probs, sample_by_uniform
+from gptfast_kernels.generation.sampling import KEPT_NAMES, keep_on, logits_to_probs, sample_by_uniform
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels.models.patch import forward_with_cache
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
@@ -184,15 +184,6 @@ def forget_compiled(model) -> None:
     """Drops ``model``'s compiled steps, so the next compiled call traces the model as it is then."""
     for name in [name for name in vars(model) if name.startswith(COMPILED_PREFIX)]:
         delattr(model, name)
-
-
-KEPT_NAMES = "_gptfast_kept"  # the names of the attributes in which a compiling model keeps its caches and states
-
-
-def keep_on(model, name: str, value) -> None:
-    """``value`` kept on ``model`` as ``name`` for later compiled calls (forget_kept drops it)."""
-    setattr(model, name, value)
-    vars(model).setdefault(KEPT_NAMES, set()).add(name)
 
 
 def forget_kept(model) -> None:

@@ -129,6 +129,13 @@ def seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_siz
 
 
 KEPT_RECORD_ATTRIBUTE = "_gptfast_token_record"  # where a compiling model keeps TokenRecord's tensors
+KEPT_NAMES = "_gptfast_kept"  # the names of the attributes in which a compiling model keeps its caches and states
+
+
+def keep_on(model, name: str, value) -> None:
+    """``value`` kept on ``model`` as ``name`` for later compiled calls (forward.forget_kept drops it)."""
+    setattr(model, name, value)
+    vars(model).setdefault(KEPT_NAMES, set()).add(name)
 
 
 def kept_on_model(model, attribute: str, key: tuple, make, tensors=lambda made: (made,)):
@@ -136,8 +143,6 @@ def kept_on_model(model, attribute: str, key: tuple, make, tensors=lambda made: 
     time, its ``tensors(made)`` then marked static (what a compiled step writes in place, or reads at
     every replay, at one address from call to call: on a GPU, a CUDA graph replayed, not recorded
     again), and handed out again for the same key."""
-    from gptfast_kernels.generation.forward import keep_on  # (forward imports this module)
-
     kept = getattr(model, attribute, None)
     if kept is None:
         kept = {}

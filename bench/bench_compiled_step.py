@@ -7,7 +7,9 @@ package compiles them (without the guards on the modules) and with every guard (
 step, on a CPU and on a GPU alike (where it is what the GPU waits on between CUDA-graph replays).
 Both copies generate the same tokens (checked before timing). Then ``speculative_drafts``: a
 compiled greedy round's k drafts in one call of the draft (the package's way) against one compiled
-step per draft, on the package's copies; ``speculative_sampled_drafts`` the same at temperature 0.8.
+step per draft, on the package's copies; ``speculative_sampled_drafts`` the same at temperature 0.8,
+``speculative_penalised_drafts`` greedy with a repetition and a frequency penalty (processed in the
+call, over each row's text and the drafts before).
 Then ``generate_pick``, ``generate_sampled_pick`` and ``generate_penalised_pick``: ``generate``'s step
 with the next token picked (and the rows' state advanced) inside the compiled call
 (generation/decode_step.py, the package's way) against a compiled forward followed by the same pick
@@ -15,7 +17,8 @@ run eagerly, greedy, at temperature 0.8, and greedy with a repetition and a freq
 Then ``speculative_verify`` and ``speculative_sampled_verify``: a compiled round after its drafts
 (the target's forward, verification, the crop, the rows' state) in one call of the target
 (generation/verify_step.py, the package's way) against the target's forward compiled alone and the
-rest run eagerly after it. Then ``speculative_watch``: compiled greedy rounds whose host reads whether
+rest run eagerly after it; ``speculative_penalised_verify`` with the penalties (their record
+written in the call). Then ``speculative_watch``: compiled greedy rounds whose host reads whether
 every row has finished one round late (generation/end_watch.py's EndWatch, the package's way on
 a GPU), queuing the next round while the last runs, against reading it after each round (the way
 on a CPU, where nothing runs behind the host: there the two do the same work); ``generate_watch``
@@ -44,7 +47,8 @@ generate_module = importlib.import_module("gptfast_kernels.generation.generate")
 NEW_TOKENS = 128
 SPECULATE_K = 4
 SAMPLED_TEMPERATURE = 0.8  # the sampled rows' (speculative_sampled_drafts, generate_sampled_pick)
-PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2)  # generate_penalised_pick's (greedy)
+# (greedy) generate_penalised_pick's, speculative_penalised_drafts' and speculative_penalised_verify's
+PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2)
 
 
 def _patched_pair(target, draft, module_guards: bool):
@@ -82,10 +86,15 @@ def run(h) -> None:
         return speculative_generate(t, d, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[], speculate_k=SPECULATE_K,
                                     compile=True, temperature=SAMPLED_TEMPERATURE, generator=generator).sequences
 
+    def penalised(t, d):
+        return speculative_generate(t, d, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[], speculate_k=SPECULATE_K,
+                                    compile=True, **PENALTIES).sequences
+
     for ways, name, one_call, stepped in (("drafts", "drafts_function", "drafts_in_one_call", "drafts_step_by_step"),
                                           ("verify", "verify_function", "verify_in_one_call", "verify_op_by_op")):
         for call, speculative in ((f"speculative_{ways}", calls["speculative"]),
-                                  (f"speculative_sampled_{ways}", sampled)):
+                                  (f"speculative_sampled_{ways}", sampled),
+                                  (f"speculative_penalised_{ways}", penalised)):
             candidates = {one_call: lambda fn=speculative: fn(target_model, draft_model),
                           stepped: lambda fn=speculative, name=name: _without(
                               speculative_module, name, lambda: fn(target_model, draft_model))}

@@ -20,7 +20,8 @@ import weakref
 
 import torch
 
-from gptfast_kernels.generation.sampling import KEPT_NAMES, keep_on, logits_to_probs, sample_by_uniform
+from gptfast_kernels.generation.sampling import (KEPT_NAMES, DraftProcessing, keep_on, logits_to_probs,
+                                                 sample_by_uniform)
 from gptfast_kernels.models.families import family_of
 from gptfast_kernels.models.patch import forward_with_cache
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
@@ -69,32 +70,39 @@ def _forward_with_hidden(tokens: torch.Tensor, attention_mask: torch.Tensor, cac
 
 
 def _drafts(first_input: torch.Tensor, first_mask: torch.Tensor, active: torch.Tensor, cache: StaticKVCache,
-            k: int, sampling: tuple | None, model=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            k: int, sampling: tuple | None, processing: DraftProcessing | None = None,
+            model=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A speculative round's k drafts per row in one call (one compiled graph instead of k steps,
     each with its host work between them): the round's first draft forward over ``first_input``
     [B, 2] under ``first_mask`` [B, 2], then k - 1 one-token forwards over each draft under
     ``active`` [B]. Each draft is the argmax of the forward before (``sampling`` None), or sampled
     from its distribution: ``sampling`` = (uniforms [B, k] float64, draft i of a row taking column
     i; temperature, top_k, top_p, min_p as [B] tensors, a filter that is off None; see
-    SpeculativeRounds.draft_sampling) -> (drafts [B, k], their distributions [B, k, V] float32, or
-    None when greedy)."""
+    SpeculativeRounds.draft_sampling); with ``processing``, from the logits after the penalties
+    over the row's text and the drafts before, and with its eos held back (None: the logits as
+    they are) -> (drafts [B, k], their distributions [B, k, V] float32, or None when greedy)."""
     uniforms, *filters = (None,) if sampling is None else sampling
+    record = None if processing is None else processing.record.map(torch.clone)
     logits = _forward(first_input, first_mask, cache, model=model)[:, -1]
     drafts, distributions = [], []
     for i in range(k):
         if i:
             logits = _forward(drafts[-1][:, None], active[:, None], cache, model=model)[:, -1]
+        if processing is not None:
+            logits = processing.process(logits, record, i)
         if uniforms is None:
             drafts.append(logits.argmax(dim=-1))
         else:
             distributions.append(logits_to_probs(logits, *filters))
             drafts.append(sample_by_uniform(distributions[-1], uniforms[:, i]))
+        if processing is not None and i < k - 1:
+            record.add(drafts[-1][:, None])
     return torch.stack(drafts, dim=1), torch.stack(distributions, dim=1) if distributions else None
 
 
 def drafts_function(model, *, module_guards: bool = False):
-    """``model``'s compiled ``(first_input, first_mask, active, cache, k, sampling) -> (drafts
-    [B, k], distributions or None)`` (see _drafts), kept on the model like its steps
+    """``model``'s compiled ``(first_input, first_mask, active, cache, k, sampling, processing) ->
+    (drafts [B, k], distributions or None)`` (see _drafts), kept on the model like its steps
     (``module_guards``: as step_function's)."""
     return compiled_function(model, _drafts, "drafts", module_guards=module_guards)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -218,6 +219,25 @@ def penalty_rows(repetition, presence, frequency, batch_size: int, device: torch
     return tuple(torch.full((batch_size,), float(value), device=device)
                  if not isinstance(value, torch.Tensor) and _on(value, off) else value
                  for value, off in ((repetition, 1), (presence, 0), (frequency, 0)))
+
+
+class DraftProcessing(NamedTuple):
+    """What a speculative round's drafts are processed with inside one compiled call (see
+    SpeculativeRounds.draft_processing): the penalties over each row's ``record`` before the round
+    (read, not written: the call records its drafts in a copy) and the eos ids held back from a
+    draft that would be new token number ``generated`` [B] + i (from 0) of a row short of its
+    ``min_new_tokens``."""
+    record: TokenRecord
+    generated: torch.Tensor
+    penalties: tuple                     # penalty_rows's (repetition, presence, frequency)
+    is_eos: torch.Tensor | None          # [V] bool, the eos columns (with min_new_tokens)
+    min_new_tokens: torch.Tensor | None  # [B]; None: no row held back
+
+    def process(self, logits: torch.Tensor, record: TokenRecord, i: int) -> torch.Tensor:
+        """Draft ``i``'s logits [B, V], penalised over ``record`` (the record before the round and
+        the drafts before this one), as process_logits gives them."""
+        early = None if self.min_new_tokens is None else self.generated + i < self.min_new_tokens
+        return process_logits(logits, record, self.penalties[0], self.is_eos, early, *self.penalties[1:])
 
 
 def _on(value, off) -> bool:

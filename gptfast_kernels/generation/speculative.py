@@ -24,9 +24,9 @@ from gptfast_kernels.generation.end_watch import EndWatch
 from gptfast_kernels.generation.forward import cache_for, drafts_function, step_function
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
 from gptfast_kernels.generation.options import check_decode_options
-from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, holds_eos_back, logits_to_probs,
-                                                 process_logits, sample_by_uniform, sample_from, sampling_rows,
-                                                 token_logprobs, too_early)
+from gptfast_kernels.generation.sampling import (DraftProcessing, TokenRecord, eos_columns, holds_eos_back,
+                                                 logits_to_probs, penalty_rows, process_logits, sample_by_uniform,
+                                                 sample_from, sampling_rows, token_logprobs, too_early)
 from gptfast_kernels.generation.stopping import StopMatcher
 from gptfast_kernels.generation.verify_step import (RoundRule, RoundState, settle, target_input,
                                                     verification_scores, verify_and_crop, verify_function)
@@ -152,7 +152,7 @@ class DraftModelProposer:
         first_mask = torch.stack([(self.pending >= 0) & active, active], dim=1)
         if self.drafts_in_one_call(rounds, history):
             drafts, distributions = self.drafts(first_input, first_mask, active, self.cache, rounds.k,
-                                                rounds.draft_sampling(last))
+                                                rounds.draft_sampling(last), rounds.draft_processing(history))
             # (on a GPU a CUDA graph's outputs, which the target's forward, the next compiled call, may
             # write over: verification reads them after it)
             return drafts.clone(), None if distributions is None else distributions.clone()
@@ -160,10 +160,10 @@ class DraftModelProposer:
                             lambda token: self.step(token[:, None], active[:, None], self.cache)[:, -1])
 
     def drafts_in_one_call(self, rounds: "SpeculativeRounds", history: "History") -> bool:
-        """Whether this round's drafts are one compiled call (compiled, no recurrent states, the
-        drafts picked from the draft's logits as they are); else ``first_logits``, then a step per
-        draft."""
-        return self.drafts is not None and rounds.drafts_unprocessed(history)
+        """Whether this round's drafts are one compiled call (compiled, no recurrent states; the
+        penalties and the eos held back processed in the call: draft_processing); else
+        ``first_logits``, then a step per draft."""
+        return self.drafts is not None
 
     def first_logits(self, first_input: torch.Tensor, first_mask: torch.Tensor) -> torch.Tensor:
         """The round's first draft forward, [pending, last] [B, 2] -> the last column's logits [B, V]."""
@@ -214,6 +214,7 @@ class SpeculativeRounds:
     frequency_penalty: float | torch.Tensor = 0.0
     stop: StopMatcher | None = None  # the stop sequences and strings, or None
     filter_rows: tuple | None = field(default=None, init=False, repr=False)  # (draft_sampling's)
+    processing_rows: tuple | None = field(default=None, init=False, repr=False)  # (draft_processing's)
 
     @classmethod
     def checked(cls, op, model, input_ids, attention_mask, max_new_tokens, speculate_k, temperature, top_k, top_p,
@@ -284,9 +285,29 @@ class SpeculativeRounds:
 
     def drafts_unprocessed(self, history: History) -> bool:
         """Whether the drafts are picked from the draft's logits as they are: no penalty, no eos held
-        back (then ``draft`` processes nothing, and a proposer may draft in one call)."""
+        back (then ``draft`` processes nothing, and a round's drafts in one call take no
+        draft_processing)."""
         return (history.record.seen is None and history.record.counts is None
                 and self.too_early(history.num_generated, 0) is None)
+
+    def draft_processing(self, history: History) -> DraftProcessing | None:
+        """What a round's drafts are processed with in one compiled call (the penalties over each
+        row's text so far, the eos held back from rows short of min_new_tokens), None when
+        ``drafts_unprocessed``. Each penalty and min_new_tokens as [B] values (a number as every
+        row's: another value is not another graph)."""
+        if self.drafts_unprocessed(history):
+            return None
+        generated = history.num_generated
+        if self.processing_rows is None:  # (the same for every round of a run)
+            B, device = generated.shape[0], generated.device
+            penalties = penalty_rows(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, B,
+                                     device)
+            held = bool(self.eos) and holds_eos_back(self.min_new_tokens)
+            least = self.min_new_tokens
+            if held and not isinstance(least, torch.Tensor):
+                least = torch.full((B,), least, device=device)
+            self.processing_rows = (penalties, self.is_eos if held else None, least if held else None)
+        return DraftProcessing(history.record, generated, *self.processing_rows)
 
     def draft_uniforms(self, rows: torch.Tensor) -> torch.Tensor | None:
         """A round's draws for sampling its drafts, [B, k] float64 uniforms from the generator (draft i
@@ -376,13 +397,12 @@ class SpeculativeRounds:
         forwards = self.round_forwards(proposer, target_step, target_cache, last, active, history)
         return (*self.verify(proposer, target_cache, active, history, forwards), *forwards[2:])
 
-    def rounds_in_one_call(self, target_cache: StaticKVCache, record: TokenRecord) -> bool:
+    def rounds_in_one_call(self, target_cache: StaticKVCache) -> bool:
         """Whether each round after its drafts is one compiled call of the target (verify_step: its
-        forward, verification and the rows' state, stop patterns included): compiled, with no
-        penalty, no streamer (which reads each round's tokens) and no recurrent states in the
-        target's cache."""
-        return (self.compile and record.seen is None and record.counts is None and self.streamer is None
-                and not target_cache.has_recurrent_layers)
+        forward, the penalties, verification and the rows' state, stop patterns included): compiled,
+        with no streamer (which reads each round's tokens) and no recurrent states in the target's
+        cache."""
+        return self.compile and self.streamer is None and not target_cache.has_recurrent_layers
 
     def run(self, make_proposer: Callable[[int, StaticKVCache], Proposer]) -> SpeculativeOutput:
         """``make_proposer(capacity, target_cache)``: the proposer, given the cache length the rounds
@@ -417,6 +437,8 @@ class SpeculativeRounds:
                                    self.presence_penalty, self.frequency_penalty)
         last, _ = self.pick(logits, record, self.too_early(zeros, 0))
         record.add(last[:, None])
+        if self.compile:  # (the compiled rounds write it in place: at one address from call to call)
+            record = record.kept_on(model)
 
         # generated tokens; a round writes up to k + 1 more, and column `dump` absorbs masked writes
         out = torch.full((B, self.most_new_tokens + 2 * (k + 1)), pad, dtype=torch.int64, device=device)
@@ -434,7 +456,8 @@ class SpeculativeRounds:
         state.num_generated.fill_(1)
         rule = RoundRule.build(k, B, device, V, self.greedy, (self.temperature, self.top_k, self.top_p, self.min_p),
                                self.max_new_tokens, self.min_new_tokens, self.eos, pad, self.output_logprobs,
-                               dump=out.shape[1] - 1, stop=stop)
+                               dump=out.shape[1] - 1, stop=stop,
+                               penalties=(self.repetition_penalty, self.presence_penalty, self.frequency_penalty))
         state.finished.copy_(torch.isin(last, eos_ids) | (state.num_generated >= rule.max_new_tokens))
         if stop is not None:  # (the first token: a stop counts with no min_new_tokens)
             hits, states = stop.scan(stop.start(B), last[:, None])
@@ -442,7 +465,7 @@ class SpeculativeRounds:
             state.stop_state.copy_(states[:, 0])
         state.count_remaining(rule.max_new_tokens)
         history = History(out, state.num_generated, record)
-        one_call = verify_function(model) if self.rounds_in_one_call(target_cache, record) else None
+        one_call = verify_function(model) if self.rounds_in_one_call(target_cache) else None
         # (compiled rounds on a GPU: the host queues the next round before the last has ended)
         watch = EndWatch(state.remaining, k + 1, lagged=one_call is not None and EndWatch.lags_on(device))
 
@@ -452,7 +475,7 @@ class SpeculativeRounds:
                 draft_tokens, draft_probs = proposer.propose(self, state.last, active, history)
                 slots, values, chosen, committed, num_accepted, target_hidden = one_call(
                     draft_tokens, draft_probs, self.verification_uniforms(active), active, state, target_cache, rule,
-                    takes_hidden)
+                    record, takes_hidden)
                 proposer.commit(active, committed, num_accepted, draft_tokens, target_hidden)
             else:
                 forwards = self.round_forwards(proposer, target_step, target_cache, state.last, active, history)

@@ -1,19 +1,20 @@
 """A speculative round after its drafts: the target's forward over each row's last token and its
 drafts, the k + 1 positions verified against the drafts, the target's cache cut to each row's
 committed tokens, and the rows' state advanced (the emitted tokens up to an eos, a stop pattern or
-the row's limit, the counts, the stop automata's states: a gather per token, on the device), in
-one compiled call when nothing outside it has to run between those (no penalty, whose record grows
-by the round's tokens; no streamer; no recurrent states, whose rollback is bookkeeping of its own).
+the row's limit, the counts, the stop automata's states: a gather per token, on the device; the
+penalties' record, which grows by the emitted tokens), in one compiled call when nothing outside
+it has to run between those (no streamer; no recurrent states, whose rollback is bookkeeping of its
+own).
 
 Done op by op after the forward, that is some forty small kernels a round, each a launch on a GPU
 and a dispatch on a CPU, between the target's forward and the next round's drafts; and a compiled
 forward's logits could not go into another compiled call as they are (on a GPU they live in the
 CUDA-graph pool, which the next call may reuse), so verification in a call of its own would first
-copy them. Compiled, the rows' state lives in buffers (RoundState) that the call updates in place
-and the model keeps between calls, like its cache, at fixed addresses: a CUDA graph reads and
-writes them where they are. What the call returns (where each emitted token goes in the output and
-what it is) is written into the output outside it, whose width changes with ``max_new_tokens`` and
-would otherwise be a graph per width.
+copy them. Compiled, the rows' state lives in buffers (RoundState, and the penalties' TokenRecord)
+that the call updates in place and the model keeps between calls, like its cache, at fixed
+addresses: a CUDA graph reads and writes them where they are. What the call returns (where each
+emitted token goes in the output and what it is) is written into the output outside it, whose
+width changes with ``max_new_tokens`` and would otherwise be a graph per width.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import torch
 from gptfast_kernels.generation.end_watch import count_remaining
 from gptfast_kernels.generation.forward import _forward, _forward_with_hidden, compiled_function
 from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, eos_id_tensor, holds_eos_back,
-                                                 kept_on_model, logits_to_probs, process_logits, sampling_rows,
-                                                 token_logprobs)
+                                                 kept_on_model, logits_to_probs, penalty_rows, process_logits,
+                                                 sampling_rows, token_logprobs)
 from gptfast_kernels.generation.stopping import StopMatcher
 from gptfast_kernels.ops.verify_draft import verify_draft
 
@@ -91,13 +92,15 @@ class RoundRule(NamedTuple):
     dump: torch.Tensor                   # 0-d int64: the output column that takes the writes of tokens not emitted
     stop_tables: tuple | None            # StopMatcher's tables; None: no stop pattern
     stops_from: torch.Tensor | None      # [B]: a stop pattern counts from that many new tokens on (with stop_tables)
+    penalties: tuple = (None, 0.0, 0.0)  # (repetition, presence, frequency), as penalty_rows gives them
 
     @classmethod
     def build(cls, k: int, batch_size: int, device: torch.device, vocab_size: int, greedy: bool, sampling: tuple,
               max_new_tokens, min_new_tokens, eos: list[int], pad: int, logprobs: bool, dump: int,
-              stop: StopMatcher | None = None) -> "RoundRule":
+              stop: StopMatcher | None = None, penalties: tuple = (None, 0.0, 0.0)) -> "RoundRule":
         """From check_decode_options's values (numbers, or per-row [B] tensors); ``sampling``: its
-        (temperature, top_k, top_p, min_p); ``stop``: its stop matcher."""
+        (temperature, top_k, top_p, min_p); ``stop``: its stop matcher; ``penalties``: its
+        (repetition, presence, frequency)."""
         def rows(value):  # (a [B] layout of its own, not a stride-0 view: one graph either way)
             return value if isinstance(value, torch.Tensor) else torch.full((batch_size,), value, device=device)
 
@@ -107,7 +110,8 @@ class RoundRule(NamedTuple):
                    rows(min_new_tokens) if held else None, rows(max_new_tokens), eos_ids,
                    eos_columns(eos_ids, vocab_size) if held else None, pad, logprobs,
                    torch.tensor(dump, dtype=torch.int64, device=device), None if stop is None else tuple(stop.tables),
-                   None if stop is None else StopMatcher.counting_from(min_new_tokens, batch_size, device))
+                   None if stop is None else StopMatcher.counting_from(min_new_tokens, batch_size, device),
+                   penalty_rows(*penalties, batch_size, device))
 
 
 def verification_scores(processed: torch.Tensor, filters: tuple | None) -> torch.Tensor:
@@ -176,12 +180,15 @@ def target_input(last: torch.Tensor, draft_tokens: torch.Tensor, active: torch.T
 
 
 def _verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, uniforms: torch.Tensor | None,
-                  active: torch.Tensor, state: RoundState, cache, rule: RoundRule, hidden: bool, model=None) -> tuple:
-    """A round after its drafts [B, k], without penalties: the target's forward over each row's last
-    token and its drafts (``target_input``), the eos held back where a row is short of its
-    min_new_tokens, verification, the crop, ``settle`` (stop patterns too). -> (slots, values,
-    log-probabilities or None (settle's), committed [B] and num_accepted [B] (what the proposer's
-    commit takes), the target's last hidden states [B, k + 1, H] with ``hidden``, else None)."""
+                  active: torch.Tensor, state: RoundState, cache, rule: RoundRule, record: TokenRecord, hidden: bool,
+                  model=None) -> tuple:
+    """A round after its drafts [B, k]: the target's forward over each row's last token and its
+    drafts (``target_input``), the penalties over ``record`` (each position's: the row's text and
+    the drafts before it), the eos held back where a row is short of its min_new_tokens,
+    verification, the crop, ``settle`` (stop patterns too), and the emitted tokens into ``record``,
+    in place. -> (slots, values, log-probabilities or None (settle's), committed [B] and
+    num_accepted [B] (what the proposer's commit takes), the target's last hidden states
+    [B, k + 1, H] with ``hidden``, else None)."""
     tokens_in, mask = target_input(state.last, draft_tokens, active)
     if hidden:
         target_logits, target_hidden = _forward_with_hidden(tokens_in, mask, cache, model=model)
@@ -191,16 +198,18 @@ def _verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, 
     if rule.min_new_tokens is not None:  # position i scores new token number num_generated + i of its row
         made = state.num_generated[:, None] + torch.arange(rule.k + 1, device=active.device)[None, :]
         early = made < rule.min_new_tokens[:, None]
-    processed = process_logits(target_logits, TokenRecord(), None, rule.is_eos, early)
+    processed = process_logits(target_logits, record.before_each(draft_tokens), rule.penalties[0], rule.is_eos, early,
+                               *rule.penalties[1:])
     tokens, num_emitted, num_accepted, committed = verify_and_crop(
         verification_scores(processed, rule.filters), draft_probs, draft_tokens, uniforms, active, cache)
-    slots, values, chosen, _ = settle(tokens, num_emitted, num_accepted, target_logits, active, state, rule)
+    slots, values, chosen, emitted = settle(tokens, num_emitted, num_accepted, target_logits, active, state, rule)
+    record.add(torch.where(emitted, tokens, target_logits.shape[-1]))  # (nothing without a penalty)
     return slots, values, chosen, committed, num_accepted, target_hidden
 
 
 def verify_function(model, *, module_guards: bool = False):
-    """``model``'s compiled ``(draft_tokens, draft_probs, uniforms, active, state, cache, rule, hidden)
-    -> (slots, values, log-probabilities or None, committed, num_accepted, last hidden states or
+    """``model``'s compiled ``(draft_tokens, draft_probs, uniforms, active, state, cache, rule, record,
+    hidden) -> (slots, values, log-probabilities or None, committed, num_accepted, last hidden states or
     None)`` (see _verify_round), kept on the model like its steps (``module_guards``: as
     step_function's)."""
     return compiled_function(model, _verify_round, "verify", module_guards=module_guards)

@@ -12,7 +12,9 @@ import torch
 
 from gptfast_kernels import SpeculativeBatcher, patch_model
 from gptfast_kernels.generation import forward
+from gptfast_kernels.generation.continuous_speculative import _DraftRows
 from gptfast_kernels.generation.prompt_lookup import lookup_continuations
+from gptfast_kernels.generation.speculative import SpeculativeRounds
 from gptfast_kernels.generation.stopping import token_bytes
 from python_tests.generation.test_continuous import LIMITS, _alone, _prompts
 from python_tests.generation.test_speculative import assert_samples_follow_the_target
@@ -262,6 +264,49 @@ def test_int8_and_compiled_rounds_give_the_eager_tokens(family):
     # forward takes new prompts (merged), which drafts step by step
     assert accepted[0] == accepted[1]
     assert runs[0] == {i: _alone(model, p, n, []) for i, (p, n) in enumerate(zip(prompts, LIMITS))}
+
+
+def test_compiled_rounds_draft_penalised_requests_in_one_call(monkeypatch):
+    """Compiled, a round's drafts with the requests' penalties and eos held back (per row: a request
+    without them beside ones with) are one call of the draft, processed in the call: each request
+    equals generate on its prompt alone, and the eager batcher's tokens and acceptances."""
+    from python_tests.generation.test_speculative import count_compiled_calls
+
+    target = tiny_model("llama", layers=3)
+    model = patched_copy(target, int8=False)
+    draft = _draft(target)
+    prompts = _prompts(5)
+    free = [_alone(model, p, 12, []) for p in prompts]
+    eos = [free[0][1]]
+    options = [dict(repetition_penalty=1.5, min_new_tokens=3), dict(presence_penalty=0.7, frequency_penalty=0.4),
+               dict(), dict(repetition_penalty=0.8, frequency_penalty=1.0, min_new_tokens=6), dict(min_new_tokens=2)]
+    calls = count_compiled_calls(monkeypatch, draft)
+    stepped = {"merges": 0, "rounds": 0}  # (a round whose first draft forward takes new prompts steps)
+
+    def counted(function, key):
+        def wrapper(*args, **kwargs):
+            stepped[key] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(_DraftRows, "merge", counted(_DraftRows.merge, "merges"))
+    monkeypatch.setattr(SpeculativeRounds, "draft", counted(SpeculativeRounds.draft, "rounds"))
+    runs, accepted = [], []
+    for compile in (False, True):
+        batcher = SpeculativeBatcher(model, draft, speculate_k=3, batch_size=3, max_length=28, eos_token_id=eos,
+                                     compile=compile)
+        for p, o in zip(prompts, options):
+            batcher.submit(p, max_new_tokens=12, **o)
+        stepped.update(merges=0, rounds=0)
+        calls.clear()
+        runs.append(batcher.run())
+        accepted.append((batcher.num_accepted, batcher.num_proposed))
+    assert runs[0] == runs[1] and accepted[0] == accepted[1]
+    for request, o in enumerate(options):
+        assert runs[1][request] == _alone(model, prompts[request], 12, eos, **o), (request, o)
+    # compiled: every round in one call of the draft, but those that take new prompts in
+    assert calls[("draft", "_drafts")] > 0 and stepped["rounds"] == stepped["merges"] > 0
+    assert calls[("draft", "_forward")] == 2 * stepped["merges"]  # (their drafts after the first)
 
 
 def test_what_it_cannot_serve_is_refused():

@@ -178,7 +178,11 @@ def test_speculative_equals_target_greedy(family, compile, graph_records):
 def test_penalised_speculative_equals_penalised_generate(compile, graph_records):
     """The penalties' per-row state (seen tokens, generated counts) and the stop patterns' states live
     on the GPU beside the compiled steps: penalised speculative greedy equals penalised generate, and
-    both stop at the same stop sequence and stop string."""
+    both stop at the same stop sequence and stop string. Compiled, the record is written inside the
+    decode step's and the round's CUDA graphs (kept static: no CUDA-graph skip)."""
+    from torch._dynamo.utils import counters
+
+    skips_before = counters["inductor"]["cudagraph_skips"]
     target = tiny_model("llama", layers=3).cuda()
     patched = patched_copy(target, int8=True)
     draft = patch_model(draft_of(target, 2).cuda(), int8=True)
@@ -196,6 +200,8 @@ def test_penalised_speculative_equals_penalised_generate(compile, graph_records)
     assert torch.equal(out.sequences, want)
     if compile:
         _assert_recorded_once(graph_records)
+        assert counters["inductor"]["cudagraph_skips"] == skips_before
+        assert hasattr(patched, "_gptfast_compiled_verify") and hasattr(draft, "_gptfast_compiled_drafts")
 
 
 def test_stops_are_matched_inside_the_cuda_graphs(graph_records):

@@ -265,10 +265,10 @@ def test_eos_ids_of_other_counts_reuse_the_compiled_calls(compiled_graphs):
 
 
 def test_penalties_of_other_values_reuse_the_compiled_calls(compiled_graphs):
-    """With penalties, generate's compiled step is one call too (the record kept static on the model,
-    the penalties as [B] values): other values, as numbers or per row, share it, each equal to eager
-    generate; another penalty turned on is a graph of its own (the speculative rounds' graphs, whose
-    picks with penalties run eagerly, are shared throughout)."""
+    """With penalties, generate's compiled step and the speculative round's two calls (its drafts,
+    and the target's call after them) are one call each too (the record kept static on the model,
+    the penalties as [B] values): other values, as numbers or per row, share them, each equal to
+    eager generate; another penalty turned on makes each a graph of its own."""
     target, draft = _models("llama", 1)
     ids, mask = _prompts()
     compiled = _graphs_after_each(compiled_graphs, target, draft, ids, mask,
@@ -276,8 +276,8 @@ def test_penalties_of_other_values_reuse_the_compiled_calls(compiled_graphs):
                                       dict(repetition_penalty=1.2), dict(repetition_penalty=1.5),
                                       dict(repetition_penalty=[1.2, 0.8]),
                                       dict(repetition_penalty=1.2, frequency_penalty=0.5))])
-    # (the one graph more is generate's step, which picks in the call: a forward alone would be shared)
-    assert compiled[1:] == [compiled[0], compiled[0], compiled[0] + 1]
+    # (the graphs more: generate's step, the round's drafts and the target's call, each with the counts)
+    assert compiled[1:] == [compiled[0], compiled[0], compiled[0] + 3]
     _assert_captured_whole(compiled_graphs)
 
 

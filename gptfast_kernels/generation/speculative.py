@@ -400,9 +400,8 @@ class SpeculativeRounds:
     def rounds_in_one_call(self, target_cache: StaticKVCache) -> bool:
         """Whether each round after its drafts is one compiled call of the target (verify_step: its
         forward, the penalties, verification and the rows' state, stop patterns included): compiled,
-        with no streamer (which reads each round's tokens) and no recurrent states in the target's
-        cache."""
-        return self.compile and self.streamer is None and not target_cache.has_recurrent_layers
+        with no recurrent states in the target's cache."""
+        return self.compile and not target_cache.has_recurrent_layers
 
     def run(self, make_proposer: Callable[[int, StaticKVCache], Proposer]) -> SpeculativeOutput:
         """``make_proposer(capacity, target_cache)``: the proposer, given the cache length the rounds
@@ -466,8 +465,10 @@ class SpeculativeRounds:
         state.count_remaining(rule.max_new_tokens)
         history = History(out, state.num_generated, record)
         one_call = verify_function(model) if self.rounds_in_one_call(target_cache) else None
-        # (compiled rounds on a GPU: the host queues the next round before the last has ended)
-        watch = EndWatch(state.remaining, k + 1, lagged=one_call is not None and EndWatch.lags_on(device))
+        # (compiled rounds on a GPU: the host queues the next round before the last has ended, unless a
+        # streamer waits for each round's tokens anyway)
+        watch = EndWatch(state.remaining, k + 1,
+                         lagged=one_call is not None and streamer is None and EndWatch.lags_on(device))
 
         while watch.another():
             active = ~state.finished
@@ -480,14 +481,12 @@ class SpeculativeRounds:
             else:
                 forwards = self.round_forwards(proposer, target_step, target_cache, state.last, active, history)
                 tokens, num_emitted, num_accepted = self.verify(proposer, target_cache, active, history, forwards)
-                before = int(state.num_generated[0]) if streamer is not None else 0
                 slots, values, chosen, emitted = settle(tokens, num_emitted, num_accepted, forwards[2], active,
                                                         state, rule)
                 record.add(torch.where(emitted, tokens, V))
-                if streamer is not None:  # one row: its new tokens, up to max_new_tokens
-                    room = int(rule.max_new_tokens[0]) - before
-                    streamer.put(tokens[:, :min(int(emitted.sum()), room)].cpu())
             # (on a GPU the compiled call's outputs are read before its next replay)
+            if streamer is not None:  # one row: its emitted tokens (in column order), up to max_new_tokens
+                streamer.put(values[slots < rule.max_new_tokens[:, None]][None].cpu())
             out.scatter_(1, slots, values)
             if out_logprobs is not None:
                 out_logprobs.scatter_(1, slots, chosen)

@@ -15,7 +15,8 @@ from gptfast_kernels.generation.sampling import (apply_additive_penalties, apply
                                                  sample_by_uniform, seen_tokens)
 from gptfast_kernels.generation.end_watch import EndWatch
 from python_tests.generation.test_generate import PICKING
-from python_tests.tiny_models import INDEX_POSITIONED, draft_of, hf_greedy, patched_copy, ragged_prompts, tiny_model
+from python_tests.tiny_models import (INDEX_POSITIONED, RecordingStreamer, draft_of, hf_greedy, patched_copy,
+                                     ragged_prompts, tiny_model)
 
 NEW = 20
 
@@ -416,6 +417,42 @@ def test_compiled_rounds_verify_in_the_targets_call(settling, monkeypatch):
     rounds = calls[("target", "_verify_round")]
     assert rounds > 0 and calls[("target", "_forward")] == 0
     assert calls[("draft", "_drafts")] == rounds and calls[("draft", "_forward")] == 0
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "prompt_lookup"])
+def test_compiled_rounds_with_a_streamer_are_one_call(proposer, monkeypatch):
+    """A streamer reads each round's tokens on the host; compiled, the round after its drafts is
+    still one call of the target: the streamer gets what eager rounds stream, round by round, cut
+    at max_new_tokens (inside a round), at an eos, and with penalties and sampling."""
+    _, patched, draft = _pair("llama", True)
+    ids, mask = ragged_prompts(1, 6, "left", seed=4)
+    free = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences[0, 6:].tolist()
+    at = next(i for i in range(8, NEW) if free[i] not in free[:i])
+    calls = count_compiled_calls(monkeypatch, draft)
+    for options in (dict(max_new_tokens=13, eos_token_id=[]), dict(max_new_tokens=NEW, eos_token_id=free[at]),
+                    dict(max_new_tokens=NEW, eos_token_id=[], temperature=0.9, repetition_penalty=1.3,
+                         frequency_penalty=0.5)):
+        streamed, outputs = [], []
+        for compile in (False, True):
+            streamer = RecordingStreamer()
+            run = dict(speculate_k=3, compile=compile, streamer=streamer, generator=torch.Generator().manual_seed(2),
+                       **options)
+            calls.clear()
+            if proposer == "draft_model":
+                outputs.append(speculative_generate(patched, draft, ids, mask, **run).sequences)
+            else:
+                outputs.append(prompt_lookup_generate(patched, ids, mask, **run).sequences)
+            streamed.append(streamer.puts)
+            assert streamer.ended == 1 and torch.equal(torch.cat(streamer.puts[1:], dim=1), outputs[-1][:, 6:])
+        assert torch.equal(outputs[0], outputs[1]), options
+        assert len(streamed[0]) == len(streamed[1]) and all(map(torch.equal, *streamed)), options
+        assert len(streamed[1]) < 2 + outputs[1].shape[1] - 6  # (rounds that emitted several tokens at once)
+        assert calls[("target", "_verify_round")] == len(streamed[1]) - 2 and calls[("target", "_forward")] == 0
+        new = outputs[1].shape[1] - 6
+        if options["max_new_tokens"] == 13:
+            assert new == 13
+        elif options["eos_token_id"]:
+            assert new < NEW and int(outputs[1][0, -1]) == options["eos_token_id"]
 
 
 @pytest.mark.parametrize("ending", ["limits", "eos", "eos_sampled"])

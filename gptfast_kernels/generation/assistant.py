@@ -26,7 +26,8 @@ target's keys and values to the text's length, which keeps the key of the reject
 last emitted token's position (and in a sliding layer, every rejected draft) in what the assistant
 attends over. Here the assistant sees the committed text alone, as after the prompt.
 
-Everything stays on the device; the per-draft forward compiles (CUDA graphs) like a draft model's.
+Everything stays on the device. Compiled, a round's k drafts are one call (CUDA graphs), as a draft
+model's are (its forwards and the picks between them).
 The assistant runs transformers' own modules in its own dtype; ``quantize_int8_(assistant)`` makes
 its linear layers int8 (the output head stays float by default, which the centroid head reads).
 """
@@ -38,7 +39,7 @@ import functools
 import torch
 
 from gptfast_kernels.generation import common
-from gptfast_kernels.generation.forward import compiled_function
+from gptfast_kernels.generation.forward import compiled_function, picked_drafts
 from gptfast_kernels.models import families
 
 ASSISTANT_CLASSES = ("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM")
@@ -137,6 +138,24 @@ def _assistant_forward(tokens: torch.Tensor, hidden: torch.Tensor, positions: to
     return logits[:, 0], assistant.post_projection(state)[:, 0]
 
 
+def _assistant_drafts(last: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, masks: dict, shared: dict,
+                      embed, k: int, sampling: tuple | None, processing,
+                      assistant=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A round's k drafts per row in one call: the assistant over ``last`` [B] (the token the target
+    emitted last) and ``hidden`` [B, H], then k - 1 times over the draft before and its own output
+    state, every query at ``positions`` [B] (see _assistant_forward), each draft picked as
+    forward.picked_drafts picks (``sampling``, ``processing``) -> (drafts [B, k], their
+    distributions [B, k, V] or None when greedy)."""
+    logits, state = _assistant_forward(last, hidden, positions, masks, shared, embed, assistant=assistant)
+
+    def advance(token):
+        nonlocal state
+        next_logits, state = _assistant_forward(token, state, positions, masks, shared, embed, assistant=assistant)
+        return next_logits
+
+    return picked_drafts(logits, advance, k, sampling, processing)
+
+
 def assistant_step_function(assistant, compile: bool):
     """_assistant_forward on ``assistant``, eager or compiled (as generation.forward.step_function;
     the compile check is its text model's family's)."""
@@ -170,6 +189,9 @@ class AssistantProposer:
                                  "reads")
             self.windows[kind] = window
         self.step = assistant_step_function(assistant, compile)
+        # compiled, a round's drafts are one call
+        self.drafts = (compiled_function(assistant, _assistant_drafts, "assistant_drafts", family_model=assistant.model)
+                       if compile else None)
         self.embed = model.get_input_embeddings()
         self.hidden = None  # (prefill sets it)
 
@@ -196,6 +218,11 @@ class AssistantProposer:
         # (a copy of last: compiled rounds keep it in a buffer marked static, and a call that took it would
         # compile the step with its tokens static, at last's address, which the draft tokens of the later
         # calls do not have: on a GPU CUDA graph trees record the graph again for each new address)
+        if self.drafts is not None:
+            drafts, distributions = self.drafts(last.clone(), self.hidden, positions, masks, self.shared, self.embed,
+                                                rounds.k, rounds.draft_sampling(last), rounds.draft_processing(history))
+            # (a CUDA graph's outputs, which the target's next call may write over: as DraftModelProposer's)
+            return drafts.clone(), None if distributions is None else distributions.clone()
         logits, state = self.step(last.clone(), self.hidden, positions, masks, self.shared, self.embed)
 
         def advance(token):

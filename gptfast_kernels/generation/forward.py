@@ -75,19 +75,29 @@ def _drafts(first_input: torch.Tensor, first_mask: torch.Tensor, active: torch.T
     """A speculative round's k drafts per row in one call (one compiled graph instead of k steps,
     each with its host work between them): the round's first draft forward over ``first_input``
     [B, 2] under ``first_mask`` [B, 2], then k - 1 one-token forwards over each draft under
-    ``active`` [B]. Each draft is the argmax of the forward before (``sampling`` None), or sampled
-    from its distribution: ``sampling`` = (uniforms [B, k] float64, draft i of a row taking column
-    i; temperature, top_k, top_p, min_p as [B] tensors, a filter that is off None; see
-    SpeculativeRounds.draft_sampling); with ``processing``, from the logits after the penalties
-    over the row's text and the drafts before, and with its eos held back (None: the logits as
-    they are) -> (drafts [B, k], their distributions [B, k, V] float32, or None when greedy)."""
+    ``active`` [B]; each draft picked as ``picked_drafts`` picks (``sampling``, ``processing``) ->
+    (drafts [B, k], their distributions [B, k, V] float32, or None when greedy)."""
+    logits = _forward(first_input, first_mask, cache, model=model)[:, -1]
+    return picked_drafts(logits, lambda token: _forward(token[:, None], active[:, None], cache, model=model)[:, -1],
+                         k, sampling, processing)
+
+
+def picked_drafts(logits: torch.Tensor, advance, k: int, sampling: tuple | None,
+                  processing: DraftProcessing | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """k drafts per row inside one compiled call of a drafter: the first picked from ``logits``
+    [B, V], each next one from ``advance(draft [B])`` -> logits [B, V]. Each is the argmax
+    (``sampling`` None), or sampled from its distribution: ``sampling`` = (uniforms [B, k] float64,
+    draft i of a row taking column i; temperature, top_k, top_p, min_p as [B] tensors, a filter that
+    is off None; see SpeculativeRounds.draft_sampling); with ``processing``, from the logits after
+    the penalties over the row's text and the drafts before, and with its eos held back (None: the
+    logits as they are) -> (drafts [B, k], their distributions [B, k, V] float32, or None when
+    greedy)."""
     uniforms, *filters = (None,) if sampling is None else sampling
     record = None if processing is None else processing.record.map(torch.clone)
-    logits = _forward(first_input, first_mask, cache, model=model)[:, -1]
     drafts, distributions = [], []
     for i in range(k):
         if i:
-            logits = _forward(drafts[-1][:, None], active[:, None], cache, model=model)[:, -1]
+            logits = advance(drafts[-1])
         if processing is not None:
             logits = processing.process(logits, record, i)
         if uniforms is None:

@@ -21,7 +21,8 @@ for every row of a batch here, in an MtpProposer:
   alone: those the round's draft steps wrote (from the drafter's own states) are cropped, and the
   target's states at the accepted positions come in with the next round.
 
-Everything stays on the device; the per-round forwards compile (CUDA graphs) like a draft model's.
+Everything stays on the device. Compiled, a round's k drafts are one call (CUDA graphs), as a
+draft model's are (its forwards and the picks between them).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import functools
 import torch
 
 from gptfast_kernels.generation import common
-from gptfast_kernels.generation.forward import cache_for, compiled_function
+from gptfast_kernels.generation.forward import cache_for, compiled_function, picked_drafts
 from gptfast_kernels.models.families import family_of
 
 
@@ -92,6 +93,24 @@ def _mtp_forward(ids: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, ca
     return kept, mtp._project_to_logits(kept[:, None])[:, 0]
 
 
+def _mtp_drafts(tokens: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, cache, keep: torch.Tensor,
+                first: torch.Tensor, active: torch.Tensor, k: int, sampling: tuple | None, processing,
+                mtp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A round's k drafts per row in one call: the MTP layer over the round's pending pairs
+    (``tokens``, ``hidden``, ``mask``; ``keep`` [B]: the column of each row's last), then k - 1
+    times over its own output state and the draft before (``first`` [B]: zeros; ``active`` [B]:
+    the rows drafted), each draft picked as forward.picked_drafts picks (``sampling``,
+    ``processing``) -> (drafts [B, k], their distributions [B, k, V] or None when greedy)."""
+    state, logits = _mtp_forward(tokens, hidden, mask, cache, keep, mtp=mtp)
+
+    def advance(token):
+        nonlocal state
+        state, next_logits = _mtp_forward(token[:, None], state[:, None], active[:, None], cache, first, mtp=mtp)
+        return next_logits
+
+    return picked_drafts(logits, advance, k, sampling, processing)
+
+
 def mtp_step_function(mtp, compile: bool):
     """_mtp_forward on ``mtp``, eager or compiled (as generation.forward.step_function)."""
     if not compile:
@@ -114,6 +133,9 @@ class MtpProposer:
         self.cache = cache_for(mtp, batch_size, capacity, device, dtype, reuse=compile, step_tokens=k + 1,
                                role="draft")
         self.step = mtp_step_function(mtp, compile)
+        # compiled, a round's drafts are one call (a layer with recurrent states would step: as DraftModelProposer)
+        self.drafts = (compiled_function(mtp, _mtp_drafts, "mtp_drafts")
+                       if compile and not self.cache.has_recurrent_layers else None)
         self.prefill_step = mtp_step_function(mtp, False)  # (prompt lengths vary: eager, as a model's prefill)
         self.tokens = torch.zeros(batch_size, k + 1, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(batch_size, k + 1, mtp.config.hidden_size, dtype=dtype, device=device)
@@ -139,6 +161,12 @@ class MtpProposer:
         """-> draft tokens [B, k], and their distributions [B, k, V] (None when greedy)."""
         self.tokens.scatter_(1, (self.count - 1)[:, None], last[:, None])
         mask = (self.columns[None, :] < self.count[:, None]) & active[:, None]
+        if self.drafts is not None:
+            drafts, distributions = self.drafts(self.tokens, self.hidden, mask, self.cache, self.count - 1, self.first,
+                                                active, rounds.k, rounds.draft_sampling(last),
+                                                rounds.draft_processing(history))
+            # (a CUDA graph's outputs, which the target's next call may write over: as DraftModelProposer's)
+            return drafts.clone(), None if distributions is None else distributions.clone()
         state, logits = self.step(self.tokens, self.hidden, mask, self.cache, self.count - 1)
 
         def advance(token):

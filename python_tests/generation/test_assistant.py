@@ -11,7 +11,8 @@ import torch
 from gptfast_kernels import Int8Linear, generate, patch_model, quantize_int8_, speculative_generate
 from gptfast_kernels.generation import assistant as assistant_module
 from gptfast_kernels.generation import forward
-from python_tests.generation.test_speculative import (assert_compiled_rounds_equal_eager,
+from python_tests.generation.test_speculative import (ONE_CALL_DRAFTING, assert_compiled_rounds_draft_in_one_call,
+                                                     assert_compiled_rounds_equal_eager,
                                                      assert_drafter_keeps_the_target_distribution,
                                                      assert_every_rounds_drafts, record_proposals)
 from python_tests.tiny_models import draw_zero_initialised_, ragged_prompts, tiny_model
@@ -124,6 +125,13 @@ def test_compiled_rounds_give_the_same_tokens(ordered):
     model, patched = _target()
     assert_compiled_rounds_equal_eager(patched, _assistant_for(model, ordered=ordered),
                                        ragged_prompts(2, 6, "left", vocab=VOCAB))
+
+
+@pytest.mark.parametrize("drafting", ONE_CALL_DRAFTING)
+def test_compiled_rounds_draft_in_one_call(drafting, monkeypatch):
+    model, patched = _target()
+    assert_compiled_rounds_draft_in_one_call(monkeypatch, patched, _assistant_for(model),
+                                             ragged_prompts(2, 6, "left", vocab=VOCAB), drafting, "_assistant_drafts")
 
 
 def test_sampling_follows_the_target_distribution():

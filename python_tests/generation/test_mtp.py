@@ -11,7 +11,8 @@ import torch
 
 from gptfast_kernels import generate, patch_model, speculative_generate
 from gptfast_kernels.generation import mtp as mtp_module
-from python_tests.generation.test_speculative import (assert_compiled_rounds_equal_eager,
+from python_tests.generation.test_speculative import (ONE_CALL_DRAFTING, assert_compiled_rounds_draft_in_one_call,
+                                                     assert_compiled_rounds_equal_eager,
                                                      assert_drafter_keeps_the_target_distribution,
                                                      assert_every_rounds_drafts, record_proposals)
 from python_tests.tiny_models import draw_zero_initialised_, ragged_prompts, tiny_model
@@ -104,6 +105,13 @@ def test_greedy_equals_target_greedy_int8(family, batch, k):
 def test_compiled_rounds_give_the_same_tokens():
     _, _, patched, patched_mtp = _with_mtp("glm4_moe", int8=True)
     assert_compiled_rounds_equal_eager(patched, patched_mtp, ragged_prompts(2, 6, "left", vocab=VOCAB))
+
+
+@pytest.mark.parametrize("drafting", ONE_CALL_DRAFTING)
+def test_compiled_rounds_draft_in_one_call(drafting, monkeypatch):
+    _, _, patched, patched_mtp = _with_mtp("glm4_moe", int8=True)
+    assert_compiled_rounds_draft_in_one_call(monkeypatch, patched, patched_mtp,
+                                             ragged_prompts(2, 6, "left", vocab=VOCAB), drafting, "_mtp_drafts")
 
 
 def test_sampling_follows_the_target_distribution():

@@ -538,6 +538,30 @@ def test_compiled_rounds_give_the_same_tokens(family):
     assert_compiled_rounds_equal_eager(patched, draft, ragged_prompts(2, 6, "left"))
 
 
+# how a drafter's compiled rounds are checked against eager ones (assert_compiled_rounds_draft_in_one_call): greedy;
+# sampled, per-row temperature, with penalties; the eos held back (its id a token a small vocabulary makes often)
+ONE_CALL_DRAFTING = {"greedy": {}, "eos_held_back": dict(eos_token_id=2, min_new_tokens=[4, 9]),
+                     "sampled_penalised": dict(temperature=[0.8, 1.2], repetition_penalty=1.3,
+                                               frequency_penalty=[0.0, 0.5])}
+
+
+def assert_compiled_rounds_draft_in_one_call(monkeypatch, target, drafter, prompts, drafting: str, name: str):
+    """Compiled, a round's k drafts are one call of ``drafter`` (its compiled function ``name``:
+    its forwards and the picks between them; the penalties and the eos held back processed in the
+    call) and the round after them one call of the target: the eager rounds' tokens and
+    acceptances, from the same seed (``drafting``: ONE_CALL_DRAFTING's options, for two rows)."""
+    ids, mask = prompts
+    run = dict(max_new_tokens=NEW, speculate_k=3, **{"eos_token_id": [], **ONE_CALL_DRAFTING[drafting]})
+    calls = count_compiled_calls(monkeypatch, drafter)
+    outs = [speculative_generate(target, drafter, ids, mask, compile=compile,
+                                 generator=torch.Generator().manual_seed(5), **run) for compile in (False, True)]
+    assert torch.equal(outs[1].sequences, outs[0].sequences)
+    assert torch.equal(outs[1].num_accepted, outs[0].num_accepted) and 0 < outs[0].acceptance_rate < 1
+    rounds = calls[("target", "_verify_round")]
+    assert rounds > 0 and calls[("draft", name)] == rounds and calls[("target", "_forward")] == 0
+    assert sum(calls.values()) == 2 * rounds  # (no draft step of its own)
+
+
 def assert_compiled_rounds_equal_eager(target, draft_model, prompts):
     """Compiled rounds (k = 3, 12 new tokens after ``prompts``: (ids, mask)) give the eager
     rounds' tokens and acceptances; some drafts but not all were accepted (rounds rolled back)."""

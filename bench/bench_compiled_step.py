@@ -18,7 +18,9 @@ Then ``speculative_verify`` and ``speculative_sampled_verify``: a compiled round
 (the target's forward, verification, the crop, the rows' state) in one call of the target
 (generation/verify_step.py, the package's way) against the target's forward compiled alone and the
 rest run eagerly after it; ``speculative_penalised_verify`` with the penalties (their record
-written in the call). Then ``speculative_watch``: compiled greedy rounds whose host reads whether
+written in the call); ``speculative_batcher_verify`` the same for a ``SpeculativeBatcher`` (the
+demo's draft, 4 requests of 128 new tokens on 2 rows; its tokens/s counts every request's).
+Then ``speculative_watch``: compiled greedy rounds whose host reads whether
 every row has finished one round late (generation/end_watch.py's EndWatch, the package's way on
 a GPU), queuing the next round while the last runs, against reading it after each round (the way
 on a CPU, where nothing runs behind the host: there the two do the same work); ``generate_watch``
@@ -35,7 +37,7 @@ import torch
 
 import gptfast_kernels.generation.speculative as speculative_module
 from bench.bench_speculative import demo_models
-from gptfast_kernels import generate, patch_model, speculative_generate
+from gptfast_kernels import SpeculativeBatcher, generate, patch_model, speculative_generate
 from gptfast_kernels.generation.decode_step import decode_function
 from gptfast_kernels.generation.forward import drafts_function, step_function
 from gptfast_kernels.generation.end_watch import EndWatch
@@ -49,6 +51,7 @@ SPECULATE_K = 4
 SAMPLED_TEMPERATURE = 0.8  # the sampled rows' (speculative_sampled_drafts, generate_sampled_pick)
 # (greedy) generate_penalised_pick's, speculative_penalised_drafts' and speculative_penalised_verify's
 PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2)
+BATCHER_REQUESTS, BATCHER_ROWS = 4, 2  # speculative_batcher_verify's
 
 
 def _patched_pair(target, draft, module_guards: bool):
@@ -99,6 +102,22 @@ def run(h) -> None:
                           stepped: lambda fn=speculative, name=name: _without(
                               speculative_module, name, lambda: fn(target_model, draft_model))}
             _compare_ways(h, call, candidates, baseline=stepped)
+    # a SpeculativeBatcher's round after its drafts in one call of the target (the package's way) against
+    # its forward compiled alone and the rest op by op
+    prompts = [list(prompt.encode()) for prompt in code_prompts(corpus, BATCHER_REQUESTS)]
+
+    def batched(one_call: bool):
+        batcher = SpeculativeBatcher(target_model, draft_model, speculate_k=SPECULATE_K, batch_size=BATCHER_ROWS,
+                                     max_length=max(map(len, prompts)) + NEW_TOKENS, eos_token_id=[], compile=True)
+        if not one_call:
+            batcher.verify_going = None
+        for prompt in prompts:
+            batcher.submit(prompt, max_new_tokens=NEW_TOKENS)
+        return torch.tensor(list(batcher.run().values()))
+
+    _compare_ways(h, "speculative_batcher_verify", {"verify_in_one_call": lambda: batched(True),
+                                                    "verify_op_by_op": lambda: batched(False)},
+                  baseline="verify_op_by_op", new_tokens=NEW_TOKENS * BATCHER_REQUESTS)
     # the rows' end read a round late (the package's way on a GPU) against after each round
     lagged_on_this_device = (torch.device(h.device).type,)
     candidates = {"read_a_round_late": lambda: _watched(lagged_on_this_device, calls["speculative"], pairs["default"]),
@@ -125,16 +144,17 @@ def run(h) -> None:
         _compare_ways(h, call, candidates, baseline="pick_after_the_step")
 
 
-def _compare_ways(h, call: str, candidates: dict, baseline: str) -> None:
-    """Rows timing two ways of the same generation (``candidates``: name -> a run returning its tokens),
-    after a first run of each (which also compiles) has shown they generate the same tokens."""
+def _compare_ways(h, call: str, candidates: dict, baseline: str, new_tokens: int = NEW_TOKENS) -> None:
+    """Rows timing two ways of the same generation (``candidates``: name -> a run returning its tokens,
+    ``new_tokens`` in all), after a first run of each (which also compiles) has shown they generate
+    the same tokens."""
     outputs = [fn() for fn in candidates.values()]
     if not torch.equal(outputs[0], outputs[1]):
         raise RuntimeError(f"bench_compiled_step: {call}: {' and '.join(candidates)} generated other tokens")
-    rows = h.compare("compiled_step", {"call": call, "new_tokens": NEW_TOKENS, "model": "demo"}, candidates,
+    rows = h.compare("compiled_step", {"call": call, "new_tokens": new_tokens, "model": "demo"}, candidates,
                      baseline=baseline)
     for row in rows:
-        row["tokens_per_s"] = NEW_TOKENS / (row["ms_median"] * 1e-3)
+        row["tokens_per_s"] = new_tokens / (row["ms_median"] * 1e-3)
 
 
 def _picking_after_the_step(generated, options: dict):

@@ -132,6 +132,7 @@ class ContinuousBatcher:
         self.reuse_prefixes = reuse_prefixes
         self.residue: list[list[int]] = [[] for _ in range(batch_size)]  # what an idle row's cache still holds
         self.reused_tokens = 0
+        self.compile = compile
         self.step_forward = step_function(model, compile)
         self.output_vocab = common.output_vocab_size(model)
         self.tokenizer = tokenizer
@@ -330,9 +331,10 @@ class ContinuousBatcher:
         for every row, when the first request that reads it arrives)."""
         V = self.output_vocab
         if self.record.seen is None and any(self.rows[b].penalties[0] is not None for b in rows):
-            self.record.seen = torch.zeros(self.batch_size, V + 1, dtype=torch.bool, device=self.device)
+            self.record.seen = self._static(torch.zeros(self.batch_size, V + 1, dtype=torch.bool, device=self.device))
         if self.record.counts is None and any(any(self.rows[b].penalties[1:]) for b in rows):
-            self.record.counts = torch.zeros(self.batch_size, V + 1, dtype=torch.int32, device=self.device)
+            self.record.counts = self._static(torch.zeros(self.batch_size, V + 1, dtype=torch.int32,
+                                                          device=self.device))
         for b in rows:
             if self.record.seen is not None:
                 prompt = torch.tensor(self.rows[b].prompt, device=self.device)
@@ -340,6 +342,13 @@ class ContinuousBatcher:
                 self.record.seen[b, prompt.clamp(max=V)] = True  # (ids past the output vocabulary: column V)
             if self.record.counts is not None:
                 self.record.counts[b] = 0
+
+    def _static(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, marked static when the steps are compiled (a compiled call that writes it in
+        place, a SpeculativeBatcher's round, then replays its CUDA graph where it is)."""
+        if self.compile:
+            torch._dynamo.mark_static_address(tensor)
+        return tensor
 
     def _forward(self, going: list[int], spans: dict[int, tuple[int, int]]) -> None:
         """The next-token logits of the going rows (after their last token) and of the rows whose

@@ -17,7 +17,12 @@ target's distribution with their own arguments.
 
 A round's tokens are read on the host, as ContinuousBatcher's steps read theirs: the eos, stops and
 limits of each request are applied there, and a request keeps its tokens up to the one that ended
-it. Not served: MTP heads and Gemma 4 assistants as drafts (speculative_generate takes them).
+it. Compiled, a round is two calls (CUDA graphs): the draft model's k drafts, then the target's
+forward with everything up to those tokens (the penalties, the eos held back, verification, the
+crop, the penalties' record; ``_verify_going``), unless the round takes new prompts in (their
+forwards are as wide as the prompts) or the target has recurrent states (whose rollback is
+bookkeeping of its own): then the target's forward is a compiled call and the rest runs op by op.
+Not served: MTP heads and Gemma 4 assistants as drafts (speculative_generate takes them).
 """
 
 from __future__ import annotations
@@ -29,11 +34,39 @@ from gptfast_kernels.generation.assistant import is_gemma4_assistant
 from gptfast_kernels.generation.continuous import ContinuousBatcher
 from gptfast_kernels.generation.mtp import is_mtp_model
 from gptfast_kernels.generation.prompt_lookup import lookup_continuations
-from gptfast_kernels.generation.sampling import token_logprobs
+from gptfast_kernels.generation.forward import _forward, compiled_function
+from gptfast_kernels.generation.sampling import (TokenRecord, holds_eos_back, penalty_rows, process_logits,
+                                                 sampling_rows, token_logprobs)
 from gptfast_kernels.generation.speculative import (DraftModelProposer, History, SpeculativeRounds,
                                                     _check_draft_model)
+from gptfast_kernels.generation.verify_step import target_input, verification_scores, verify_and_crop
 from gptfast_kernels.models.patch import forward_with_cache
 from gptfast_kernels.ops._dispatch import check_int
+
+
+def _verify_going(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, uniforms: torch.Tensor | None,
+                  active: torch.Tensor, last: torch.Tensor, made: torch.Tensor, cache, record: TokenRecord,
+                  rule: tuple, model=None) -> tuple:
+    """A SpeculativeBatcher round after its drafts [B, k], for the ``active`` rows: the target's
+    forward over each row's ``last`` token and its drafts, the penalties over ``record`` (each
+    position's: the row's text and the drafts before it), the eos held back from a token that would
+    be new token ``made`` [B] + i of a row short of its min_new_tokens, verification (``uniforms``
+    when sampled), the crop, and the emitted tokens into ``record``, in place. ``rule``: (sampling
+    filters as sampling_rows gives them or None when greedy, penalty_rows's penalties, min_new_tokens
+    [B] or None, the eos columns [V] or None, whether to return log-probabilities). -> (tokens
+    [B, k + 1], num_emitted [B], num_accepted [B], committed [B], the tokens' log-probabilities under
+    the target's raw logits [B, k + 1] or None)."""
+    filters, penalties, least, is_eos, logprobs = rule
+    k = draft_tokens.shape[1]
+    logits = _forward(*target_input(last, draft_tokens, active), cache, model=model)
+    columns = torch.arange(k + 1, device=last.device)
+    early = None if least is None else made[:, None] + columns[None, :] < least[:, None]
+    processed = process_logits(logits, record.before_each(draft_tokens), penalties[0], is_eos, early, *penalties[1:])
+    tokens, num_emitted, num_accepted, committed = verify_and_crop(
+        verification_scores(processed, filters), draft_probs, draft_tokens, uniforms, active, cache)
+    record.add(torch.where(columns[None, :] < num_emitted[:, None], tokens, logits.shape[-1]))
+    chosen = token_logprobs(logits, tokens.clamp(min=0)) if logprobs else None
+    return tokens, num_emitted, num_accepted, committed, chosen
 
 
 class SpeculativeBatcher(ContinuousBatcher):
@@ -66,8 +99,10 @@ class SpeculativeBatcher(ContinuousBatcher):
         super().__init__(model, batch_size=batch_size, max_length=max_length, eos_token_id=eos_token_id,
                          generator=generator, compile=compile, tokenizer=tokenizer,
                          max_prefill_tokens=max_prefill_tokens, reuse_prefixes=reuse_prefixes)
-        self.compile = compile
         capacity = self.max_length + self.k
+        # compiled, a round after its drafts is one call of the target (without recurrent states: _verify_going)
+        self.verify_going = (compiled_function(model, _verify_going, "verify_going")
+                             if compile and not self.cache.has_recurrent_layers else None)
         self.proposer = (_DraftRows(draft_model, self.batch_size, capacity, compile, self.k, holder=self)
                          if draft_model is not None else
                          _LookupRows(self.batch_size, capacity + self.k + 1, max_ngram_size, self.output_vocab,
@@ -148,22 +183,36 @@ class SpeculativeBatcher(ContinuousBatcher):
             repetition_penalty=penalties[0], presence_penalty=penalties[1], frequency_penalty=penalties[2],
             min_new_tokens=torch.tensor(least, device=self.device) if any(least) else 0, is_eos=self.is_eos)
         made = torch.tensor([len(r.tokens) for r in rows], device=self.device)  # (each row's last included)
-        target_step = self.step_forward
         if merged:
             def target_step(target_input, mask, cache):
                 ids, real = self.with_prompts(merged, target_input, mask)
                 logits = forward_with_cache(self.model, ids, cache, attention_mask=real, logits_to_keep=k + 1).logits
                 self._keep_logits(list(merged), logits[:, -1])
                 return logits
-        tokens, num_emitted, num_accepted, target_logits, _ = rounds.verify_round(
-            self.proposer, target_step, self.cache, self.last, active, History(None, made, self.record))
-        self.last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], self.last)
-        emitted = torch.arange(k + 1, device=self.device)[None, :] < num_emitted[:, None]
-        if self.record.seen is not None or self.record.counts is not None:
-            self.record.add(torch.where(emitted, tokens, V))
-        self.proposer.append(tokens, num_emitted)
+        else:
+            target_step = self.step_forward
+        history = History(None, made, self.record)
         asks = any(self.rows[b].logprobs is not None for b in going)
-        logprobs = token_logprobs(target_logits, tokens.clamp(min=0)).tolist() if asks else None
+        if self.verify_going is not None and not merged:  # (the drafts, then one call of the target)
+            draft_tokens, draft_probs = self.proposer.propose(rounds, self.last, active, history)
+            held = bool(self.eos) and holds_eos_back(rounds.min_new_tokens)
+            rule = (None if rounds.greedy else sampling_rows(*sampling, self.batch_size, self.device),
+                    penalty_rows(*penalties, self.batch_size, self.device), rounds.min_new_tokens if held else None,
+                    self.is_eos if held else None, asks)
+            tokens, num_emitted, num_accepted, committed, chosen = self.verify_going(
+                draft_tokens, draft_probs, rounds.verification_uniforms(active), active, self.last, made, self.cache,
+                self.record, rule)
+            self.proposer.commit(active, committed, num_accepted, draft_tokens)
+            logprobs = chosen.tolist() if asks else None  # (on a GPU the call's outputs are read before the next)
+        else:
+            tokens, num_emitted, num_accepted, target_logits, _ = rounds.verify_round(
+                self.proposer, target_step, self.cache, self.last, active, history)
+            if self.record.seen is not None or self.record.counts is not None:
+                emitted = torch.arange(k + 1, device=self.device)[None, :] < num_emitted[:, None]
+                self.record.add(torch.where(emitted, tokens, V))
+            logprobs = token_logprobs(target_logits, tokens.clamp(min=0)).tolist() if asks else None
+        self.last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], self.last)
+        self.proposer.append(tokens, num_emitted)
         tokens, counts = tokens.tolist(), num_emitted.tolist()
         for b in going:
             self.num_proposed += k

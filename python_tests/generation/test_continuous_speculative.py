@@ -266,10 +266,14 @@ def test_int8_and_compiled_rounds_give_the_eager_tokens(family):
     assert runs[0] == {i: _alone(model, p, n, []) for i, (p, n) in enumerate(zip(prompts, LIMITS))}
 
 
-def test_compiled_rounds_draft_penalised_requests_in_one_call(monkeypatch):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_compiled_rounds_are_a_drafts_call_and_a_targets_call(sampled, monkeypatch):
     """Compiled, a round's drafts with the requests' penalties and eos held back (per row: a request
-    without them beside ones with) are one call of the draft, processed in the call: each request
-    equals generate on its prompt alone, and the eager batcher's tokens and acceptances."""
+    without them beside ones with) are one call of the draft, processed in the call, and the rest
+    of the round one call of the target (its forward, the penalties, verification, the crop, the
+    record, the log-probabilities): the eager batcher's tokens, log-probabilities and acceptances
+    (sampled: from the same seed, with per-request temperatures and filters), and each greedy
+    request equals generate on its prompt alone."""
     from python_tests.generation.test_speculative import count_compiled_calls
 
     target = tiny_model("llama", layers=3)
@@ -280,6 +284,10 @@ def test_compiled_rounds_draft_penalised_requests_in_one_call(monkeypatch):
     eos = [free[0][1]]
     options = [dict(repetition_penalty=1.5, min_new_tokens=3), dict(presence_penalty=0.7, frequency_penalty=0.4),
                dict(), dict(repetition_penalty=0.8, frequency_penalty=1.0, min_new_tokens=6), dict(min_new_tokens=2)]
+    if sampled:
+        for o, sampling in zip(options, [dict(temperature=0.8), dict(temperature=1.2, top_k=20), dict(),
+                                         dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, min_p=0.05)]):
+            o.update(sampling)
     calls = count_compiled_calls(monkeypatch, draft)
     stepped = {"merges": 0, "rounds": 0}  # (a round whose first draft forward takes new prompts steps)
 
@@ -291,22 +299,27 @@ def test_compiled_rounds_draft_penalised_requests_in_one_call(monkeypatch):
 
     monkeypatch.setattr(_DraftRows, "merge", counted(_DraftRows.merge, "merges"))
     monkeypatch.setattr(SpeculativeRounds, "draft", counted(SpeculativeRounds.draft, "rounds"))
-    runs, accepted = [], []
+    runs, logprobs, accepted = [], [], []
     for compile in (False, True):
         batcher = SpeculativeBatcher(model, draft, speculate_k=3, batch_size=3, max_length=28, eos_token_id=eos,
-                                     compile=compile)
+                                     compile=compile, generator=torch.Generator().manual_seed(7))
         for p, o in zip(prompts, options):
-            batcher.submit(p, max_new_tokens=12, **o)
+            batcher.submit(p, max_new_tokens=12, output_logprobs=True, **o)
         stepped.update(merges=0, rounds=0)
         calls.clear()
         runs.append(batcher.run())
+        logprobs.append(batcher.logprobs)
         accepted.append((batcher.num_accepted, batcher.num_proposed))
     assert runs[0] == runs[1] and accepted[0] == accepted[1]
-    for request, o in enumerate(options):
-        assert runs[1][request] == _alone(model, prompts[request], 12, eos, **o), (request, o)
+    for request in runs[0]:
+        torch.testing.assert_close(torch.tensor(logprobs[1][request]), torch.tensor(logprobs[0][request]))
+    if not sampled:
+        for request, o in enumerate(options):
+            assert runs[1][request] == _alone(model, prompts[request], 12, eos, **o), (request, o)
     # compiled: every round in one call of the draft, but those that take new prompts in
     assert calls[("draft", "_drafts")] > 0 and stepped["rounds"] == stepped["merges"] > 0
     assert calls[("draft", "_forward")] == 2 * stepped["merges"]  # (their drafts after the first)
+    assert calls[("target", "_verify_going")] == calls[("draft", "_drafts")]  # (the others' target forwards: eager)
 
 
 def test_what_it_cannot_serve_is_refused():

@@ -35,11 +35,11 @@ from gptfast_kernels.generation.continuous import ContinuousBatcher
 from gptfast_kernels.generation.mtp import is_mtp_model
 from gptfast_kernels.generation.prompt_lookup import lookup_continuations
 from gptfast_kernels.generation.forward import _forward, compiled_function
-from gptfast_kernels.generation.sampling import (TokenRecord, holds_eos_back, penalty_rows, process_logits,
-                                                 sampling_rows, token_logprobs)
+from gptfast_kernels.generation.sampling import (TokenRecord, holds_eos_back, penalty_rows, sampling_rows,
+                                                 token_logprobs)
 from gptfast_kernels.generation.speculative import (DraftModelProposer, History, SpeculativeRounds,
                                                     _check_draft_model)
-from gptfast_kernels.generation.verify_step import target_input, verification_scores, verify_and_crop
+from gptfast_kernels.generation.verify_step import processed_and_verified, target_input
 from gptfast_kernels.models.patch import forward_with_cache
 from gptfast_kernels.ops._dispatch import check_int
 
@@ -56,14 +56,11 @@ def _verify_going(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, 
     [B] or None, the eos columns [V] or None, whether to return log-probabilities). -> (tokens
     [B, k + 1], num_emitted [B], num_accepted [B], committed [B], the tokens' log-probabilities under
     the target's raw logits [B, k + 1] or None)."""
-    filters, penalties, least, is_eos, logprobs = rule
-    k = draft_tokens.shape[1]
+    *processing, logprobs = rule
     logits = _forward(*target_input(last, draft_tokens, active), cache, model=model)
-    columns = torch.arange(k + 1, device=last.device)
-    early = None if least is None else made[:, None] + columns[None, :] < least[:, None]
-    processed = process_logits(logits, record.before_each(draft_tokens), penalties[0], is_eos, early, *penalties[1:])
-    tokens, num_emitted, num_accepted, committed = verify_and_crop(
-        verification_scores(processed, filters), draft_probs, draft_tokens, uniforms, active, cache)
+    tokens, num_emitted, num_accepted, committed = processed_and_verified(
+        logits, draft_tokens, draft_probs, uniforms, active, cache, record, made, processing)
+    columns = torch.arange(draft_tokens.shape[1] + 1, device=last.device)
     record.add(torch.where(columns[None, :] < num_emitted[:, None], tokens, logits.shape[-1]))
     chosen = token_logprobs(logits, tokens.clamp(min=0)) if logprobs else None
     return tokens, num_emitted, num_accepted, committed, chosen

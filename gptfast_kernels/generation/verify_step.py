@@ -136,6 +136,23 @@ def verify_and_crop(scores: torch.Tensor, draft_probs: torch.Tensor | None, draf
     return tokens, num_emitted, num_accepted, committed
 
 
+def processed_and_verified(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                           uniforms: torch.Tensor | None, active: torch.Tensor, cache, record: TokenRecord,
+                           made: torch.Tensor, processing: tuple) -> tuple:
+    """A round's target logits [B, k + 1, V] -> verify_and_crop's (tokens, num_emitted,
+    num_accepted, committed), after the penalties over ``record`` at each position (the row's text
+    and the drafts before it) and the eos held back from a token that would be new token ``made``
+    [B] + i of a row short of its min_new_tokens. ``processing``: (the sampling filters as
+    sampling_rows gives them, None when greedy; penalty_rows's penalties; min_new_tokens [B] or
+    None: no row held back; the eos columns [V], with min_new_tokens)."""
+    filters, penalties, least, is_eos = processing
+    early = None
+    if least is not None:
+        early = made[:, None] + torch.arange(draft_tokens.shape[1] + 1, device=made.device)[None, :] < least[:, None]
+    processed = process_logits(logits, record.before_each(draft_tokens), penalties[0], is_eos, early, *penalties[1:])
+    return verify_and_crop(verification_scores(processed, filters), draft_probs, draft_tokens, uniforms, active, cache)
+
+
 def settle(tokens: torch.Tensor, num_emitted: torch.Tensor, num_accepted: torch.Tensor, target_logits: torch.Tensor,
            active: torch.Tensor, state: RoundState, rule: RoundRule) -> tuple:
     """The round's outcome into ``state``, in place: each row's emitted tokens up to its first eos
@@ -193,14 +210,9 @@ def _verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, 
         target_logits, target_hidden = _forward_with_hidden(tokens_in, mask, cache, model=model)
     else:
         target_logits, target_hidden = _forward(tokens_in, mask, cache, model=model), None
-    early = None
-    if rule.min_new_tokens is not None:  # position i scores new token number num_generated + i of its row
-        made = state.num_generated[:, None] + torch.arange(rule.k + 1, device=active.device)[None, :]
-        early = made < rule.min_new_tokens[:, None]
-    processed = process_logits(target_logits, record.before_each(draft_tokens), rule.penalties[0], rule.is_eos, early,
-                               *rule.penalties[1:])
-    tokens, num_emitted, num_accepted, committed = verify_and_crop(
-        verification_scores(processed, rule.filters), draft_probs, draft_tokens, uniforms, active, cache)
+    tokens, num_emitted, num_accepted, committed = processed_and_verified(
+        target_logits, draft_tokens, draft_probs, uniforms, active, cache, record, state.num_generated,
+        (rule.filters, rule.penalties, rule.min_new_tokens, rule.is_eos))
     slots, values, chosen, emitted = settle(tokens, num_emitted, num_accepted, target_logits, active, state, rule)
     record.add(torch.where(emitted, tokens, target_logits.shape[-1]))  # (nothing without a penalty)
     return slots, values, chosen, committed, num_accepted, target_hidden

@@ -349,15 +349,21 @@ def test_continuous_batching_requests_equal_generate_alone(family, graph_records
 @pytest.mark.parametrize("proposer", ["draft", "lookup"])
 def test_speculative_batching_requests_equal_generate_alone(proposer, graph_records):
     """SpeculativeBatcher on the GPU, compiled (CUDA-graph) rounds of int8 models: rows reused
-    mid-batch give every greedy request the tokens generate gives its prompt alone."""
+    mid-batch give every greedy request the tokens generate gives its prompt alone; the rounds
+    after their drafts are the target's calls (_verify_going), with no CUDA-graph skip."""
+    from torch._dynamo.utils import counters
+
     from gptfast_kernels import SpeculativeBatcher
 
+    skips_before = counters["inductor"]["cudagraph_skips"]
     target = tiny_model("llama", layers=3).cuda()
     patched = patched_copy(target, int8=True)
     draft = patched_copy(draft_of(target).cuda(), int8=True) if proposer == "draft" else None
     _served_as_alone(SpeculativeBatcher(patched, draft, speculate_k=3, batch_size=2, max_length=24, eos_token_id=[],
                                         compile=True), patched, 4)
     _assert_recorded_once(graph_records)
+    assert hasattr(patched, "_gptfast_compiled_verify_going")
+    assert counters["inductor"]["cudagraph_skips"] == skips_before
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -84,9 +84,13 @@ def _prompts():
 
 
 def _submitted(batcher, ids, mask):
+    """One request more than the batch's rows (a finished row's slot is refilled), greedy and sampled
+    in turn; the last, greedy, outlives the others, so that greedy rows run beside sampled ones and
+    alone (a speculative batcher's round is a graph of its own for each) whatever the prompts."""
     B = ids.shape[0]
-    for row in range(B + 1):  # one row more than the batch: a finished row's slot is refilled
-        batcher.submit(ids[row % B][mask[row % B].bool()].tolist(), max_new_tokens=4, temperature=0.5 * (row % 2))
+    for row in range(B + 1):
+        batcher.submit(ids[row % B][mask[row % B].bool()].tolist(), max_new_tokens=4 if row < B else 16,
+                       temperature=0.5 * (row % 2))
     batcher.run()
 
 
@@ -106,7 +110,7 @@ CALLS = {
     "prompt_lookup": lambda target, draft, ids, mask: prompt_lookup_generate(
         target, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True),
     "continuous": lambda target, draft, ids, mask: _submitted(
-        ContinuousBatcher(target, batch_size=ids.shape[0], max_length=24, eos_token_id=[], compile=True), ids, mask),
+        ContinuousBatcher(target, batch_size=ids.shape[0], max_length=28, eos_token_id=[], compile=True), ids, mask),
     "speculative_batcher": lambda target, draft, ids, mask: _submitted(
         SpeculativeBatcher(target, draft, speculate_k=3, batch_size=ids.shape[0], max_length=28, eos_token_id=[],
                            compile=True), ids, mask),

@@ -32,11 +32,10 @@ import torch
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.assistant import is_gemma4_assistant
 from gptfast_kernels.generation.continuous import ContinuousBatcher
+from gptfast_kernels.generation.forward import _forward, compiled_function
 from gptfast_kernels.generation.mtp import is_mtp_model
 from gptfast_kernels.generation.prompt_lookup import lookup_continuations
-from gptfast_kernels.generation.forward import _forward, compiled_function
-from gptfast_kernels.generation.sampling import (TokenRecord, holds_eos_back, penalty_rows, sampling_rows,
-                                                 token_logprobs)
+from gptfast_kernels.generation.sampling import TokenRecord, token_logprobs
 from gptfast_kernels.generation.speculative import (DraftModelProposer, History, SpeculativeRounds,
                                                     _check_draft_model)
 from gptfast_kernels.generation.verify_step import processed_and_verified, target_input
@@ -192,10 +191,8 @@ class SpeculativeBatcher(ContinuousBatcher):
         asks = any(self.rows[b].logprobs is not None for b in going)
         if self.verify_going is not None and not merged:  # (the drafts, then one call of the target)
             draft_tokens, draft_probs = self.proposer.propose(rounds, self.last, active, history)
-            held = bool(self.eos) and holds_eos_back(rounds.min_new_tokens)
-            rule = (None if rounds.greedy else sampling_rows(*sampling, self.batch_size, self.device),
-                    penalty_rows(*penalties, self.batch_size, self.device), rounds.min_new_tokens if held else None,
-                    self.is_eos if held else None, asks)
+            rule = (rounds.sampling_filters(self.batch_size, self.device),
+                    *rounds.logit_rows(self.batch_size, self.device), asks)
             tokens, num_emitted, num_accepted, committed, chosen = self.verify_going(
                 draft_tokens, draft_probs, rounds.verification_uniforms(active), active, self.last, made, self.cache,
                 self.record, rule)

@@ -213,8 +213,9 @@ class SpeculativeRounds:
     presence_penalty: float | torch.Tensor = 0.0
     frequency_penalty: float | torch.Tensor = 0.0
     stop: StopMatcher | None = None  # the stop sequences and strings, or None
-    filter_rows: tuple | None = field(default=None, init=False, repr=False)  # (draft_sampling's)
-    processing_rows: tuple | None = field(default=None, init=False, repr=False)  # (draft_processing's)
+    # what compiled calls read of the options, as [B] tensors, built once per run (sampling_filters', logit_rows')
+    filter_rows: tuple | None = field(default=None, init=False, repr=False)
+    processing_rows: tuple | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def checked(cls, op, model, input_ids, attention_mask, max_new_tokens, speculate_k, temperature, top_k, top_p,
@@ -298,16 +299,31 @@ class SpeculativeRounds:
         if self.drafts_unprocessed(history):
             return None
         generated = history.num_generated
+        penalties, least, is_eos = self.logit_rows(generated.shape[0], generated.device)
+        return DraftProcessing(history.record, generated, penalties, is_eos, least)
+
+    def logit_rows(self, batch_size: int, device: torch.device) -> tuple:
+        """What a compiled call processes logits with: (penalty_rows's penalties, min_new_tokens [B],
+        the eos columns [V]; the last two None where no row is held back)."""
         if self.processing_rows is None:  # (the same for every round of a run)
-            B, device = generated.shape[0], generated.device
-            penalties = penalty_rows(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, B,
-                                     device)
-            held = bool(self.eos) and holds_eos_back(self.min_new_tokens)
-            least = self.min_new_tokens
-            if held and not isinstance(least, torch.Tensor):
-                least = torch.full((B,), least, device=device)
-            self.processing_rows = (penalties, self.is_eos if held else None, least if held else None)
-        return DraftProcessing(history.record, generated, *self.processing_rows)
+            penalties = penalty_rows(self.repetition_penalty, self.presence_penalty, self.frequency_penalty,
+                                     batch_size, device)
+            least = None
+            if self.eos and holds_eos_back(self.min_new_tokens):
+                least = self.min_new_tokens
+                if not isinstance(least, torch.Tensor):
+                    least = torch.full((batch_size,), least, device=device)
+            self.processing_rows = (penalties, least, None if least is None else self.is_eos)
+        return self.processing_rows
+
+    def sampling_filters(self, batch_size: int, device: torch.device) -> tuple | None:
+        """What a compiled call samples with: temperature, top_k, top_p, min_p as sampling_rows gives
+        them; None when greedy."""
+        if self.greedy:
+            return None
+        if self.filter_rows is None:  # (the same for every round of a run)
+            self.filter_rows = sampling_rows(self.temperature, self.top_k, self.top_p, self.min_p, batch_size, device)
+        return self.filter_rows
 
     def draft_uniforms(self, rows: torch.Tensor) -> torch.Tensor | None:
         """A round's draws for sampling its drafts, [B, k] float64 uniforms from the generator (draft i
@@ -324,10 +340,7 @@ class SpeculativeRounds:
         uniforms = self.draft_uniforms(rows)
         if uniforms is None:
             return None
-        if self.filter_rows is None:  # (the same for every round of a run)
-            self.filter_rows = sampling_rows(self.temperature, self.top_k, self.top_p, self.min_p, uniforms.shape[0],
-                                             uniforms.device)
-        return uniforms, *self.filter_rows
+        return uniforms, *self.sampling_filters(rows.shape[0], rows.device)
 
     def draft(self, history: History, logits: torch.Tensor, advance: Callable[[torch.Tensor], torch.Tensor]
               ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -19,9 +19,9 @@ A round's tokens are read on the host, as ContinuousBatcher's steps read theirs:
 limits of each request are applied there, and a request keeps its tokens up to the one that ended
 it. Compiled, a round is two calls (CUDA graphs): the draft model's k drafts, then the target's
 forward with everything up to those tokens (the penalties, the eos held back, verification, the
-crop, the penalties' record; ``_verify_going``), unless the round takes new prompts in (their
-forwards are as wide as the prompts) or the target has recurrent states (whose rollback is
-bookkeeping of its own): then the target's forward is a compiled call and the rest runs op by op.
+crop, a hybrid's recurrent states rolled back, the penalties' record; ``_verify_going``), unless
+the round takes new prompts in (their forwards are as wide as the prompts): then the target's
+forward is a compiled call and the rest runs op by op.
 Not served: MTP heads and Gemma 4 assistants as drafts (speculative_generate takes them).
 """
 
@@ -96,9 +96,8 @@ class SpeculativeBatcher(ContinuousBatcher):
                          generator=generator, compile=compile, tokenizer=tokenizer,
                          max_prefill_tokens=max_prefill_tokens, reuse_prefixes=reuse_prefixes)
         capacity = self.max_length + self.k
-        # compiled, a round after its drafts is one call of the target (without recurrent states: _verify_going)
-        self.verify_going = (compiled_function(model, _verify_going, "verify_going")
-                             if compile and not self.cache.has_recurrent_layers else None)
+        # compiled, a round after its drafts is one call of the target (_verify_going)
+        self.verify_going = compiled_function(model, _verify_going, "verify_going") if compile else None
         self.proposer = (_DraftRows(draft_model, self.batch_size, capacity, compile, self.k, holder=self)
                          if draft_model is not None else
                          _LookupRows(self.batch_size, capacity + self.k + 1, max_ngram_size, self.output_vocab,
@@ -191,6 +190,7 @@ class SpeculativeBatcher(ContinuousBatcher):
         asks = any(self.rows[b].logprobs is not None for b in going)
         if self.verify_going is not None and not merged:  # (the drafts, then one call of the target)
             draft_tokens, draft_probs = self.proposer.propose(rounds, self.last, active, history)
+            self.cache.checkpoint()  # (a hybrid's recurrent states: the call's crop rolls them back)
             rule = (rounds.sampling_filters(self.batch_size, self.device),
                     *rounds.logit_rows(self.batch_size, self.device), asks)
             tokens, num_emitted, num_accepted, committed, chosen = self.verify_going(

@@ -133,9 +133,7 @@ class MtpProposer:
         self.cache = cache_for(mtp, batch_size, capacity, device, dtype, reuse=compile, step_tokens=k + 1,
                                role="draft")
         self.step = mtp_step_function(mtp, compile)
-        # compiled, a round's drafts are one call (a layer with recurrent states would step: as DraftModelProposer)
-        self.drafts = (compiled_function(mtp, _mtp_drafts, "mtp_drafts")
-                       if compile and not self.cache.has_recurrent_layers else None)
+        self.drafts = compiled_function(mtp, _mtp_drafts, "mtp_drafts") if compile else None  # (a round's drafts)
         self.prefill_step = mtp_step_function(mtp, False)  # (prompt lengths vary: eager, as a model's prefill)
         self.tokens = torch.zeros(batch_size, k + 1, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(batch_size, k + 1, mtp.config.hidden_size, dtype=dtype, device=device)

@@ -137,9 +137,8 @@ class DraftModelProposer:
         self.cache = cache_for(draft_model, batch_size, capacity, device, dtype, reuse=compile, step_tokens=k + 1,
                                role="draft", holder=holder)
         self.step = step_function(draft_model, compile)
-        # compiled, a round's drafts are one call (a draft with recurrent states drafts step by step:
-        # its states' history is kept per forward)
-        self.drafts = drafts_function(draft_model) if compile and not self.cache.has_recurrent_layers else None
+        # compiled, a round's drafts are one call (a hybrid draft's forwards record its states' history there)
+        self.drafts = drafts_function(draft_model) if compile else None
         self.pending = torch.full((batch_size,), -1, dtype=torch.int64, device=device)
 
     def prefill(self, prompt: common.Prompt, target_hidden=None) -> None:
@@ -160,9 +159,9 @@ class DraftModelProposer:
                             lambda token: self.step(token[:, None], active[:, None], self.cache)[:, -1])
 
     def drafts_in_one_call(self, rounds: "SpeculativeRounds", history: "History") -> bool:
-        """Whether this round's drafts are one compiled call (compiled, no recurrent states; the
-        penalties and the eos held back processed in the call: draft_processing); else
-        ``first_logits``, then a step per draft."""
+        """Whether this round's drafts are one compiled call (compiled; the penalties and the eos
+        held back processed in the call: draft_processing); else ``first_logits``, then a step per
+        draft."""
         return self.drafts is not None
 
     def first_logits(self, first_input: torch.Tensor, first_mask: torch.Tensor) -> torch.Tensor:
@@ -410,12 +409,6 @@ class SpeculativeRounds:
         forwards = self.round_forwards(proposer, target_step, target_cache, last, active, history)
         return (*self.verify(proposer, target_cache, active, history, forwards), *forwards[2:])
 
-    def rounds_in_one_call(self, target_cache: StaticKVCache) -> bool:
-        """Whether each round after its drafts is one compiled call of the target (verify_step: its
-        forward, the penalties, verification and the rows' state, stop patterns included): compiled,
-        with no recurrent states in the target's cache."""
-        return self.compile and not target_cache.has_recurrent_layers
-
     def run(self, make_proposer: Callable[[int, StaticKVCache], Proposer]) -> SpeculativeOutput:
         """``make_proposer(capacity, target_cache)``: the proposer, given the cache length the rounds
         need and the target's cache (which a Gemma 4 assistant reads)."""
@@ -477,7 +470,9 @@ class SpeculativeRounds:
             state.stop_state.copy_(states[:, 0])
         state.count_remaining(rule.max_new_tokens)
         history = History(out, state.num_generated, record)
-        one_call = verify_function(model) if self.rounds_in_one_call(target_cache) else None
+        # compiled, each round after its drafts is one call of the target (verify_step: its forward, the
+        # penalties, verification, the crop (a hybrid's states rolled back) and the rows' state)
+        one_call = verify_function(model) if self.compile else None
         # (compiled rounds on a GPU: the host queues the next round before the last has ended, unless a
         # streamer waits for each round's tokens anyway)
         watch = EndWatch(state.remaining, k + 1,
@@ -487,6 +482,7 @@ class SpeculativeRounds:
             active = ~state.finished
             if one_call is not None:  # the drafts, then one call: the target's forward and the rest
                 draft_tokens, draft_probs = proposer.propose(self, state.last, active, history)
+                target_cache.checkpoint()  # (a hybrid target's recurrent states: the call's crop rolls them back)
                 slots, values, chosen, committed, num_accepted, target_hidden = one_call(
                     draft_tokens, draft_probs, self.verification_uniforms(active), active, state, target_cache, rule,
                     record, takes_hidden)

@@ -2,8 +2,8 @@
 drafts, the k + 1 positions verified against the drafts, the target's cache cut to each row's
 committed tokens, and the rows' state advanced (the emitted tokens up to an eos, a stop pattern or
 the row's limit, the counts, the stop automata's states: a gather per token, on the device; the
-penalties' record, which grows by the emitted tokens), in one compiled call when nothing outside
-it has to run between those (no recurrent states, whose rollback is bookkeeping of its own).
+penalties' record, which grows by the emitted tokens; a hybrid target's recurrent states rolled
+back by the crop), in one compiled call.
 
 Done op by op after the forward, that is some forty small kernels a round, each a launch on a GPU
 and a dispatch on a CPU, between the target's forward and the next round's drafts; and a compiled

@@ -248,11 +248,16 @@ def test_sampled_requests_follow_the_target_distribution(proposer):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
-def test_int8_and_compiled_rounds_give_the_eager_tokens(family):
+def test_int8_and_compiled_rounds_give_the_eager_tokens(family, monkeypatch):
+    """Compiled rounds (a hybrid's too: its drafts and its round after them each one call, the
+    recurrent states rolled back in them) give the eager rounds' tokens and acceptances."""
+    from python_tests.generation.test_speculative import count_compiled_calls
+
     target = tiny_model(family, layers=3)
     model = patched_copy(target, int8=True)
     draft = _draft(target, int8=True)
     prompts = _prompts(1)
+    calls = count_compiled_calls(monkeypatch, draft)
     runs, accepted = [], []
     for compile in (False, True):
         batcher = SpeculativeBatcher(model, draft, speculate_k=2, batch_size=2, max_length=20, eos_token_id=[],
@@ -264,6 +269,7 @@ def test_int8_and_compiled_rounds_give_the_eager_tokens(family):
     # forward takes new prompts (merged), which drafts step by step
     assert accepted[0] == accepted[1]
     assert runs[0] == {i: _alone(model, p, n, []) for i, (p, n) in enumerate(zip(prompts, LIMITS))}
+    assert calls[("target", "_verify_going")] == calls[("draft", "_drafts")] > 0
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])

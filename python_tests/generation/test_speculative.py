@@ -455,6 +455,26 @@ def test_compiled_rounds_with_a_streamer_are_one_call(proposer, monkeypatch):
             assert new < NEW and int(outputs[1][0, -1]) == options["eos_token_id"]
 
 
+@pytest.mark.parametrize("settling", ["eos_held_back", "stops", "penalties_per_row"])
+def test_a_hybrid_targets_compiled_rounds_verify_in_its_call(settling, monkeypatch):
+    """A hybrid target (Qwen3.5: gated delta nets beside attention) and draft: the round after its
+    drafts is one call of the target, its crop rolling each row's recurrent states back in the call,
+    with generate's ways of picking and ending: tokens, acceptances and log-probabilities equal the
+    eager rounds' from the same seed."""
+    _, patched, draft = _pair("qwen3_5_text", True)
+    ids, mask = ragged_prompts(3, 6, "left", seed=3)
+    options = dict(max_new_tokens=NEW, speculate_k=3, eos_token_id=[], output_logprobs=True)
+    options.update(PICKING[settling])
+    calls = count_compiled_calls(monkeypatch, draft)
+    eager, compiled = (speculative_generate(patched, draft, ids, mask, compile=compile,
+                                            generator=torch.Generator().manual_seed(4), **options)
+                       for compile in (False, True))
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch.equal(compiled.num_accepted, eager.num_accepted)
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs)
+    assert calls[("target", "_verify_round")] > 0 and calls[("target", "_forward")] == 0
+
+
 @pytest.mark.parametrize("ending", ["limits", "eos", "eos_sampled"])
 def test_lagged_watch_queues_rounds_before_the_last_ends(ending, monkeypatch):
     """Compiled rounds on a GPU ask whether every row has finished one round late (EndWatch,
@@ -533,9 +553,15 @@ def test_new_round_values_reuse_the_compiled_verification():
 # (hybrids: their states roll back in the graph, each kind of one-pass block: Qwen3.5's gated delta nets, Bamba's
 # Mamba-2 mixers, Jamba's Mamba mixers, LFM2's short convolutions, Kimi Linear's delta attention)
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text", "bamba", "jamba", "lfm2", "kimi_linear"])
-def test_compiled_rounds_give_the_same_tokens(family):
+def test_compiled_rounds_give_the_same_tokens(family, monkeypatch):
+    """Compiled rounds equal eager ones; a round's drafts are one call of the draft and the rest one
+    call of the target, a hybrid's too (their forwards record the recurrent states, the crop in the
+    target's call rolls each row's back to its committed tokens, the draft's commit its own)."""
     _, patched, draft = _pair(family, True)
+    calls = count_compiled_calls(monkeypatch, draft)
     assert_compiled_rounds_equal_eager(patched, draft, ragged_prompts(2, 6, "left"))
+    assert calls[("target", "_verify_round")] == calls[("draft", "_drafts")] > 0
+    assert calls[("target", "_forward")] == calls[("draft", "_forward")] == 0
 
 
 # how a drafter's compiled rounds are checked against eager ones (assert_compiled_rounds_draft_in_one_call): greedy;

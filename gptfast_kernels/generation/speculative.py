@@ -459,10 +459,9 @@ class SpeculativeRounds:
                                  stop_automata=0 if stop is None else len(stop.tables))
         state.last.copy_(last)
         state.num_generated.fill_(1)
-        rule = RoundRule.build(k, B, device, V, self.greedy, (self.temperature, self.top_k, self.top_p, self.min_p),
+        rule = RoundRule.build(k, B, device, self.sampling_filters(B, device), self.logit_rows(B, device),
                                self.max_new_tokens, self.min_new_tokens, self.eos, pad, self.output_logprobs,
-                               dump=out.shape[1] - 1, stop=stop,
-                               penalties=(self.repetition_penalty, self.presence_penalty, self.frequency_penalty))
+                               dump=out.shape[1] - 1, stop=stop)
         state.finished.copy_(torch.isin(last, eos_ids) | (state.num_generated >= rule.max_new_tokens))
         if stop is not None:  # (the first token: a stop counts with no min_new_tokens)
             hits, states = stop.scan(stop.start(B), last[:, None])

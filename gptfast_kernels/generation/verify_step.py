@@ -25,9 +25,8 @@ import torch
 
 from gptfast_kernels.generation.end_watch import count_remaining
 from gptfast_kernels.generation.forward import _forward, _forward_with_hidden, compiled_function
-from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, eos_id_tensor, holds_eos_back,
-                                                 kept_on_model, logits_to_probs, penalty_rows, process_logits,
-                                                 sampling_rows, token_logprobs)
+from gptfast_kernels.generation.sampling import (TokenRecord, eos_id_tensor, kept_on_model, logits_to_probs,
+                                                 process_logits, token_logprobs)
 from gptfast_kernels.generation.stopping import StopMatcher
 from gptfast_kernels.ops.verify_draft import verify_draft
 
@@ -91,26 +90,22 @@ class RoundRule(NamedTuple):
     dump: torch.Tensor                   # 0-d int64: the output column that takes the writes of tokens not emitted
     stop_tables: tuple | None            # StopMatcher's tables; None: no stop pattern
     stops_from: torch.Tensor | None      # [B]: a stop pattern counts from that many new tokens on (with stop_tables)
-    penalties: tuple = (None, 0.0, 0.0)  # (repetition, presence, frequency), as penalty_rows gives them
+    penalties: tuple                     # (repetition, presence, frequency), as penalty_rows gives them
 
     @classmethod
-    def build(cls, k: int, batch_size: int, device: torch.device, vocab_size: int, greedy: bool, sampling: tuple,
+    def build(cls, k: int, batch_size: int, device: torch.device, filters: tuple | None, logit_rows: tuple,
               max_new_tokens, min_new_tokens, eos: list[int], pad: int, logprobs: bool, dump: int,
-              stop: StopMatcher | None = None, penalties: tuple = (None, 0.0, 0.0)) -> "RoundRule":
-        """From check_decode_options's values (numbers, or per-row [B] tensors); ``sampling``: its
-        (temperature, top_k, top_p, min_p); ``stop``: its stop matcher; ``penalties``: its
-        (repetition, presence, frequency)."""
-        def rows(value):  # (a [B] layout of its own, not a stride-0 view: one graph either way)
-            return value if isinstance(value, torch.Tensor) else torch.full((batch_size,), value, device=device)
-
-        eos_ids = eos_id_tensor(eos, device)
-        held = eos_ids is not None and holds_eos_back(min_new_tokens)
-        return cls(k, None if greedy else sampling_rows(*sampling, batch_size, device),
-                   rows(min_new_tokens) if held else None, rows(max_new_tokens), eos_ids,
-                   eos_columns(eos_ids, vocab_size) if held else None, pad, logprobs,
+              stop: StopMatcher | None = None) -> "RoundRule":
+        """From check_decode_options's values (numbers, or per-row [B] tensors), ``filters`` and
+        ``logit_rows`` as SpeculativeRounds.sampling_filters and logit_rows give them (the [B]
+        options the round's drafts call reads too); ``stop``: its stop matcher, whose patterns count
+        from ``min_new_tokens`` on."""
+        penalties, least, is_eos = logit_rows
+        max_rows = max_new_tokens if isinstance(max_new_tokens, torch.Tensor) else torch.full(
+            (batch_size,), max_new_tokens, device=device)  # (a [B] layout of its own, not a stride-0 view)
+        return cls(k, filters, least, max_rows, eos_id_tensor(eos, device), is_eos, pad, logprobs,
                    torch.tensor(dump, dtype=torch.int64, device=device), None if stop is None else tuple(stop.tables),
-                   None if stop is None else StopMatcher.counting_from(min_new_tokens, batch_size, device),
-                   penalty_rows(*penalties, batch_size, device))
+                   None if stop is None else StopMatcher.counting_from(min_new_tokens, batch_size, device), penalties)
 
 
 def verification_scores(processed: torch.Tensor, filters: tuple | None) -> torch.Tensor:

@@ -20,6 +20,9 @@ Then ``speculative_verify`` and ``speculative_sampled_verify``: a compiled round
 rest run eagerly after it; ``speculative_penalised_verify`` with the penalties (their record
 written in the call); ``speculative_batcher_verify`` the same for a ``SpeculativeBatcher`` (the
 demo's draft, 4 requests of 128 new tokens on 2 rows; its tokens/s counts every request's).
+``continuous_decode``: a compiled ``ContinuousBatcher``'s step, the pick from the kept logits and
+the decode forward in one call (generation/continuous.py's ``_decode_going``, the package's way)
+against the pick run eagerly and the forward compiled alone (the same requests, the target alone).
 Then ``speculative_watch``: compiled greedy rounds whose host reads whether
 every row has finished one round late (generation/end_watch.py's EndWatch, the package's way on
 a GPU), queuing the next round while the last runs, against reading it after each round (the way
@@ -37,7 +40,7 @@ import torch
 
 import gptfast_kernels.generation.speculative as speculative_module
 from bench.bench_speculative import demo_models
-from gptfast_kernels import SpeculativeBatcher, generate, patch_model, speculative_generate
+from gptfast_kernels import ContinuousBatcher, SpeculativeBatcher, generate, patch_model, speculative_generate
 from gptfast_kernels.generation.decode_step import decode_function
 from gptfast_kernels.generation.forward import drafts_function, step_function
 from gptfast_kernels.generation.end_watch import EndWatch
@@ -51,7 +54,7 @@ SPECULATE_K = 4
 SAMPLED_TEMPERATURE = 0.8  # the sampled rows' (speculative_sampled_drafts, generate_sampled_pick)
 # (greedy) generate_penalised_pick's, speculative_penalised_drafts' and speculative_penalised_verify's
 PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2)
-BATCHER_REQUESTS, BATCHER_ROWS = 4, 2  # speculative_batcher_verify's
+BATCHER_REQUESTS, BATCHER_ROWS = 4, 2  # speculative_batcher_verify's and continuous_decode's
 
 
 def _patched_pair(target, draft, module_guards: bool):
@@ -118,6 +121,19 @@ def run(h) -> None:
     _compare_ways(h, "speculative_batcher_verify", {"verify_in_one_call": lambda: batched(True),
                                                     "verify_op_by_op": lambda: batched(False)},
                   baseline="verify_op_by_op", new_tokens=NEW_TOKENS * BATCHER_REQUESTS)
+
+    def continuous(one_call: bool):
+        batcher = ContinuousBatcher(target_model, batch_size=BATCHER_ROWS,
+                                    max_length=max(map(len, prompts)) + NEW_TOKENS, eos_token_id=[], compile=True)
+        if not one_call:
+            batcher.decode_going = None
+        for prompt in prompts:
+            batcher.submit(prompt, max_new_tokens=NEW_TOKENS)
+        return torch.tensor(list(batcher.run().values()))
+
+    _compare_ways(h, "continuous_decode", {"pick_in_the_call": lambda: continuous(True),
+                                           "pick_eagerly": lambda: continuous(False)},
+                  baseline="pick_eagerly", new_tokens=NEW_TOKENS * BATCHER_REQUESTS)
     # the rows' end read a round late (the package's way on a GPU) against after each round
     lagged_on_this_device = (torch.device(h.device).type,)
     candidates = {"read_a_round_late": lambda: _watched(lagged_on_this_device, calls["speculative"], pairs["default"]),

@@ -6,7 +6,10 @@ Orca and vLLM, on a static cache): each ``step`` samples one token for every run
 retires the requests that ended (an eos id, or their own ``max_new_tokens``), puts waiting requests
 into the freed rows (their cache rows emptied) and runs one forward: each going row's new token and
 each new row's prompt, left-padded into one [B, W] input (idle rows are padding, which writes
-nothing); a step without new prompts is the decode step (a CUDA graph with ``compile``).
+nothing). With ``compile``, a step that starts with every running prompt in is one compiled call
+(a CUDA graph; ``_decode_going``): the pick from the kept logits, the penalties' record, then the
+decode step's forward, whose logits it keeps in place; the host then reads the tokens, and prompts
+that come in go through a forward of their own, the going rows as padding.
 
 Each request keeps its own options, as ``generate`` takes them for a call: sampling arguments
 (per-row temperature / top-k / top-p / min-p), penalties (repetition / presence / frequency, each
@@ -35,12 +38,38 @@ from dataclasses import dataclass, field
 import torch
 
 from gptfast_kernels.generation import common
-from gptfast_kernels.generation.forward import cache_for, step_function
+from gptfast_kernels.generation.forward import _forward, cache_for, compiled_function, step_function
 from gptfast_kernels.generation.sampling import (TokenRecord, check_penalties, check_sampling_args, eos_columns,
-                                                 pick_tokens, process_logits, token_logprobs)
+                                                 logits_to_probs, penalty_rows, pick_tokens, process_logits,
+                                                 sample_by_uniform, sampling_rows, token_logprobs)
 from gptfast_kernels.generation.stopping import check_stop_sequences, check_stop_strings, token_bytes
 from gptfast_kernels.modules.state_history import row_mask
 from gptfast_kernels.ops._dispatch import check_int
+
+
+BUFFERS_ATTRIBUTE = "_gptfast_batcher_buffers"  # where a compiled batcher's cache keeps its row buffers (a dict)
+
+
+def _decode_going(logits: torch.Tensor, going: torch.Tensor, uniforms: torch.Tensor | None,
+                  early: torch.Tensor | None, cache, record: TokenRecord, rule: tuple, model=None) -> tuple:
+    """A ContinuousBatcher step whose running prompts are all in, as one call: each row's next token
+    from ``logits`` [B, V] (the kept next-token logits: the penalties over ``record``, the eos held
+    back where ``early`` [B], then the argmax, or with ``uniforms`` [B] float64 a sample at them),
+    the ``going`` [B] rows' tokens into ``record``, then the decode forward over them (other rows:
+    padding), whose logits go into ``logits``, in place. ``rule``: (sampling filters as
+    sampling_rows gives them, penalty_rows's penalties, the eos columns [V], whether to return
+    log-probabilities). -> (tokens [B], their log-probabilities under the raw logits [B] or None)."""
+    filters, penalties, is_eos, logprobs = rule
+    processed = process_logits(logits, record, penalties[0], is_eos, early, *penalties[1:])
+    if uniforms is None:
+        tokens = processed.argmax(dim=-1)
+    else:
+        tokens = sample_by_uniform(logits_to_probs(processed, *filters), uniforms)
+    record.add(torch.where(going, tokens, logits.shape[-1])[:, None])
+    chosen = token_logprobs(logits, tokens) if logprobs else None
+    new = _forward(torch.where(going, tokens, 0)[:, None], going[:, None], cache, model=model)[:, -1]
+    logits.copy_(torch.where(going[:, None], new.float(), logits))
+    return tokens, chosen
 
 
 @dataclass
@@ -134,6 +163,11 @@ class ContinuousBatcher:
         self.reused_tokens = 0
         self.compile = compile
         self.step_forward = step_function(model, compile)
+        # compiled, a step whose running prompts are all in is one call (_decode_going; not a subclass's rounds)
+        self.decode_going = (compiled_function(model, _decode_going, "decode_going")
+                             if compile and type(self).step is ContinuousBatcher.step else None)
+        self.going_mask = (None, None)  # (the going rows, their [B] mask on the device) of the last decoded step
+        self.decode_rule = (None, None, None)  # (arguments, sampling_rows's, penalty_rows's) for decoded steps
         self.output_vocab = common.output_vocab_size(model)
         self.tokenizer = tokenizer
         self.token_text = None  # each token id's bytes (token_bytes), read when a stop string first comes
@@ -194,8 +228,9 @@ class ContinuousBatcher:
         in their rows, and the next part of the prompts going in."""
         ended, self.last_tokens, self.last_logprobs = {}, {}, {}
         going = [b for b, r in enumerate(self.rows) if r is not None and r.filled == len(r.prompt)]
+        decoded = bool(going) and self.decode_going is not None and len(going) == self.running
         if going:
-            tokens, logprobs = self._sample(going)
+            tokens, logprobs = self._decoded(going) if decoded else self._sample(going)
             for b in going:
                 request = self.rows[b]
                 self._take(b, [tokens[b]], None if logprobs is None else [logprobs[b]], ended)
@@ -205,7 +240,9 @@ class ContinuousBatcher:
             going = [b for b in going if self.rows[b] is not None]
         self._admit()
         spans = self._prompt_spans()
-        if going or spans:
+        if decoded and spans:  # (the going rows are decoded: their states kept through the prompts' forward)
+            self._keep_logits(list(spans), self._run(self.model, self.cache, self.step_forward, [], spans, going))
+        elif (going or spans) and not decoded:
             self._forward(going, spans)
         return ended
 
@@ -331,10 +368,9 @@ class ContinuousBatcher:
         for every row, when the first request that reads it arrives)."""
         V = self.output_vocab
         if self.record.seen is None and any(self.rows[b].penalties[0] is not None for b in rows):
-            self.record.seen = self._static(torch.zeros(self.batch_size, V + 1, dtype=torch.bool, device=self.device))
+            self.record.seen = self._buffer("seen", (self.batch_size, V + 1), torch.bool)
         if self.record.counts is None and any(any(self.rows[b].penalties[1:]) for b in rows):
-            self.record.counts = self._static(torch.zeros(self.batch_size, V + 1, dtype=torch.int32,
-                                                          device=self.device))
+            self.record.counts = self._buffer("counts", (self.batch_size, V + 1), torch.int32)
         for b in rows:
             if self.record.seen is not None:
                 prompt = torch.tensor(self.rows[b].prompt, device=self.device)
@@ -343,12 +379,20 @@ class ContinuousBatcher:
             if self.record.counts is not None:
                 self.record.counts[b] = 0
 
-    def _static(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor``, marked static when the steps are compiled (a compiled call that writes it in
-        place, a SpeculativeBatcher's round, then replays its CUDA graph where it is)."""
-        if self.compile:
-            torch._dynamo.mark_static_address(tensor)
-        return tensor
+    def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed buffer of the batcher's rows that compiled calls write in place (the kept logits,
+        the penalties' record). Compiled, it is kept beside the cache, marked static: the cache is
+        the model's, held by one living batcher at a time (cache_for), so the next batcher on it
+        finds the buffer where the last one left it (on a GPU: the CUDA graphs replayed, not
+        recorded again)."""
+        if not self.compile:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        kept = vars(self.cache).setdefault(BUFFERS_ATTRIBUTE, {})
+        key = (name, tuple(shape), dtype)
+        if key not in kept:
+            kept[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+            torch._dynamo.mark_static_address(kept[key])
+        return kept[key].zero_()
 
     def _forward(self, going: list[int], spans: dict[int, tuple[int, int]]) -> None:
         """The next-token logits of the going rows (after their last token) and of the rows whose
@@ -364,8 +408,8 @@ class ContinuousBatcher:
 
     def _keep_logits(self, rows: list[int], logits: torch.Tensor) -> None:
         """``rows``' next-token logits (from ``logits`` [B, V]) for the next sampling."""
-        if self.logits is None:
-            self.logits = torch.zeros(logits.shape, dtype=torch.float32, device=self.device)
+        if self.logits is None:  # (a decoded step writes it in place)
+            self.logits = self._buffer("logits", tuple(logits.shape), torch.float32)
         rows = torch.tensor(rows, device=self.device)
         self.logits[rows] = logits[rows].float()
 
@@ -435,16 +479,41 @@ class ContinuousBatcher:
         mask[:, width - T:] = torch.where(chosen, mask[:, width - T:], tail_mask)
         return ids, mask
 
+    def _decoded(self, going: list[int]) -> tuple[list[int], list[float] | None]:
+        """As ``_sample``, then the decode forward over the ``going`` rows' new tokens (every running
+        row), in one compiled call (``_decode_going``); the tokens and log-probabilities read on the
+        host before the next call."""
+        if self.going_mask[0] != going:
+            self.going_mask = (going, self._rows(going))
+        sampling, penalties = self._arguments()
+        temperature = sampling[0]
+        uniforms = None
+        if isinstance(temperature, torch.Tensor) or temperature != 0:  # (drawn as pick_tokens draws them)
+            uniforms = torch.rand(self.batch_size, dtype=torch.float64, device=self.device, generator=self.generator)
+        asks = any(self.rows[b].logprobs is not None for b in going)
+        if self.decode_rule[0] is not self.arguments:  # (built when the rows change, as the arguments)
+            self.decode_rule = (self.arguments, sampling_rows(*sampling, self.batch_size, self.device),
+                                penalty_rows(*penalties, self.batch_size, self.device))
+        rule = (() if uniforms is None else self.decode_rule[1], self.decode_rule[2], self.is_eos, asks)
+        tokens, chosen = self.decode_going(self.logits, self.going_mask[1], uniforms, self._early(), self.cache,
+                                           self.record, rule)
+        return tokens.tolist(), chosen.tolist() if asks else None
+
+    def _early(self) -> torch.Tensor | None:
+        """[B] bool: the rows whose eos ids are held back (short of their min_new_tokens; idle rows
+        take the first running row's), None when none is."""
+        rows = [r if r is not None else next(q for q in self.rows if q is not None) for r in self.rows]
+        if self.eos and any(len(r.tokens) < r.min_new_tokens for r in rows):
+            return torch.tensor([len(r.tokens) < r.min_new_tokens for r in rows], device=self.device)
+        return None
+
     def _sample(self, going: list[int]) -> tuple[list[int], list[float] | None]:
         """Each row's next token from ``self.logits`` (its request's penalties, min_new_tokens and
         sampling arguments) and, if a request of ``going`` asks, its log-probability under the raw
         logits, read on the host; the penalties' record takes the tokens of the ``going`` rows."""
-        rows = [r if r is not None else self.rows[going[0]] for r in self.rows]
         sampling, penalties = self._arguments()
-        early = None
-        if self.eos and any(len(r.tokens) < r.min_new_tokens for r in rows):
-            early = torch.tensor([len(r.tokens) < r.min_new_tokens for r in rows], device=self.device)
-        processed = process_logits(self.logits, self.record, penalties[0], self.is_eos, early, *penalties[1:])
+        processed = process_logits(self.logits, self.record, penalties[0], self.is_eos, self._early(),
+                                   *penalties[1:])
         tokens = pick_tokens(processed, *sampling, self.generator)
         if self.record.seen is not None or self.record.counts is not None:
             self.record.add(torch.where(self._rows(going), tokens, self.output_vocab)[:, None])

@@ -174,11 +174,12 @@ def settle(tokens: torch.Tensor, num_emitted: torch.Tensor, num_accepted: torch.
     chosen = None
     if rule.logprobs:
         chosen = torch.where(emitted, token_logprobs(target_logits, tokens.clamp(min=0)), 0.0)
-    state.num_generated.add_(emitted.sum(dim=1))
+    count = emitted.sum(dim=1)
+    state.num_generated.add_(count)
     state.finished.copy_(state.finished | ends.any(dim=1) | (state.num_generated >= rule.max_new_tokens))
     state.last.copy_(last)
     if rule.stop_tables is not None:
-        state.stop_state.copy_(StopMatcher.after(stop_states, state.stop_state, emitted.sum(dim=1)))
+        state.stop_state.copy_(StopMatcher.after(stop_states, state.stop_state, count))
     state.count_remaining(rule.max_new_tokens)
     return slots, values, chosen, emitted
 

@@ -377,3 +377,49 @@ def test_prefix_reuse_is_refused_where_positions_do_not_stay():
                           reuse_prefixes=True)
     with pytest.raises(ValueError, match="reuse_prefixes"):
         ContinuousBatcher(patched_copy(tiny_model("llama"), int8=False), batch_size=2, reuse_prefixes="yes")
+
+
+@pytest.mark.parametrize("family,sampled", [("llama", False), ("llama", True), ("mistral", True),
+                                            ("qwen3_5_text", False), ("qwen3_5_text", True)])
+def test_compiled_steps_pick_and_decode_in_one_call(family, sampled, monkeypatch):
+    """Compiled, a step that starts with every running prompt in is one call (the pick from the kept
+    logits with the requests' penalties, eos held back and sampling, the record, the decode forward),
+    prompts coming in after it in a forward of their own: the eager batcher's tokens and
+    log-probabilities (sampled: from the same seed, with per-request temperatures and filters), and
+    each greedy request equals generate on its prompt alone."""
+    from python_tests.generation.test_speculative import count_compiled_calls
+
+    model = patched_copy(tiny_model(family, layers=3), int8=False)
+    prompts = _prompts(6)
+    free = [_alone(model, p, 10, []) for p in prompts]
+    eos = [free[0][1]]
+    options = [dict(repetition_penalty=1.5, min_new_tokens=3), dict(presence_penalty=0.7, frequency_penalty=0.4),
+               dict(), dict(repetition_penalty=0.8, frequency_penalty=1.0, min_new_tokens=6), dict(min_new_tokens=2),
+               dict(stop_sequences=[free[5][2:4]]), dict()]
+    if sampled:
+        for o, sampling in zip(options, [dict(temperature=0.8), dict(temperature=1.2, top_k=20), dict(),
+                                         dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, min_p=0.05)]):
+            o.update(sampling)
+    calls = count_compiled_calls(monkeypatch, None)
+    runs, logprobs, decoded = [], [], 0
+    for compile in (False, True):
+        batcher = ContinuousBatcher(model, batch_size=3, max_length=24, eos_token_id=eos, compile=compile,
+                                    generator=torch.Generator().manual_seed(3))
+        for p, o in zip(prompts, options):
+            batcher.submit(p, max_new_tokens=10, output_logprobs=True, **o)
+        calls.clear()
+        out = {}
+        while batcher.waiting or batcher.running:
+            rows = [r for r in batcher.rows if r is not None]
+            decoded += compile and bool(rows) and all(r.filled == len(r.prompt) for r in rows)
+            out.update(batcher.step())
+        runs.append(out)
+        logprobs.append(batcher.logprobs)
+    assert runs[0] == runs[1]
+    for request in runs[0]:
+        torch.testing.assert_close(torch.tensor(logprobs[1][request]), torch.tensor(logprobs[0][request]))
+    for i, o in enumerate(options):
+        if "temperature" not in o:
+            assert runs[0][i] == _alone(model, prompts[i], 10, eos, **o), (i, o)
+    assert decoded > len(prompts)
+    assert calls == {("target", "_decode_going"): decoded}, calls  # (the decode step never runs alone)

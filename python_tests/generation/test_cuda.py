@@ -338,12 +338,18 @@ def _served_as_alone(batcher, patched, seed: int) -> None:
 def test_continuous_batching_requests_equal_generate_alone(family, graph_records):
     """ContinuousBatcher on the GPU, compiled (CUDA-graph) decode steps: rows reused mid-batch give
     every greedy request the tokens generate gives its prompt alone (a hybrid's recurrent states,
-    which the graphs update in place, kept per row)."""
+    which the graphs update in place, kept per row); a step's pick and forward are one call
+    (_decode_going), with no CUDA-graph skip."""
+    from torch._dynamo.utils import counters
+
     from gptfast_kernels import ContinuousBatcher
 
+    skips_before = counters["inductor"]["cudagraph_skips"]
     patched = patched_copy(tiny_model(family, layers=3).cuda(), int8=True)
     _served_as_alone(ContinuousBatcher(patched, batch_size=2, max_length=24, eos_token_id=[], compile=True), patched, 3)
     _assert_recorded_once(graph_records)
+    assert hasattr(patched, "_gptfast_compiled_decode_going")
+    assert counters["inductor"]["cudagraph_skips"] == skips_before
 
 
 @pytest.mark.parametrize("proposer", ["draft", "lookup"])

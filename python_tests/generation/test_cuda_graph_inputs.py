@@ -83,14 +83,15 @@ def _prompts():
     return ragged_prompts(2, 6, "left")
 
 
-def _submitted(batcher, ids, mask):
+def _submitted(batcher, ids, mask, **options):
     """One request more than the batch's rows (a finished row's slot is refilled), greedy and sampled
     in turn; the last, greedy, outlives the others, so that greedy rows run beside sampled ones and
-    alone (a speculative batcher's round is a graph of its own for each) whatever the prompts."""
+    alone (a speculative batcher's round is a graph of its own for each) whatever the prompts.
+    ``options``: each request's too."""
     B = ids.shape[0]
     for row in range(B + 1):
         batcher.submit(ids[row % B][mask[row % B].bool()].tolist(), max_new_tokens=4 if row < B else 16,
-                       temperature=0.5 * (row % 2))
+                       temperature=0.5 * (row % 2), **options)
     batcher.run()
 
 
@@ -111,6 +112,10 @@ CALLS = {
         target, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True),
     "continuous": lambda target, draft, ids, mask: _submitted(
         ContinuousBatcher(target, batch_size=ids.shape[0], max_length=28, eos_token_id=[], compile=True), ids, mask),
+    # (the penalties' record and the kept logits, which the step's call writes, kept beside the cache)
+    "continuous_penalised": lambda target, draft, ids, mask: _submitted(
+        ContinuousBatcher(target, batch_size=ids.shape[0], max_length=28, eos_token_id=[], compile=True), ids, mask,
+        repetition_penalty=1.2, frequency_penalty=0.5),
     "speculative_batcher": lambda target, draft, ids, mask: _submitted(
         SpeculativeBatcher(target, draft, speculate_k=3, batch_size=ids.shape[0], max_length=28, eos_token_id=[],
                            compile=True), ids, mask),

@@ -423,3 +423,35 @@ def test_compiled_steps_pick_and_decode_in_one_call(family, sampled, monkeypatch
             assert runs[0][i] == _alone(model, prompts[i], 10, eos, **o), (i, o)
     assert decoded > len(prompts)
     assert calls == {("target", "_decode_going"): decoded}, calls  # (the decode step never runs alone)
+
+
+@pytest.mark.parametrize("budget", [None, 4])
+def test_compiled_steps_reuse_prefixes_split_prompts_and_cancel(budget):
+    """Compiled steps (one call each once every running prompt is in) beside shared prefixes (an
+    ended row's among them, whose cache also holds the last token the call decoded), prompts split
+    across steps and a cancelled request: the eager batcher's tokens, log-probabilities and reused
+    tokens, and each request that ran to its end equals generate on its prompt alone."""
+    model = patched_copy(tiny_model("llama", layers=2), int8=False)
+    g = torch.Generator().manual_seed(21)
+    system = torch.randint(3, 97, (9,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 97, (n,), generator=g).tolist() for n in (2, 4, 1, 3)]
+    prompts += [list(prompts[0]), torch.randint(3, 97, (6,), generator=g).tolist()]
+    limits = (5, 3, 6, 2, 4, 5)
+    runs = []
+    for compile in (False, True):
+        batcher = ContinuousBatcher(model, batch_size=2, max_length=24, eos_token_id=[], max_prefill_tokens=budget,
+                                    reuse_prefixes=True, compile=compile)
+        ids = [batcher.submit(p, max_new_tokens=n, output_logprobs=True) for p, n in zip(prompts, limits)]
+        out = {}
+        for _ in range(4):
+            out.update(batcher.step())
+        had = batcher.cancel(ids[2])
+        out.update(batcher.run())
+        runs.append((out, batcher.logprobs, batcher.reused_tokens, had))
+    assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2] and runs[0][3] == runs[1][3]
+    assert runs[1][2] >= 2 * 9 and ids[2] not in runs[1][0]
+    for i in runs[0][0]:
+        torch.testing.assert_close(torch.tensor(runs[1][1][i]), torch.tensor(runs[0][1][i]))
+        tokens, logprobs = _alone(model, prompts[i], limits[i], [], logprobs=True)
+        assert runs[1][0][i] == tokens, (budget, i)
+        torch.testing.assert_close(torch.tensor(runs[1][1][i]), logprobs, atol=2e-4, rtol=1e-4)

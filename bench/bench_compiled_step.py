@@ -34,6 +34,7 @@ read a step late against after each step.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 
 import torch
@@ -105,35 +106,29 @@ def run(h) -> None:
                           stepped: lambda fn=speculative, name=name: _without(
                               speculative_module, name, lambda: fn(target_model, draft_model))}
             _compare_ways(h, call, candidates, baseline=stepped)
-    # a SpeculativeBatcher's round after its drafts in one call of the target (the package's way) against
-    # its forward compiled alone and the rest op by op
     prompts = [list(prompt.encode()) for prompt in code_prompts(corpus, BATCHER_REQUESTS)]
 
-    def batched(one_call: bool):
-        batcher = SpeculativeBatcher(target_model, draft_model, speculate_k=SPECULATE_K, batch_size=BATCHER_ROWS,
-                                     max_length=max(map(len, prompts)) + NEW_TOKENS, eos_token_id=[], compile=True)
+    def batched(make, attribute: str, one_call: bool):  # (``attribute``: the one call, None: without it)
+        batcher = make(target_model, batch_size=BATCHER_ROWS, max_length=max(map(len, prompts)) + NEW_TOKENS,
+                       eos_token_id=[], compile=True)
         if not one_call:
-            batcher.verify_going = None
+            setattr(batcher, attribute, None)
         for prompt in prompts:
             batcher.submit(prompt, max_new_tokens=NEW_TOKENS)
         return torch.tensor(list(batcher.run().values()))
 
-    _compare_ways(h, "speculative_batcher_verify", {"verify_in_one_call": lambda: batched(True),
-                                                    "verify_op_by_op": lambda: batched(False)},
-                  baseline="verify_op_by_op", new_tokens=NEW_TOKENS * BATCHER_REQUESTS)
-
-    def continuous(one_call: bool):
-        batcher = ContinuousBatcher(target_model, batch_size=BATCHER_ROWS,
-                                    max_length=max(map(len, prompts)) + NEW_TOKENS, eos_token_id=[], compile=True)
-        if not one_call:
-            batcher.decode_going = None
-        for prompt in prompts:
-            batcher.submit(prompt, max_new_tokens=NEW_TOKENS)
-        return torch.tensor(list(batcher.run().values()))
-
-    _compare_ways(h, "continuous_decode", {"pick_in_the_call": lambda: continuous(True),
-                                           "pick_eagerly": lambda: continuous(False)},
-                  baseline="pick_eagerly", new_tokens=NEW_TOKENS * BATCHER_REQUESTS)
+    speculative_batcher = functools.partial(SpeculativeBatcher, draft_model=draft_model, speculate_k=SPECULATE_K)
+    for call, make, attribute, (one_call, stepped) in (
+            # a SpeculativeBatcher's round after its drafts in one call of the target (the package's way)
+            # against its forward compiled alone and the rest op by op
+            ("speculative_batcher_verify", speculative_batcher, "verify_going", ("verify_in_one_call",
+                                                                                 "verify_op_by_op")),
+            # a ContinuousBatcher's step, its pick and the decode forward in one call, against the pick run
+            # eagerly and the forward compiled alone
+            ("continuous_decode", ContinuousBatcher, "decode_going", ("pick_in_the_call", "pick_eagerly"))):
+        _compare_ways(h, call, {one_call: functools.partial(batched, make, attribute, True),
+                                stepped: functools.partial(batched, make, attribute, False)},
+                      baseline=stepped, new_tokens=NEW_TOKENS * BATCHER_REQUESTS)
     # the rows' end read a round late (the package's way on a GPU) against after each round
     lagged_on_this_device = (torch.device(h.device).type,)
     candidates = {"read_a_round_late": lambda: _watched(lagged_on_this_device, calls["speculative"], pairs["default"]),

@@ -111,6 +111,7 @@ class SpeculativeBatcher(ContinuousBatcher):
         self.last_tokens: dict[int, list[int]] = {}
         self.last_logprobs: dict[int, list[float]] = {}
         self.num_proposed = self.num_accepted = 0
+        self.kept_rounds = (None, None)  # (the arguments, the rounds' options made with them: _rounds)
 
     @property
     def acceptance_rate(self) -> float:
@@ -169,14 +170,8 @@ class SpeculativeBatcher(ContinuousBatcher):
         forwards, those rows' next-token logits kept); each request takes its emitted tokens."""
         k, V = self.k, self.output_vocab
         active = self._rows(going)
-        sampling, penalties = self._arguments()
         rows = [r if r is not None else self.rows[going[0]] for r in self.rows]
-        least = [r.min_new_tokens for r in rows]
-        rounds = SpeculativeRounds(
-            self.model, None, max_new_tokens=0, most_new_tokens=0, k=k, temperature=sampling[0], top_k=sampling[1],
-            top_p=sampling[2], min_p=sampling[3], eos=self.eos, pad=0, generator=self.generator, compile=self.compile,
-            repetition_penalty=penalties[0], presence_penalty=penalties[1], frequency_penalty=penalties[2],
-            min_new_tokens=torch.tensor(least, device=self.device) if any(least) else 0, is_eos=self.is_eos)
+        rounds = self._rounds(rows)
         made = torch.tensor([len(r.tokens) for r in rows], device=self.device)  # (each row's last included)
         if merged:
             def target_step(target_input, mask, cache):
@@ -212,6 +207,21 @@ class SpeculativeBatcher(ContinuousBatcher):
             self.num_proposed += k
             self.num_accepted += counts[b] - 1
             self._give(b, tokens[b][:counts[b]], None if logprobs is None else logprobs[b][:counts[b]], ended)
+
+    def _rounds(self, rows: list) -> SpeculativeRounds:
+        """The rounds' options for the requests in ``rows`` (idle rows: a running request's), made when
+        the rows change (as the arguments), so that the [B] values a compiled round reads
+        (sampling_filters, logit_rows) are built once, not every round."""
+        sampling, penalties = self._arguments()
+        if self.kept_rounds[0] is not self.arguments:
+            least = [r.min_new_tokens for r in rows]
+            self.kept_rounds = (self.arguments, SpeculativeRounds(
+                self.model, None, max_new_tokens=0, most_new_tokens=0, k=self.k, temperature=sampling[0],
+                top_k=sampling[1], top_p=sampling[2], min_p=sampling[3], eos=self.eos, pad=0, generator=self.generator,
+                compile=self.compile, repetition_penalty=penalties[0], presence_penalty=penalties[1],
+                frequency_penalty=penalties[2], min_new_tokens=torch.tensor(least, device=self.device) if any(least)
+                else 0, is_eos=self.is_eos))
+        return self.kept_rounds[1]
 
     def _give(self, b: int, tokens: list[int], logprobs: list[float] | None, ended: dict) -> None:
         """Row ``b``'s request takes ``tokens`` (up to the one that ends it), and this step's

@@ -48,6 +48,7 @@ from gptfast_kernels.ops._dispatch import check_int
 
 
 BUFFERS_ATTRIBUTE = "_gptfast_batcher_buffers"  # where a compiled batcher's cache keeps its row buffers (a dict)
+MASKS_KEPT = 64  # the most row masks a batcher keeps (_rows)
 
 
 def _decode_going(logits: torch.Tensor, going: torch.Tensor, uniforms: torch.Tensor | None,
@@ -166,7 +167,7 @@ class ContinuousBatcher:
         # compiled, a step whose running prompts are all in is one call (_decode_going; not a subclass's rounds)
         self.decode_going = (compiled_function(model, _decode_going, "decode_going")
                              if compile and type(self).step is ContinuousBatcher.step else None)
-        self.going_mask = (None, None)  # (the going rows, their [B] mask on the device) of the last decoded step
+        self.masks: dict[tuple, torch.Tensor] = {}  # _rows's
         self.decode_rule = (None, None, None)  # (arguments, sampling_rows's, penalty_rows's) for decoded steps
         self.output_vocab = common.output_vocab_size(model)
         self.tokenizer = tokenizer
@@ -358,10 +359,17 @@ class ContinuousBatcher:
         return taken
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
-        """[B] bool on the device: True at ``rows``."""
-        mask = torch.zeros(self.batch_size, dtype=torch.bool)
-        mask[rows] = True
-        return mask.to(self.device)
+        """[B] bool on the device: True at ``rows``; read only (the masks are kept and handed out
+        again: a step's going rows are mostly the last step's, and on a GPU each new mask is a copy
+        from the host)."""
+        key = tuple(rows)
+        if key not in self.masks:
+            if len(self.masks) >= MASKS_KEPT:
+                self.masks.clear()
+            mask = torch.zeros(self.batch_size, dtype=torch.bool)
+            mask[list(rows)] = True
+            self.masks[key] = mask.to(self.device)
+        return self.masks[key]
 
     def _reset_records(self, rows: list[int]) -> None:
         """The penalties' record of new rows: their prompts seen, nothing generated (each part made,
@@ -483,8 +491,6 @@ class ContinuousBatcher:
         """As ``_sample``, then the decode forward over the ``going`` rows' new tokens (every running
         row), in one compiled call (``_decode_going``); the tokens and log-probabilities read on the
         host before the next call."""
-        if self.going_mask[0] != going:
-            self.going_mask = (going, self._rows(going))
         sampling, penalties = self._arguments()
         temperature = sampling[0]
         uniforms = None
@@ -495,7 +501,7 @@ class ContinuousBatcher:
             self.decode_rule = (self.arguments, sampling_rows(*sampling, self.batch_size, self.device),
                                 penalty_rows(*penalties, self.batch_size, self.device))
         rule = (() if uniforms is None else self.decode_rule[1], self.decode_rule[2], self.is_eos, asks)
-        tokens, chosen = self.decode_going(self.logits, self.going_mask[1], uniforms, self._early(), self.cache,
+        tokens, chosen = self.decode_going(self.logits, self._rows(going), uniforms, self._early(), self.cache,
                                            self.record, rule)
         return tokens.tolist(), chosen.tolist() if asks else None
 

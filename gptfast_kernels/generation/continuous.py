@@ -418,8 +418,7 @@ class ContinuousBatcher:
         """``rows``' next-token logits (from ``logits`` [B, V]) for the next sampling."""
         if self.logits is None:  # (a decoded step writes it in place)
             self.logits = self._buffer("logits", tuple(logits.shape), torch.float32)
-        rows = torch.tensor(rows, device=self.device)
-        self.logits[rows] = logits[rows].float()
+        self.logits.copy_(torch.where(self._rows(rows)[:, None], logits.float(), self.logits))
 
     def _run(self, model, cache, step, going: list[int], spans: dict[int, tuple[int, int]],
              kept: list[int] = ()) -> torch.Tensor:

@@ -102,13 +102,13 @@ def test_verify_draft_property(backend, device):
     check()
 
 
-@pytest.mark.parametrize("kind", ["continuous", "speculative-draft", "speculative-lookup"])
+@pytest.mark.parametrize("kind", ["continuous", "continuous-compiled", "speculative-draft", "speculative-lookup"])
 def test_batchers_serve_random_workloads_as_generate(kind):
-    """Random workloads through a batcher: rows 1 to 4, 3 to 9 requests of random prompts (1 to 12
-    tokens, some beginning with a shared start) and limits, a random eos, chunked prefill or not,
-    prefix reuse or not, some requests cancelled at random steps and new ones submitted between
-    steps. Every request that ran to its end gets generate's tokens
-    for its prompt alone; a cancelled one a prefix of them."""
+    """Random workloads through a batcher (compiled steps too: one call each once every running
+    prompt is in): rows 1 to 4, 3 to 9 requests of random prompts (1 to 12 tokens, some beginning
+    with a shared start) and limits, a random eos, chunked prefill or not, prefix reuse or not, some
+    requests cancelled at random steps and new ones submitted between steps. Every request that ran
+    to its end gets generate's tokens for its prompt alone; a cancelled one a prefix of them."""
     from gptfast_kernels import ContinuousBatcher, SpeculativeBatcher, generate
     from python_tests.tiny_models import draft_of, patched_copy, tiny_model
 
@@ -134,7 +134,8 @@ def test_batchers_serve_random_workloads_as_generate(kind):
         settings_ = dict(batch_size=rows, max_length=24, eos_token_id=[eos], max_prefill_tokens=budget,
                          reuse_prefixes=reuse)
         shared = torch.randint(3, 97, (int(torch.randint(0, 7, (), generator=g)),), generator=g).tolist()
-        batcher = (ContinuousBatcher(model, **settings_) if kind == "continuous" else
+        batcher = (ContinuousBatcher(model, compile=kind == "continuous-compiled", **settings_)
+                   if kind.startswith("continuous") else
                    SpeculativeBatcher(model, draft if kind == "speculative-draft" else None, speculate_k=k,
                                       **settings_))
         requests, cancelled, out = {}, {}, {}

@@ -112,8 +112,9 @@ class ContinuousBatcher:
     ``max_length``: the most cache slots one request may take (its prompt + max_new_tokens - 1).
     ``eos_token_id`` None: the model's generation_config's, as in ``generate``; a request's tokens
     end with the eos (or stop) that ended it. ``tokenizer``: the model's, for requests with stop
-    strings. ``compile``: decode steps through torch.compile (CUDA graphs). After each step,
-    ``last_tokens`` holds {id: token} of every request that got one (for streaming), and
+    strings. ``compile``: decode steps, each with its pick, through torch.compile (CUDA graphs).
+    After each step, ``last_tokens`` holds {id: token} of every request that got one (for
+    streaming), and
     ``last_logprobs`` {id: log-probability} of those submitted with ``output_logprobs``; when such a
     request ends, ``logprobs[id]`` holds its tokens' log-probabilities (as generate's ``logprobs``:
     under the model's raw distribution). ``cancel(id)`` ends a request before its time.
@@ -507,7 +508,8 @@ class ContinuousBatcher:
     def _early(self) -> torch.Tensor | None:
         """[B] bool: the rows whose eos ids are held back (short of their min_new_tokens; idle rows
         take the first running row's), None when none is."""
-        rows = [r if r is not None else next(q for q in self.rows if q is not None) for r in self.rows]
+        spare = next(r for r in self.rows if r is not None)
+        rows = [r if r is not None else spare for r in self.rows]
         if self.eos and any(len(r.tokens) < r.min_new_tokens for r in rows):
             return torch.tensor([len(r.tokens) < r.min_new_tokens for r in rows], device=self.device)
         return None

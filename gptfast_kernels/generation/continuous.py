@@ -57,9 +57,11 @@ def _decode_going(logits: torch.Tensor, going: torch.Tensor, uniforms: torch.Ten
     from ``logits`` [B, V] (the kept next-token logits: the penalties over ``record``, the eos held
     back where ``early`` [B], then the argmax, or with ``uniforms`` [B] float64 a sample at them),
     the ``going`` [B] rows' tokens into ``record``, then the decode forward over them (other rows:
-    padding), whose logits go into ``logits``, in place. ``rule``: (sampling filters as
-    sampling_rows gives them, penalty_rows's penalties, the eos columns [V], whether to return
-    log-probabilities). -> (tokens [B], their log-probabilities under the raw logits [B] or None)."""
+    padding), whose logits go into ``logits``, in place. A going row whose cache is full is padding
+    too: its new token is its request's last (max_length's), which ends it before anything reads
+    its logits. ``rule``: (sampling filters as sampling_rows gives them, penalty_rows's penalties,
+    the eos columns [V], whether to return log-probabilities). -> (tokens [B], their
+    log-probabilities under the raw logits [B] or None)."""
     filters, penalties, is_eos, logprobs = rule
     processed = process_logits(logits, record, penalties[0], is_eos, early, *penalties[1:])
     if uniforms is None:
@@ -68,8 +70,9 @@ def _decode_going(logits: torch.Tensor, going: torch.Tensor, uniforms: torch.Ten
         tokens = sample_by_uniform(logits_to_probs(processed, *filters), uniforms)
     record.add(torch.where(going, tokens, logits.shape[-1])[:, None])
     chosen = token_logprobs(logits, tokens) if logprobs else None
-    new = _forward(torch.where(going, tokens, 0)[:, None], going[:, None], cache, model=model)[:, -1]
-    logits.copy_(torch.where(going[:, None], new.float(), logits))
+    fits = going & (cache.seq_lengths < cache.max_cache_len)
+    new = _forward(torch.where(fits, tokens, 0)[:, None], fits[:, None], cache, model=model)[:, -1]
+    logits.copy_(torch.where(fits[:, None], new.float(), logits))
     return tokens, chosen
 
 

@@ -455,3 +455,23 @@ def test_compiled_steps_reuse_prefixes_split_prompts_and_cancel(budget):
         tokens, logprobs = _alone(model, prompts[i], limits[i], [], logprobs=True)
         assert runs[1][0][i] == tokens, (budget, i)
         torch.testing.assert_close(torch.tensor(runs[1][1][i]), logprobs, atol=2e-4, rtol=1e-4)
+
+
+def test_compiled_steps_serve_requests_that_fill_max_length():
+    """Requests whose prompt and new tokens take all of max_length (a multiple of the kept cache's
+    rounding, so the compiled batcher's cache has no slot to spare): the compiled step's call decodes
+    each request's last token with its row as padding (no slot past the cache), and every request
+    gets generate's tokens, compiled as eager."""
+    from gptfast_kernels.generation.forward import CACHE_LEN_QUANTUM
+
+    model = patched_copy(tiny_model("llama", layers=2), int8=False)
+    g = torch.Generator().manual_seed(14)
+    length = CACHE_LEN_QUANTUM
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (length - 16, length - 6, length - 3)]
+    limits = [length - len(p) + 1 for p in prompts]  # (prompt + new tokens - 1 == max_length)
+    for compile in (False, True):
+        batcher = ContinuousBatcher(model, batch_size=2, max_length=length, eos_token_id=[], compile=compile)
+        assert batcher.cache.max_cache_len == length
+        for p, n in zip(prompts, limits):
+            batcher.submit(p, max_new_tokens=n)
+        assert batcher.run() == {i: _alone(model, p, n, []) for i, (p, n) in enumerate(zip(prompts, limits))}

@@ -40,8 +40,8 @@ import torch
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.forward import _forward, cache_for, compiled_function, step_function
 from gptfast_kernels.generation.sampling import (TokenRecord, check_penalties, check_sampling_args, eos_columns,
-                                                 logits_to_probs, penalty_rows, pick_tokens, process_logits,
-                                                 sample_by_uniform, sampling_rows, token_logprobs)
+                                                 penalty_rows, pick_at, pick_tokens, pick_uniforms, process_logits,
+                                                 sampling_rows, token_logprobs)
 from gptfast_kernels.generation.stopping import check_stop_sequences, check_stop_strings, token_bytes
 from gptfast_kernels.modules.state_history import row_mask
 from gptfast_kernels.ops._dispatch import check_int
@@ -63,11 +63,7 @@ def _decode_going(logits: torch.Tensor, going: torch.Tensor, uniforms: torch.Ten
     the eos columns [V], whether to return log-probabilities). -> (tokens [B], their
     log-probabilities under the raw logits [B] or None)."""
     filters, penalties, is_eos, logprobs = rule
-    processed = process_logits(logits, record, penalties[0], is_eos, early, *penalties[1:])
-    if uniforms is None:
-        tokens = processed.argmax(dim=-1)
-    else:
-        tokens = sample_by_uniform(logits_to_probs(processed, *filters), uniforms)
+    tokens = pick_at(process_logits(logits, record, penalties[0], is_eos, early, *penalties[1:]), uniforms, *filters)
     record.add(torch.where(going, tokens, logits.shape[-1])[:, None])
     chosen = token_logprobs(logits, tokens) if logprobs else None
     fits = going & (cache.seq_lengths < cache.max_cache_len)
@@ -172,7 +168,7 @@ class ContinuousBatcher:
         self.decode_going = (compiled_function(model, _decode_going, "decode_going")
                              if compile and type(self).step is ContinuousBatcher.step else None)
         self.masks: dict[tuple, torch.Tensor] = {}  # _rows's
-        self.decode_rule = (None, None, None)  # (arguments, sampling_rows's, penalty_rows's) for decoded steps
+        self.made_for_rows = (None, {})  # (the arguments, what was made with them: _for_rows)
         self.output_vocab = common.output_vocab_size(model)
         self.tokenizer = tokenizer
         self.token_text = None  # each token id's bytes (token_bytes), read when a stop string first comes
@@ -245,9 +241,10 @@ class ContinuousBatcher:
             going = [b for b in going if self.rows[b] is not None]
         self._admit()
         spans = self._prompt_spans()
-        if decoded and spans:  # (the going rows are decoded: their states kept through the prompts' forward)
-            self._keep_logits(list(spans), self._run(self.model, self.cache, self.step_forward, [], spans, going))
-        elif (going or spans) and not decoded:
+        if decoded:
+            if spans:  # (the going rows are decoded)
+                self._fill(spans, going)
+        elif going or spans:
             self._forward(going, spans)
         return ended
 
@@ -411,12 +408,16 @@ class ContinuousBatcher:
         prompts go in (after their ``spans``; a span from 0 in an emptied row): one forward, or for a
         hybrid model with both, the decode step and then the prompts, the going rows' recurrent
         states kept through the second."""
-        prompted = list(spans)
         if going and spans and self.cache.has_recurrent_layers:
             self._keep_logits(going, self._run(self.model, self.cache, self.step_forward, going, {}))
-            self._keep_logits(prompted, self._run(self.model, self.cache, self.step_forward, [], spans, going))
+            self._fill(spans, going)
         else:
-            self._keep_logits(going + prompted, self._run(self.model, self.cache, self.step_forward, going, spans))
+            self._keep_logits(going + list(spans), self._run(self.model, self.cache, self.step_forward, going, spans))
+
+    def _fill(self, spans: dict[int, tuple[int, int]], going: list[int]) -> None:
+        """The parts of prompts ``spans`` in a forward of their own, their rows' next-token logits
+        kept; the ``going`` rows are padding, their recurrent states (a hybrid's) kept through it."""
+        self._keep_logits(list(spans), self._run(self.model, self.cache, self.step_forward, [], spans, going))
 
     def _keep_logits(self, rows: list[int], logits: torch.Tensor) -> None:
         """``rows``' next-token logits (from ``logits`` [B, V]) for the next sampling."""
@@ -458,6 +459,16 @@ class ContinuousBatcher:
         for cache in caches:
             cache.crop(torch.where(started, 0, cache.seq_lengths), check=False)
 
+    def _for_rows(self, name: str, make):
+        """``make()``, made once while the rows keep their requests (as the arguments): what every
+        step reads of the requests' options (on a GPU, each [B] tensor is a launch or a copy)."""
+        if self.made_for_rows[0] is not self._arguments():
+            self.made_for_rows = (self.arguments, {})
+        made = self.made_for_rows[1]
+        if name not in made:
+            made[name] = make()
+        return made[name]
+
     def _arguments(self) -> tuple:
         """(sampling arguments, penalties) per row, as check_sampling_args and check_penalties give
         them, built when the rows change. Idle rows take the first running row's options, so a batch
@@ -495,15 +506,11 @@ class ContinuousBatcher:
         row), in one compiled call (``_decode_going``); the tokens and log-probabilities read on the
         host before the next call."""
         sampling, penalties = self._arguments()
-        temperature = sampling[0]
-        uniforms = None
-        if isinstance(temperature, torch.Tensor) or temperature != 0:  # (drawn as pick_tokens draws them)
-            uniforms = torch.rand(self.batch_size, dtype=torch.float64, device=self.device, generator=self.generator)
+        uniforms = pick_uniforms(sampling[0], self.batch_size, self.device, self.generator)  # (as pick_tokens')
         asks = any(self.rows[b].logprobs is not None for b in going)
-        if self.decode_rule[0] is not self.arguments:  # (built when the rows change, as the arguments)
-            self.decode_rule = (self.arguments, sampling_rows(*sampling, self.batch_size, self.device),
-                                penalty_rows(*penalties, self.batch_size, self.device))
-        rule = (() if uniforms is None else self.decode_rule[1], self.decode_rule[2], self.is_eos, asks)
+        filters, values = self._for_rows("decode", lambda: (sampling_rows(*sampling, self.batch_size, self.device),
+                                                            penalty_rows(*penalties, self.batch_size, self.device)))
+        rule = (() if uniforms is None else filters, values, self.is_eos, asks)
         tokens, chosen = self.decode_going(self.logits, self._rows(going), uniforms, self._early(), self.cache,
                                            self.record, rule)
         return tokens.tolist(), chosen.tolist() if asks else None

@@ -111,7 +111,6 @@ class SpeculativeBatcher(ContinuousBatcher):
         self.last_tokens: dict[int, list[int]] = {}
         self.last_logprobs: dict[int, list[float]] = {}
         self.num_proposed = self.num_accepted = 0
-        self.kept_rounds = (None, None)  # (the arguments, the rounds' options made with them: _rounds)
 
     @property
     def acceptance_rate(self) -> float:
@@ -136,7 +135,7 @@ class SpeculativeBatcher(ContinuousBatcher):
             self._round(going, merged, ended)
         if spans and not merged:  # (in forwards of their own, the going rows' states kept)
             going = [b for b in going if self.rows[b] is not None]
-            self._keep_logits(list(spans), self._run(self.model, self.cache, self.step_forward, [], spans, going))
+            self._fill(spans, going)
             self.proposer.fill(self, spans, going)
         for b, (_, stop) in merged.items():
             self.rows[b].filled = stop
@@ -210,18 +209,19 @@ class SpeculativeBatcher(ContinuousBatcher):
 
     def _rounds(self, rows: list) -> SpeculativeRounds:
         """The rounds' options for the requests in ``rows`` (idle rows: a running request's), made when
-        the rows change (as the arguments), so that the [B] values a compiled round reads
-        (sampling_filters, logit_rows) are built once, not every round."""
-        sampling, penalties = self._arguments()
-        if self.kept_rounds[0] is not self.arguments:
+        the rows change (_for_rows), so that the [B] values a compiled round reads (sampling_filters,
+        logit_rows) are built once, not every round."""
+        def make() -> SpeculativeRounds:
+            sampling, penalties = self._arguments()
             least = [r.min_new_tokens for r in rows]
-            self.kept_rounds = (self.arguments, SpeculativeRounds(
+            return SpeculativeRounds(
                 self.model, None, max_new_tokens=0, most_new_tokens=0, k=self.k, temperature=sampling[0],
                 top_k=sampling[1], top_p=sampling[2], min_p=sampling[3], eos=self.eos, pad=0, generator=self.generator,
                 compile=self.compile, repetition_penalty=penalties[0], presence_penalty=penalties[1],
-                frequency_penalty=penalties[2], min_new_tokens=torch.tensor(least, device=self.device) if any(least)
-                else 0, is_eos=self.is_eos))
-        return self.kept_rounds[1]
+                frequency_penalty=penalties[2], is_eos=self.is_eos,
+                min_new_tokens=torch.tensor(least, device=self.device) if any(least) else 0)
+
+        return self._for_rows("rounds", make)
 
     def _give(self, b: int, tokens: list[int], logprobs: list[float] | None, ended: dict) -> None:
         """Row ``b``'s request takes ``tokens`` (up to the one that ends it), and this step's

@@ -19,8 +19,8 @@ import torch
 from gptfast_kernels.generation.end_watch import count_remaining
 from gptfast_kernels.generation.forward import _forward, compiled_function
 from gptfast_kernels.generation.sampling import (TokenRecord, eos_columns, eos_id_tensor, holds_eos_back,
-                                                 kept_on_model, logits_to_probs, penalty_rows, process_logits,
-                                                 sample_by_uniform, sampling_rows, token_logprobs)
+                                                 kept_on_model, penalty_rows, pick_at, process_logits, sampling_rows,
+                                                 token_logprobs)
 from gptfast_kernels.generation.stopping import StopMatcher
 
 STATE_ATTRIBUTE = "_gptfast_decode_state"  # where a compiling model keeps its DecodeStates (a dict)
@@ -117,10 +117,7 @@ def advance(logits: torch.Tensor, state: DecodeState, rule: StepRule, record: To
     # (a row that has not finished has made as many tokens as there were steps)
     early = None if rule.min_new_tokens is None else state.lengths < rule.min_new_tokens
     processed = process_logits(logits, record, rule.penalties[0], rule.is_eos, early, *rule.penalties[1:])
-    if rule.sampled:
-        tokens = sample_by_uniform(logits_to_probs(processed, *rule.filters), state.uniforms)
-    else:
-        tokens = processed.argmax(dim=-1)
+    tokens = pick_at(processed, state.uniforms if rule.sampled else None, *rule.filters)
     record.add(tokens[:, None])  # (a finished row's record no longer matters: it emits the pad id)
     logprob = torch.where(finished, 0.0, token_logprobs(logits, tokens)) if rule.logprobs else None
     tokens = torch.where(finished, rule.pad, tokens)

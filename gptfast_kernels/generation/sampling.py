@@ -418,12 +418,28 @@ def sampling_rows(temperature, top_k, top_p, min_p, batch_size: int, device: tor
             None if off(min_p, "min_p") else rows(min_p, torch.float32))
 
 
+def pick_uniforms(temperature, batch_size: int, device: torch.device,
+                  generator: torch.Generator | None) -> torch.Tensor | None:
+    """The uniforms a pick samples at, [B] float64 drawn from ``generator``; None when temperature
+    (a number, or per-row [B]) is 0: the argmax, nothing drawn."""
+    if not isinstance(temperature, torch.Tensor) and temperature == 0:
+        return None
+    return torch.rand(batch_size, dtype=torch.float64, device=device, generator=generator)
+
+
+def pick_at(logits: torch.Tensor, uniforms: torch.Tensor | None, *filters) -> torch.Tensor:
+    """[B, V] logits -> [B] int64 tokens: the argmax where ``uniforms`` is None, else each row's
+    sample at its uniform from the distribution ``filters`` (temperature, top_k, top_p, min_p) make
+    (logits_to_probs, sample_by_uniform; per row with per-row arguments: a row of temperature 0
+    gets its argmax, from a one-hot distribution). Compiled calls pick so, at uniforms drawn
+    outside them (pick_uniforms)."""
+    if uniforms is None:
+        return logits.argmax(dim=-1)
+    return sample_by_uniform(logits_to_probs(logits, *filters), uniforms)
+
+
 def pick_tokens(logits: torch.Tensor, temperature, top_k, top_p, min_p,
                 generator: torch.Generator | None) -> torch.Tensor:
-    """[B, V] logits -> [B] int64 tokens: argmax when temperature is 0, else each row's sample at a
-    uniform of its own drawn from ``generator`` (sample_by_uniform; per row with per-row arguments:
-    a row of temperature 0 gets its argmax, from a one-hot distribution)."""
-    if not isinstance(temperature, torch.Tensor) and temperature == 0:
-        return logits.argmax(dim=-1)
-    uniforms = torch.rand(logits.shape[0], dtype=torch.float64, device=logits.device, generator=generator)
-    return sample_by_uniform(logits_to_probs(logits, temperature, top_k, top_p, min_p), uniforms)
+    """[B, V] logits -> [B] int64 tokens: pick_at the uniforms pick_uniforms draws from ``generator``."""
+    uniforms = pick_uniforms(temperature, logits.shape[0], logits.device, generator)
+    return pick_at(logits, uniforms, temperature, top_k, top_p, min_p)

@@ -382,11 +382,6 @@ def _renormalised(probs: torch.Tensor, where) -> torch.Tensor:
     return torch.where(where, probs / probs.sum(dim=-1, keepdim=True), probs)
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """[B, V] probabilities -> [B] int64 sampled tokens."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
 def sample_by_uniform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """[B, V] probabilities (any positive total) and [B] uniforms in [0, 1) -> [B] int64 tokens:
     each row's inverse CDF at its uniform, the first token whose cumulative mass (float64) passes

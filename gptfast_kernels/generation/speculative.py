@@ -25,8 +25,8 @@ from gptfast_kernels.generation.forward import cache_for, drafts_function, step_
 from gptfast_kernels.generation.mtp import MtpProposer, check_mtp, is_mtp_model
 from gptfast_kernels.generation.options import check_decode_options
 from gptfast_kernels.generation.sampling import (DraftProcessing, TokenRecord, eos_columns, holds_eos_back,
-                                                 logits_to_probs, penalty_rows, process_logits, sample_by_uniform,
-                                                 sample_from, sampling_rows, token_logprobs, too_early)
+                                                 logits_to_probs, penalty_rows, pick_uniforms, process_logits,
+                                                 sample_by_uniform, sampling_rows, token_logprobs, too_early)
 from gptfast_kernels.generation.stopping import StopMatcher
 from gptfast_kernels.generation.verify_step import (RoundRule, RoundState, settle, target_input,
                                                     verification_scores, verify_and_crop, verify_function)
@@ -275,13 +275,16 @@ class SpeculativeRounds:
         """[B, V] logits -> ([B] tokens, [B, V] float32 probabilities, or None when greedy: greedy
         verification needs only the target's argmax, so no distribution is built). ``record``: what
         the penalties read of each row's text; ``early`` [B]: rows whose eos ids are suppressed (see
-        ``processed``); ``uniforms`` [B]: sampled by sample_by_uniform at these (default: from the
-        generator)."""
+        ``processed``); ``uniforms`` [B]: sampled by sample_by_uniform at these (default: drawn from
+        the generator as pick_uniforms draws them, so a row's first token is generate's at the same
+        seed)."""
         logits = self.processed(logits, record, early)
         if self.greedy:
             return logits.argmax(dim=-1), None
         probs = logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
-        return (sample_from(probs, self.generator) if uniforms is None else sample_by_uniform(probs, uniforms)), probs
+        if uniforms is None:
+            uniforms = pick_uniforms(self.temperature, logits.shape[0], logits.device, self.generator)
+        return sample_by_uniform(probs, uniforms), probs
 
     def drafts_unprocessed(self, history: History) -> bool:
         """Whether the drafts are picked from the draft's logits as they are: no penalty, no eos held

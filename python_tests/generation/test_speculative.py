@@ -146,6 +146,22 @@ def test_drafts_sample_each_rows_inverse_cdf_at_its_uniform():
     torch.testing.assert_close(frequencies, probs[0], rtol=0, atol=0.004)
 
 
+def test_sampled_first_token_is_generates_at_the_same_seed():
+    """The token after the prompt is picked as generate picks it (a uniform per row from the
+    generator, the inverse CDF there): at one seed both give each row the same first token."""
+    _, patched, draft = _pair("llama", False)
+    ids, mask = ragged_prompts(4, 6, "left")
+    options = dict(max_new_tokens=3, temperature=1.3, top_k=40, repetition_penalty=1.2, eos_token_id=[])
+    firsts = []
+    for seed in range(4):
+        out = speculative_generate(patched, draft, ids, mask, speculate_k=2,
+                                   generator=torch.Generator().manual_seed(seed), **options)
+        want = generate(patched, ids, mask, generator=torch.Generator().manual_seed(seed), **options).sequences
+        assert torch.equal(out.sequences[:, 6], want[:, 6])
+        firsts.append(out.sequences[:, 6])
+    assert len({tuple(f.tolist()) for f in firsts}) > 1  # (sampled: the seeds differ)
+
+
 @pytest.mark.parametrize("presence, frequency", [(0.0, 1.5), (1.2, -0.8)])
 def test_sampling_with_presence_and_frequency_penalties_follows_the_penalised_target(presence, frequency):
     """As above, with presence / frequency penalties: the tokens fit the target's distribution with

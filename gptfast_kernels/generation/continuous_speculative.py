@@ -19,9 +19,9 @@ A round's tokens are read on the host, as ContinuousBatcher's steps read theirs:
 limits of each request are applied there, and a request keeps its tokens up to the one that ended
 it. Compiled, a round is two calls (CUDA graphs): the draft model's k drafts, then the target's
 forward with everything up to those tokens (the penalties, the eos held back, verification, the
-crop, a hybrid's recurrent states rolled back, the penalties' record; ``_verify_going``), unless
-the round takes new prompts in (their forwards are as wide as the prompts): then the target's
-forward is a compiled call and the rest runs op by op.
+crop, a hybrid's recurrent states rolled back, the penalties' record; ``_verify_going``). A round
+that takes new prompts in has forwards as wide as the prompts: its drafts go step by step, the
+target's forward runs on its own, and the rest of the round is one call (``_verified_going``).
 Not served: MTP heads and Gemma 4 assistants as drafts (speculative_generate takes them).
 """
 
@@ -47,19 +47,28 @@ def _verify_going(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, 
                   active: torch.Tensor, last: torch.Tensor, made: torch.Tensor, cache, record: TokenRecord,
                   rule: tuple, model=None) -> tuple:
     """A SpeculativeBatcher round after its drafts [B, k], for the ``active`` rows: the target's
-    forward over each row's ``last`` token and its drafts, the penalties over ``record`` (each
-    position's: the row's text and the drafts before it), the eos held back from a token that would
-    be new token ``made`` [B] + i of a row short of its min_new_tokens, verification (``uniforms``
-    when sampled), the crop, and the emitted tokens into ``record``, in place. ``rule``: (sampling
-    filters as sampling_rows gives them or None when greedy, penalty_rows's penalties, min_new_tokens
-    [B] or None, the eos columns [V] or None, whether to return log-probabilities). -> (tokens
-    [B, k + 1], num_emitted [B], num_accepted [B], committed [B], the tokens' log-probabilities under
-    the target's raw logits [B, k + 1] or None)."""
-    *processing, logprobs = rule
+    forward over each row's ``last`` token and its drafts, then ``_verified_going`` on its logits.
+    -> _verified_going's."""
     logits = _forward(*target_input(last, draft_tokens, active), cache, model=model)
+    return _verified_going(logits, draft_tokens, draft_probs, uniforms, active, made, cache, record, rule)
+
+
+def _verified_going(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                    uniforms: torch.Tensor | None, active: torch.Tensor, made: torch.Tensor, cache,
+                    record: TokenRecord, rule: tuple, model=None) -> tuple:
+    """A SpeculativeBatcher round after the target's forward (its logits [B, k + 1, V] at each
+    ``active`` row's last token and drafts [B, k]): the penalties over ``record`` (each position's:
+    the row's text and the drafts before it), the eos held back from a token that would be new token
+    ``made`` [B] + i of a row short of its min_new_tokens, verification (``uniforms`` when sampled),
+    the crop, and the emitted tokens into ``record``, in place. ``rule``: (sampling filters as
+    sampling_rows gives them or None when greedy, penalty_rows's penalties, min_new_tokens [B] or
+    None, the eos columns [V] or None, whether to return log-probabilities). -> (tokens [B, k + 1],
+    num_emitted [B], num_accepted [B], committed [B], the tokens' log-probabilities under the
+    target's raw logits [B, k + 1] or None)."""
+    *processing, logprobs = rule
     tokens, num_emitted, num_accepted, committed = processed_and_verified(
         logits, draft_tokens, draft_probs, uniforms, active, cache, record, made, processing)
-    columns = torch.arange(draft_tokens.shape[1] + 1, device=last.device)
+    columns = torch.arange(draft_tokens.shape[1] + 1, device=logits.device)
     record.add(torch.where(columns[None, :] < num_emitted[:, None], tokens, logits.shape[-1]))
     chosen = token_logprobs(logits, tokens.clamp(min=0)) if logprobs else None
     return tokens, num_emitted, num_accepted, committed, chosen
@@ -98,6 +107,8 @@ class SpeculativeBatcher(ContinuousBatcher):
         capacity = self.max_length + self.k
         # compiled, a round after its drafts is one call of the target (_verify_going)
         self.verify_going = compiled_function(model, _verify_going, "verify_going") if compile else None
+        # (a round that takes new prompts in: its target forward as wide as they are, then this call)
+        self.verified_going = compiled_function(model, _verified_going, "verified_going") if compile else None
         self.proposer = (_DraftRows(draft_model, self.batch_size, capacity, compile, self.k, holder=self)
                          if draft_model is not None else
                          _LookupRows(self.batch_size, capacity + self.k + 1, max_ngram_size, self.output_vocab,
@@ -182,14 +193,19 @@ class SpeculativeBatcher(ContinuousBatcher):
             target_step = self.step_forward
         history = History(None, made, self.record)
         asks = any(self.rows[b].logprobs is not None for b in going)
-        if self.verify_going is not None and not merged:  # (the drafts, then one call of the target)
+        if self.verify_going is not None:  # (the drafts, then one call of the target after its forward or with it)
             draft_tokens, draft_probs = self.proposer.propose(rounds, self.last, active, history)
             self.cache.checkpoint()  # (a hybrid's recurrent states: the call's crop rolls them back)
             rule = (rounds.sampling_filters(self.batch_size, self.device),
                     *rounds.logit_rows(self.batch_size, self.device), asks)
-            tokens, num_emitted, num_accepted, committed, chosen = self.verify_going(
-                draft_tokens, draft_probs, rounds.verification_uniforms(active), active, self.last, made, self.cache,
-                self.record, rule)
+            if merged:
+                logits = target_step(*target_input(self.last, draft_tokens, active), self.cache)
+                verified = self.verified_going(logits, draft_tokens, draft_probs, rounds.verification_uniforms(active),
+                                               active, made, self.cache, self.record, rule)
+            else:
+                verified = self.verify_going(draft_tokens, draft_probs, rounds.verification_uniforms(active), active,
+                                             self.last, made, self.cache, self.record, rule)
+            tokens, num_emitted, num_accepted, committed, chosen = verified
             self.proposer.commit(active, committed, num_accepted, draft_tokens)
             logprobs = chosen.tolist() if asks else None  # (on a GPU the call's outputs are read before the next)
         else:

@@ -277,8 +277,8 @@ def test_compiled_rounds_are_a_drafts_call_and_a_targets_call(sampled, monkeypat
     """Compiled, a round's drafts with the requests' penalties and eos held back (per row: a request
     without them beside ones with) are one call of the draft, processed in the call, and the rest
     of the round one call of the target (its forward, the penalties, verification, the crop, the
-    record, the log-probabilities): the eager batcher's tokens, log-probabilities and acceptances
-    (sampled: from the same seed, with per-request temperatures and filters), and each greedy
+    record, the log-probabilities; where new prompts go in, the call after a forward of its own):
+    the eager batcher's tokens, log-probabilities and acceptances (sampled: from the same seed, with per-request temperatures and filters), and each greedy
     request equals generate on its prompt alone."""
     from python_tests.generation.test_speculative import count_compiled_calls
 
@@ -325,7 +325,9 @@ def test_compiled_rounds_are_a_drafts_call_and_a_targets_call(sampled, monkeypat
     # compiled: every round in one call of the draft, but those that take new prompts in
     assert calls[("draft", "_drafts")] > 0 and stepped["rounds"] == stepped["merges"] > 0
     assert calls[("draft", "_forward")] == 2 * stepped["merges"]  # (their drafts after the first)
-    assert calls[("target", "_verify_going")] == calls[("draft", "_drafts")]  # (the others' target forwards: eager)
+    assert calls[("target", "_verify_going")] == calls[("draft", "_drafts")]
+    # a round that takes prompts in: its target forward as wide as they are, then the rest in one call
+    assert calls[("target", "_verified_going")] == stepped["merges"]
 
 
 def test_what_it_cannot_serve_is_refused():

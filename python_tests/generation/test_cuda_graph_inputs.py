@@ -86,12 +86,29 @@ def _prompts():
 def _submitted(batcher, ids, mask, **options):
     """One request more than the batch's rows (a finished row's slot is refilled), greedy and sampled
     in turn; the last, greedy, outlives the others, so that greedy rows run beside sampled ones and
-    alone (a speculative batcher's round is a graph of its own for each) whatever the prompts.
+    alone (a step's call is a graph of its own for each) whatever the prompts.
     ``options``: each request's too."""
     B = ids.shape[0]
     for row in range(B + 1):
         batcher.submit(ids[row % B][mask[row % B].bool()].tolist(), max_new_tokens=4 if row < B else 16,
                        temperature=0.5 * (row % 2), **options)
+    batcher.run()
+
+
+def _merging(batcher, ids, mask):
+    """A speculative batcher's every kind of round: a greedy request that outlives the others (its
+    rounds beside them and alone); beside it, requests that end with their first token free their
+    rows at once, so that the next prompt goes in through a round of its own (merged), one per step:
+    a greedy one, a sampled one, then a sampled request that goes on decoding beside the first."""
+    B = ids.shape[0]
+    prompts = [ids[row][mask[row].bool()].tolist() for row in range(B)]
+    batcher.submit(prompts[0], max_new_tokens=30)
+    for row in range(1, B):
+        batcher.submit(prompts[row], max_new_tokens=1, temperature=0.5)
+    batcher.step()
+    for temperature, new_tokens in ((0.0, 1), (0.5, 1), (0.5, 4)):
+        batcher.submit(prompts[-1], max_new_tokens=new_tokens, temperature=temperature)
+        batcher.step()
     batcher.run()
 
 
@@ -116,11 +133,11 @@ CALLS = {
     "continuous_penalised": lambda target, draft, ids, mask: _submitted(
         ContinuousBatcher(target, batch_size=ids.shape[0], max_length=28, eos_token_id=[], compile=True), ids, mask,
         repetition_penalty=1.2, frequency_penalty=0.5),
-    "speculative_batcher": lambda target, draft, ids, mask: _submitted(
-        SpeculativeBatcher(target, draft, speculate_k=3, batch_size=ids.shape[0], max_length=28, eos_token_id=[],
+    "speculative_batcher": lambda target, draft, ids, mask: _merging(
+        SpeculativeBatcher(target, draft, speculate_k=3, batch_size=ids.shape[0], max_length=40, eos_token_id=[],
                            compile=True), ids, mask),
-    "speculative_batcher_lookup": lambda target, draft, ids, mask: _submitted(
-        SpeculativeBatcher(target, None, speculate_k=3, batch_size=ids.shape[0], max_length=28, eos_token_id=[],
+    "speculative_batcher_lookup": lambda target, draft, ids, mask: _merging(
+        SpeculativeBatcher(target, None, speculate_k=3, batch_size=ids.shape[0], max_length=40, eos_token_id=[],
                            compile=True), ids, mask),
 }
 

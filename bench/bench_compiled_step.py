@@ -19,7 +19,11 @@ Then ``speculative_verify`` and ``speculative_sampled_verify``: a compiled round
 (generation/verify_step.py, the package's way) against the target's forward compiled alone and the
 rest run eagerly after it; ``speculative_penalised_verify`` with the penalties (their record
 written in the call); ``speculative_batcher_verify`` the same for a ``SpeculativeBatcher`` (the
-demo's draft, 4 requests of 128 new tokens on 2 rows; its tokens/s counts every request's).
+demo's draft, 4 requests of 128 new tokens on 2 rows; its tokens/s counts every request's);
+``speculative_batcher_merged`` its rounds that take new prompts in (16 requests of 12 new tokens
+on 2 rows, so that many rounds take one), whose first forwards are as wide as the prompts: the
+drafts after the draft's and the rest of the round after the target's in one call each (the
+package's way) against the drafts step by step and the rest op by op.
 ``continuous_decode``: a compiled ``ContinuousBatcher``'s step, the pick from the kept logits and
 the decode forward in one call (generation/continuous.py's ``_decode_going``, the package's way)
 against the pick run eagerly and the forward compiled alone (the same requests, the target alone).
@@ -56,6 +60,7 @@ SAMPLED_TEMPERATURE = 0.8  # the sampled rows' (speculative_sampled_drafts, gene
 # (greedy) generate_penalised_pick's, speculative_penalised_drafts' and speculative_penalised_verify's
 PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2)
 BATCHER_REQUESTS, BATCHER_ROWS = 4, 2  # speculative_batcher_verify's and continuous_decode's
+MERGED_REQUESTS, MERGED_PROMPT, MERGED_NEW_TOKENS = 16, 48, 12  # speculative_batcher_merged's (on BATCHER_ROWS)
 
 
 def _patched_pair(target, draft, module_guards: bool):
@@ -108,27 +113,38 @@ def run(h) -> None:
             _compare_ways(h, call, candidates, baseline=stepped)
     prompts = [list(prompt.encode()) for prompt in code_prompts(corpus, BATCHER_REQUESTS)]
 
-    def batched(make, attribute: str, one_call: bool):  # (``attribute``: the one call, None: without it)
-        batcher = make(target_model, batch_size=BATCHER_ROWS, max_length=max(map(len, prompts)) + NEW_TOKENS,
+    def batched(make, attributes: tuple, one_call: bool, requests: list, new_tokens: int):
+        # (``attributes``: the batcher's compiled calls, each None without one_call; "proposer.x": its proposer's)
+        batcher = make(target_model, batch_size=BATCHER_ROWS, max_length=max(map(len, requests)) + new_tokens,
                        eos_token_id=[], compile=True)
         if not one_call:
-            setattr(batcher, attribute, None)
-        for prompt in prompts:
-            batcher.submit(prompt, max_new_tokens=NEW_TOKENS)
+            for attribute in attributes:
+                owner, _, name = attribute.rpartition(".")
+                setattr(getattr(batcher, owner) if owner else batcher, name, None)
+        for prompt in requests:
+            batcher.submit(prompt, max_new_tokens=new_tokens)
         return torch.tensor(list(batcher.run().values()))
 
     speculative_batcher = functools.partial(SpeculativeBatcher, draft_model=draft_model, speculate_k=SPECULATE_K)
-    for call, make, attribute, (one_call, stepped) in (
+    # speculative_batcher_merged's: many short requests, so that many rounds take a new prompt in
+    arriving = [list(prompt.encode())[:MERGED_PROMPT] for prompt in code_prompts(corpus, MERGED_REQUESTS)]
+    for call, make, attributes, (one_call, stepped), requests, new_tokens in (
             # a SpeculativeBatcher's round after its drafts in one call of the target (the package's way)
             # against its forward compiled alone and the rest op by op
-            ("speculative_batcher_verify", speculative_batcher, "verify_going", ("verify_in_one_call",
-                                                                                 "verify_op_by_op")),
+            ("speculative_batcher_verify", speculative_batcher, ("verify_going",),
+             ("verify_in_one_call", "verify_op_by_op"), prompts, NEW_TOKENS),
+            # its rounds that take new prompts in (their first forwards as wide as the prompts): the drafts
+            # after the draft's and the rest after the target's in one call each, against step by step and
+            # op by op
+            ("speculative_batcher_merged", speculative_batcher, ("verified_going", "proposer.drafts_after"),
+             ("after_the_forwards_in_one_call", "step_by_step"), arriving, MERGED_NEW_TOKENS),
             # a ContinuousBatcher's step, its pick and the decode forward in one call, against the pick run
             # eagerly and the forward compiled alone
-            ("continuous_decode", ContinuousBatcher, "decode_going", ("pick_in_the_call", "pick_eagerly"))):
-        _compare_ways(h, call, {one_call: functools.partial(batched, make, attribute, True),
-                                stepped: functools.partial(batched, make, attribute, False)},
-                      baseline=stepped, new_tokens=NEW_TOKENS * BATCHER_REQUESTS)
+            ("continuous_decode", ContinuousBatcher, ("decode_going",), ("pick_in_the_call", "pick_eagerly"), prompts,
+             NEW_TOKENS)):
+        _compare_ways(h, call, {way: functools.partial(batched, make, attributes, way == one_call, requests, new_tokens)
+                                for way in (one_call, stepped)},
+                      baseline=stepped, new_tokens=new_tokens * len(requests))
     # the rows' end read a round late (the package's way on a GPU) against after each round
     lagged_on_this_device = (torch.device(h.device).type,)
     candidates = {"read_a_round_late": lambda: _watched(lagged_on_this_device, calls["speculative"], pairs["default"]),

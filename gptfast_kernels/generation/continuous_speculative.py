@@ -20,8 +20,9 @@ limits of each request are applied there, and a request keeps its tokens up to t
 it. Compiled, a round is two calls (CUDA graphs): the draft model's k drafts, then the target's
 forward with everything up to those tokens (the penalties, the eos held back, verification, the
 crop, a hybrid's recurrent states rolled back, the penalties' record; ``_verify_going``). A round
-that takes new prompts in has forwards as wide as the prompts: its drafts go step by step, the
-target's forward runs on its own, and the rest of the round is one call (``_verified_going``).
+that takes new prompts in has first forwards as wide as the prompts, run on their own: the draft's,
+then its drafts in one call (``forward._drafts_after``); the target's, then the rest of the round
+in one call (``_verified_going``).
 Not served: MTP heads and Gemma 4 assistants as drafts (speculative_generate takes them).
 """
 
@@ -32,7 +33,7 @@ import torch
 from gptfast_kernels.generation import common
 from gptfast_kernels.generation.assistant import is_gemma4_assistant
 from gptfast_kernels.generation.continuous import ContinuousBatcher
-from gptfast_kernels.generation.forward import _forward, compiled_function
+from gptfast_kernels.generation.forward import _drafts_after, _forward, compiled_function
 from gptfast_kernels.generation.mtp import is_mtp_model
 from gptfast_kernels.generation.prompt_lookup import lookup_continuations
 from gptfast_kernels.generation.sampling import TokenRecord, token_logprobs
@@ -193,18 +194,19 @@ class SpeculativeBatcher(ContinuousBatcher):
             target_step = self.step_forward
         history = History(None, made, self.record)
         asks = any(self.rows[b].logprobs is not None for b in going)
-        if self.verify_going is not None:  # (the drafts, then one call of the target after its forward or with it)
+        if (self.verified_going if merged else self.verify_going) is not None:  # (the drafts, then one call)
             draft_tokens, draft_probs = self.proposer.propose(rounds, self.last, active, history)
             self.cache.checkpoint()  # (a hybrid's recurrent states: the call's crop rolls them back)
             rule = (rounds.sampling_filters(self.batch_size, self.device),
                     *rounds.logit_rows(self.batch_size, self.device), asks)
-            if merged:
+            uniforms = rounds.verification_uniforms(active)
+            if merged:  # (the target's forward as wide as the new prompts, then the call)
                 logits = target_step(*target_input(self.last, draft_tokens, active), self.cache)
-                verified = self.verified_going(logits, draft_tokens, draft_probs, rounds.verification_uniforms(active),
-                                               active, made, self.cache, self.record, rule)
+                verified = self.verified_going(logits, draft_tokens, draft_probs, uniforms, active, made, self.cache,
+                                               self.record, rule)
             else:
-                verified = self.verify_going(draft_tokens, draft_probs, rounds.verification_uniforms(active), active,
-                                             self.last, made, self.cache, self.record, rule)
+                verified = self.verify_going(draft_tokens, draft_probs, uniforms, active, self.last, made, self.cache,
+                                             self.record, rule)
             tokens, num_emitted, num_accepted, committed, chosen = verified
             self.proposer.commit(active, committed, num_accepted, draft_tokens)
             logprobs = chosen.tolist() if asks else None  # (on a GPU the call's outputs are read before the next)
@@ -251,9 +253,15 @@ class SpeculativeBatcher(ContinuousBatcher):
 
 class _DraftRows(DraftModelProposer):
     """A draft model's proposals; a new request's prompt runs through the draft into its emptied row,
-    in the round's first draft forward (``merge``) or in one of its own (``fill``)."""
+    in the round's first draft forward (``merge``; compiled, the drafts after it in one call) or in
+    one of its own (``fill``)."""
 
     merging: tuple | None = None  # (the batcher, the parts of prompts the next round's first forward takes)
+
+    def __init__(self, draft_model, batch_size: int, capacity: int, compile: bool, k: int, *, holder=None):
+        super().__init__(draft_model, batch_size, capacity, compile, k, holder=holder)
+        if compile:
+            self.drafts_after = compiled_function(draft_model, _drafts_after, "drafts_after")
 
     @property
     def caches(self) -> list:

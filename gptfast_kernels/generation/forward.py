@@ -78,6 +78,14 @@ def _drafts(first_input: torch.Tensor, first_mask: torch.Tensor, active: torch.T
     ``active`` [B]; each draft picked as ``picked_drafts`` picks (``sampling``, ``processing``) ->
     (drafts [B, k], their distributions [B, k, V] float32, or None when greedy)."""
     logits = _forward(first_input, first_mask, cache, model=model)[:, -1]
+    return _drafts_after(logits, active, cache, k, sampling, processing, model=model)
+
+
+def _drafts_after(logits: torch.Tensor, active: torch.Tensor, cache: StaticKVCache, k: int, sampling: tuple | None,
+                  processing: DraftProcessing | None = None, model=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As ``_drafts`` after the round's first draft forward, run outside the call (a batcher's, as
+    wide as the new prompts in it): from its last column's ``logits`` [B, V], the k drafts and the
+    k - 1 one-token forwards between them -> (drafts [B, k], distributions [B, k, V] or None)."""
     return picked_drafts(logits, lambda token: _forward(token[:, None], active[:, None], cache, model=model)[:, -1],
                          k, sampling, processing)
 

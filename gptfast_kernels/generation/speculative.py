@@ -139,6 +139,8 @@ class DraftModelProposer:
         self.step = step_function(draft_model, compile)
         # compiled, a round's drafts are one call (a hybrid draft's forwards record its states' history there)
         self.drafts = drafts_function(draft_model) if compile else None
+        # compiled, the drafts after a first forward run outside the call (_drafts_after: a batcher's)
+        self.drafts_after = None
         self.pending = torch.full((batch_size,), -1, dtype=torch.int64, device=device)
 
     def prefill(self, prompt: common.Prompt, target_hidden=None) -> None:
@@ -152,16 +154,21 @@ class DraftModelProposer:
         if self.drafts_in_one_call(rounds, history):
             drafts, distributions = self.drafts(first_input, first_mask, active, self.cache, rounds.k,
                                                 rounds.draft_sampling(last), rounds.draft_processing(history))
-            # (on a GPU a CUDA graph's outputs, which the target's forward, the next compiled call, may
-            # write over: verification reads them after it)
-            return drafts.clone(), None if distributions is None else distributions.clone()
-        return rounds.draft(history, self.first_logits(first_input, first_mask),
-                            lambda token: self.step(token[:, None], active[:, None], self.cache)[:, -1])
+        else:
+            logits = self.first_logits(first_input, first_mask)
+            if self.drafts_after is None:
+                return rounds.draft(history, logits,
+                                    lambda token: self.step(token[:, None], active[:, None], self.cache)[:, -1])
+            drafts, distributions = self.drafts_after(logits, active, self.cache, rounds.k,
+                                                      rounds.draft_sampling(last), rounds.draft_processing(history))
+        # (on a GPU a CUDA graph's outputs, which the target's forward, the next compiled call, may
+        # write over: verification reads them after it)
+        return drafts.clone(), None if distributions is None else distributions.clone()
 
     def drafts_in_one_call(self, rounds: "SpeculativeRounds", history: "History") -> bool:
         """Whether this round's drafts are one compiled call (compiled; the penalties and the eos
-        held back processed in the call: draft_processing); else ``first_logits``, then a step per
-        draft."""
+        held back processed in the call: draft_processing); else ``first_logits``, then the drafts
+        in one call of ``drafts_after`` if there is one, or a step per draft."""
         return self.drafts is not None
 
     def first_logits(self, first_input: torch.Tensor, first_mask: torch.Tensor) -> torch.Tensor:

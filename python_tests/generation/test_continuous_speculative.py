@@ -265,8 +265,8 @@ def test_int8_and_compiled_rounds_give_the_eager_tokens(family, monkeypatch):
         runs.append(_serve(batcher, prompts, LIMITS)[0])
         accepted.append((batcher.num_accepted, batcher.num_proposed))
     assert runs[0] == runs[1]
-    # the same drafts too: compiled greedy rounds draft in one call, except a round whose first draft
-    # forward takes new prompts (merged), which drafts step by step
+    # the same drafts too: compiled rounds draft in one call (a round that takes new prompts in: after
+    # its first draft forward)
     assert accepted[0] == accepted[1]
     assert runs[0] == {i: _alone(model, p, n, []) for i, (p, n) in enumerate(zip(prompts, LIMITS))}
     assert calls[("target", "_verify_going")] == calls[("draft", "_drafts")] > 0
@@ -277,9 +277,10 @@ def test_compiled_rounds_are_a_drafts_call_and_a_targets_call(sampled, monkeypat
     """Compiled, a round's drafts with the requests' penalties and eos held back (per row: a request
     without them beside ones with) are one call of the draft, processed in the call, and the rest
     of the round one call of the target (its forward, the penalties, verification, the crop, the
-    record, the log-probabilities; where new prompts go in, the call after a forward of its own):
-    the eager batcher's tokens, log-probabilities and acceptances (sampled: from the same seed, with per-request temperatures and filters), and each greedy
-    request equals generate on its prompt alone."""
+    record, the log-probabilities); a round that takes new prompts in makes each call after that
+    model's first forward, run on its own. The eager batcher's tokens, log-probabilities and
+    acceptances (sampled: from the same seed, with per-request temperatures and filters), and each
+    greedy request equals generate on its prompt alone."""
     from python_tests.generation.test_speculative import count_compiled_calls
 
     target = tiny_model("llama", layers=3)
@@ -295,7 +296,7 @@ def test_compiled_rounds_are_a_drafts_call_and_a_targets_call(sampled, monkeypat
                                          dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, min_p=0.05)]):
             o.update(sampling)
     calls = count_compiled_calls(monkeypatch, draft)
-    stepped = {"merges": 0, "rounds": 0}  # (a round whose first draft forward takes new prompts steps)
+    stepped = {"merges": 0, "rounds": 0, "step_by_step": 0}  # (step_by_step: rounds that draft a step a forward)
 
     def counted(function, key):
         def wrapper(*args, **kwargs):
@@ -304,14 +305,15 @@ def test_compiled_rounds_are_a_drafts_call_and_a_targets_call(sampled, monkeypat
         return wrapper
 
     monkeypatch.setattr(_DraftRows, "merge", counted(_DraftRows.merge, "merges"))
-    monkeypatch.setattr(SpeculativeRounds, "draft", counted(SpeculativeRounds.draft, "rounds"))
+    monkeypatch.setattr(SpeculativeRounds, "draft", counted(SpeculativeRounds.draft, "step_by_step"))
+    monkeypatch.setattr(SpeculativeBatcher, "_round", counted(SpeculativeBatcher._round, "rounds"))
     runs, logprobs, accepted = [], [], []
     for compile in (False, True):
         batcher = SpeculativeBatcher(model, draft, speculate_k=3, batch_size=3, max_length=28, eos_token_id=eos,
                                      compile=compile, generator=torch.Generator().manual_seed(7))
         for p, o in zip(prompts, options):
             batcher.submit(p, max_new_tokens=12, output_logprobs=True, **o)
-        stepped.update(merges=0, rounds=0)
+        stepped.update(merges=0, rounds=0, step_by_step=0)
         calls.clear()
         runs.append(batcher.run())
         logprobs.append(batcher.logprobs)
@@ -322,12 +324,12 @@ def test_compiled_rounds_are_a_drafts_call_and_a_targets_call(sampled, monkeypat
     if not sampled:
         for request, o in enumerate(options):
             assert runs[1][request] == _alone(model, prompts[request], 12, eos, **o), (request, o)
-    # compiled: every round in one call of the draft, but those that take new prompts in
-    assert calls[("draft", "_drafts")] > 0 and stepped["rounds"] == stepped["merges"] > 0
-    assert calls[("draft", "_forward")] == 2 * stepped["merges"]  # (their drafts after the first)
-    assert calls[("target", "_verify_going")] == calls[("draft", "_drafts")]
-    # a round that takes prompts in: its target forward as wide as they are, then the rest in one call
-    assert calls[("target", "_verified_going")] == stepped["merges"]
+    # compiled: every round's drafts in one call of the draft and the rest in one call of the target;
+    # a round that takes prompts in runs each model's first forward, as wide as they are, before its call
+    assert stepped["merges"] > 0 and stepped["step_by_step"] == 0 and calls[("draft", "_forward")] == 0
+    assert calls[("draft", "_drafts")] + calls[("draft", "_drafts_after")] == stepped["rounds"]
+    assert calls[("target", "_verify_going")] == calls[("draft", "_drafts")] > 0
+    assert calls[("target", "_verified_going")] == calls[("draft", "_drafts_after")] == stepped["merges"]
 
 
 def test_what_it_cannot_serve_is_refused():

@@ -356,7 +356,9 @@ def test_continuous_batching_requests_equal_generate_alone(family, graph_records
 def test_speculative_batching_requests_equal_generate_alone(proposer, graph_records):
     """SpeculativeBatcher on the GPU, compiled (CUDA-graph) rounds of int8 models: rows reused
     mid-batch give every greedy request the tokens generate gives its prompt alone; the rounds
-    after their drafts are the target's calls (_verify_going), with no CUDA-graph skip."""
+    after their drafts are the target's calls (_verify_going; those that take a new prompt in,
+    after their wide forwards: _verified_going, and the draft's _drafts_after), with no CUDA-graph
+    skip."""
     from torch._dynamo.utils import counters
 
     from gptfast_kernels import SpeculativeBatcher
@@ -368,7 +370,10 @@ def test_speculative_batching_requests_equal_generate_alone(proposer, graph_reco
     _served_as_alone(SpeculativeBatcher(patched, draft, speculate_k=3, batch_size=2, max_length=24, eos_token_id=[],
                                         compile=True), patched, 4)
     _assert_recorded_once(graph_records)
-    assert hasattr(patched, "_gptfast_compiled_verify_going")
+    called = [patched._gptfast_compiled_verify_going, patched._gptfast_compiled_verified_going]
+    if draft is not None:
+        called.append(draft._gptfast_compiled_drafts_after)
+    assert all(step.compiled is not None for step in called)  # (each compiled at its first call)
     assert counters["inductor"]["cudagraph_skips"] == skips_before
 
 

@@ -120,6 +120,9 @@ class SpeculativeBatcher(ContinuousBatcher):
                              "False")
         # each running row's last token: emitted, not yet in the target's cache (the next round's first input)
         self.last = torch.zeros(self.batch_size, dtype=torch.int64, device=self.device)
+        # each running row's count of generated tokens, its last included (kept on the device: a round reads
+        # it there and adds its emitted tokens; an idle row's is stale until its next request's first token)
+        self.made = torch.zeros(self.batch_size, dtype=torch.int64, device=self.device)
         self.last_tokens: dict[int, list[int]] = {}
         self.last_logprobs: dict[int, list[float]] = {}
         self.num_proposed = self.num_accepted = 0
@@ -157,6 +160,7 @@ class SpeculativeBatcher(ContinuousBatcher):
             rows = self._rows(complete)
             first = torch.tensor(tokens, device=self.device)
             self.last = torch.where(rows, first, self.last)
+            self.made = torch.where(rows, 1, self.made)
             self.proposer.append(first[:, None], rows.to(torch.int64))
             for b in complete:
                 self._give(b, [tokens[b]], None if logprobs is None else [logprobs[b]], ended)
@@ -183,7 +187,6 @@ class SpeculativeBatcher(ContinuousBatcher):
         active = self._rows(going)
         rows = [r if r is not None else self.rows[going[0]] for r in self.rows]
         rounds = self._rounds(rows)
-        made = torch.tensor([len(r.tokens) for r in rows], device=self.device)  # (each row's last included)
         if merged:
             def target_step(target_input, mask, cache):
                 ids, real = self.with_prompts(merged, target_input, mask)
@@ -192,7 +195,7 @@ class SpeculativeBatcher(ContinuousBatcher):
                 return logits
         else:
             target_step = self.step_forward
-        history = History(None, made, self.record)
+        history = History(None, self.made, self.record)
         asks = any(self.rows[b].logprobs is not None for b in going)
         if (self.verified_going if merged else self.verify_going) is not None:  # (the drafts, then one call)
             draft_tokens, draft_probs = self.proposer.propose(rounds, self.last, active, history)
@@ -202,11 +205,11 @@ class SpeculativeBatcher(ContinuousBatcher):
             uniforms = rounds.verification_uniforms(active)
             if merged:  # (the target's forward as wide as the new prompts, then the call)
                 logits = target_step(*target_input(self.last, draft_tokens, active), self.cache)
-                verified = self.verified_going(logits, draft_tokens, draft_probs, uniforms, active, made, self.cache,
-                                               self.record, rule)
+                verified = self.verified_going(logits, draft_tokens, draft_probs, uniforms, active, self.made,
+                                               self.cache, self.record, rule)
             else:
-                verified = self.verify_going(draft_tokens, draft_probs, uniforms, active, self.last, made, self.cache,
-                                             self.record, rule)
+                verified = self.verify_going(draft_tokens, draft_probs, uniforms, active, self.last, self.made,
+                                             self.cache, self.record, rule)
             tokens, num_emitted, num_accepted, committed, chosen = verified
             self.proposer.commit(active, committed, num_accepted, draft_tokens)
             logprobs = chosen.tolist() if asks else None  # (on a GPU the call's outputs are read before the next)
@@ -218,6 +221,7 @@ class SpeculativeBatcher(ContinuousBatcher):
                 self.record.add(torch.where(emitted, tokens, V))
             logprobs = token_logprobs(target_logits, tokens.clamp(min=0)).tolist() if asks else None
         self.last = torch.where(active, tokens.gather(1, (num_emitted - 1).clamp(min=0)[:, None])[:, 0], self.last)
+        self.made = self.made + num_emitted  # (0 for the rows not going; a row that ends is idle from now on)
         self.proposer.append(tokens, num_emitted)
         tokens, counts = tokens.tolist(), num_emitted.tolist()
         for b in going:

@@ -139,7 +139,8 @@ class DraftModelProposer:
         self.step = step_function(draft_model, compile)
         # compiled, a round's drafts are one call (a hybrid draft's forwards record its states' history there)
         self.drafts = drafts_function(draft_model) if compile else None
-        # compiled, the drafts after a first forward run outside the call (_drafts_after: a batcher's)
+        # the drafts in one call after a first forward run outside it (forward._drafts_after): none here; a
+        # batcher's proposer, whose first forward may take new prompts in, has it compiled
         self.drafts_after = None
         self.pending = torch.full((batch_size,), -1, dtype=torch.int64, device=device)
 

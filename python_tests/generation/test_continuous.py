@@ -156,6 +156,50 @@ def test_compiled_calls_between_steps_leave_a_batchers_rows_alone(speculative):
     assert out == {i: _alone(model, p, n, []) for i, (p, n) in enumerate(zip(prompts, LIMITS))}
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_batcher_kept_alive_by_a_caught_error_hands_its_caches_on(speculative):
+    """A batcher one of whose calls raised an error that was caught (as pytest.raises does, keeping
+    the error) lives on after its last reference goes, in a reference cycle (the error's traceback
+    holds the frame of the call, which holds the batcher), until the collector runs: the next
+    compiled batcher on the model still gets the model's kept caches (the collector is run when a
+    holder is found alive), not caches of its own that would move the CUDA graphs' inputs."""
+    import gc
+    import weakref
+
+    from gptfast_kernels import SpeculativeBatcher
+    from python_tests.tiny_models import draft_of
+
+    model = patched_copy(tiny_model("llama", layers=2), int8=False)
+    draft = patched_copy(draft_of(model, 1), int8=False) if speculative else None
+
+    def make():
+        if speculative:
+            return SpeculativeBatcher(model, draft, speculate_k=2, batch_size=2, max_length=20, eos_token_id=[],
+                                      compile=True)
+        return ContinuousBatcher(model, batch_size=2, max_length=20, eos_token_id=[], compile=True)
+
+    def refused():  # -> a weak reference to a batcher whose caught error keeps it alive
+        batcher = make()
+        with pytest.raises(ValueError, match="prompt_ids") as caught:
+            batcher.submit([], max_new_tokens=3)
+        assert caught.traceback  # (kept with the error: the frames, the batcher's among them)
+        return weakref.ref(batcher), [c.layers[0].keys.data_ptr() for c in [batcher.cache] + (
+            batcher.proposer.caches if speculative else [])]
+
+    enabled = gc.isenabled()
+    gc.disable()  # (so that only cache_for's own collection frees it)
+    try:
+        first, caches = refused()
+        assert first() is not None  # (alive: in the cycle)
+        second = make()
+        assert first() is None
+        assert [c.layers[0].keys.data_ptr() for c in [second.cache] + (
+            second.proposer.caches if speculative else [])] == caches
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
 def test_int8_and_compiled_steps_give_the_eager_tokens(family):
     model = patched_copy(tiny_model(family, layers=3), int8=True)

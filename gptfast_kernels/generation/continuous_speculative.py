@@ -197,22 +197,8 @@ class SpeculativeBatcher(ContinuousBatcher):
             target_step = self.step_forward
         history = History(None, self.made, self.record)
         asks = any(self.rows[b].logprobs is not None for b in going)
-        if (self.verified_going if merged else self.verify_going) is not None:  # (the drafts, then one call)
-            draft_tokens, draft_probs = self.proposer.propose(rounds, self.last, active, history)
-            self.cache.checkpoint()  # (a hybrid's recurrent states: the call's crop rolls them back)
-            rule = (rounds.sampling_filters(self.batch_size, self.device),
-                    *rounds.logit_rows(self.batch_size, self.device), asks)
-            uniforms = rounds.verification_uniforms(active)
-            if merged:  # (the target's forward as wide as the new prompts, then the call)
-                logits = target_step(*target_input(self.last, draft_tokens, active), self.cache)
-                verified = self.verified_going(logits, draft_tokens, draft_probs, uniforms, active, self.made,
-                                               self.cache, self.record, rule)
-            else:
-                verified = self.verify_going(draft_tokens, draft_probs, uniforms, active, self.last, self.made,
-                                             self.cache, self.record, rule)
-            tokens, num_emitted, num_accepted, committed, chosen = verified
-            self.proposer.commit(active, committed, num_accepted, draft_tokens)
-            logprobs = chosen.tolist() if asks else None  # (on a GPU the call's outputs are read before the next)
+        if (self.verified_going if merged else self.verify_going) is not None:
+            tokens, num_emitted, logprobs = self._round_in_calls(rounds, active, history, target_step, merged, asks)
         else:
             tokens, num_emitted, num_accepted, target_logits, _ = rounds.verify_round(
                 self.proposer, target_step, self.cache, self.last, active, history)
@@ -228,6 +214,30 @@ class SpeculativeBatcher(ContinuousBatcher):
             self.num_proposed += k
             self.num_accepted += counts[b] - 1
             self._give(b, tokens[b][:counts[b]], None if logprobs is None else logprobs[b][:counts[b]], ended)
+
+    def _round_in_calls(self, rounds: SpeculativeRounds, active: torch.Tensor, history: History, target_step,
+                        merged: dict, asks: bool) -> tuple:
+        """A compiled round's drafts (one call of the draft, after its first forward where it takes
+        new prompts in), then one call of the target: its forward and everything after it, or where
+        the round takes new prompts in (``merged``), everything after ``target_step``'s forward, as
+        wide as they are. -> (tokens [B, k + 1], num_emitted [B], the log-probabilities as lists if
+        ``asks``, else None)."""
+        draft_tokens, draft_probs = self.proposer.propose(rounds, self.last, active, history)
+        self.cache.checkpoint()  # (a hybrid's recurrent states: the call's crop rolls them back)
+        rule = (rounds.sampling_filters(self.batch_size, self.device), *rounds.logit_rows(self.batch_size, self.device),
+                asks)
+        uniforms = rounds.verification_uniforms(active)
+        if merged:
+            logits = target_step(*target_input(self.last, draft_tokens, active), self.cache)
+            verified = self.verified_going(logits, draft_tokens, draft_probs, uniforms, active, self.made, self.cache,
+                                           self.record, rule)
+        else:
+            verified = self.verify_going(draft_tokens, draft_probs, uniforms, active, self.last, self.made,
+                                         self.cache, self.record, rule)
+        tokens, num_emitted, num_accepted, committed, chosen = verified
+        self.proposer.commit(active, committed, num_accepted, draft_tokens)
+        # (on a GPU the call's outputs are read before the next call)
+        return tokens, num_emitted, chosen.tolist() if asks else None
 
     def _rounds(self, rows: list) -> SpeculativeRounds:
         """The rounds' options for the requests in ``rows`` (idle rows: a running request's), made when

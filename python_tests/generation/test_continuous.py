@@ -178,13 +178,16 @@ def test_a_batcher_kept_alive_by_a_caught_error_hands_its_caches_on(speculative)
                                       compile=True)
         return ContinuousBatcher(model, batch_size=2, max_length=20, eos_token_id=[], compile=True)
 
+    def addresses(batcher) -> list[int]:  # (where its caches' first keys live: the target's, the draft's)
+        caches = [batcher.cache] + (batcher.proposer.caches if speculative else [])
+        return [c.layers[0].keys.data_ptr() for c in caches]
+
     def refused():  # -> a weak reference to a batcher whose caught error keeps it alive
         batcher = make()
         with pytest.raises(ValueError, match="prompt_ids") as caught:
             batcher.submit([], max_new_tokens=3)
         assert caught.traceback  # (kept with the error: the frames, the batcher's among them)
-        return weakref.ref(batcher), [c.layers[0].keys.data_ptr() for c in [batcher.cache] + (
-            batcher.proposer.caches if speculative else [])]
+        return weakref.ref(batcher), addresses(batcher)
 
     enabled = gc.isenabled()
     gc.disable()  # (so that only cache_for's own collection frees it)
@@ -193,8 +196,7 @@ def test_a_batcher_kept_alive_by_a_caught_error_hands_its_caches_on(speculative)
         assert first() is not None  # (alive: in the cycle)
         second = make()
         assert first() is None
-        assert [c.layers[0].keys.data_ptr() for c in [second.cache] + (
-            second.proposer.caches if speculative else [])] == caches
+        assert addresses(second) == caches
     finally:
         if enabled:
             gc.enable()

@@ -67,7 +67,7 @@ def check_tensor(op: str, name: str, value, *, dtypes: Sequence[torch.dtype] | N
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
     if dtypes is not None and value.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        names = ", ".join(dict.fromkeys(str(d).replace("torch.", "") for d in dtypes))  # (each once)
         raise ValueError(f"{op}: {name} must have dtype in ({names}), got {value.dtype}")
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)

@@ -13,11 +13,19 @@ from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, chec
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] float16/bfloat16/float32 -> (qweight [N, K] int8, scales [N] float32).
 
-    Symmetric per output channel: scales = max|w[n, :]| / 127 (1 for an all-zero row)."""
+    Symmetric per output channel: scales = max|w[n, :]| / 127 (1 for an all-zero row). A NaN or an
+    infinity has no int8 code (its row's scale would be NaN or inf, or the NaN would read as 0), so
+    a weight holding one is refused (one host sync: quantisation happens once, at load time)."""
     check_tensor("quantize_int8", "weight", weight, dtypes=FLOAT_DTYPES, ndim=2)
     if weight.shape[1] == 0:
         raise ValueError("quantize_int8: weight must have at least one input feature (K >= 1), "
                          f"got shape {list(weight.shape)}")
+    if weight.device.type != "meta" and not tracing_or_dispatch_mode():  # (meta: a model built without data)
+        finite = torch.isfinite(weight).all(dim=1)
+        if not bool(finite.all()):
+            rows = (~finite).nonzero().flatten()
+            raise ValueError(f"quantize_int8: weight must be finite (no NaN or inf), got {rows.numel()} row(s) "
+                             f"that are not, the first being row {int(rows[0])}")
     if _extension.extension_loaded():
         return torch.ops.gptfast_kernels.quantize_int8(weight)
     return reference.quantize_int8(weight)

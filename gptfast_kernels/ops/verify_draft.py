@@ -50,8 +50,11 @@ def _check_values(target_probs, draft_probs, draft_tokens, uniforms) -> None:
         checks["draft_tokens"] = (lo >= 0) & (hi < V)
     for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
         if probs is not None and probs.numel():
-            lo, hi = torch.aminmax(probs)
+            lows, highs = torch.aminmax(probs, dim=-1)  # per row: the target's need a positive entry each
+            lo, hi = lows.amin(), highs.amax()
             checks[name] = (lo >= 0) & (hi < float("inf"))
+            if name == "target_probs":  # (a draft row of zeros is well defined: its tokens are all rejected)
+                checks["target_probs_rows"] = highs.amin() > 0
             if name == "target_probs" and draft_probs is not None:  # sampling: a bound on every row's sum
                 checks["target_probs_sum"] = hi * V < MAX_ROW_SUM
     if uniforms is not None and uniforms.numel():
@@ -67,6 +70,8 @@ def _check_values(target_probs, draft_probs, draft_tokens, uniforms) -> None:
         "draft_probs": "draft_probs must be finite and non-negative (no NaN, inf or negative "
                        "probabilities)",
         "uniforms": "uniforms must lie in [0, 1) (no NaN)",
+        "target_probs_rows": "target_probs must have a positive probability in every row (a row of zeros "
+                             "is no distribution to pick from)",
     }
     for name, ok in zip(checks, valid):
         if name == "target_probs_sum" and not ok:  # the bound failed: the rows' sums themselves

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from gptfast_kernels import _extension, ops
+from gptfast_kernels import Int8Linear, _extension, ops
 from gptfast_kernels.ops import reference
 from python_tests.backends import kernel_backends, skip_unless_cpu_build, with_cpu_build, with_threads
 
@@ -262,6 +262,34 @@ def test_int8_linear_bad_inputs():
         ops.int8_linear(x, qweight, scales, backend="cuda")
     with pytest.raises(ValueError, match="weight"):
         ops.quantize_int8(torch.randn(3, 4, 5))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_refuses_weights_that_are_not_finite(bad, dtype):
+    """A NaN or an infinity has no int8 code: unchecked, an inf row quantises to a scale of inf and
+    codes of 0 (NaN outputs), and a NaN reads as 0 (a silently wrong weight)."""
+    weight = torch.randn(6, 16).to(dtype)
+    weight[4, 3] = bad
+    weight[5, 0] = bad
+    with pytest.raises(ValueError, match=r"weight must be finite .* 2 row\(s\) .* first being row 4"):
+        ops.quantize_int8(weight)
+    with pytest.raises(ValueError, match="weight must be finite"):
+        Int8Linear.from_float(_linear_with(weight))
+
+
+def _linear_with(weight):
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    return linear
+
+
+def test_quantize_takes_meta_weights():
+    """A model built on the meta device (load_patched) quantises without data: no value check."""
+    qweight, scales = ops.quantize_int8(torch.empty(6, 16, device="meta"))
+    assert (qweight.device.type, qweight.dtype, tuple(qweight.shape), tuple(scales.shape)) == \
+        ("meta", torch.int8, (6, 16), (6,))
 
 
 @pytest.mark.skipif(not _extension.extension_loaded(), reason="extension not built")

@@ -284,6 +284,10 @@ def _valid_case():
     ("target_probs", lambda t, d, x, u: (t.clone().fill_(float("nan")), d, x, u), "target_probs"),
     ("target_probs", lambda t, d, x, u: (-t, d, x, u), "target_probs"),
     ("draft_probs", lambda t, d, x, u: (t, d.clone().fill_(float("inf")), x, u), "draft_probs"),
+    ("target_probs", lambda t, d, x, u: (t.clone().index_fill_(1, torch.tensor([1]), 0.0), d, x, u),
+     "positive probability in every row"),
+    ("target_probs", lambda t, d, x, u: (t.clone().index_fill_(1, torch.tensor([1]), 0.0), None, x, None),
+     "positive probability in every row"),  # greedy too: the argmax of zeros is no pick
 ])
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 def test_bad_inputs_raise_value_error(field, make_bad, match, backend):

@@ -12,6 +12,7 @@ on the model's modules, which cost more per call than a small model's step takes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import types
@@ -252,11 +253,34 @@ def step_function(model, compile: bool, *, hidden: bool = False, module_guards: 
     return compiled_function(model, function, name, module_guards=module_guards)
 
 
-HOLDER_SUFFIX = "_holder"  # cache_for: beside a kept cache, a weak reference to what holds it (or _nobody)
+# cache_for keeps this many caches per model and role, most recently used first: calls whose shapes
+# take turns (a batch of short prompts, then one long prompt, and again) each find theirs kept, so a
+# GPU replays each one's CUDA graphs instead of recording them again at every call (torch 2.11 counts
+# such recordings and, past its limit of 128, runs the step without CUDA graphs from then on).
+KEPT_CACHES = 2
+KEPT_SUFFIX = "_kept"  # cache_for: the list of _KeptCache under the role's attribute + this
+
+
+@dataclasses.dataclass
+class _KeptCache:
+    cache: StaticKVCache
+    holder: object  # a weak reference to what holds the cache (a batcher), or _nobody
+
+    def held(self, by) -> bool:
+        """Whether something other than ``by`` holds the cache."""
+        return self.holder() not in (None, by)
 
 
 def _nobody() -> None:
     return None
+
+
+def _serves(cache: StaticKVCache, batch_size: int, needed: int, dtype, chunk: int, rollback: int) -> bool:
+    """Whether ``cache`` (its first rows) can take a call of ``batch_size`` rows needing ``needed`` slots."""
+    if cache.has_recurrent_layers and (cache.batch_size != batch_size or cache.rollback_tokens < rollback):
+        return False  # (recurrent states are made per cache, for its batch size)
+    return (cache.batch_size >= batch_size and cache.max_cache_len >= needed and cache.dtype == dtype
+            and cache.max_step_tokens == chunk)
 
 
 def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool,
@@ -265,17 +289,19 @@ def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool
     layers are ring buffers taking up to max(PREFILL_CHUNK, ``step_tokens``) tokens a forward
     (``step_tokens``: the most a decoding round writes and rolls back; above 1, a hybrid model's
     cache keeps its recurrent states for as many tokens: ``rollback_tokens``). With ``reuse`` the
-    model keeps one cache (rounded-up length) and hands it out again while it fits, so compiled
-    graphs, which are specialised on the cache's buffers, are not rebuilt on every call; one per
-    ``role`` ("draft": a model drafting for itself must not share its cache as the target). A
-    smaller batch takes the kept cache's first rows (StaticKVCache.first_rows), so batch sizes in
-    turn neither allocate nor move a graph's buffers (on a GPU: no CUDA graph recorded again); a
-    larger one, or a hybrid model's batch of another size (recurrent states are per cache),
-    allocates the cache anew. A ``holder`` (a batcher, whose rows live between its steps) keeps the
-    cache for itself while it lives: another call meanwhile gets a cache of its own, which the model
-    keeps instead (a generate call between the batcher's steps would otherwise empty its rows). Its
-    per-forward position check is off: the caller writes at most ``needed`` tokens per row, and the
-    check would make every eager decode step wait for the GPU."""
+    model keeps up to KEPT_CACHES caches (rounded-up lengths) and hands one out again while it fits,
+    so compiled graphs, which are specialised on the cache's buffers, are not rebuilt on every call;
+    one set per ``role`` ("draft": a model drafting for itself must not share its cache as the
+    target). A smaller batch takes a kept cache's first rows (StaticKVCache.first_rows), so batch
+    sizes in turn neither allocate nor move a graph's buffers (on a GPU: no CUDA graph recorded
+    again); a larger one, a longer call, or a hybrid model's batch of another size (recurrent states
+    are per cache) allocates a cache anew, which is kept first: those it makes useless (no larger in
+    batch or length) are dropped, and the least recently used beyond KEPT_CACHES (all that no holder
+    needs, when the device is out of memory for the new one). A ``holder`` (a batcher, whose rows
+    live between its steps) keeps its cache for itself while it lives: another call meanwhile takes
+    another kept cache or a new one (a generate call between the batcher's steps would otherwise
+    empty its rows). Its per-forward position check is off: the caller writes at most ``needed``
+    tokens per row, and the check would make every eager decode step wait for the GPU."""
     chunk = max(PREFILL_CHUNK, step_tokens)
     rollback = step_tokens if step_tokens > 1 else 0
     if not reuse:
@@ -283,21 +309,33 @@ def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool
                               rollback_tokens=rollback)
     else:
         attribute = "_gptfast_cache" + (f"_{role}" if role else "")
-        cache = getattr(model, attribute, None)
-        held_by = getattr(model, attribute + HOLDER_SUFFIX, _nobody)()
-        if held_by not in (None, holder):  # (a holder that is garbage in a reference cycle waits for the collector)
-            del held_by
-            gc.collect()
-            held_by = getattr(model, attribute + HOLDER_SUFFIX)()
-        if (cache is None or held_by not in (None, holder) or cache.batch_size < batch_size
-                or cache.max_cache_len < needed or cache.dtype != dtype or cache.max_step_tokens != chunk
-                or cache.has_recurrent_layers and (cache.batch_size != batch_size or cache.rollback_tokens < rollback)):
+        kept = list(getattr(model, attribute + KEPT_SUFFIX, ()))
+        serving = [entry for entry in kept if _serves(entry.cache, batch_size, needed, dtype, chunk, rollback)]
+        if serving and all(entry.held(holder) for entry in serving):
+            gc.collect()  # (a holder that is garbage in a reference cycle waits for the collector)
+        chosen = next((entry for entry in serving if not entry.held(holder)), None)
+        if chosen is None:
             length = -(-needed // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
-            cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype, max_step_tokens=chunk,
-                                  rollback_tokens=rollback)
-            keep_on(model, attribute, cache)
-        keep_on(model, attribute + HOLDER_SUFFIX, _nobody if holder is None else weakref.ref(holder))
-        cache = cache.first_rows(batch_size)
+            try:
+                cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype,
+                                      max_step_tokens=chunk, rollback_tokens=rollback)
+            except torch.OutOfMemoryError:  # the kept ones that no holder needs give their memory first
+                kept = [entry for entry in kept if entry.held(holder)]
+                keep_on(model, attribute + KEPT_SUFFIX, kept)
+                vars(model).pop(attribute, None)
+                gc.collect()
+                torch.cuda.empty_cache()
+                cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype,
+                                      max_step_tokens=chunk, rollback_tokens=rollback)
+            chosen = _KeptCache(cache, _nobody)
+            kept = [entry for entry in kept
+                    if not _serves(cache, entry.cache.batch_size, entry.cache.max_cache_len, entry.cache.dtype,
+                                   entry.cache.max_step_tokens, entry.cache.rollback_tokens)]
+        chosen.holder = _nobody if holder is None else weakref.ref(holder)
+        kept = [chosen] + [entry for entry in kept if entry is not chosen][:KEPT_CACHES - 1]
+        keep_on(model, attribute + KEPT_SUFFIX, kept)
+        keep_on(model, attribute, chosen.cache)  # (the one handed out last)
+        cache = chosen.cache.first_rows(batch_size)
         if cache.state_history is not None:  # (a call that stopped mid-round left it open)
             cache.state_history.close()
         cache.crop(torch.zeros_like(cache.seq_lengths), check=False)

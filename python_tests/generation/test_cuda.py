@@ -156,6 +156,24 @@ def test_batch_sizes_in_turn_replay_their_cuda_graphs(graph_records):
     _assert_recorded_once(graph_records)
 
 
+def test_short_batches_and_a_long_prompt_in_turn_replay_their_cuda_graphs(graph_records):
+    """Compiled generate and speculative rounds with three short prompts, then one prompt longer
+    than their cache, twice over: the model keeps both caches (forward.KEPT_CACHES), so each call's
+    graphs are recorded once and then replayed (before, each turn allocated a cache and recorded
+    them again), each call equal to eager generate."""
+    target = tiny_model("llama", layers=3).cuda()
+    patched = patched_copy(target, int8=True)
+    draft = patch_model(draft_of(target, 2).cuda(), int8=True)
+    for B, length, seed in ((3, 7, 0), (1, forward.CACHE_LEN_QUANTUM + 8, 1)) * 2:
+        ids, mask = _on_cuda(*ragged_prompts(B, length, "left", seed=seed))
+        want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
+        assert torch.equal(generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True).sequences,
+                           want)
+        assert torch.equal(speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=3,
+                                                eos_token_id=[], compile=True).sequences, want)
+    _assert_recorded_once(graph_records)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text", "falcon_h1", "mamba2", "zamba2", "lfm2"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_speculative_equals_target_greedy(family, compile, graph_records):

@@ -16,6 +16,7 @@ import torch._inductor.output_code as output_code
 
 from gptfast_kernels import (ContinuousBatcher, SpeculativeBatcher, generate, prompt_lookup_generate,
                              speculative_generate)
+from gptfast_kernels.generation.forward import CACHE_LEN_QUANTUM
 from python_tests.tiny_models import draft_of, patched_copy, ragged_prompts, tiny_model
 
 NEW = 6
@@ -181,6 +182,28 @@ def test_batch_sizes_in_turn_keep_their_graphs_inputs(compiled_graphs, name):
         CALLS[name](target, draft, *ragged_prompts(2, 9, "left", seed=3))
     assert len(compiled_graphs) == compiled
     _assert_captured_whole(compiled_graphs)
+
+
+@pytest.mark.parametrize("name", ["generate", "speculative_sampled"])
+def test_short_batches_and_a_long_prompt_in_turn_keep_their_graphs_inputs(compiled_graphs, name):
+    """Three short prompts, then one prompt longer than their cache, in turn: neither call's cache
+    serves the other, so the model keeps both (forward.KEPT_CACHES). After each has run once, no
+    call compiles anew or brings a static input to an address it was not called with before (on a
+    GPU: each call's CUDA graphs replayed; a cache allocated at every turn records them again)."""
+    target, draft = _models("llama", 1)
+    long = CACHE_LEN_QUANTUM + 8
+    turns = [ragged_prompts(3, 6, "left"), ragged_prompts(1, long, "left", seed=1)]
+    with torch.no_grad():
+        for prompts in turns:
+            CALLS[name](target, draft, *prompts)
+        compiled = len(compiled_graphs)
+        seen = [{index: set(addresses) for index, addresses in graph.addresses.items()} for graph in compiled_graphs]
+        for prompts in turns * 2:
+            CALLS[name](target, draft, *prompts)
+    assert len(compiled_graphs) == compiled
+    moved = [(i, graph.names[index]) for i, graph in enumerate(compiled_graphs)
+             for index, addresses in graph.addresses.items() if not addresses <= seen[i].get(index, set())]
+    assert not moved, moved
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_next"])

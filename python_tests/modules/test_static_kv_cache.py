@@ -181,7 +181,7 @@ def test_a_kept_cache_serves_smaller_batches_from_its_rows():
     """cache_for with reuse: a smaller batch takes the kept cache's first rows (no allocation, the
     same addresses whenever that size comes again), a larger one allocates anew; a cache a holder
     took is not handed to another caller while the holder lives; a hybrid model's cache (recurrent
-    states) is allocated anew for another batch size."""
+    states) is allocated anew for another batch size, and both sizes' caches are kept."""
     from gptfast_kernels.generation.forward import cache_for
 
     model = tiny_model("llama")
@@ -213,8 +213,43 @@ def test_a_kept_cache_serves_smaller_batches_from_its_rows():
     assert cache_for(model, 4, 20, "cpu", torch.float32, reuse=True, holder=Holder()) is not held
     hybrid = tiny_model("qwen3_next")
     first = cache_for(hybrid, 3, 20, "cpu", torch.float32, reuse=True)
-    assert cache_for(hybrid, 2, 20, "cpu", torch.float32, reuse=True).batch_size == 2
-    assert cache_for(hybrid, 3, 20, "cpu", torch.float32, reuse=True) is not first
+    second = cache_for(hybrid, 2, 20, "cpu", torch.float32, reuse=True)
+    assert second.batch_size == 2 and second is not first
+    assert cache_for(hybrid, 3, 20, "cpu", torch.float32, reuse=True) is first
+    assert cache_for(hybrid, 2, 20, "cpu", torch.float32, reuse=True) is second
+
+
+def test_calls_whose_shapes_take_turns_find_their_caches_kept():
+    """A batch of short prompts and one long prompt in turn: neither cache serves the other call, so
+    the model keeps both (KEPT_CACHES) and each call after the first two finds its own, at its
+    addresses (on a GPU: its CUDA graphs replayed, not recorded again at every call). A new cache
+    that serves every call a kept one served replaces it; past KEPT_CACHES the least recently used
+    goes."""
+    from gptfast_kernels.generation.forward import CACHE_LEN_QUANTUM as Q
+    from gptfast_kernels.generation.forward import KEPT_CACHES, cache_for
+
+    assert KEPT_CACHES == 2
+    model = tiny_model("llama")
+    made = []  # (every cache handed out stays alive here, so no address is used twice)
+
+    def call(batch_size, needed):
+        made.append(cache_for(model, batch_size, needed, "cpu", torch.float32, reuse=True))
+        return made[-1].layers[0].keys.data_ptr()
+
+    short_batch, one_long = call(3, 20), call(1, Q + 40)
+    assert short_batch != one_long
+    for _ in range(3):
+        assert (call(3, 20), call(1, Q + 40)) == (short_batch, one_long)
+    assert call(2, 20) == short_batch  # (the one that serves it, from its first rows)
+    longer = call(2, 2 * Q + 1)  # it serves every call one_long served: one_long is dropped
+    assert longer not in (short_batch, one_long)
+    assert (call(1, Q + 40), call(3, 20)) == (longer, short_batch)
+    longest = call(1, 3 * Q + 1)  # serves neither's calls, nor they its: the least recent (longer) goes
+    assert longest not in (short_batch, longer) and call(3, 20) == short_batch
+    assert call(2, 2 * Q + 1) not in (short_batch, one_long, longer, longest)
+    every = call(4, 4 * Q)  # serves every call of both kept ones: they are dropped
+    assert {call(3, 20), call(1, 3 * Q + 1), call(2, 2 * Q + 1)} == {every}
+    assert [entry.cache for entry in model._gptfast_cache_kept] == [model._gptfast_cache]
 
 
 def test_crop_and_reset():
@@ -321,3 +356,36 @@ def test_hybrid_reorder_and_reset_move_states_and_keys_together(family):
         assert torch.equal(new, old.flip(0))
     cache.reset()
     assert all(not t.any() for t in snapshot())
+
+
+def test_kept_caches_give_way_when_a_new_one_does_not_fit(monkeypatch):
+    """Out of device memory for a new cache, the kept ones no holder needs are dropped and the
+    allocation tried once more; a held one stays kept (its holder still writes to it)."""
+    import gc
+    import weakref
+
+    from gptfast_kernels.generation import forward
+
+    model = tiny_model("llama")
+
+    class Holder:  # (a batcher)
+        pass
+
+    holder = Holder()
+    Q = forward.CACHE_LEN_QUANTUM  # (no cache below serves every call another one serves)
+    held = forward.cache_for(model, 2, Q + 1, "cpu", torch.float32, reuse=True, holder=holder)
+    free = weakref.ref(forward.cache_for(model, 1, 2 * Q + 1, "cpu", torch.float32, reuse=True))
+    assert free() is not None
+    made, failures = forward.StaticKVCache, []
+
+    def short_of_memory(*args, **kwargs):
+        if not failures:
+            failures.append(args)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "StaticKVCache", short_of_memory)
+    new = forward.cache_for(model, 3, 20, "cpu", torch.float32, reuse=True)
+    gc.collect()
+    assert len(failures) == 1 and new.batch_size == 3 and free() is None
+    assert [entry.cache for entry in model._gptfast_cache_kept] == [new, held]

@@ -120,6 +120,21 @@ def test_demo_with_local_checkpoints(tmp_path, capsys, with_tokenizer):
     assert ("byte-level" not in tokenizer_line) if with_tokenizer else ("byte-level" in tokenizer_line), out
 
 
+def test_demo_names_a_checkpoint_it_cannot_load(tmp_path, capsys):
+    """A missing checkpoint, or a directory without one, ends the demo with a message naming the
+    option and the path (no traceback; nothing asked of a hub: neither is a hub name)."""
+    target, empty = str(tmp_path / "target"), str(tmp_path / "empty")
+    build_model({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "num_key_value_heads": 2}).save_pretrained(target)
+    (tmp_path / "empty").mkdir()
+    for option, model, draft, bad in (("--model", "/nonexistent/target", target, "/nonexistent/target"),
+                                      ("--draft", target, empty, empty)):
+        with pytest.raises(SystemExit) as raised:
+            main(["demo", "--model", model, "--draft", draft, "--no-progress"])
+        message = str(raised.value.code)
+        assert message.startswith(f"demo: {option} '{bad}' could not be loaded"), message
+
+
 def test_demo_needs_model_and_draft_together(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--model", "somewhere"])

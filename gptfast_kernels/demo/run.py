@@ -143,8 +143,14 @@ class _HFTokenizer:
 def _load_checkpoints(args, device, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval()
+    def load(option: str, name: str):
+        try:
+            return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+        except (OSError, ValueError) as error:  # (no such directory, no config or weights in it, no model class)
+            raise SystemExit(f"demo: --{option} {name!r} could not be loaded as a causal language model: "
+                             f"{str(error).strip().splitlines()[0]}") from None
+
+    target, draft = load("model", args.model), load("draft", args.draft)
     try:
         tokenizer = _HFTokenizer(AutoTokenizer.from_pretrained(args.model))
         tokenizer_name = f"{type(tokenizer.tokenizer).__name__} from {args.model}"

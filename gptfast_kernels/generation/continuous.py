@@ -190,7 +190,7 @@ class ContinuousBatcher:
                stop_strings: str | list[str] | None = None, output_logprobs: bool = False) -> int:
         """Queues one prompt (a list of token ids or a 1-D tensor) -> its request id. The options
         are ``generate``'s, for this request alone (stop strings need the batcher's ``tokenizer``)."""
-        op = "ContinuousBatcher.submit"
+        op = f"{type(self).__name__}.submit"
         if isinstance(prompt_ids, torch.Tensor):
             if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex():
                 raise ValueError(f"{op}: prompt_ids as a tensor must be 1-D token ids, got {tuple(prompt_ids.shape)} "
@@ -294,7 +294,7 @@ class ContinuousBatcher:
             if request is not None and request.id == request_id:
                 self._leave(b)
                 return request.tokens
-        raise KeyError(f"ContinuousBatcher.cancel: request_id {request_id!r} is neither waiting nor running")
+        raise KeyError(f"{type(self).__name__}.cancel: request_id {request_id!r} is neither waiting nor running")
 
     def run(self) -> dict[int, list[int]]:
         """Steps until every submitted request has ended -> {id: new token ids}, in submission order."""

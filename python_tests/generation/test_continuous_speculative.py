@@ -348,6 +348,8 @@ def test_what_it_cannot_serve_is_refused():
     batcher = SpeculativeBatcher(model, speculate_k=2, batch_size=2, max_length=10)
     with pytest.raises(ValueError, match="max_length"):
         batcher.submit([3] * 8, max_new_tokens=4)
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(ValueError, match=r"^SpeculativeBatcher\.submit: top_p"):  # (its own name, not its base's)
         batcher.submit([3], max_new_tokens=2, temperature=1.0, top_p=1.5)
+    with pytest.raises(KeyError, match=r"SpeculativeBatcher\.cancel: request_id 7"):
+        batcher.cancel(7)
     assert batcher.run() == {} and not batcher.waiting

@@ -138,33 +138,25 @@ def test_ring_buffer_layers_equal_full_length_caches(family, compile, monkeypatc
         _assert_recorded_once(graph_records)
 
 
-def test_batch_sizes_in_turn_replay_their_cuda_graphs(graph_records):
-    """Compiled generate and speculative rounds with batches of 3, 2, 3 and 2 rows: the smaller batch
-    on the kept caches' first rows, a decode state per size, so each size's graphs are recorded once
-    and then replayed (before 2026-11-30 every switch allocated the caches anew and recorded them
-    again), each call equal to eager generate."""
+# (rows, prompt length, seed) of each call in turn
+TURNS = {
+    # the smaller batch on the kept caches' first rows, a decode state per size (before 2026-11-30
+    # every switch allocated the caches anew and recorded the graphs again)
+    "batch_sizes": ((3, 7, 0), (2, 7, 1), (3, 7, 2), (2, 7, 3)),
+    # one prompt longer than the short batch's cache: the model keeps both caches (forward.KEPT_CACHES;
+    # before, each turn allocated a cache and recorded the graphs again)
+    "short_batch_and_long_prompt": ((3, 7, 0), (1, forward.CACHE_LEN_QUANTUM + 8, 1)) * 2,
+}
+
+
+@pytest.mark.parametrize("turns", TURNS)
+def test_calls_in_turn_replay_their_cuda_graphs(graph_records, turns):
+    """Compiled generate and speculative rounds whose shapes take turns: each shape's graphs are
+    recorded once and then replayed, each call equal to eager generate."""
     target = tiny_model("llama", layers=3).cuda()
     patched = patched_copy(target, int8=True)
     draft = patch_model(draft_of(target, 2).cuda(), int8=True)
-    for B, seed in ((3, 0), (2, 1), (3, 2), (2, 3)):
-        ids, mask = _on_cuda(*ragged_prompts(B, 7, "left", seed=seed))
-        want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
-        assert torch.equal(generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True).sequences,
-                           want)
-        assert torch.equal(speculative_generate(patched, draft, ids, mask, max_new_tokens=NEW, speculate_k=3,
-                                                eos_token_id=[], compile=True).sequences, want)
-    _assert_recorded_once(graph_records)
-
-
-def test_short_batches_and_a_long_prompt_in_turn_replay_their_cuda_graphs(graph_records):
-    """Compiled generate and speculative rounds with three short prompts, then one prompt longer
-    than their cache, twice over: the model keeps both caches (forward.KEPT_CACHES), so each call's
-    graphs are recorded once and then replayed (before, each turn allocated a cache and recorded
-    them again), each call equal to eager generate."""
-    target = tiny_model("llama", layers=3).cuda()
-    patched = patched_copy(target, int8=True)
-    draft = patch_model(draft_of(target, 2).cuda(), int8=True)
-    for B, length, seed in ((3, 7, 0), (1, forward.CACHE_LEN_QUANTUM + 8, 1)) * 2:
+    for B, length, seed in TURNS[turns]:
         ids, mask = _on_cuda(*ragged_prompts(B, length, "left", seed=seed))
         want = generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[]).sequences
         assert torch.equal(generate(patched, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True).sequences,

@@ -72,7 +72,8 @@ def check_tensor(op: str, name: str, value, *, dtypes: Sequence[torch.dtype] | N
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if value.dim() not in allowed:
-            raise ValueError(f"{op}: {name} must have {' or '.join(map(str, allowed))} dimensions, "
+            noun = "dimension" if allowed == (1,) else "dimensions"
+            raise ValueError(f"{op}: {name} must have {' or '.join(map(str, allowed))} {noun}, "
                              f"got shape {tuple(value.shape)}")
 
 

@@ -139,7 +139,7 @@ def test_slopes_of_other_dtypes_are_taken_as_float32(backend, device, dtype):
 
 @pytest.mark.parametrize("slopes, needle", [
     (torch.zeros(3), r"alibi_slopes must have one slope per query head, \[Hq\] = \[2\]"),
-    (torch.zeros(2, 1), "alibi_slopes must have 1 dimensions"),
+    (torch.zeros(2, 1), "alibi_slopes must have 1 dimension,"),
     (torch.zeros(2, dtype=torch.int32), "alibi_slopes must have dtype"),
     (torch.zeros(2, device="meta"), "alibi_slopes is on meta"),
 ], ids=["length", "ndim", "dtype", "device"])

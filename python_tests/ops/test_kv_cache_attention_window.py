@@ -237,7 +237,7 @@ def test_sinks_with_padding_rows_and_float16_sinks(backend, device):
 
 @pytest.mark.parametrize("sinks, needle", [
     (torch.zeros(3), r"sinks must have one logit per query head, \[Hq\] = \[2\]"),
-    (torch.zeros(2, 1), "sinks must have 1 dimensions"),
+    (torch.zeros(2, 1), "sinks must have 1 dimension,"),
     (torch.zeros(2, dtype=torch.int32), "sinks must have dtype"),
 ], ids=["length", "ndim", "dtype"])
 def test_bad_sinks_name_the_argument(sinks, needle):

@@ -514,9 +514,11 @@ class SpeculativeRounds:
         if streamer is not None:
             streamer.end()
         num_generated = state.num_generated
-        new = min(int(num_generated.max()), self.most_new_tokens)
-        # positions past a row's own length hold pad already; rows cut by max_new_tokens lose the rest
-        kept = torch.arange(new, device=device)[None, :] < num_generated.clamp(max=self.max_new_tokens)[:, None]
+        # a round may emit past a row's max_new_tokens: those tokens go, and (as generate) the output
+        # is as wide as the longest row that is left; positions past a row's own length hold pad already
+        lengths = num_generated.clamp(max=self.max_new_tokens)
+        new = int(lengths.max())
+        kept = torch.arange(new, device=device)[None, :] < lengths[:, None]
         generated = torch.where(kept, out[:, :new], pad)
         logprobs = None if out_logprobs is None else torch.where(kept, out_logprobs[:, :new], 0.0)
         proposed, accepted = state.proposed.clone(), state.accepted.clone()

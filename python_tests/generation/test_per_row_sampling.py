@@ -129,6 +129,25 @@ def test_per_row_max_new_tokens_end_each_row_at_its_own_limit(temperature):
             assert (got.sequences[b, P + limit:] == PAD).all(), (name, b)
 
 
+def test_rows_ending_early_leave_the_output_as_wide_as_generates():
+    """The longest limit's row ends at an eos, while a round (k + 1 tokens a row, every draft taken:
+    the target drafts for itself) carries a short limit's row past its own limit: the tokens past it
+    are dropped and the output is as wide as generate's, the longest row that is left (before
+    2026-11-30 the speculative generators kept the overshoot's width, in pad columns)."""
+    patched = patched_copy(tiny_model("llama", layers=3), int8=False)
+    ids, mask = ragged_prompts(2, P, "left", seed=3)
+    limits = [2, 9]
+    eos = [generate(patched, ids, mask, max_new_tokens=9, eos_token_id=[]).sequences[1, P + 2].item()]
+    want = generate(patched, ids, mask, max_new_tokens=limits, eos_token_id=eos).sequences
+    assert want.shape[1] <= P + 3  # (the case: row 1 ends within three tokens, row 0 at two)
+    for name, run in (("speculative", lambda: speculative_generate(patched, patched, ids, mask, speculate_k=5,
+                                                                   max_new_tokens=limits, eos_token_id=eos)),
+                      ("prompt_lookup", lambda: prompt_lookup_generate(patched, ids, mask, speculate_k=5,
+                                                                       max_new_tokens=limits, eos_token_id=eos))):
+        got = run()
+        assert torch.equal(got.sequences, want), (name, got.sequences[:, P:].tolist(), want[:, P:].tolist())
+
+
 def test_per_row_min_new_tokens_hold_each_rows_eos_and_stops_back_as_alone():
     target = tiny_model("llama", layers=3)
     patched = patched_copy(target, int8=False)

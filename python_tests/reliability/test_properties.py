@@ -171,3 +171,47 @@ def test_batchers_serve_random_workloads_as_generate(kind):
 
     check()
     assert sum(reused) > 0  # (some examples reused shared starts)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_speculative_generators_equal_generate_on_random_batches(family):
+    """Random batches (1 to 4 rows, prompts of 1 to 10 tokens padded left or right, a limit per row
+    or one for all, k from 1 to 5; as eos none, or a token some row generates, so that rows end
+    early; stop sequences or none): greedy
+    speculative_generate (a one-layer draft; two for a hybrid) and prompt_lookup_generate return
+    exactly generate's sequences, their width included (a round that carries a short row past its
+    limit while the longest-limit row ends early must not widen the output)."""
+    from gptfast_kernels import generate, prompt_lookup_generate, speculative_generate
+    from python_tests.tiny_models import HYBRID, draft_of, patched_copy, tiny_model
+
+    target = tiny_model(family)
+    model = patched_copy(target, int8=False)
+    draft = patched_copy(draft_of(target, 2 if target.config.model_type in HYBRID else 1), int8=False)
+
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(lengths=st.lists(st.integers(1, 10), min_size=1, max_size=4), left=st.booleans(),
+           limits=st.one_of(st.integers(1, 9), st.lists(st.integers(1, 9), min_size=4, max_size=4)),
+           eos=st.one_of(st.none(), st.tuples(st.integers(0, 3), st.integers(0, 8))), stops=st.booleans(),
+           k=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
+    def check(lengths, left, limits, eos, stops, k, seed):
+        g = torch.Generator().manual_seed(seed)
+        B, P = len(lengths), max(lengths)
+        ids, mask = torch.zeros(B, P, dtype=torch.int64), torch.zeros(B, P, dtype=torch.int64)
+        for b, n in enumerate(lengths):
+            columns = slice(P - n, P) if left else slice(0, n)
+            ids[b, columns], mask[b, columns] = torch.randint(3, 90, (n,), generator=g), 1
+        if eos is not None:  # (the token at (row, step) of the batch's own output without one)
+            free = generate(model, ids, mask, max_new_tokens=9, eos_token_id=[]).sequences
+            eos = int(free[eos[0] % B, P + eos[1]])
+        options = dict(max_new_tokens=limits if isinstance(limits, int) else limits[:B],
+                       eos_token_id=[] if eos is None else [eos],
+                       stop_sequences=torch.randint(3, 90, (2, 1), generator=g).tolist() if stops else None)
+        want = generate(model, ids, mask, **options).sequences
+        got = speculative_generate(model, draft, ids, mask, speculate_k=k, **options).sequences
+        assert torch.equal(got, want), ("speculative", got[:, P:].tolist(), want[:, P:].tolist())
+        got = prompt_lookup_generate(model, ids, mask, speculate_k=k, **options).sequences
+        assert torch.equal(got, want), ("prompt_lookup", got[:, P:].tolist(), want[:, P:].tolist())
+
+    with torch.no_grad():
+        check()

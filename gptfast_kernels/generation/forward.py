@@ -304,9 +304,13 @@ def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool
     tokens per row, and the check would make every eager decode step wait for the GPU."""
     chunk = max(PREFILL_CHUNK, step_tokens)
     rollback = step_tokens if step_tokens > 1 else 0
+
+    def new_cache(length: int) -> StaticKVCache:
+        return StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype, max_step_tokens=chunk,
+                             rollback_tokens=rollback)
+
     if not reuse:
-        cache = StaticKVCache(model.config, batch_size, needed, device=device, dtype=dtype, max_step_tokens=chunk,
-                              rollback_tokens=rollback)
+        cache = new_cache(needed)
     else:
         attribute = "_gptfast_cache" + (f"_{role}" if role else "")
         kept = list(getattr(model, attribute + KEPT_SUFFIX, ()))
@@ -317,16 +321,14 @@ def cache_for(model, batch_size: int, needed: int, device, dtype, *, reuse: bool
         if chosen is None:
             length = -(-needed // CACHE_LEN_QUANTUM) * CACHE_LEN_QUANTUM
             try:
-                cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype,
-                                      max_step_tokens=chunk, rollback_tokens=rollback)
+                cache = new_cache(length)
             except torch.OutOfMemoryError:  # the kept ones that no holder needs give their memory first
                 kept = [entry for entry in kept if entry.held(holder)]
                 keep_on(model, attribute + KEPT_SUFFIX, kept)
                 vars(model).pop(attribute, None)
                 gc.collect()
                 torch.cuda.empty_cache()
-                cache = StaticKVCache(model.config, batch_size, length, device=device, dtype=dtype,
-                                      max_step_tokens=chunk, rollback_tokens=rollback)
+                cache = new_cache(length)
             chosen = _KeptCache(cache, _nobody)
             kept = [entry for entry in kept
                     if not _serves(cache, entry.cache.batch_size, entry.cache.max_cache_len, entry.cache.dtype,

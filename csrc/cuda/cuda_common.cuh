@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 
@@ -145,14 +147,33 @@ inline int device_attribute(cudaDeviceAttr attr) {
   return value;
 }
 
-// Whether launches of the kernels written for it (the int8 GEMVs and tensor-core kernels) are
-// programmatic, on a device of compute capability 9.0 or newer: yes unless GPTFAST_CUDA_PDL=0 (read
-// once per process; unset, empty or "1": on). On by default since the H200 timed it (2026-11-28,
-// a284fc8, a decode step's layers in a CUDA graph): never more than 1 % slower, 4-8 rows of
-// 4096 x 4096 8.2 -> 7.2 us, one row of 4096 x 14336 19.3 -> 18.3 us; end to end, with the Triton
-// decode attention's launches programmatic too (GPTFAST_CUDA_PDL=1), 296 -> 320 decode tokens/s at
-// batch 1.
-inline bool programmatic_launch_enabled() {
+// Whether `kernel`, as it runs on the current device, was compiled for sm_90 or newer: a build whose
+// only code for this device is an older architecture's PTX (e.g. TORCH_CUDA_ARCH_LIST="8.0+PTX" on
+// an H100, compiled by the driver) has no griddepcontrol.wait in it, so a programmatic launch of it
+// could read its inputs before the kernel that writes them is done. Looked up once per kernel and
+// device.
+inline bool compiled_for_sm90(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, bool> known;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find({kernel, device});
+  if (found != known.end()) return found->second;
+  cudaFuncAttributes attributes{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return known[{kernel, device}] = attributes.ptxVersion >= 90;
+}
+
+// Whether launches of `kernel` (one of the kernels written for it: the int8 GEMVs and tensor-core
+// kernels) are programmatic, on a device of compute capability 9.0 or newer and with code compiled
+// for it: yes unless GPTFAST_CUDA_PDL=0 (read once per process; unset, empty or "1": on). On by
+// default since the H200 timed it (2026-11-28, a284fc8, a decode step's layers in a CUDA graph):
+// never more than 1 % slower, 4-8 rows of 4096 x 4096 8.2 -> 7.2 us, one row of 4096 x 14336
+// 19.3 -> 18.3 us; end to end, with the Triton decode attention's launches programmatic too
+// (GPTFAST_CUDA_PDL=1), 296 -> 320 decode tokens/s at batch 1.
+template <typename... Params>
+bool programmatic_launch_enabled(void (*kernel)(Params...)) {
   static const bool requested = [] {
     const char* value = std::getenv("GPTFAST_CUDA_PDL");
     if (value == nullptr || *value == '\0' || std::strcmp(value, "1") == 0) return true;
@@ -160,7 +181,8 @@ inline bool programmatic_launch_enabled() {
                 value, "'");
     return false;
   }();
-  return requested && device_attribute(cudaDevAttrComputeCapabilityMajor) >= 9;
+  return requested && device_attribute(cudaDevAttrComputeCapabilityMajor) >= 9 &&
+         compiled_for_sm90(reinterpret_cast<const void*>(kernel));
 }
 
 // The CUDA type of a 16-bit ATen scalar type, as WMMA fragments take it.

@@ -349,12 +349,12 @@ void launch_gemv_shaped(const at::Tensor& x, const at::Tensor& qweight, const at
   }
   const int64_t per_block = static_cast<int64_t>(GEMV_WARPS) * FEATURES;
   const dim3 grid(static_cast<unsigned>((N + per_block - 1) / per_block));
-  const bool programmatic = programmatic_launch_enabled();
   // STAGED_X: K floats, rounded up to whole 128-byte rows of the swizzle
   const size_t shared_bytes = STAGED_X ? static_cast<size_t>((K + 31) / 32 * 32) * sizeof(float) : 0;
+  const auto kernel = vectorized ? int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, true, UNROLL, PIPELINED, STAGED_X>
+                                 : int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, false>;  // (no unroll)
+  const bool programmatic = programmatic_launch_enabled(kernel);
   for (int64_t row = 0; row < M; row += ROWS) {
-    auto kernel = vectorized ? int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, true, UNROLL, PIPELINED, STAGED_X>
-                             : int8_linear_gemv_kernel<scalar_t, ROWS, FEATURES, false>;  // (no unroll)
     launch_kernel(kernel, grid, GEMV_WARPS * WARP, shared_bytes, stream, programmatic, x.data_ptr<scalar_t>(),
                   qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y.data_ptr<scalar_t>(), M, N, K,
                   x.stride(0), row, programmatic ? GEMV_PREFETCH_BYTES : int64_t{0});
@@ -453,10 +453,11 @@ void launch_mma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   TORCH_CHECK(feature_tiles <= MAX_GRID_Y && row_tiles < (int64_t{1} << 31),
               "int8_linear: shape too large for the tensor-core kernel's grid");
   const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(feature_tiles));
-  const bool programmatic = programmatic_launch_enabled();
-  launch_kernel(int8_linear_mma_kernel<scalar_t, Tiling>, grid, Tiling::WARPS * WARP, 0, stream,
-                programmatic, x.data_ptr<scalar_t>(), qweight.data_ptr<int8_t>(),
-                scales.data_ptr<float>(), bias, y.data_ptr<scalar_t>(), M, N, K, x.stride(0), programmatic);
+  const auto kernel = int8_linear_mma_kernel<scalar_t, Tiling>;
+  const bool programmatic = programmatic_launch_enabled(kernel);
+  launch_kernel(kernel, grid, Tiling::WARPS * WARP, 0, stream, programmatic, x.data_ptr<scalar_t>(),
+                qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y.data_ptr<scalar_t>(), M, N, K,
+                x.stride(0), programmatic);
 }
 
 // 2..16 rows on tensor cores: 16-row tiles of A are the weights, 8-row tiles of B the rows of x.

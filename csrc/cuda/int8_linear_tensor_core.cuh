@@ -67,10 +67,12 @@ using MmaSkinnyTiling = MmaTiling<1, 2, 1, 4, 2, 2, false>;
 using MmaPrefillTiling = MmaTiling<2, 4, 2, 2, 1, 1, false>;
 
 // 16 bytes of weights that no other warp of the block reads again: skip L1 (ld.global.nc with the
-// L1::no_allocate hint) so the activations stay there.
+// L1::no_allocate hint) so the activations stay there. Volatile, so that the compiler neither moves it
+// above wait_for_inputs (a weight may have just been quantized by the kernel before) nor merges or
+// drops it.
 __device__ __forceinline__ int4 load_weights_streaming(const int8_t* ptr) {
   int4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(ptr));
   return v;

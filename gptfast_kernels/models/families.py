@@ -101,7 +101,9 @@ class Family:
     model_type: str
     attention_class: str | None     # class name of the self-attention modules (None: attention-free, Mamba)
     kv_heads_attr: str | None       # config attribute with the KV-head count (None: MHA)
-    head_dim_attr: str | None       # config attribute with the head size (None: hidden / heads)
+    # config attribute with the head size, hidden / heads where the config has none or it is None, as
+    # transformers' model code reads it (None: always hidden / heads, as in the families whose code does)
+    head_dim_attr: str | None
     gated_mlp_class: str | None = None  # MLP class computing down(act(gate(x)) * up(x)), fused when int8
     gated_mlp_in_float32: bool = False  # whether that MLP computes act(gate) * up in float32 (Beam's)
     # config flags that, when true ("name") or set to a value ("name=value"), break causal decoding
@@ -254,23 +256,23 @@ FAMILIES: dict[str, Family] = {
         Family("gemma2", "Gemma2Attention", "num_key_value_heads", "head_dim", "Gemma2MLP"),
         Family("gemma3_text", "Gemma3Attention", "num_key_value_heads", "head_dim", "Gemma3MLP",
                refused_flags=("use_bidirectional_attention",)),
-        Family("olmo2", "Olmo2Attention", "num_key_value_heads", None, "Olmo2MLP"),
-        Family("granite", "GraniteAttention", "num_key_value_heads", None, "GraniteMLP"),
-        Family("cohere", "CohereAttention", "num_key_value_heads", None, "CohereMLP"),
-        Family("olmo", "OlmoAttention", "num_key_value_heads", None, "OlmoMLP"),
+        Family("olmo2", "Olmo2Attention", "num_key_value_heads", "head_dim", "Olmo2MLP"),
+        Family("granite", "GraniteAttention", "num_key_value_heads", "head_dim", "GraniteMLP"),
+        Family("cohere", "CohereAttention", "num_key_value_heads", "head_dim", "CohereMLP"),
+        Family("olmo", "OlmoAttention", "num_key_value_heads", "head_dim", "OlmoMLP"),
         Family("helium", "HeliumAttention", "num_key_value_heads", "head_dim", "HeliumMLP"),
-        Family("smollm3", "SmolLM3Attention", "num_key_value_heads", None, "SmolLM3MLP"),
+        Family("smollm3", "SmolLM3Attention", "num_key_value_heads", "head_dim", "SmolLM3MLP"),
         # mixture of experts: routers stay float, experts become Int8Experts (Qwen2-MoE's shared expert
         # and Qwen3-MoE's dense layers are gated MLPs)
         Family("mixtral", "MixtralAttention", "num_key_value_heads", "head_dim", experts_class="MixtralExperts"),
-        Family("qwen2_moe", "Qwen2MoeAttention", "num_key_value_heads", None, "Qwen2MoeMLP",
+        Family("qwen2_moe", "Qwen2MoeAttention", "num_key_value_heads", "head_dim", "Qwen2MoeMLP",
                experts_class="Qwen2MoeExperts"),
         Family("qwen3_moe", "Qwen3MoeAttention", "num_key_value_heads", "head_dim", "Qwen3MoeMLP",
                experts_class="Qwen3MoeExperts"),
-        Family("olmoe", "OlmoeAttention", "num_key_value_heads", None, experts_class="OlmoeExperts"),
+        Family("olmoe", "OlmoeAttention", "num_key_value_heads", "head_dim", experts_class="OlmoeExperts"),
         # (transformers 5.8's GraniteMoE experts, ParallelExperts, are a layout Int8Experts does not reproduce: named
         # so that patch_model warns they stay float)
-        Family("granitemoe", "GraniteMoeAttention", "num_key_value_heads", None,
+        Family("granitemoe", "GraniteMoeAttention", "num_key_value_heads", "head_dim",
                experts_class=("GraniteMoeExperts", "GraniteMoeParallelExperts")),
         Family("glm4_moe", "Glm4MoeAttention", "num_key_value_heads", "head_dim", "Glm4MoeMLP",
                experts_class=("Glm4MoeExperts", "Glm4MoeNaiveMoe")),  # the latter in transformers 5.8
@@ -279,8 +281,8 @@ FAMILIES: dict[str, Family] = {
                experts_class="Glm4MoeExperts"),
         Family("ernie4_5_moe", "Ernie4_5_MoeAttention", "num_key_value_heads", "head_dim", "Ernie4_5_MoeMLP",
                experts_class="Ernie4_5_MoeExperts"),
-        Family("flex_olmo", "FlexOlmoAttention", "num_key_value_heads", None, experts_class="FlexOlmoExperts"),
-        Family("granitemoeshared", "GraniteMoeSharedAttention", "num_key_value_heads", None,
+        Family("flex_olmo", "FlexOlmoAttention", "num_key_value_heads", "head_dim", experts_class="FlexOlmoExperts"),
+        Family("granitemoeshared", "GraniteMoeSharedAttention", "num_key_value_heads", "head_dim",
                experts_class=("GraniteMoeSharedExperts", "GraniteMoeSharedParallelExperts")),
         Family("minimax_m2", "MiniMaxM2Attention", "num_key_value_heads", "head_dim", experts_class="MiniMaxM2Experts"),
         Family("solar_open", "SolarOpenAttention", "num_key_value_heads", "head_dim", "SolarOpenMLP",
@@ -299,7 +301,7 @@ FAMILIES: dict[str, Family] = {
                experts_class="LagunaExperts"),
         Family("mellum", "MellumAttention", "num_key_value_heads", "head_dim", "MellumMLP",
                experts_class="MellumExperts"),
-        Family("granitemoe_swa", "GraniteMoeSWAAttention", "num_key_value_heads", None,
+        Family("granitemoe_swa", "GraniteMoeSWAAttention", "num_key_value_heads", "head_dim",
                experts_class="GraniteMoeSWAExperts"),
         Family("afmoe", "AfmoeAttention", "num_key_value_heads", "head_dim", "AfmoeMLP", experts_class="AfmoeExperts",
                float_linears=("*.mlp.router.gate",)),  # the router's nn.Linear stays float
@@ -350,7 +352,7 @@ FAMILIES: dict[str, Family] = {
         Family("cwm", "CwmAttention", "num_key_value_heads", "head_dim", "CwmMLP"),
         Family("vaultgemma", "VaultGemmaAttention", "num_key_value_heads", "head_dim", "VaultGemmaMLP"),  # soft-caps
         Family("granite_swa", "GraniteSWAAttention", "num_key_value_heads", "head_dim", "GraniteSWAMLP"),  # sinks
-        Family("olmo3", "Olmo3Attention", "num_key_value_heads", None, "Olmo3MLP"),
+        Family("olmo3", "Olmo3Attention", "num_key_value_heads", "head_dim", "Olmo3MLP"),
         Family("ministral", "MinistralAttention", "num_key_value_heads", "head_dim", "MinistralMLP"),
         Family("exaone4", "Exaone4Attention", "num_key_value_heads", "head_dim", "Exaone4MLP"),
         # more Llama-like decoders
@@ -394,11 +396,11 @@ FAMILIES: dict[str, Family] = {
         # router-scaled inputs beside a shared expert (models/llama4.py)
         Family("llama4_text", "Llama4TextAttention", "num_key_value_heads", "head_dim", "Llama4TextMLP",
                experts_class="Llama4TextExperts", own_forwards="llama4"),
-        Family("phi3", "Phi3Attention", "num_key_value_heads", None),
+        Family("phi3", "Phi3Attention", "num_key_value_heads", "head_dim"),
         Family("glm", "GlmAttention", "num_key_value_heads", "head_dim"),
         # plain (ungated) MLPs
-        Family("phi", "PhiAttention", "num_key_value_heads", None),
-        Family("starcoder2", "Starcoder2Attention", "num_key_value_heads", None),
+        Family("phi", "PhiAttention", "num_key_value_heads", "head_dim"),
+        Family("starcoder2", "Starcoder2Attention", "num_key_value_heads", "head_dim"),
         # hybrid: layers with a recurrent state (linear attention: gated delta nets, Mamba; short
         # convolutions) between full-attention layers; the cache holds transformers' state layers there
         Family("qwen3_5_text", "Qwen3_5Attention", "num_key_value_heads", "head_dim", "Qwen3_5MLP",
@@ -418,20 +420,20 @@ FAMILIES: dict[str, Family] = {
                recurrent_input_projections=GATED_DELTA),
         # Mamba layers; Jamba's reads its dt_proj's weight, which stays float, as does its router (an
         # nn.Linear before transformers 5.18)
-        Family("jamba", "JambaAttention", "num_key_value_heads", None, "JambaMLP", experts_class="JambaExperts",
+        Family("jamba", "JambaAttention", "num_key_value_heads", "head_dim", "JambaMLP", experts_class="JambaExperts",
                recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
                float_linears=("*.mamba.dt_proj", "*.feed_forward.router")),
-        Family("bamba", "BambaAttention", "num_key_value_heads", None, "BambaMLP", recurrent_layer_types=RECURRENT,
+        Family("bamba", "BambaAttention", "num_key_value_heads", "head_dim", "BambaMLP", recurrent_layer_types=RECURRENT,
                supported_from=HYBRID_FROM),
-        Family("granitemoehybrid", "GraniteMoeHybridAttention", "num_key_value_heads", None,
+        Family("granitemoehybrid", "GraniteMoeHybridAttention", "num_key_value_heads", "head_dim",
                experts_class="GraniteMoeHybridExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         # Mamba-2 layers, and MLP / MoE blocks as layers of their own
         Family("nemotron_h", "NemotronHAttention", "num_key_value_heads", "head_dim",
                experts_class="NemotronHExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         # short convolutions
-        Family("lfm2", "Lfm2Attention", "num_key_value_heads", None, recurrent_layer_types=RECURRENT,
+        Family("lfm2", "Lfm2Attention", "num_key_value_heads", "head_dim", recurrent_layer_types=RECURRENT,
                supported_from=HYBRID_FROM),
-        Family("lfm2_moe", "Lfm2MoeAttention", "num_key_value_heads", None, experts_class="Lfm2MoeExperts",
+        Family("lfm2_moe", "Lfm2MoeAttention", "num_key_value_heads", "head_dim", experts_class="Lfm2MoeExperts",
                recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         # and sliding-window layers, a sigmoid gate per head on the attention output
         Family("lfm3", "Lfm3Attention", "num_key_value_heads", "head_dim", recurrent_layer_types=RECURRENT,
@@ -512,7 +514,7 @@ FAMILIES: dict[str, Family] = {
         Family("modernbert-decoder", "ModernBertDecoderAttention", None, None),
         # sparsemixer top-2 routing; its router subclasses nn.Linear with a forward of its own, which
         # int8 leaves float like every router
-        Family("phimoe", "PhimoeAttention", "num_key_value_heads", None, experts_class="PhimoeExperts"),
+        Family("phimoe", "PhimoeAttention", "num_key_value_heads", "head_dim", experts_class="PhimoeExperts"),
         # mixture of experts as three 2-D weights (Int8Experts reads them), clipped q / k / v; the router's
         # nn.Linear stays float. Before 5.17 (tested: 5.8 to 5.14) transformers sized that router by the
         # experts' hidden size, not the model's: DBRX models did not run there

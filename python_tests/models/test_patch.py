@@ -92,6 +92,30 @@ def test_explicit_position_ids_and_padding_rows():
 
 
 @pytest.mark.parametrize("family", [family for family in FAMILIES if family not in ATTENTION_FREE])
+def test_the_cache_reads_head_dim_as_the_model_code_does(family):
+    """A config.json may set a ``head_dim`` that its config class does not declare (a pruned model's);
+    many families' transformers code then takes it over hidden / heads (Phi-3, OLMo 2, Granite, ...),
+    others ignore it (GPT-2). The cache's head size must be the model's either way."""
+    config = tiny_config(family)
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    if heads is None or hidden is None:
+        pytest.skip(f"{family}'s config has no num_attention_heads / hidden_size")
+    try:
+        model = tiny_model(family, head_dim=(getattr(config, "head_dim", None) or hidden // heads) + 8)
+        ids = torch.randint(2, 90, (2, 7), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want = model(ids).logits
+    except (RuntimeError, AttributeError, ValueError) as error:  # (transformers' own model, not ours)
+        pytest.skip(f"transformers' {family} model does not run with another head_dim: {error}")
+    patched = patched_copy(model, int8=False)
+    with torch.no_grad():
+        cache = StaticKVCache(patched.config, 2, 10)
+        got = torch.cat([patched(ids[:, c], past_key_values=cache).logits
+                         for c in (slice(0, 5), slice(5, 6), slice(6, None))], dim=1)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in ATTENTION_FREE])
 def test_one_kernel_call_per_layer_per_forward(family, monkeypatch):
     calls = []
     real = attention.run_kv_cache_attention  # what eager attention calls, once its inputs are checked

@@ -86,6 +86,8 @@ def _cached_attention(module, query, key, value, attention_mask, *, backend: str
             return _plain_attention(query, key, value, attention_mask, scaling, softcap, s_aux), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if sliding_window is None:  # (a family whose window is in its mask alone: Family.window_in_mask)
+        sliding_window = getattr(module, "_gptfast_sliding_window", None)
     if not torch.compiler.is_compiling():
         gptfast_cache.attention_calls += 1  # checked by after_forward
     positions = gptfast_cache.step_positions()

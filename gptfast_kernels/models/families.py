@@ -125,6 +125,10 @@ class Family:
     recurrent_layer_types: tuple[str, ...] = ()
     # the first transformers release this family works with (None: all that gptfast_kernels supports)
     supported_from: str | None = None
+    # whether the model applies its sliding windows through its attention mask alone, its attention
+    # passing no sliding_window (PhiMoE, Qwen2-MoE): patch_model hands each attention module its layer's
+    # window (_gptfast_sliding_window), which the fused attention, which takes no mask, uses instead
+    window_in_mask: bool = False
     # decoder layers that call their attention without transformers' attention keywords (StableLM,
     # Nemotron): a pre-hook on each attention module hands it the cache instead
     layers_drop_keywords: bool = False
@@ -266,7 +270,7 @@ FAMILIES: dict[str, Family] = {
         # and Qwen3-MoE's dense layers are gated MLPs)
         Family("mixtral", "MixtralAttention", "num_key_value_heads", "head_dim", experts_class="MixtralExperts"),
         Family("qwen2_moe", "Qwen2MoeAttention", "num_key_value_heads", "head_dim", "Qwen2MoeMLP",
-               experts_class="Qwen2MoeExperts"),
+               experts_class="Qwen2MoeExperts", window_in_mask=True),
         Family("qwen3_moe", "Qwen3MoeAttention", "num_key_value_heads", "head_dim", "Qwen3MoeMLP",
                experts_class="Qwen3MoeExperts"),
         Family("olmoe", "OlmoeAttention", "num_key_value_heads", "head_dim", experts_class="OlmoeExperts"),
@@ -423,8 +427,8 @@ FAMILIES: dict[str, Family] = {
         Family("jamba", "JambaAttention", "num_key_value_heads", "head_dim", "JambaMLP", experts_class="JambaExperts",
                recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM,
                float_linears=("*.mamba.dt_proj", "*.feed_forward.router")),
-        Family("bamba", "BambaAttention", "num_key_value_heads", "head_dim", "BambaMLP", recurrent_layer_types=RECURRENT,
-               supported_from=HYBRID_FROM),
+        Family("bamba", "BambaAttention", "num_key_value_heads", "head_dim", "BambaMLP",
+               recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         Family("granitemoehybrid", "GraniteMoeHybridAttention", "num_key_value_heads", "head_dim",
                experts_class="GraniteMoeHybridExperts", recurrent_layer_types=RECURRENT, supported_from=HYBRID_FROM),
         # Mamba-2 layers, and MLP / MoE blocks as layers of their own
@@ -514,7 +518,8 @@ FAMILIES: dict[str, Family] = {
         Family("modernbert-decoder", "ModernBertDecoderAttention", None, None),
         # sparsemixer top-2 routing; its router subclasses nn.Linear with a forward of its own, which
         # int8 leaves float like every router
-        Family("phimoe", "PhimoeAttention", "num_key_value_heads", "head_dim", experts_class="PhimoeExperts"),
+        Family("phimoe", "PhimoeAttention", "num_key_value_heads", "head_dim", experts_class="PhimoeExperts",
+               window_in_mask=True),
         # mixture of experts as three 2-D weights (Int8Experts reads them), clipped q / k / v; the router's
         # nn.Linear stays float. Before 5.17 (tested: 5.8 to 5.14) transformers sized that router by the
         # experts' hidden size, not the model's: DBRX models did not run there

@@ -20,7 +20,7 @@ from gptfast_kernels.modules.fused_qkv import fuse_projections_, fuse_qkv_
 from gptfast_kernels.modules.gated_mlp import fuse_gated_mlps_
 from gptfast_kernels.modules.int8_experts import quantize_experts_
 from gptfast_kernels.modules.int8_linear import quantize_int8_
-from gptfast_kernels.modules.static_kv_cache import StaticKVCache
+from gptfast_kernels.modules.static_kv_cache import StaticKVCache, sliding_windows
 
 # Family.own_forwards: what patches such a family's modules, given the model, whether int8 and int8_skip
 OWN_FORWARDS = {"dory": patch_dory_, "llama4": patch_llama4_, "mamba": patch_mamba_, "zamba": patch_zamba_}
@@ -73,6 +73,10 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
                           f"no {names} module Int8Experts reproduces (3-D gate_up_proj / down_proj, a gating it can "
                           "run, no norm after the experts); attention, dense layers and lm_head are int8",
                           stacklevel=2)
+    if family.window_in_mask:
+        windows = sliding_windows(model.config)
+        for module in attention_modules:
+            module._gptfast_sliding_window = windows[module.layer_idx]
     if family.latent_attention:
         patch_latent_attention_(model, family.attention_class, family.latent_attention)
     # what a StaticKVCache for this model must hold (checked per forward by attention.before_forward)

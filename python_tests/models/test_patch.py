@@ -300,6 +300,24 @@ def test_windowed_layers_reach_the_kernel_and_decode_past_the_window(family, mon
     assert seen[:len(want_calls)] == want_calls and len(seen) == 13 * len(want_calls)
 
 
+@pytest.mark.parametrize("family, layer_types",
+                         [("phimoe", None), ("qwen2_moe", ["sliding_attention", "full_attention"])])
+@pytest.mark.parametrize("max_step_tokens", [None, 6], ids=["full", "ring"])
+def test_windows_in_the_mask_alone_reach_the_kernel(family, layer_types, max_step_tokens):
+    """PhiMoE and Qwen2-MoE window their layers through the attention mask and pass their attention no
+    sliding_window (Family.window_in_mask): past the window, the fused attention must still drop the
+    positions the mask drops (it gave full attention: silently other logits; with a ring, an error)."""
+    model = tiny_model(family, sliding_window=WINDOW, **({} if layer_types is None else {"layer_types": layer_types}))
+    patched = patched_copy(model, int8=False)
+    ids = torch.randint(2, 90, (2, 18), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(ids).logits
+        assert not torch.allclose(tiny_model(family)(ids).logits, want, **TOL)  # (the window changes them)
+    cache = StaticKVCache(patched.config, 2, 24, max_step_tokens=max_step_tokens)
+    assert cache.has_ring_layers == (max_step_tokens is not None)
+    torch.testing.assert_close(stepwise_logits(patched, ids, cache, 6), want, **TOL)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_int8_logits_equal_the_model_with_dequantized_weights(family):
     """int8 changes the weights and nothing else: the patched model's logits equal transformers'

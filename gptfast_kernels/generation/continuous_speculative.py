@@ -35,7 +35,7 @@ from gptfast_kernels.generation.assistant import is_gemma4_assistant
 from gptfast_kernels.generation.continuous import ContinuousBatcher
 from gptfast_kernels.generation.forward import _drafts_after, _forward, compiled_function
 from gptfast_kernels.generation.mtp import is_mtp_model
-from gptfast_kernels.generation.prompt_lookup import lookup_continuations
+from gptfast_kernels.generation.prompt_lookup import emittable, lookup_continuations
 from gptfast_kernels.generation.sampling import TokenRecord, token_logprobs
 from gptfast_kernels.generation.speculative import (DraftModelProposer, History, SpeculativeRounds,
                                                     _check_draft_model)
@@ -105,6 +105,8 @@ class SpeculativeBatcher(ContinuousBatcher):
         super().__init__(model, batch_size=batch_size, max_length=max_length, eos_token_id=eos_token_id,
                          generator=generator, compile=compile, tokenizer=tokenizer,
                          max_prefill_tokens=max_prefill_tokens, reuse_prefixes=reuse_prefixes)
+        if draft_model is not None:  # (the draft embeds the prompts too)
+            self.vocab_size = min(self.vocab_size, common.input_vocab_size(draft_model))
         capacity = self.max_length + self.k
         # compiled, a round after its drafts is one call of the target (_verify_going)
         self.verify_going = compiled_function(model, _verify_going, "verify_going") if compile else None
@@ -340,8 +342,8 @@ class _LookupRows:
     def propose(self, rounds: SpeculativeRounds, last, active, history):
         """-> draft tokens [B, k], and their one-hot distributions [B, k, V] (None when greedy)."""
         # (a row that never held a request has no text: its drafts, padding in every forward, must still be ids)
-        drafts = lookup_continuations(self.text[:, :self.width], self.lengths.clamp(min=1, max=self.width), rounds.k,
-                                      self.max_ngram_size).clamp(min=0)
+        drafts = emittable(lookup_continuations(self.text[:, :self.width], self.lengths.clamp(min=1, max=self.width),
+                                                rounds.k, self.max_ngram_size), self.vocab_size)
         if rounds.greedy:
             return drafts, None
         return drafts, torch.nn.functional.one_hot(drafts, self.vocab_size).float()

@@ -60,13 +60,20 @@ class PromptLookupProposer:
         made = torch.arange(generated.shape[1], device=generated.device)[None, :] < history.num_generated[:, None]
         tokens, lengths = _pack_left(torch.cat([self.prompt.input_ids, generated], dim=1),
                                      torch.cat([self.prompt.attention_mask, made], dim=1))
-        drafts = lookup_continuations(tokens, lengths, rounds.k, self.max_ngram_size)
+        drafts = emittable(lookup_continuations(tokens, lengths, rounds.k, self.max_ngram_size), self.vocab_size)
         if rounds.greedy:
             return drafts, None
         return drafts, torch.nn.functional.one_hot(drafts, self.vocab_size).float()
 
     def commit(self, active, committed, num_accepted, draft_tokens, target_hidden=None) -> None:
         return None
+
+
+def emittable(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``drafts`` with every id the model cannot emit replaced by 0: a prompt may hold ids past the
+    output vocabulary (Apertus 1.5's head is narrower than its embeddings), and a row without text
+    gets -1. Verification takes the 0 like any draft: rejected, or accepted where the target picks it."""
+    return drafts.where((drafts >= 0) & (drafts < vocab_size), 0)
 
 
 def _pack_left(tokens: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -353,3 +353,10 @@ def test_what_it_cannot_serve_is_refused():
     with pytest.raises(KeyError, match=r"SpeculativeBatcher\.cancel: request_id 7"):
         batcher.cancel(7)
     assert batcher.run() == {} and not batcher.waiting
+    # a draft whose embeddings are narrower than the target's (both heads 81 wide): prompts must fit both
+    wide = patched_copy(tiny_model("apertus1p5_text"), int8=False)  # 97 input ids
+    narrow = patched_copy(tiny_model("llama", vocab=wide.config.output_vocab_size), int8=False)
+    batcher = SpeculativeBatcher(wide, narrow, speculate_k=2, batch_size=1, max_length=10)
+    with pytest.raises(ValueError, match=r"prompt_ids .* \[0, 81\)"):
+        batcher.submit([4, 85, 9], max_new_tokens=2)
+    assert batcher.run() == {} and not batcher.waiting

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gptfast_kernels import generate, patch_model, prompt_lookup_generate, speculative_generate
+from gptfast_kernels.generation.continuous_speculative import SpeculativeBatcher
 from gptfast_kernels.generation.prompt_lookup import lookup_continuations
 from python_tests.generation.test_speculative import assert_samples_follow_the_target
 from python_tests.tiny_models import RecordingStreamer, draft_of, patched_copy, ragged_prompts, tiny_model
@@ -150,6 +151,31 @@ def test_sampling_follows_the_target_distribution():
                                  eos_token_id=[])
     assert 0.05 < out.acceptance_rate < 0.95
     assert_samples_follow_the_target(target, prompt, out.sequences[:, prompt.shape[1]:], vocab, temperature)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_prompt_ids_past_the_output_vocabulary_are_never_proposed(sampled):
+    """Apertus 1.5's head (81 ids) is narrower than its embeddings (97): a prompt may hold ids the
+    model cannot emit, which lookup would copy as drafts (verify_draft refused them, the penalties'
+    record and the one-hot drafts indexed past their ends). Greedy rounds give generate's tokens, in
+    prompt_lookup_generate and in the lookup SpeculativeBatcher; sampled rounds emit only ids < 81."""
+    model = patched_copy(tiny_model("apertus1p5_text"), int8=False)
+    vocab = model.config.output_vocab_size
+    # every id the model can emit is followed by one it cannot: whatever it emits, lookup drafts one of those
+    prompt = [token for emitted in range(vocab) for token in (emitted, vocab + emitted % 16)]
+    options = dict(temperature=1.0, top_k=20, repetition_penalty=1.3, generator=torch.Generator().manual_seed(0)) \
+        if sampled else {}
+    out = prompt_lookup_generate(model, torch.tensor([prompt]), max_new_tokens=8, speculate_k=3, eos_token_id=[],
+                                 **options).sequences[0, len(prompt):]
+    batcher = SpeculativeBatcher(model, None, speculate_k=3, batch_size=2, max_length=len(prompt) + 8, eos_token_id=[],
+                                 generator=options.get("generator"))
+    request = batcher.submit(prompt, max_new_tokens=8, **{k: v for k, v in options.items() if k != "generator"})
+    served = batcher.run()[request]
+    if sampled:
+        assert out.max() < vocab and len(served) == 8 and max(served) < vocab
+    else:
+        want = generate(model, torch.tensor([prompt]), max_new_tokens=8, eos_token_id=[]).sequences[0, len(prompt):]
+        assert out.tolist() == want.tolist() == served
 
 
 def test_compiled_rounds_give_the_same_tokens():

@@ -78,7 +78,9 @@ def check_prompt(op: str, input_ids, attention_mask, device: torch.device, vocab
 
 def resolve_special_tokens(op: str, model, eos_token_id) -> tuple[list[int], int]:
     """(eos ids, pad id). eos_token_id None means the model's generation_config's, as in
-    transformers; the pad id is the model's pad token, else the first eos id, else 0."""
+    transformers; ids >= 0 (one past the vocabulary is never emitted, so never ends a row). The pad
+    id, which finished rows get and feed the model, is the model's pad token where the model embeds
+    it, else the first eos id it embeds, else 0."""
     config = getattr(model, "generation_config", None)
     if eos_token_id is None:
         eos_token_id = getattr(config, "eos_token_id", None)
@@ -86,13 +88,17 @@ def resolve_special_tokens(op: str, model, eos_token_id) -> tuple[list[int], int
         eos = []
     elif isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
         eos = [eos_token_id]
-    elif isinstance(eos_token_id, (list, tuple)) and all(isinstance(e, int) for e in eos_token_id):
+    elif isinstance(eos_token_id, (list, tuple)) and all(isinstance(e, int) and not isinstance(e, bool)
+                                                         for e in eos_token_id):
         eos = list(eos_token_id)
     else:
         raise ValueError(f"{op}: eos_token_id must be None, an int or a list of ints, got {eos_token_id!r}")
+    if any(e < 0 for e in eos):
+        raise ValueError(f"{op}: eos_token_id must hold token ids >= 0, got {eos_token_id!r}")
+    vocab = input_vocab_size(model)
     pad = getattr(config, "pad_token_id", None)
-    if pad is None:
-        pad = eos[0] if eos else 0
+    if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < vocab:
+        pad = next((e for e in eos if e < vocab), 0)
     return eos, int(pad)
 
 

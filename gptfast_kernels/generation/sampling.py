@@ -334,6 +334,10 @@ def logits_to_probs(logits: torch.Tensor, temperature, top_k=None, top_p=None, m
     order. Each argument is a number (None: off) or, per row, a [B] tensor (check_sampling_args's:
     0 in top_k is off). Temperature 0 gives a one-hot distribution on the argmax."""
     logits = logits.float()
+    # (each row's largest logit brought to 0 first: a tiny temperature then sends the others to -inf
+    # rather than the largest to inf, which would make the softmax NaN; the softmax is unchanged)
+    top = logits.amax(dim=-1, keepdim=True)
+    logits = logits - torch.where(top.isfinite(), top, 0.0)
     one_hot = None
     if isinstance(temperature, torch.Tensor):
         temperature = _per_row(temperature, logits)

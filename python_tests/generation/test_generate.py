@@ -12,6 +12,7 @@ from transformers.generation.logits_process import (LogitsProcessor, LogitsProce
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from gptfast_kernels import Int8Linear, StaticKVCache, generate
+from gptfast_kernels.generation.continuous import ContinuousBatcher
 from gptfast_kernels.generation.end_watch import EndWatch
 from gptfast_kernels.models.families import family_of, transformers_before
 from gptfast_kernels.generation.sampling import apply_repetition_penalty, eos_columns, logits_to_probs, seen_tokens
@@ -187,6 +188,30 @@ def test_eos_columns_leave_ids_past_the_vocabulary_out():
     assert not eos_columns(torch.tensor([], dtype=torch.int64), 10).any()
 
 
+def test_finished_rows_feed_the_model_a_pad_id_it_embeds():
+    """With no pad token configured the pad is the first eos id, which may be one the model does not
+    embed (an id past the vocabulary, never emitted): rows finished by their own limit or a stop fed
+    it to the model, which failed in its embedding. The pad is now the first eos id the model embeds,
+    else 0, and every row is as alone."""
+    patched = patched_copy(tiny_model("llama"), int8=False)
+    patched.generation_config.pad_token_id = None
+    ids, mask = ragged_prompts(3, 5, "left")
+    vocab = patched.get_input_embeddings().num_embeddings
+    for eos, pad in (([vocab + 3], 0), ([vocab + 3, EOS], EOS)):
+        got = generate(patched, ids, mask, max_new_tokens=[1, 4, 3], eos_token_id=eos).sequences
+        for b, limit in enumerate([1, 4, 3]):
+            alone = generate(patched, ids[b:b + 1], mask[b:b + 1], max_new_tokens=limit, eos_token_id=eos).sequences
+            assert got[b, :5 + limit].tolist() == alone[0].tolist() and (got[b, 5 + limit:] == pad).all()
+    stop = generate(patched, ids, mask, max_new_tokens=4, eos_token_id=[]).sequences[0, 6].item()
+    generate(patched, ids, mask, max_new_tokens=4, eos_token_id=[vocab + 3], stop_sequences=[[stop]])
+    batcher = ContinuousBatcher(patched, batch_size=2, max_length=12, eos_token_id=[vocab + 3])
+    request = batcher.submit(ids[1][mask[1] == 1].tolist(), max_new_tokens=3)
+    assert batcher.run()[request] == generate(patched, ids[1:2], mask[1:2], max_new_tokens=3,
+                                              eos_token_id=[]).sequences[0, 5:].tolist()
+    with pytest.raises(ValueError, match="eos_token_id"):
+        ContinuousBatcher(patched, batch_size=2, max_length=12, eos_token_id=[-1])
+
+
 def test_reusing_a_cache_and_zero_new_tokens():
     patched = patched_copy(tiny_model("gpt_neox"), int8=False)
     ids, mask = ragged_prompts(2, 5, "left")
@@ -359,6 +384,9 @@ def test_sampled_tokens_follow_the_distribution():
     (dict(output_logprobs=1), "output_logprobs", ValueError),
     (dict(compile="yes"), "compile", ValueError),
     (dict(eos_token_id="eos"), "eos_token_id", ValueError),
+    (dict(eos_token_id=[-1]), "eos_token_id", ValueError),  # (with min_new_tokens it crashed in a scatter)
+    (dict(eos_token_id=[-1], min_new_tokens=1), "eos_token_id", ValueError),
+    (dict(eos_token_id=[2, True]), "eos_token_id", ValueError),
     (dict(past_key_values="cache"), "past_key_values", ValueError),
     (dict(generator=0), "generator", TypeError),
 ])

@@ -129,6 +129,19 @@ def test_per_row_max_new_tokens_end_each_row_at_its_own_limit(temperature):
             assert (got.sequences[b, P + limit:] == PAD).all(), (name, b)
 
 
+def test_a_tiny_temperature_samples_the_argmax():
+    """A temperature so small that a logit over it overflows: the largest took inf and the softmax
+    NaN, and every such row emitted token 0 (silently). Now each row's largest logit is brought to 0
+    first: such rows sample the argmax, as the greedy row does."""
+    patched = patched_copy(tiny_model("llama", layers=3), int8=False)
+    ids, mask = ragged_prompts(3, P, "left", seed=3)
+    greedy = generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[]).sequences
+    for temperature in ([0.0, 1e-30, 1e-40], 1e-45):
+        got = generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[], temperature=temperature,
+                       generator=torch.Generator().manual_seed(0)).sequences
+        assert torch.equal(got, greedy), temperature
+
+
 def test_rows_ending_early_leave_the_output_as_wide_as_generates():
     """The longest limit's row ends at an eos, while a round (k + 1 tokens a row, every draft taken:
     the target drafts for itself) carries a short limit's row past its own limit: the tokens past it

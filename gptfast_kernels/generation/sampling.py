@@ -334,6 +334,8 @@ def logits_to_probs(logits: torch.Tensor, temperature, top_k=None, top_p=None, m
     order. Each argument is a number (None: off) or, per row, a [B] tensor (check_sampling_args's:
     0 in top_k is off). Temperature 0 gives a one-hot distribution on the argmax."""
     logits = logits.float()
+    if not isinstance(temperature, torch.Tensor) and temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     # (each row's largest logit brought to 0 first: a tiny temperature then sends the others to -inf
     # rather than the largest to inf, which would make the softmax NaN; the softmax is unchanged)
     top = logits.amax(dim=-1, keepdim=True)
@@ -344,8 +346,6 @@ def logits_to_probs(logits: torch.Tensor, temperature, top_k=None, top_p=None, m
         greedy = temperature == 0
         one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
         logits = logits / torch.where(greedy, 1.0, temperature)
-    elif temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     else:
         logits = logits / temperature
     if isinstance(top_k, torch.Tensor):

@@ -49,11 +49,7 @@ def check_prompt(op: str, input_ids, attention_mask, device: torch.device, vocab
                          f"got shape {list(input_ids.shape)}")
     if input_ids.device != device:
         raise ValueError(f"{op}: input_ids is on {input_ids.device} but the model is on {device}")
-    # an id outside the embedding table would be a device-side assert on CUDA: refuse it here
-    low, high = (int(x) for x in torch.aminmax(input_ids))
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"{op}: input_ids must be token ids in [0, {vocab_size}) (the model's embedding "
-                         f"table, padding included), got values from {low} to {high}")
+    check_token_range(op, "input_ids", input_ids, vocab_size)
     if attention_mask is None:
         mask = torch.ones_like(input_ids, dtype=torch.bool)
     else:
@@ -63,11 +59,12 @@ def check_prompt(op: str, input_ids, attention_mask, device: torch.device, vocab
                              f"got {list(attention_mask.shape)}")
         if attention_mask.device != device:
             raise ValueError(f"{op}: attention_mask is on {attention_mask.device} but the model is on {device}")
-        if attention_mask.is_floating_point() or attention_mask.is_complex():
-            raise ValueError(f"{op}: attention_mask must hold integers or booleans (1 = token, 0 = padding), "
+        if attention_mask.is_complex():
+            raise ValueError(f"{op}: attention_mask must hold real 0s and 1s (1 = token, 0 = padding), "
                              f"got {attention_mask.dtype}")
+        # (floats too, as transformers takes them, as long as each is exactly 0 or 1)
         if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
-            raise ValueError(f"{op}: attention_mask must hold only 0 and 1")
+            raise ValueError(f"{op}: attention_mask must hold only 0 and 1 (1 = token, 0 = padding)")
         mask = attention_mask != 0
     lengths = mask.sum(dim=1).tolist()
     if min(lengths) == 0:
@@ -76,9 +73,18 @@ def check_prompt(op: str, input_ids, attention_mask, device: torch.device, vocab
     return Prompt(input_ids.to(torch.int64), mask, lengths)
 
 
+def check_token_range(op: str, name: str, ids: torch.Tensor, vocab_size: int) -> None:
+    """ValueError unless every id is in [0, vocab_size): an id outside the embedding table would be a
+    device-side assert on CUDA."""
+    low, high = (int(x) for x in torch.aminmax(ids))
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{op}: {name} must be token ids in [0, {vocab_size}) (the model's embedding "
+                         f"table, padding included), got values from {low} to {high}")
+
+
 def resolve_special_tokens(op: str, model, eos_token_id) -> tuple[list[int], int]:
     """(eos ids, pad id). eos_token_id None means the model's generation_config's, as in
-    transformers; ids >= 0 (one past the vocabulary is never emitted, so never ends a row). The pad
+    transformers; ids >= 0 (an id past the vocabulary is never emitted, so never ends a row). The pad
     id, which finished rows get and feed the model, is the model's pad token where the model embeds
     it, else the first eos id it embeds, else 0."""
     config = getattr(model, "generation_config", None)

@@ -354,6 +354,16 @@ def test_sampled_tokens_follow_the_distribution():
     assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 1e-3
 
 
+def test_a_float_mask_of_zeros_and_ones_reads_as_the_integer_one():
+    """transformers takes 0 / 1 float masks (``attention_mask.float()`` is common); so do we, with the
+    same result as the integer mask (other values, e.g. 0.5, are refused below)."""
+    patched = patched_copy(tiny_model("llama"), int8=False)
+    ids, mask = ragged_prompts(3, 7, "left")
+    want = generate(patched, ids, mask, max_new_tokens=4, eos_token_id=[]).sequences
+    for floats in (mask.float(), mask.to(torch.bfloat16)):
+        assert torch.equal(generate(patched, ids, floats, max_new_tokens=4, eos_token_id=[]).sequences, want)
+
+
 @pytest.mark.parametrize("kwargs, needle, error", [
     (dict(input_ids=torch.ones(2, 3)), "input_ids", ValueError),
     (dict(input_ids=torch.ones(3, dtype=torch.int64)), "input_ids", ValueError),
@@ -361,6 +371,8 @@ def test_sampled_tokens_follow_the_distribution():
     (dict(attention_mask=torch.ones(2, 4)), "attention_mask", ValueError),
     (dict(attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]])), "attention_mask", ValueError),
     (dict(attention_mask=torch.tensor([[1, 2, 1], [1, 1, 1]])), "attention_mask", ValueError),
+    (dict(attention_mask=torch.tensor([[1, 0.5, 1], [1, 1, 1]])), "attention_mask", ValueError),
+    (dict(attention_mask=torch.ones(2, 3, dtype=torch.complex64)), "attention_mask", ValueError),
     (dict(max_new_tokens=-1), "max_new_tokens", ValueError),
     (dict(max_new_tokens=2.5), "max_new_tokens", ValueError),
     (dict(temperature=-0.5), "temperature", ValueError),

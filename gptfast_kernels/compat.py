@@ -52,7 +52,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gptfast_kernels.generation.common import model_device_dtype, output_vocab_size, resolve_special_tokens
+from gptfast_kernels.generation.common import (Prompt, check_prompt, check_token_range, input_vocab_size,
+                                               model_device_dtype, output_vocab_size, prefill, resolve_special_tokens)
 from gptfast_kernels.generation.generate import generate as _generate
 from gptfast_kernels.generation.speculative import SpeculativeOutput, speculative_generate
 from gptfast_kernels.models.patch import forward_with_cache, is_patched, patch_model
@@ -112,10 +113,14 @@ def load_int8(model_name, *, device=None, dtype=None, trust_remote_code: bool = 
 class KVCacheModel(nn.Module):
     """A patched model with a StaticKVCache attached (GPTFast's KVCacheModel).
 
-    ``prefill(input_ids)`` starts a sequence, ``forward(input_ids)`` takes the whole sequence so
-    far and runs only the columns not cached yet, ``rollback_cache(end_pos)`` forgets every column
-    from ``end_pos`` on, ``clear()`` drops the cache. Both return the next-token logits [B, V] of
-    each row. The cache starts at the prompt length + 256 slots and doubles when full.
+    ``prefill(input_ids, attention_mask=None)`` starts a sequence (the mask: 0 = padding, on either
+    side), ``forward(input_ids)`` takes the whole sequence so far and runs only the columns not
+    cached yet, ``rollback_cache(end_pos)`` forgets every column from ``end_pos`` on, ``clear()``
+    drops the cache. Both return the next-token logits [B, V] at each row's last real token. The
+    prompt's padding is remembered: columns past the prompt are real tokens. The cache starts at the
+    prompt length + 256 slots and doubles when full (a model with recurrent layers, whose states
+    cannot be carried over, then runs the sequence again into the larger cache). Such a model's
+    columns past the prompt run one at a time.
     """
 
     def __init__(self, model: nn.Module):
@@ -125,6 +130,7 @@ class KVCacheModel(nn.Module):
         self.model = model if is_patched(model) else patch_model(model, int8=False, fused_attention=True)
         self.cache: StaticKVCache | None = None
         self._consumed = 0  # columns of the caller's sequence already in the cache
+        self._mask: torch.Tensor | None = None  # the prompt's [B, P] padding mask (None: no padding)
 
     @property
     def config(self):
@@ -132,41 +138,83 @@ class KVCacheModel(nn.Module):
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, P] (attention_mask [B, P], 0 = left padding) -> logits [B, V] at column P - 1."""
-        _check_token_tensor("KVCacheModel.prefill", "input_ids", input_ids)
-        device, dtype = model_device_dtype(self.model)
-        B, P = input_ids.shape
-        self.cache = StaticKVCache(self.model.config, B, P + _INITIAL_CACHE_SLOTS, device=device, dtype=dtype)
-        self._consumed = 0
-        return self._run(input_ids.to(device), None if attention_mask is None else attention_mask.to(device))
+        """input_ids [B, P] (attention_mask [B, P], 0 = padding) -> logits [B, V] at each row's last
+        real token."""
+        op = "KVCacheModel.prefill"
+        _check_token_tensor(op, "input_ids", input_ids)
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"{op}: attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}")
+        device, _ = model_device_dtype(self.model)
+        prompt = check_prompt(op, input_ids.to(device, torch.int64),
+                              None if attention_mask is None else attention_mask.to(device), device,
+                              input_vocab_size(self.model))
+        return self._start(prompt, prompt.input_ids.shape[1] + _INITIAL_CACHE_SLOTS)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, L]: the whole sequence so far; its columns past the cached ones are run."""
         if self.cache is None:
             return self.prefill(input_ids)
-        _check_token_tensor("KVCacheModel.forward", "input_ids", input_ids)
+        op = "KVCacheModel.forward"
+        _check_token_tensor(op, "input_ids", input_ids)
         if input_ids.shape[0] != self.cache.batch_size or input_ids.shape[1] <= self._consumed:
-            raise ValueError(f"KVCacheModel.forward: input_ids must be [{self.cache.batch_size}, L] with L > "
+            raise ValueError(f"{op}: input_ids must be [{self.cache.batch_size}, L] with L > "
                              f"{self._consumed} (the columns already cached), got {list(input_ids.shape)}")
-        new = input_ids[:, self._consumed:].to(self.cache.device)
-        self._grow(int(self.cache.seq_lengths.max()) + new.shape[1])
-        return self._run(new, None)
+        L = input_ids.shape[1]
+        sequence, mask = input_ids.to(self.cache.device, torch.int64), self._sequence_mask(L)
+        check_token_range(op, "input_ids", sequence, input_vocab_size(self.model))
+        new = Prompt(sequence[:, self._consumed:], mask[:, self._consumed:], [])
+        if not bool(new.attention_mask.any(dim=1).all()):
+            row = int((~new.attention_mask.any(dim=1)).nonzero()[0])
+            raise ValueError(f"{op}: row {row} has no real token among columns {self._consumed}..{L - 1} (they are "
+                             "its prompt's padding, after a rollback_cache into it); pass more of the sequence")
+        needed = int(self.cache.seq_lengths.max()) + new.input_ids.shape[1]
+        if needed > self.cache.max_cache_len:
+            size = max(needed, 2 * self.cache.max_cache_len)
+            if self.cache.has_recurrent_layers:  # states of a length cannot be carried over: run it all again
+                return self._start(Prompt(sequence, mask, []), size)
+            self._grow(size)
+        if self.cache.has_recurrent_layers:
+            # one column at a time: transformers' Mamba-1 blocks (Mamba, Falcon-Mamba, Jamba, Zamba) run
+            # several tokens as a prompt, from a zero state; their single-token path continues the state
+            for t in range(new.input_ids.shape[1]):
+                logits = prefill(self.model, Prompt(new.input_ids[:, t:t + 1], new.attention_mask[:, t:t + 1], []),
+                                 self.cache)
+        else:
+            logits = prefill(self.model, new, self.cache)
+        self._consumed = L
+        return logits
 
-    def _run(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        logits = forward_with_cache(self.model, tokens, self.cache, attention_mask=attention_mask).logits
-        self._consumed += tokens.shape[1]
-        return logits[:, -1]
+    def _start(self, prompt: Prompt, max_cache_len: int) -> torch.Tensor:
+        """A new cache of ``max_cache_len`` slots holding ``prompt`` -> the logits at each row's last
+        real token."""
+        device, dtype = model_device_dtype(self.model)
+        B, P = prompt.input_ids.shape
+        self.cache = StaticKVCache(self.model.config, B, max_cache_len, device=device, dtype=dtype)
+        mask = prompt.attention_mask
+        self._mask = None if bool(mask.all()) else mask
+        logits = prefill(self.model, prompt, self.cache)
+        self._consumed = P
+        return logits
 
-    def _grow(self, needed: int) -> None:
+    def _sequence_mask(self, length: int) -> torch.Tensor:
+        """[B, length] bool: the prompt's padding mask, then real tokens."""
+        B = self.cache.batch_size
+        mask = torch.ones(B, length, dtype=torch.bool, device=self.cache.device)
+        if self._mask is not None:
+            P = min(self._mask.shape[1], length)
+            mask[:, :P] = self._mask[:, :P]
+        return mask
+
+    def _grow(self, max_cache_len: int) -> None:
+        """A cache of ``max_cache_len`` slots holding this one's keys and values (layers that keep none,
+        such as those reading another layer's, have nothing to copy)."""
         old = self.cache
-        if needed <= old.max_cache_len:
-            return
-        new = StaticKVCache(self.model.config, old.batch_size, max(needed, 2 * old.max_cache_len),
-                            device=old.device, dtype=old.dtype)
+        new = StaticKVCache(self.model.config, old.batch_size, max_cache_len, device=old.device, dtype=old.dtype)
         for src, dst in zip(old.layers, new.layers):
-            dst.keys[:, :, :old.max_cache_len].copy_(src.keys)
-            dst.values[:, :, :old.max_cache_len].copy_(src.values)
+            if src.keys is not None:
+                dst.keys[:, :, :old.max_cache_len].copy_(src.keys)
+                dst.values[:, :, :old.max_cache_len].copy_(src.values)
         new.seq_lengths.copy_(old.seq_lengths)
         self.cache = new
 
@@ -175,12 +223,13 @@ class KVCacheModel(nn.Module):
         check_int("KVCacheModel.rollback_cache", "end_pos", end_pos, 0)
         if self.cache is None or end_pos >= self._consumed:
             return
-        self.cache.crop((self.cache.seq_lengths - (self._consumed - end_pos)).clamp(min=0))
+        self.cache.crop(self._sequence_mask(end_pos).sum(dim=1))  # each row's real tokens among them
         self._consumed = end_pos
 
     def clear(self) -> None:
         self.cache = None
         self._consumed = 0
+        self._mask = None
 
 
 def add_kv_cache(model_name, *, device=None, dtype=None, trust_remote_code: bool = False) -> KVCacheModel:
@@ -261,6 +310,7 @@ class GPTFastModel(nn.Module):
             hook = target.register_forward_hook(self._sampler_hook(sampling_kwargs))
         try:
             new = max_tokens - prompt_len
+            speculate_k = min(speculate_k, new)  # (drafts past the last token would never be used)
             if self.draft_model is None:
                 sequences = _generate(target, cur_tokens, attention_mask, max_new_tokens=new, **options).sequences
                 self.last_output = None
@@ -292,9 +342,13 @@ class GPTFastModel(nn.Module):
         return hook
 
     def _pick(self, probabilities: torch.Tensor, sampling_kwargs: dict) -> int:
-        token = self.sample(probabilities, **sampling_kwargs)
-        token = torch.as_tensor(token)
-        if token.numel() != 1 or token.is_floating_point() or token.is_complex():
+        returned = self.sample(probabilities, **sampling_kwargs)
+        try:
+            token = torch.as_tensor(returned)
+        except (TypeError, RuntimeError, ValueError) as error:
+            raise TypeError(f"sample_function must return one integer token id (an int or a one-element tensor), "
+                            f"got {type(returned).__name__}") from error
+        if token.numel() != 1 or token.is_floating_point() or token.is_complex() or token.dtype == torch.bool:
             raise ValueError(f"sample_function must return one integer token id (an int or a one-element tensor), "
                              f"got {token.dtype} of shape {list(token.shape)}")
         token = int(token.reshape(()))
@@ -374,13 +428,21 @@ def generate_text_fast(model_path, draft_model_name, sequence, max_length: int, 
     tokenizer = padding_tokenizer(op, "model_path", model_path, trust_remote_code)
     fast = gpt_fast(model_path, draft_model_name, int8=int8, device=device, trust_remote_code=trust_remote_code)
     encoded = tokenizer(texts, return_tensors="pt", padding=True)
-    if max_length <= encoded["input_ids"].shape[1]:
-        raise ValueError(f"{op}: max_length counts the prompt too and must exceed its {encoded['input_ids'].shape[1]} "
+    ids, mask = encoded["input_ids"], encoded["attention_mask"].bool()
+    lengths = mask.sum(dim=1).tolist()
+    if min(lengths) == 0:
+        raise ValueError(f"{op}: sequence {texts[lengths.index(0)]!r} has no tokens; give each text at least one")
+    if max_length <= max(lengths):
+        raise ValueError(f"{op}: max_length counts the prompt too and must exceed its {max(lengths)} "
                          f"tokens, got {max_length}")
-    output = fast.generate(encoded["input_ids"], max_length, speculate_k, attention_mask=encoded["attention_mask"],
+    # every row to max_length tokens of its own (a shorter prompt's padding does not count), so the
+    # batch runs to the longest continuation and each row is cut to its own
+    P, wanted = ids.shape[1], [max_length - n for n in lengths]
+    output = fast.generate(ids, P + max(wanted), speculate_k, attention_mask=mask.long(),
                            eos_token_id=text_eos_ids(fast.model.model, tokenizer), stop_strings=stop_strings,
-                           tokenizer=tokenizer)
-    decoded = tokenizer.batch_decode(output, skip_special_tokens=True)
+                           tokenizer=tokenizer).cpu()
+    rows = [torch.cat([ids[b][mask[b]], output[b, P:P + wanted[b]]]) for b in range(len(texts))]
+    decoded = tokenizer.batch_decode(rows, skip_special_tokens=True)
     return decoded if batch else decoded[0]
 
 

@@ -2,6 +2,7 @@
 (no downloads). Greedy outputs are checked against transformers' own greedy decoding of the
 unpatched target (int8 off) or against our ``generate`` on the same patched model (int8 on)."""
 
+import copy
 import io
 
 import pytest
@@ -200,6 +201,62 @@ def test_add_kv_cache_prefill_forward_rollback(checkpoints, monkeypatch):
     assert kv.cache is None
 
 
+def test_kv_cache_model_remembers_the_prompts_padding(checkpoints):
+    """prefill's mask pads on either side: the logits are each row's at its last real token, and a
+    rollback into the padding keeps it padding when the columns run again."""
+    kv = compat.add_kv_cache(checkpoints["target"], device="cpu")
+    reference = AutoModelForCausalLM.from_pretrained(checkpoints["target"]).eval()
+    seq = _prompts(2, 10)
+    mask = torch.ones(2, 10, dtype=torch.int64)
+
+    def expected(tokens, mask):
+        with torch.no_grad():
+            logits = reference(tokens, attention_mask=mask).logits
+        return torch.stack([logits[b, int(mask[b].nonzero().max())] for b in range(2)])
+
+    right = mask[:, :7].clone()
+    right[0, 4:] = 0  # row 0 is right-padded (its logits were a padding column's)
+    torch.testing.assert_close(kv.prefill(seq[:, :7], right), expected(seq[:, :7], right), rtol=1e-4, atol=1e-4)
+    left = mask.clone()
+    left[0, :3] = 0
+    kv.prefill(seq[:, :8], left[:, :8])
+    kv.rollback_cache(2)  # row 0: both columns are padding
+    torch.testing.assert_close(kv(seq), expected(seq, left), rtol=1e-4, atol=1e-4)
+    kv.rollback_cache(1)
+    with pytest.raises(ValueError, match="row 0 has no real token"):
+        kv(seq[:, :3])
+    for bad, error in ((left[:, :9], ValueError), (left[:, :8].tolist(), TypeError), (left[:, :8] * 2, ValueError),
+                       (torch.zeros(2, 8, dtype=torch.int64), ValueError)):
+        with pytest.raises(error, match="attention_mask"):
+            kv.prefill(seq[:, :8], bad)
+    with pytest.raises(ValueError, match="input_ids"):  # (an IndexError in the embedding before)
+        kv.prefill(seq[:, :8] + VOCAB)
+    kv.prefill(seq[:, :8])
+    with pytest.raises(ValueError, match="input_ids"):
+        kv(torch.cat([seq[:, :8], seq[:, 8:] + VOCAB], dim=1))
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "mamba", "jamba", "falcon_h1"])
+def test_kv_cache_model_grows_every_kind_of_cache(family, monkeypatch):
+    """Growing past the first allocation: layers reading another's keys (Gemma 4) have none to copy
+    (a TypeError before), and recurrent states (Mamba, Jamba, Falcon-H1's beside attention) are rebuilt
+    by running the sequence again (an AttributeError before, and for Falcon-H1 fresh states: other
+    logits). Before the first growth, two columns at once: Mamba-1 blocks (Mamba, Jamba) ran them
+    from a zero state (other logits)."""
+    from python_tests.tiny_models import tiny_model
+
+    monkeypatch.setattr(compat, "_INITIAL_CACHE_SLOTS", 2)
+    reference = tiny_model(family)
+    kv = compat.KVCacheModel(copy.deepcopy(reference))
+    seq = torch.randint(3, reference.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    kv.prefill(seq[:, :3])
+    for n in (5, 6, 12):  # 3 + 2 slots, then grown to 10, then to 20
+        with torch.no_grad():
+            want = reference(seq[:, :n]).logits[:, -1]
+        torch.testing.assert_close(kv(seq[:, :n]), want, rtol=1e-4, atol=1e-4)
+    assert kv.cache.max_cache_len == 20
+
+
 def test_add_speculative_decode_kv_cache(checkpoints):
     target = compat.add_kv_cache(checkpoints["target"], device="cpu")
     draft = AutoModelForCausalLM.from_pretrained(checkpoints["draft"]).eval()  # a plain model works as well
@@ -213,6 +270,9 @@ def test_generate_text_fast(checkpoints):
     assert isinstance(text, str) and text.startswith("w3 w4 w5") and len(text.split()) > 3
     texts = compat.generate_text_fast(checkpoints["target"], checkpoints["draft"], ["w7", "w8 w9 w10"], 10, int8=False)
     assert isinstance(texts, list) and texts[0].startswith("w7") and texts[1].startswith("w8 w9 w10")
+    # each row as alone: max_length tokens of its own (the short prompt's padding counted before)
+    assert texts == [compat.generate_text_fast(checkpoints["target"], checkpoints["draft"], text, 10, int8=False)
+                     for text in ("w7", "w8 w9 w10")]
     # a stop string: the text up to the word that completes it
     word = text.split()[5]
     cut = compat.generate_text_fast(checkpoints["target"], checkpoints["draft"], "w3 w4 w5", 12, stop_strings=[word])
@@ -343,11 +403,18 @@ def test_bad_arguments_name_the_argument(checkpoints):
         model.generate(cur, 10, 0)
     with pytest.raises(TypeError, match="temprature"):
         model.generate(cur, 10, 2, temprature=0.5)
-    with pytest.raises(ValueError, match="sample_function"):
-        compat.gpt_fast(target, draft, lambda self, p: p, int8=False, device="cpu").generate(cur, 10, 2)
+    for returns, error in ((lambda p: p, ValueError), (lambda p: None, TypeError), (lambda p: "3", TypeError),
+                           (lambda p: True, ValueError)):
+        with pytest.raises(error, match="sample_function"):
+            compat.gpt_fast(target, draft, lambda self, p, f=returns: f(p), int8=False,
+                            device="cpu").generate(cur, 10, 2)
+    assert model.generate(cur, 8, 10**12).shape == (1, 8)  # (drafts past max_tokens: an allocation error before)
     with pytest.raises(TypeError, match="sequence"):
         compat.generate_text_fast(target, draft, 42, 10)
     with pytest.raises(ValueError, match="max_length"):
         compat.generate_text_fast(target, draft, "w3 w4 w5", 2)
+    for empty in ("", ["w3", "  "]):  # (named cur_tokens before)
+        with pytest.raises(ValueError, match="sequence"):
+            compat.generate_text_fast(target, draft, empty, 5)
     with pytest.raises(ValueError, match="model_path"):
         compat.generate_text_fast(draft, draft, "w3", 5)  # the draft directory has no tokenizer

@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from gptfast_kernels.modules.cache_layers import NoCacheLayer, StaticKVLayer, StaticKVStateLayer
 from gptfast_kernels.modules.state_history import StateHistory, recurrent_states, row_mask
-from gptfast_kernels.ops._dispatch import check_int, is_tracing
+from gptfast_kernels.ops._dispatch import check_int, check_tensor, is_tracing
 
 
 def layer_geometry(config) -> list[tuple[int, ...]]:
@@ -134,6 +134,9 @@ class StaticKVCache(Cache):
 
     def __init__(self, config, batch_size: int, max_cache_len: int, *, device=None, dtype=None,
                  max_step_tokens: int | None = None, rollback_tokens: int = 0):
+        if not callable(getattr(config, "get_text_config", None)):
+            raise TypeError(f"StaticKVCache: config must be a transformers model config (model.config), "
+                            f"got {type(config).__name__}")
         batch_size = check_int("StaticKVCache", "batch_size", batch_size, 1)
         rollback_tokens = check_int("StaticKVCache", "rollback_tokens", rollback_tokens, 0)
         max_cache_len = check_int("StaticKVCache", "max_cache_len", max_cache_len, 1)
@@ -277,9 +280,11 @@ class StaticKVCache(Cache):
                                  f"layers take at most max_step_tokens = {self.max_step_tokens} per forward (feed "
                                  "longer inputs in chunks, as generate does)")
         if attention_mask is not None:
-            if attention_mask.dim() == 4:
-                raise ValueError("StaticKVCache: got a 4-D attention_mask, which transformers' generate builds for "
-                                 "static caches; decode with gptfast_kernels.generate (or speculative_generate), "
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() == 4:
+                # (a dict: one mask per layer type, as transformers' generate builds for windowed models)
+                shape = "4-D" if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+                raise ValueError(f"StaticKVCache: got a {shape} attention_mask, which transformers' generate builds "
+                                 "for static caches; decode with gptfast_kernels.generate (or speculative_generate), "
                                  "or call the model with the [B, T] padding mask")
             if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < num_tokens:
                 raise ValueError(f"StaticKVCache: attention_mask must be [B, T] or [B, past + T] with B = {B}, "
@@ -368,6 +373,7 @@ class StaticKVCache(Cache):
         if self._fused_step:
             return key_states, value_states
         if layer_idx == self._first_attention or self._step_positions is None:  # a new forward (a failed one dropped)
+            self._check_unpatched_step(key_states)
             self.plan_step(key_states.shape[-2], fused=False)  # (refuses a cache with ring buffers)
         layer = self.layers[layer_idx]
         # the new states must fit the layer's own buffers (a layer whose values are in its keys has an empty
@@ -390,6 +396,21 @@ class StaticKVCache(Cache):
         if layer_idx == self._last_attention:
             self.commit_step()
         return layer.keys, values
+
+    def _check_unpatched_step(self, key_states: torch.Tensor) -> None:
+        """An unpatched model's forward: transformers positions every row's tokens at the longest row's
+        length and attends over buffers in its own dtype, so the rows must be as many as the cache's,
+        equally long, and the buffers in the model's dtype (a patched model handles each)."""
+        if key_states.shape[0] != self.batch_size:
+            raise ValueError(f"StaticKVCache: the model runs {key_states.shape[0]} rows but the cache holds "
+                             f"batch_size = {self.batch_size}; build the cache for the batch")
+        if key_states.dtype != self.dtype:
+            raise ValueError(f"StaticKVCache: the cache holds {self.dtype} but the model computes in "
+                             f"{key_states.dtype}; build it with dtype={key_states.dtype} (or patch_model the model)")
+        if not is_tracing() and self.seq_lengths.numel() and bool((self.seq_lengths != self.seq_lengths[0]).any()):
+            raise ValueError(f"StaticKVCache: its rows have different lengths {self.seq_lengths.tolist()} (a per-row "
+                             "crop), which an unpatched model would read as the longest row's; patch the model "
+                             "(patch_model), whose forwards place each row at its own length")
 
     def update_conv_state(self, *args, **kwargs):
         self._check_state_update()
@@ -531,6 +552,8 @@ class StaticKVCache(Cache):
         if self.has_ring_layers or self.has_recurrent_layers:
             raise ValueError("StaticKVCache.copy_prefix: this cache's ring-buffer layers or recurrent states do not "
                              "keep a row's first positions where a copy can take them")
+        for name, value in (("source", source), ("target", target), ("length", length)):
+            check_int("StaticKVCache.copy_prefix", name, value, 0)
         if not (0 <= source < self.batch_size and 0 <= target < self.batch_size):
             raise ValueError(f"StaticKVCache.copy_prefix: source and target must be rows in [0, {self.batch_size}), "
                              f"got {source} and {target}")
@@ -560,6 +583,16 @@ class StaticKVCache(Cache):
         self._fused_step = self._hide_length = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row i takes row beam_idx[i]'s contents (beam search's reordering)."""
+        check_tensor("StaticKVCache.reorder_cache", "beam_idx", beam_idx, dtypes=(torch.int64, torch.int32), ndim=1)
+        if beam_idx.shape[0] != self.batch_size:
+            raise ValueError(f"StaticKVCache.reorder_cache: beam_idx must hold one row index per cache row "
+                             f"({self.batch_size}), got {beam_idx.shape[0]}")
+        if beam_idx.numel() and not is_tracing():
+            low, high = (int(x) for x in torch.aminmax(beam_idx))
+            if low < 0 or high >= self.batch_size:
+                raise ValueError(f"StaticKVCache.reorder_cache: beam_idx must be row indices in [0, {self.batch_size}), "
+                                 f"got values from {low} to {high}")
         beam_idx = beam_idx.to(self.device)
         for layer in self.layers:
             if isinstance(layer, LinearAttentionLayer):  # recurrent states (Falcon-H1's layers: and keys / values)

@@ -317,16 +317,57 @@ def test_caches_longer_than_the_sliding_window_and_unsupported_families():
         StaticKVCache(BertConfig(), 1, 8)
 
 
-def test_transformers_generate_with_it_names_the_way_that_works():
-    """transformers' generate builds a 4-D mask for a static cache, which the per-row positions
-    cannot be read from: a clear error pointing to gptfast_kernels.generate, not a wrong answer."""
+@pytest.mark.parametrize("family, shape", [("llama", "4-D"), ("gemma2", "dict"), ("qwen2", "dict")])
+def test_transformers_generate_with_it_names_the_way_that_works(family, shape):
+    """transformers' generate builds a 4-D mask for a static cache (a dict of them, one per layer
+    type, for windowed models: an AttributeError before), which the per-row positions cannot be read
+    from: a clear error pointing to gptfast_kernels.generate, not a wrong answer."""
     from python_tests.tiny_models import patched_copy
 
-    patched = patched_copy(tiny_model("llama"), int8=False)
+    patched = patched_copy(tiny_model(family), int8=False)
     ids = torch.randint(2, 90, (2, 6))
-    with pytest.raises(ValueError, match="4-D attention_mask.*gptfast_kernels.generate"):
+    with pytest.raises(ValueError, match=f"{shape} attention_mask.*gptfast_kernels.generate"):
         patched.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                          past_key_values=StaticKVCache(patched.config, 2, 16))
+
+
+def test_an_unpatched_model_gets_clear_errors_where_it_would_read_wrong_rows():
+    """An unpatched model's forward positions every row at the longest row's length and attends over
+    the cache's buffers as they are: a cache of another batch size (a batch of 2 on a cache of 1
+    read row 0's keys for row 1), rows of different lengths (after a per-row crop) or of another
+    dtype (a crash inside SDPA) are refused, naming what to change."""
+    model = tiny_model("llama")
+    ids = torch.randint(2, 90, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="runs 2 rows but the cache holds batch_size = 1"):
+            model(ids, past_key_values=StaticKVCache(model.config, 1, 8))
+        cache = StaticKVCache(model.config, 2, 8)
+        model(ids[:, :5], past_key_values=cache)
+        cache.crop(torch.tensor([3, 5]))
+        with pytest.raises(ValueError, match="different lengths"):
+            model(ids[:, 5:], past_key_values=cache)
+        with pytest.raises(ValueError, match="dtype=torch.float32"):
+            model(ids, past_key_values=StaticKVCache(model.config, 2, 8, dtype=torch.bfloat16))
+
+
+def test_reorder_cache_and_copy_prefix_check_their_arguments():
+    """A beam_idx shorter than the batch broadcast one row over every row (keys, values and lengths),
+    silently; out-of-range, float or list indices failed inside torch."""
+    cache = StaticKVCache(tiny_config("llama"), 2, 8)
+    cache.seq_lengths.copy_(torch.tensor([4, 7]))
+    for bad, error, needle in ((torch.tensor([1]), ValueError, "one row index per cache row"),
+                               (torch.tensor([0, 5]), ValueError, r"in \[0, 2\)"),
+                               (torch.tensor([0.0, 1.0]), ValueError, "dtype"), ([1, 0], TypeError, "torch.Tensor")):
+        with pytest.raises(error, match=needle) as raised:
+            cache.reorder_cache(bad)
+        assert "beam_idx" in str(raised.value)
+    assert cache.seq_lengths.tolist() == [4, 7]
+    cache.reorder_cache(torch.tensor([1, 1]))
+    assert cache.seq_lengths.tolist() == [7, 7]
+    with pytest.raises(ValueError, match="source"):
+        cache.copy_prefix(0.5, 1, 2)
+    with pytest.raises(TypeError, match="config"):
+        StaticKVCache(None, 1, 8)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "falcon_h1"])

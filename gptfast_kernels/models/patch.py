@@ -45,6 +45,17 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     Supported families: see gptfast_kernels.models.families.FAMILIES."""
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"patch_model: model must be a transformers model, got {type(model).__name__}")
+    if int8_skip is None or not (isinstance(int8_skip, str) or all(isinstance(p, str) for p in int8_skip)):
+        raise TypeError(f"patch_model: int8_skip must be a layer name / pattern or a sequence of them (str), "
+                        f"got {int8_skip!r}")
+    skip = (int8_skip,) if isinstance(int8_skip, str) else tuple(int8_skip)
+    before = getattr(model, "_gptfast_patch_options", None)
+    if before is not None and before["int8"] and (not int8 or not set(skip) <= set(before["int8_skip"])):
+        # (its int8 layers cannot become float again, and save_patched records what this call says)
+        raise ValueError(f"patch_model: this model is already patched with int8=True, int8_skip={before['int8_skip']}, "
+                         f"and its int8 layers cannot be made float again: patch it again with int8=True and "
+                         f"int8_skip among those (fused_attention may change), or patch a fresh copy of the float "
+                         f"model; got int8={int8!r}, int8_skip={list(skip)}")
     family = family_of(model.config)
     from gptfast_kernels.generation.forward import forget_compiled  # (generation imports this module)
     forget_compiled(model)  # steps compiled before were traced through the modules this call replaces
@@ -54,7 +65,6 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     if not attention_modules and family.attention_class is not None:
         raise ValueError(f"patch_model: a {family.model_type} model should contain {family.attention_class} "
                          "modules and this one has none; its transformers version may be unsupported")
-    skip = (int8_skip,) if isinstance(int8_skip, str) else tuple(int8_skip)
     if int8:
         quantize_int8_(model, skip=(*skip, *family.float_linears), linear_subclasses=family.linear_subclasses)
         if family.gated_mlp_class is not None:

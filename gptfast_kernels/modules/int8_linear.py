@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gptfast_kernels._extension import usable_backends
-from gptfast_kernels.ops._dispatch import FLOAT_DTYPES
+from gptfast_kernels.ops._dispatch import FLOAT_DTYPES, check_int
 from gptfast_kernels.ops.int8_linear import auto_backend, int8_linear, quantize_int8, run_int8_linear
 
 
@@ -32,8 +32,8 @@ class Int8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  device=None, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
+        self.in_features = check_int("Int8Linear", "in_features", in_features, 1)
+        self.out_features = check_int("Int8Linear", "out_features", out_features, 1)
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8,
                                                     device=device))
         self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32, device=device))

@@ -36,6 +36,13 @@ def test_from_float_rejects_other_modules():
         Int8Linear.from_float(nn.Conv2d(3, 3, 1))
 
 
+@pytest.mark.parametrize("in_features, out_features", [(0, 4), (4, 0), (-1, 4), (4.0, 4), (True, 4)])
+def test_sizes_must_be_positive_ints(in_features, out_features):
+    # (Int8Linear(0, 4) divided by zero on its first call)
+    with pytest.raises(ValueError, match="in_features|out_features"):
+        Int8Linear(in_features, out_features)
+
+
 def test_quantize_skip_patterns():
     model = nn.Sequential()
     model.add_module("proj", nn.Linear(8, 8))

@@ -97,6 +97,11 @@ def check_contiguous(op: str, **tensors) -> None:
             raise ValueError(f"{op}: {name} must be contiguous, got strides {t.stride()} for shape {list(t.shape)}")
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether autograd records an op on these tensors (any of them requires a gradient)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def check_int(op: str, name: str, value, minimum: int) -> int:
     """An int (not a bool) >= minimum, else ValueError naming the argument; returns it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -12,7 +12,7 @@ import torch
 
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
-from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor,
+from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, needs_grad,
                                            resolve_backend, tracing_or_dispatch_mode)
 
 OP = "int8_expert_linear"
@@ -80,7 +80,9 @@ def int8_expert_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if chosen == "triton":  # (checked above; see tracing_or_dispatch_mode)
         from gptfast_kernels.triton.int8_expert_linear import int8_expert_linear_triton, int8_expert_linear_unchecked
 
-        run = int8_expert_linear_triton if tracing_or_dispatch_mode() else int8_expert_linear_unchecked
+        # (the op where a gradient is wanted: its autograd formula is registered on it, not on the launch)
+        direct = not tracing_or_dispatch_mode() and not needs_grad(x, bias)
+        run = int8_expert_linear_unchecked if direct else int8_expert_linear_triton
         return run(x, qweight, scales, experts, bias)
     return torch.ops.gptfast_kernels.int8_expert_linear(x, qweight, scales, experts, bias)
 
@@ -92,5 +94,34 @@ def int8_expert_linear_fake(x, qweight, scales, experts, bias=None):
     return x.new_empty((x.shape[0], qweight.shape[1]))
 
 
+def setup_expert_grad(ctx, inputs, output) -> None:
+    x, qweight, scales, experts, bias = inputs
+    ctx.save_for_backward(qweight, scales, experts)
+    ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
+
+
+def int8_expert_linear_backward(ctx, grad: torch.Tensor):
+    """The int8_expert_linear ops' gradients, as int8_linear's (ops/int8_linear.py): x's through each
+    row's expert's dequantised weight (one matmul per expert present), and the bias's; a padding
+    row's are zero."""
+    qweight, scales, experts = ctx.saved_tensors
+    E = qweight.shape[0]
+    valid = (experts >= 0) & (experts < E)
+    grad32 = grad.to(torch.float32)
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_x = grad32.new_zeros(grad.shape[0], qweight.shape[2])
+        for e in experts[valid].unique().tolist():
+            rows = experts == e
+            grad_x[rows] = grad32[rows] @ (qweight[e].to(torch.float32) * scales[e].to(torch.float32)[:, None])
+        grad_x = grad_x.to(ctx.x_dtype)
+    if ctx.needs_input_grad[4]:
+        grad_bias = grad32.new_zeros(E, grad.shape[1]).index_add_(0, experts[valid], grad32[valid])
+        grad_bias = grad_bias.to(ctx.bias_dtype)
+    return grad_x, None, None, None, grad_bias
+
+
 if _extension.has_kernel(OP, "CPU"):
     torch.library.register_fake(f"gptfast_kernels::{OP}")(int8_expert_linear_fake)
+    torch.library.register_autograd(f"gptfast_kernels::{OP}", int8_expert_linear_backward,
+                                    setup_context=setup_expert_grad)

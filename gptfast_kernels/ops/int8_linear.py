@@ -6,7 +6,7 @@ import torch
 
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
-from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, gpu_backend,
+from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, gpu_backend, needs_grad,
                                            resolve_backend, tracing_or_dispatch_mode)
 
 
@@ -103,7 +103,9 @@ def run_int8_linear(chosen: str, x: torch.Tensor, qweight: torch.Tensor, scales:
     if chosen == "triton":  # (checked above; see tracing_or_dispatch_mode)
         from gptfast_kernels.triton.int8_linear import int8_linear_triton, int8_linear_unchecked
 
-        y = (int8_linear_triton if tracing_or_dispatch_mode() else int8_linear_unchecked)(x2d, qweight, scales, bias)
+        # (the op where a gradient is wanted: its autograd formula is registered on it, not on the launch)
+        direct = not tracing_or_dispatch_mode() and not needs_grad(x2d, bias)
+        y = (int8_linear_unchecked if direct else int8_linear_triton)(x2d, qweight, scales, bias)
     else:  # the compiled CPU or CUDA kernel, chosen by the dispatcher from x's device
         y = torch.ops.gptfast_kernels.int8_linear(x2d, qweight, scales, bias)
     return y.reshape(*lead_shape, qweight.shape[0])
@@ -116,5 +118,27 @@ def int8_linear_fake(x, qweight, scales, bias):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
+def setup_int8_linear_grad(ctx, inputs, output) -> None:
+    x, qweight, scales, bias = inputs
+    ctx.save_for_backward(qweight, scales)
+    ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
+
+
+def int8_linear_backward(ctx, grad: torch.Tensor):
+    """The int8_linear ops' gradients: x's through the dequantised weight (in float32), and the
+    bias's. The int8 weight and its scales are constants: weight-only quantization trains no
+    weight, but layers before (adapters, a float model below) get their gradients through it."""
+    qweight, scales = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        weight = qweight.to(torch.float32) * scales.to(torch.float32)[:, None]
+        grad_x = (grad.to(torch.float32) @ weight).to(ctx.x_dtype)
+    if ctx.needs_input_grad[3]:
+        grad_bias = grad.to(torch.float32).sum(dim=0).to(ctx.bias_dtype)
+    return grad_x, None, None, grad_bias
+
+
 if _extension.extension_loaded():
     torch.library.register_fake("gptfast_kernels::int8_linear")(int8_linear_fake)
+    torch.library.register_autograd("gptfast_kernels::int8_linear", int8_linear_backward,
+                                    setup_context=setup_int8_linear_grad)

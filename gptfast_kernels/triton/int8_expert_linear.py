@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from gptfast_kernels.ops._dispatch import check_contiguous, check_tensor
-from gptfast_kernels.ops.int8_expert_linear import check_inputs, int8_expert_linear_fake
+from gptfast_kernels.ops.int8_expert_linear import (check_inputs, int8_expert_linear_backward, int8_expert_linear_fake,
+                                                     setup_expert_grad)
 from gptfast_kernels.triton import FP32_NUM_STAGES, dot, dot_in_fp32, on_device
 
 # tl.dot needs at least 16 rows per tile: smaller row counts are padded with masked rows.
@@ -179,3 +180,4 @@ def int8_expert_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: to
 
 
 int8_expert_linear_triton.register_fake(int8_expert_linear_fake)
+int8_expert_linear_triton.register_autograd(int8_expert_linear_backward, setup_context=setup_expert_grad)

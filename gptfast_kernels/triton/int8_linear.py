@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from gptfast_kernels.ops._dispatch import check_contiguous, check_tensor
-from gptfast_kernels.ops.int8_linear import check_int8_linear, int8_linear_fake
+from gptfast_kernels.ops.int8_linear import (check_int8_linear, int8_linear_backward, int8_linear_fake,
+                                              setup_int8_linear_grad)
 from gptfast_kernels.triton import FP32_NUM_STAGES, dot_in_fp32, on_device
 
 # Rows of x served by the GEMV kernel (CUDA-core FMAs, one output block per program). From 2 rows
@@ -165,3 +166,4 @@ def _launch(x, qweight, scales, bias_arg, has_bias, y, config: TileConfig | None
 
 
 int8_linear_triton.register_fake(int8_linear_fake)
+int8_linear_triton.register_autograd(int8_linear_backward, setup_context=setup_int8_linear_grad)

@@ -54,6 +54,27 @@ def test_matches_reference(backend, device, case, dtype):
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("case", ["shared-experts-odd", "odd-k-padding"])
+def test_gradients_reach_x_and_bias(backend, device, case):
+    """As int8_linear's: x's and the bias's gradients equal the reference formula's (a padding row's
+    are zero); they were silently dropped."""
+    P, E, N, K, experts = CASES[case]
+    x, qweight, scales, experts = make_case(P, E, N, K, experts, device=device)
+    bias = torch.randn(E, N, device=device)
+    upstream = torch.randn(P, N, device=device)
+    grads = []
+    for run in (lambda *a: ops.int8_expert_linear(*a, backend=backend), reference.int8_expert_linear):
+        xg, bg = x.clone().requires_grad_(), bias.clone().requires_grad_()
+        (run(xg, qweight, scales, experts, bg) * upstream).sum().backward()
+        grads.append((xg.grad, bg.grad))
+    (x_grad, b_grad), (x_want, b_want) = grads
+    assert x_grad is not None and b_grad is not None
+    torch.testing.assert_close(x_grad, x_want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(b_grad, b_want, atol=1e-4, rtol=1e-4)
+    assert not x_grad[experts < 0].any()
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
 @pytest.mark.parametrize("case", ["decode-top2", "odd-k-padding", "many-rows-one-expert"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
 def test_bias_per_expert(backend, device, case, dtype):

@@ -237,6 +237,41 @@ def test_int8_linear_scales_in_activation_dtype_and_empty_batch(backend, device)
     assert empty.shape == (0, 16)
 
 
+@pytest.mark.parametrize("backend, device", kernel_backends("int8_linear"))
+@pytest.mark.parametrize("rows", [1, 37])
+def test_int8_linear_gradients_reach_x_and_bias(backend, device, rows):
+    """Gradients flow through every backend as through the reference's float formula: x's (so a
+    float layer or an adapter before an int8 layer trains) and the bias's; the int8 weight is a
+    constant. (They were silently dropped: the ops had no autograd formula.)"""
+    qweight, scales, bias = _make(24, 40, torch.float32, device, bias=True)
+    upstream = torch.randn(2, rows, 24, device=device)
+    grads = []
+    for run in (lambda *a: ops.int8_linear(*a, backend=backend), reference.int8_linear):
+        x = torch.randn(2, rows, 40, device=device, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        b = bias.clone().requires_grad_()
+        (run(x, qweight, scales, b) * upstream).sum().backward()
+        grads.append((x.grad, b.grad))
+    (x_grad, b_grad), (x_want, b_want) = grads
+    assert x_grad is not None and b_grad is not None
+    torch.testing.assert_close(x_grad, x_want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(b_grad, b_want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_layer_before_an_int8_linear_gets_its_gradient():
+    before, linear = torch.nn.Linear(16, 16), torch.nn.Linear(16, 8)
+    int8 = Int8Linear.from_float(linear)
+    x = torch.randn(3, 16)
+    int8(before(x)).square().sum().backward()
+    got = before.weight.grad.clone()
+    before.weight.grad = None
+    dequantised = torch.nn.Linear(16, 8)
+    with torch.no_grad():
+        dequantised.weight.copy_(int8.qweight.float() * int8.scales[:, None])
+        dequantised.bias.copy_(int8.bias)
+    dequantised(before(x)).square().sum().backward()
+    torch.testing.assert_close(got, before.weight.grad, atol=1e-4, rtol=1e-4)
+
+
 def test_int8_linear_bad_inputs():
     qweight, scales, bias = _make(8, 16, torch.float32, "cpu", bias=True)
     x = torch.randn(2, 16)

@@ -6,7 +6,7 @@ import torch
 
 from gptfast_kernels import _extension
 from gptfast_kernels.ops import reference
-from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, gpu_backend,
+from gptfast_kernels.ops._dispatch import (FLOAT_DTYPES, check_same_device, check_tensor, gpu_backend, needs_grad,
                                            is_tracing, real_number, resolve_backend, tracing_or_dispatch_mode)
 
 OP = "kv_cache_attention"
@@ -234,10 +234,32 @@ def checked_backend(q, k, v, k_cache, v_cache, positions, scale, window, softcap
                                                             k_cache.shape[2], q.shape[3], is_tracing()))
 
 
+class _NoGradient(torch.autograd.Function):
+    """The op's output as it is, tied to the inputs that require a gradient, with a backward that
+    raises: the op writes the cache in place and has no gradient, and a backward must not pass by
+    its inputs silently (the kernels' outputs would be constants, or the autograd fallback would give
+    them no gradient with a warning)."""
+
+    @staticmethod
+    def forward(ctx, out, *inputs):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("kv_cache_attention has no gradient (it writes the new keys and values into the cache "
+                           "in place), so backward cannot reach q, k, v; train without a StaticKVCache (a patched "
+                           "model then runs transformers' own attention), or run the forward under torch.no_grad()")
+
+
 def run_kv_cache_attention(chosen: str, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks,
                            ring, value_dim=None, chunk_size=None, alibi_slopes=None) -> torch.Tensor:
     """kv_cache_attention on inputs that passed ``checked_backend``, which returned ``chosen`` (the
     patched attention's path: it checks each layer's inputs once per shape, not on every call)."""
+    if needs_grad(q, k, v, sinks, alibi_slopes):
+        with torch.no_grad():
+            out = run_kv_cache_attention(chosen, q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks,
+                                         ring, value_dim, chunk_size, alibi_slopes)
+        return _NoGradient.apply(out, *(t for t in (q, k, v, sinks, alibi_slopes) if t is not None))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if chosen == "reference":
         return reference.kv_cache_attention(q, k, v, k_cache, v_cache, positions, scale, window, softcap, sinks,

@@ -533,6 +533,39 @@ def test_patch_is_idempotent_and_switchable():
     assert patched.config._attn_implementation == attention.FUSED
 
 
+def test_a_backward_through_the_cached_attention_is_a_clear_error():
+    """With a StaticKVCache the attention is the fused op, which has no gradient: a backward raises
+    (q / k / v projections silently got none). Without a cache the patched model trains as
+    transformers' own (its attention is transformers'; int8 layers pass gradients on)."""
+    model = patch_model(tiny_model("llama"), int8=False)
+    ids = torch.randint(2, 90, (1, 5))
+    with pytest.raises(RuntimeError, match="no gradient"):
+        model(ids, past_key_values=StaticKVCache(model.config, 1, 8)).logits.sum().backward()
+    model.zero_grad()
+    model(ids).logits.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_patching_again_keeps_the_record_true_to_the_int8_layers():
+    """A second patch_model may quantize more (int8_skip narrowed, or int8 after int8=False) and switch
+    the attention, but cannot make int8 layers float: int8=False, or an int8_skip naming more layers,
+    after int8 is refused (it recorded options the model did not have, so save_patched wrote a
+    directory load_patched refused). int8_skip must hold strings."""
+    from gptfast_kernels.modules.int8_linear import Int8Linear
+
+    model = patch_model(tiny_model("llama"), int8_skip=("lm_head",))
+    for options in (dict(int8=False), dict(int8_skip=("lm_head", "o_proj"))):
+        with pytest.raises(ValueError, match="already patched with int8=True"):
+            patch_model(model, **options)
+    patch_model(model, fused_attention=False, int8_skip="lm_head")
+    assert not isinstance(model.lm_head, Int8Linear)
+    patch_model(model)  # lm_head quantized too now, and recorded so
+    assert isinstance(model.lm_head, Int8Linear) and model._gptfast_patch_options["int8_skip"] == []
+    for bad in (None, [1], ("lm_head", 2)):
+        with pytest.raises(TypeError, match="int8_skip"):
+            patch_model(tiny_model("llama"), int8_skip=bad)
+
+
 def test_unsupported_model_names_supported_families():
     model = AutoModelForCausalLM.from_config(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                                         intermediate_size=64, vocab_size=50, is_decoder=True))

@@ -284,6 +284,23 @@ def test_never_written_slots_of_an_empty_cache_do_not_leak(backend, device, T, s
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("backend, device", BACKENDS + [pytest.param("reference", "cpu", id="reference")])
+def test_backward_through_it_is_a_clear_error(backend, device):
+    """The op writes the cache in place and has no gradient. With inputs that require one, the
+    forward gives the same output and writes, and a backward raises instead of giving q, k, v none
+    (silently, or with a warning)."""
+    positions = _contiguous_positions(2, 3, [4, 0])
+    q, k, v, k_cache, v_cache, positions = make_case(2, 4, 2, 3, 16, 12, positions, device=device)
+    want_cache = k_cache.clone()
+    want = ops.kv_cache_attention(q, k, v, want_cache, v_cache.clone(), positions, backend=backend)
+    q, k = q.requires_grad_(), k.requires_grad_()
+    out = ops.kv_cache_attention(q, k, v, k_cache, v_cache, positions, backend=backend)
+    torch.testing.assert_close(out.detach(), want)
+    torch.testing.assert_close(k_cache, want_cache)
+    with pytest.raises(RuntimeError, match="kv_cache_attention has no gradient"):
+        out.sum().backward()
+
+
 @pytest.mark.parametrize("backend, device", BACKENDS)
 def test_non_contiguous_inputs_and_custom_scale(backend, device):
     # HF layout: projections are [B, T, H, D], transposed to [B, H, T, D] without a copy

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from gptfast_kernels.generate_cli import DTYPES, add_generate_parser
+from gptfast_kernels.generate_cli import DTYPES, add_generate_parser, cli_device
 
 
 def _version(package: str) -> str:
@@ -82,12 +82,17 @@ def cmd_quantize(args) -> int:
     from gptfast_kernels import patch_model, save_patched
 
     try:
+        device = cli_device("quantize", args.device)
+    except ValueError as error:
+        print(str(error), file=sys.stderr)
+        return 2
+    try:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype],
                                                      trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as error:
         print(f"quantize: cannot load model {args.model!r}: {error}", file=sys.stderr)
         return 2
-    model = model.to(args.device).eval()
+    model = model.to(device).eval()
     float_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     patch_model(model, int8=True, int8_skip=tuple(args.int8_skip))
     save_patched(model, args.output)

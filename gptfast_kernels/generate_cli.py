@@ -20,6 +20,27 @@ import torch
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def cli_device(op: str, name: str | None) -> torch.device:
+    """A command's ``--device`` (None or "auto": CUDA when torch sees a GPU, else the CPU) as a
+    torch.device; ValueError naming the flag for a string that is no device, a GPU torch does not
+    see, or a device type the kernels do not serve."""
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"{op}: --device {name!r} is not a device (auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{op}: --device {name}: torch sees no CUDA device")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{op}: --device {name}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    elif device.type != "cpu":
+        raise ValueError(f"{op}: --device {name}: the kernels run on cpu and cuda devices only")
+    return device
+
+
 def add_generate_parser(sub):
     parser = sub.add_parser("generate", help="generate text from prompts with a (patched) checkpoint")
     parser.add_argument("model", help="a local checkpoint or hub name, or a directory save_patched wrote")
@@ -76,7 +97,11 @@ def cmd_generate(args) -> int:
     if not prompts:
         print("generate: no prompt given (PROMPT ..., '-' for standard input, or --prompts-file)", file=sys.stderr)
         return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = cli_device("generate", args.device)
+    except ValueError as error:
+        print(str(error), file=sys.stderr)
+        return 2
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     models = {"model": args.model, **({"draft": args.draft} if args.draft else {})}
     loaded = {}

@@ -373,6 +373,14 @@ def test_generate_command_refuses_what_it_cannot_do(checkpoints, tmp_path, capsy
     assert "--batch-size" in capsys.readouterr().err
     assert main(["generate", target, "w3", "--device", "cpu", "--reuse-prefixes"]) == 2
     assert "--batch-size" in capsys.readouterr().err
+    # a device that is not one, or that torch does not have (tracebacks from torch before)
+    bad_devices = ["banana", "mps", f"cuda:{torch.cuda.device_count()}"]
+    for command in (["generate", target, "w3"], ["quantize", target, str(tmp_path / "q")]):
+        for device in bad_devices:
+            assert main([*command, "--device", device]) == 2
+            err = capsys.readouterr().err
+            assert f"{command[0]}: --device" in err and device in err and "Traceback" not in err
+    assert not (tmp_path / "q").exists()
 
 
 def test_bad_arguments_name_the_argument(checkpoints):

@@ -135,6 +135,14 @@ def test_demo_names_a_checkpoint_it_cannot_load(tmp_path, capsys):
         assert message.startswith(f"demo: {option} '{bad}' could not be loaded"), message
 
 
+@pytest.mark.parametrize("device", ["banana", "mps", f"cuda:{torch.cuda.device_count()}"])
+def test_demo_names_a_device_it_cannot_use(device):
+    # (a string that is no device was a traceback from torch; before any training)
+    with pytest.raises(SystemExit) as raised:
+        main(["demo", "--device", device, "--no-progress"])
+    assert str(raised.value.code).startswith("demo: --device") and device in str(raised.value.code)
+
+
 def test_demo_needs_model_and_draft_together(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--model", "somewhere"])

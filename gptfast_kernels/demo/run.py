@@ -99,12 +99,12 @@ def _choose_threads(requested: int | None) -> int:
 
 
 def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("demo: --device cuda but torch sees no CUDA device")
-    return device
+    from gptfast_kernels.generate_cli import cli_device
+
+    try:
+        return cli_device("demo", name)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
 
 
 def _sync(device: torch.device) -> None:

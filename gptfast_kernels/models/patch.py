@@ -62,7 +62,10 @@ def patch_model(model: nn.Module, *, int8: bool = True, fused_attention: bool = 
     attention_modules = _attention_modules(model, family)  # (patching below swaps their parts, not them)
     # a hybrid's recurrent blocks, per layer index (patching swaps their parts, not them)
     mixers = recurrent.recurrent_mixers(model, family) if recurrent.stateful_layers(family, model.config) else {}
-    if not attention_modules and family.attention_class is not None:
+    kinds = family.layer_kinds(model.config.get_text_config(decoder=True))
+    attends = any(kind in ("attention", "both") for kind in kinds)
+    if not attention_modules and family.attention_class is not None and attends:
+        # (a hybrid config whose layers are all recurrent has none, rightly: it is served as Mamba's are)
         raise ValueError(f"patch_model: a {family.model_type} model should contain {family.attention_class} "
                          "modules and this one has none; its transformers version may be unsupported")
     if int8:

@@ -107,3 +107,46 @@ def test_older_transformers_are_refused_by_name(monkeypatch):
     monkeypatch.setattr(families.transformers, "__version__", "5.14.1")
     with pytest.raises(ValueError, match=f"{FAMILY} models from transformers {families.HYBRID_FROM} on"):
         patch_model(model)
+
+
+def _greedy_alone(model, ids, mask, new: int) -> torch.Tensor:
+    """Each row's real tokens alone, decoded greedily by transformers' forward over the whole sequence
+    (no cache: transformers' generate fails on some of these configs) -> [B, new]."""
+    rows = []
+    for b in range(ids.shape[0]):
+        sequence = ids[b:b + 1, mask[b] == 1]
+        with torch.no_grad():
+            for _ in range(new):
+                step = model(sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+                sequence = torch.cat([sequence, step], dim=1)
+        rows.append(sequence[0, -new:])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("lfm3", dict(num_hidden_layers=2, layer_types=["conv", "conv"])),
+    ("qwen3_5_text", dict(num_hidden_layers=2, layer_types=["linear_attention"] * 2)),
+    ("bamba", dict(num_hidden_layers=2, attn_layer_indices=[])),
+], ids=["lfm3", "qwen3_5_text", "bamba"])
+def test_configs_whose_layers_are_all_recurrent_are_served(family, overrides):
+    """A hybrid family's config may have no attention layer (patch_model refused it, saying the
+    transformers release might be unsupported): it is served as the attention-free families are."""
+    model = tiny_model(family, **overrides)
+    patched = patched_copy(model, int8=False)
+    ids, mask = ragged_prompts(3, 7, "left")
+    got = generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[]).sequences
+    assert torch.equal(got[:, 7:], _greedy_alone(model, ids, mask, 6))
+
+
+def test_a_draft_of_a_hybrids_first_recurrent_layer():
+    """speculative_generate with a draft cut from a hybrid's first layer, a recurrent one (Qwen3.5's:
+    linear, full, linear): the draft has no attention layer."""
+    from gptfast_kernels import speculative_generate
+    from python_tests.tiny_models import draft_of
+
+    target = tiny_model("qwen3_5_text", layers=3)
+    patched, draft = patched_copy(target, int8=False), patched_copy(draft_of(target, 1), int8=False)
+    ids, mask = ragged_prompts(3, 7, "left")
+    want = generate(patched, ids, mask, max_new_tokens=8, eos_token_id=[]).sequences
+    out = speculative_generate(patched, draft, ids, mask, max_new_tokens=8, speculate_k=3, eos_token_id=[])
+    assert torch.equal(out.sequences, want) and int(out.num_proposed.sum()) > 0

@@ -52,8 +52,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gptfast_kernels.generation.common import (Prompt, check_prompt, check_token_range, input_vocab_size,
-                                               model_device_dtype, output_vocab_size, prefill, resolve_special_tokens)
+from gptfast_kernels.generation.common import (Prompt, check_positions_fit, check_prompt, check_token_range,
+                                               input_vocab_size, model_device_dtype, output_vocab_size, prefill,
+                                               resolve_special_tokens)
 from gptfast_kernels.generation.generate import generate as _generate
 from gptfast_kernels.generation.speculative import SpeculativeOutput, speculative_generate
 from gptfast_kernels.models.patch import forward_with_cache, is_patched, patch_model
@@ -148,6 +149,7 @@ class KVCacheModel(nn.Module):
         prompt = check_prompt(op, input_ids.to(device, torch.int64),
                               None if attention_mask is None else attention_mask.to(device), device,
                               input_vocab_size(self.model))
+        check_positions_fit(op, "model", self.model, max(prompt.lengths), "the longest prompt")
         return self._start(prompt, prompt.input_ids.shape[1] + _INITIAL_CACHE_SLOTS)
 
     @torch.no_grad()
@@ -163,6 +165,7 @@ class KVCacheModel(nn.Module):
         L = input_ids.shape[1]
         sequence, mask = input_ids.to(self.cache.device, torch.int64), self._sequence_mask(L)
         check_token_range(op, "input_ids", sequence, input_vocab_size(self.model))
+        check_positions_fit(op, "model", self.model, int(mask.sum(dim=1).max()), "the longest sequence")
         new = Prompt(sequence[:, self._consumed:], mask[:, self._consumed:], [])
         if not bool(new.attention_mask.any(dim=1).all()):
             row = int((~new.attention_mask.any(dim=1)).nonzero()[0])

@@ -236,6 +236,21 @@ def test_kv_cache_model_remembers_the_prompts_padding(checkpoints):
         kv(torch.cat([seq[:, :8], seq[:, 8:] + VOCAB], dim=1))
 
 
+def test_kv_cache_model_refuses_positions_past_a_learned_table():
+    """GPT-2's learned positions hold n_positions: a sequence longer fails inside the embedding; it
+    is refused, naming the table (prefill and forward alike)."""
+    from python_tests.tiny_models import tiny_model
+
+    kv = compat.KVCacheModel(tiny_model("gpt2", n_positions=16))
+    seq = torch.randint(3, 90, (1, 17))
+    with pytest.raises(ValueError, match="KVCacheModel.prefill.*position table holds"):
+        kv.prefill(seq)
+    kv.prefill(seq[:, :10])
+    assert kv(seq[:, :16]).shape[0] == 1
+    with pytest.raises(ValueError, match="KVCacheModel.forward.*position table holds"):
+        kv(seq)
+
+
 @pytest.mark.parametrize("family", ["gemma4_text", "mamba", "jamba", "falcon_h1"])
 def test_kv_cache_model_grows_every_kind_of_cache(family, monkeypatch):
     """Growing past the first allocation: layers reading another's keys (Gemma 4) have none to copy

@@ -119,6 +119,35 @@ def input_vocab_size(model) -> int:
     return int(model.get_input_embeddings().num_embeddings)
 
 
+def position_table(model) -> tuple[int, str] | None:
+    """(how many positions ``model`` has room for, the config attribute saying so) where its family
+    has a fixed position table (Family.position_table: GPT-2's learned position embeddings ...), else
+    None (no bound)."""
+    from gptfast_kernels.models.families import family_of
+
+    attr = family_of(model.config).position_table
+    return None if attr is None else (int(getattr(model.config.get_text_config(decoder=True), attr)), attr)
+
+
+def check_positions_fit(op: str, name: str, model, needed: int, what: str) -> None:
+    """ValueError unless ``model`` has room for ``needed`` positions: a token past a fixed position
+    table would fail inside the embedding (a device-side assert on CUDA) mid-generation."""
+    table = position_table(model)
+    if table is not None and needed > table[0]:
+        raise ValueError(f"{op}: {what}: {needed} positions, more than {name}'s position table holds "
+                         f"({table[0]}: {model.config.model_type}'s config.{table[1]})")
+
+
+DEFAULT_MAX_LENGTH = 2048  # the batchers' max_length where a model's position table allows it
+
+
+def default_max_length(models, extra_slots: int) -> int:
+    """A batcher's max_length when none is given: DEFAULT_MAX_LENGTH, or what the smallest position
+    table among ``models`` leaves past the ``extra_slots`` a row takes beyond it (at least 1)."""
+    limits = [table[0] - extra_slots for model in models if (table := position_table(model)) is not None]
+    return max(1, min([DEFAULT_MAX_LENGTH, *limits]))
+
+
 def check_same_device(op: str, model, draft_model) -> None:
     """ValueError unless ``draft_model`` runs on ``model``'s device."""
     device, _ = model_device_dtype(model)

@@ -104,11 +104,12 @@ class Request:
 
 
 class ContinuousBatcher:
-    """``ContinuousBatcher(model, batch_size=8, max_length=2048)``; ``submit(prompt_ids, ...)`` ->
+    """``ContinuousBatcher(model, batch_size=8, max_length=None)``; ``submit(prompt_ids, ...)`` ->
     request id; ``step()`` -> the requests that ended in it, as {id: new token ids}; ``run()`` steps
     until every submitted request has ended and returns {id: new token ids} for all of them.
 
-    ``max_length``: the most cache slots one request may take (its prompt + max_new_tokens - 1).
+    ``max_length``: the most cache slots one request may take (its prompt + max_new_tokens - 1);
+    None: 2048, or fewer where the model's position table holds fewer (GPT-2's learned positions).
     ``eos_token_id`` None: the model's generation_config's, as in ``generate``; a request's tokens
     end with the eos (or stop) that ended it. ``tokenizer``: the model's, for requests with stop
     strings. ``compile``: decode steps, each with its pick, through torch.compile (CUDA graphs).
@@ -132,7 +133,7 @@ class ContinuousBatcher:
 
     extra_slots = 0  # cache slots per row past max_length (a speculative round's drafts)
 
-    def __init__(self, model, *, batch_size: int = 8, max_length: int = 2048,
+    def __init__(self, model, *, batch_size: int = 8, max_length: int | None = None,
                  eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
                  compile: bool = False, tokenizer=None, max_prefill_tokens: int | None = None,
                  reuse_prefixes: bool = False):
@@ -141,6 +142,8 @@ class ContinuousBatcher:
         self.batch_size = check_int(op, "batch_size", batch_size, 1)
         self.max_prefill_tokens = None if max_prefill_tokens is None else check_int(
             op, "max_prefill_tokens", max_prefill_tokens, 1)
+        if max_length is None:
+            max_length = common.default_max_length([model], self.extra_slots)
         self.max_length = check_int(op, "max_length", max_length, 1)
         common.check_flag(op, "compile", compile)
         self.model, self.generator = model, generator
@@ -148,6 +151,8 @@ class ContinuousBatcher:
         common.check_generator(op, generator, self.device)
         self.eos, _ = common.resolve_special_tokens(op, model, eos_token_id)
         self.vocab_size = common.input_vocab_size(model)
+        common.check_positions_fit(op, "model", model, max_length + self.extra_slots,
+                                   "max_length + speculate_k" if self.extra_slots else "max_length")
         self.cache = cache_for(model, batch_size, max_length + self.extra_slots, self.device, dtype, reuse=compile,
                                step_tokens=self.extra_slots + 1, holder=self)
         if self.max_prefill_tokens is not None and self.cache.has_recurrent_layers:

@@ -77,7 +77,7 @@ def _verified_going(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_prob
 
 class SpeculativeBatcher(ContinuousBatcher):
     """``SpeculativeBatcher(model, draft_model=None, speculate_k=4, max_ngram_size=3, batch_size=8,
-    max_length=2048)``: a ContinuousBatcher (``submit``, ``step``, ``run``, the same per-request
+    max_length=None)``: a ContinuousBatcher (``submit``, ``step``, ``run``, the same per-request
     options) whose steps are speculative rounds. ``draft_model``: a patched model sharing the
     target's vocabulary; None proposes by prompt lookup (n-grams of up to ``max_ngram_size`` tokens
     in each row's prompt and output). ``last_tokens`` holds {id: [tokens]} of each step (a round
@@ -87,7 +87,7 @@ class SpeculativeBatcher(ContinuousBatcher):
     ``reuse_prefixes`` as ContinuousBatcher's, the draft's cache rows copied alike."""
 
     def __init__(self, model, draft_model=None, *, speculate_k: int = 4, max_ngram_size: int = 3,
-                 batch_size: int = 8, max_length: int = 2048, eos_token_id: int | list[int] | None = None,
+                 batch_size: int = 8, max_length: int | None = None, eos_token_id: int | list[int] | None = None,
                  generator: torch.Generator | None = None, compile: bool = False, tokenizer=None,
                  max_prefill_tokens: int | None = None, reuse_prefixes: bool = False):
         op = "SpeculativeBatcher"
@@ -102,12 +102,16 @@ class SpeculativeBatcher(ContinuousBatcher):
             _check_draft_model(op, model, draft_model)
         else:
             check_int(op, "max_ngram_size", max_ngram_size, 1)
+        if max_length is None:  # (the draft's position table too)
+            max_length = common.default_max_length([model] + ([draft_model] if draft_model is not None else []),
+                                                   self.k)
         super().__init__(model, batch_size=batch_size, max_length=max_length, eos_token_id=eos_token_id,
                          generator=generator, compile=compile, tokenizer=tokenizer,
                          max_prefill_tokens=max_prefill_tokens, reuse_prefixes=reuse_prefixes)
+        capacity = self.max_length + self.k
         if draft_model is not None:  # (the draft embeds the prompts too)
             self.vocab_size = min(self.vocab_size, common.input_vocab_size(draft_model))
-        capacity = self.max_length + self.k
+            common.check_positions_fit(op, "draft_model", draft_model, capacity, "max_length + speculate_k")
         # compiled, a round after its drafts is one call of the target (_verify_going)
         self.verify_going = compiled_function(model, _verify_going, "verify_going") if compile else None
         # (a round that takes new prompts in: its target forward as wide as they are, then this call)

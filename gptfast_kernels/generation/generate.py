@@ -91,6 +91,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         return GenerateOutput(prompt.input_ids.clone(), prompt.input_ids.new_zeros(B, 0, dtype=torch.float32)
                               if output_logprobs else None)
     needed = max(prompt.lengths) + most_new - 1  # the last token is emitted, never cached
+    common.check_positions_fit(op, "model", model, needed, "the longest prompt + max_new_tokens - 1")
     if past_key_values is None:
         cache = cache_for(model, B, needed, device, dtype, reuse=compile)
     else:

@@ -89,8 +89,21 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
         return rounds.run(lambda capacity, target_cache: AssistantProposer(draft_model, model, target_cache, compile,
                                                                           rounds.k))
     proposer = MtpProposer if mtp else DraftModelProposer
+    if not mtp and rounds.most_new_tokens:
+        common.check_positions_fit(op, "draft_model", draft_model,
+                                   capacity(rounds.prompt, rounds.most_new_tokens, rounds.k), POSITIONS_TAKEN)
     return rounds.run(lambda capacity, target_cache: proposer(draft_model, rounds.batch_size, capacity, compile,
                                                               rounds.k))
+
+
+# (what check_positions_fit says takes the positions a call's caches hold)
+POSITIONS_TAKEN = "the longest prompt + max_new_tokens + speculate_k (a round's drafts go past a row's last token)"
+
+
+def capacity(prompt: common.Prompt, most_new_tokens: int, k: int) -> int:
+    """The cache slots per row a speculative call takes: its longest prompt, the most new tokens
+    of a row, and a round's k drafts past them."""
+    return max(prompt.lengths) + most_new_tokens + k
 
 
 def _check_draft_model(op: str, model, draft_model) -> None:
@@ -245,6 +258,9 @@ class SpeculativeRounds:
             raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
                              f"per round), got a batch of {prompt.input_ids.shape[0]}")
         o = options
+        if o.most_new_tokens:
+            common.check_positions_fit(op, "model", model, capacity(prompt, o.most_new_tokens, speculate_k),
+                                       POSITIONS_TAKEN)
         return cls(model, prompt, o.max_new_tokens, o.most_new_tokens, speculate_k, o.temperature, o.top_k, o.top_p,
                    o.min_p, o.eos, o.pad, generator, compile, streamer, o.repetition_penalty, o.min_new_tokens,
                    output_logprobs, presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
@@ -435,9 +451,9 @@ class SpeculativeRounds:
                 streamer.end()
             return SpeculativeOutput(prompt.input_ids.clone(), zeros, zeros.clone(), 0.0,
                                      zeros.new_zeros(B, 0, dtype=torch.float32) if self.output_logprobs else None)
-        capacity = max(prompt.lengths) + self.most_new_tokens + k
-        target_cache = cache_for(model, B, capacity, device, dtype, reuse=self.compile, step_tokens=k + 1)
-        proposer = make_proposer(capacity, target_cache)
+        slots = capacity(prompt, self.most_new_tokens, k)
+        target_cache = cache_for(model, B, slots, device, dtype, reuse=self.compile, step_tokens=k + 1)
+        proposer = make_proposer(slots, target_cache)
         takes_hidden = getattr(proposer, "takes_target_hidden", False)
         target_step = step_function(model, self.compile, hidden=takes_hidden)
 

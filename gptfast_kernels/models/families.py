@@ -162,6 +162,10 @@ class Family:
     # a hybrid's recurrent blocks' linear projections of their input, in the order they are called (Qwen3.5's
     # gated delta net: qkv, z, b, a): with int8 one Int8Linear (one launch a step) whose output they split
     recurrent_input_projections: tuple[str, ...] = ()
+    # the config attribute with the number of positions a model's fixed position table holds (learned
+    # position embeddings: GPT-2's wpe ...; CTRL's sinusoidal table): no token may sit past it (None: rotary,
+    # ALiBi, or a table the model grows)
+    position_table: str | None = None
 
     def __post_init__(self):
         if bool(self.compiles_from) != bool(self.compiles_from_reason):
@@ -476,11 +480,12 @@ FAMILIES: dict[str, Family] = {
         # several times, per run with keys and values of its own or the last run's (models/dory.py); its MLP scales
         # gate and up before the activation (not fused), its output head scales its logits (int8: Int8DoryLMHead)
         Family("dory", "DoryAttention", "num_key_value_heads", "head_dim", own_forwards="dory"),
-        Family("gpt2", "GPT2Attention", None, None),
-        Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None),  # one KV head (multi_query)
+        Family("gpt2", "GPT2Attention", None, None, position_table="n_positions"),
+        # one KV head (multi_query)
+        Family("gpt_bigcode", "GPTBigCodeAttention", "num_key_value_heads", None, position_table="n_positions"),
         # learned positions; before 5.18 its model sizes a mask by the cache length (fused_length_zero makes it
         # the step's, traceable)
-        Family("opt", "OPTAttention", None, None, fused_length_zero=True),
+        Family("opt", "OPTAttention", None, None, fused_length_zero=True, position_table="max_position_embeddings"),
         Family("persimmon", "PersimmonAttention", None, None),  # partial rotary, q / k LayerNorms
         # partial rotary; optional per-head q / k LayerNorms and parallel residual; layers drop the keywords
         Family("stablelm", "StableLmAttention", "num_key_value_heads", None, layers_drop_keywords=True),
@@ -495,7 +500,8 @@ FAMILIES: dict[str, Family] = {
                layers_drop_keywords=True, linear_subclasses=("FalconLinear",), fused_length_zero=True),
         # unscaled scores, local (windowed) and global layers, learned positions (models/gpt_neo.py: its attention
         # bypasses the attention interface and its wrapper drops the keywords)
-        Family("gpt_neo", "GPTNeoSelfAttention", None, None, own_attention="gpt_neo", layers_drop_keywords=True),
+        Family("gpt_neo", "GPTNeoSelfAttention", None, None, own_attention="gpt_neo", layers_drop_keywords=True,
+               position_table="max_position_embeddings"),
         # ALiBi (models/bloom.py, models/mpt.py: their attention bypasses the attention interface and adds the bias
         # itself; their layers drop the keywords)
         Family("bloom", "BloomAttention", None, None, own_attention="bloom", layers_drop_keywords=True,
@@ -510,10 +516,12 @@ FAMILIES: dict[str, Family] = {
         Family("gptj", "GPTJAttention", None, None, supported_from="5.24"),
         Family("codegen", "CodeGenAttention", None, None, supported_from="5.24"),
         # learned positions (BioGPT: offset by 2, scaled embeddings); CTRL: sinusoidal positions
-        Family("biogpt", "BioGptAttention", None, None, fused_length_zero=True),
+        Family("biogpt", "BioGptAttention", None, None, fused_length_zero=True,
+               position_table="max_position_embeddings"),
         # (before 5.13 CTRL's attention bypassed the attention interface)
         Family("ctrl", "MultiHeadAttention", None, None, supported_from="5.13", fused_length_zero=True,
-               compile_blocker="re-register their position encodings as a buffer in every forward"),
+               compile_blocker="re-register their position encodings as a buffer in every forward",
+               position_table="n_positions"),
         # local (sliding-window) and global layers
         Family("modernbert-decoder", "ModernBertDecoderAttention", None, None),
         # sparsemixer top-2 routing; its router subclasses nn.Linear with a forward of its own, which

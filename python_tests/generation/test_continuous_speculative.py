@@ -360,3 +360,26 @@ def test_what_it_cannot_serve_is_refused():
     with pytest.raises(ValueError, match=r"prompt_ids .* \[0, 81\)"):
         batcher.submit([4, 85, 9], max_new_tokens=2)
     assert batcher.run() == {} and not batcher.waiting
+
+
+def test_default_max_length_fits_a_learned_position_table():
+    """A batcher's max_length defaults to 2048, or to what GPT-2's learned positions (n_positions)
+    leave past a round's drafts; a larger one is refused up front, naming it (requests failed inside
+    the embedding mid-serving). Requests up to the default are served as generate serves them."""
+    from gptfast_kernels import ContinuousBatcher, generate
+
+    model = tiny_model("gpt2", n_positions=16)
+    patched, draft = patched_copy(model, int8=False), patched_copy(draft_of(model), int8=False)
+    assert ContinuousBatcher(patched).max_length == 16
+    assert ContinuousBatcher(tiny_patched := patched_copy(tiny_model("llama"), int8=False)).max_length == 2048
+    assert SpeculativeBatcher(tiny_patched, speculate_k=3).max_length == 2048
+    batcher = SpeculativeBatcher(patched, draft, speculate_k=3, eos_token_id=[])
+    assert batcher.max_length == 13
+    prompt = list(range(3, 11))
+    request = batcher.submit(prompt, max_new_tokens=6)  # 8 + 6 - 1 = 13 slots
+    want = generate(patched, torch.tensor([prompt]), max_new_tokens=6, eos_token_id=[]).sequences[0, 8:]
+    assert batcher.run()[request] == want.tolist()
+    for make in (lambda: ContinuousBatcher(patched, max_length=17), lambda: SpeculativeBatcher(patched, max_length=14,
+                                                                                                speculate_k=3)):
+        with pytest.raises(ValueError, match="max_length.*position table holds"):
+            make()

@@ -647,3 +647,25 @@ def test_streamer_gets_the_prompt_then_every_step():
     assert int(streamer.puts[-1][0]) == stop and streamer.ended == 1
     with pytest.raises(TypeError, match="streamer"):
         generate(patched, row, max_new_tokens=2, streamer=object())
+
+
+def test_calls_past_a_learned_position_table_are_refused_up_front():
+    """GPT-2's learned positions hold n_positions: a call that would feed a token past them fails
+    inside the embedding mid-generation (a device-side assert on CUDA); it is refused up front,
+    naming the table. A speculative call also writes its round's drafts past a row's last token."""
+    from gptfast_kernels import prompt_lookup_generate, speculative_generate
+    from python_tests.tiny_models import draft_of
+
+    model = tiny_model("gpt2", n_positions=16)
+    patched, draft = patched_copy(model, int8=False), patched_copy(draft_of(model), int8=False)
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    fits = generate(patched, ids, max_new_tokens=5, eos_token_id=[]).sequences  # 12 + 5 - 1 = 16 positions
+    assert torch.equal(fits, hf_greedy(model, ids, None, new=5, eos_token_id=None))
+    with pytest.raises(ValueError, match=r"17 positions, more than model's position table holds \(16"):
+        generate(patched, ids, max_new_tokens=6, eos_token_id=[])
+    for call in (lambda **kw: speculative_generate(patched, draft, ids, **kw),
+                 lambda **kw: prompt_lookup_generate(patched, ids, **kw)):
+        with pytest.raises(ValueError, match="speculate_k.*position table"):
+            call(max_new_tokens=2, speculate_k=3, eos_token_id=[])  # 12 + 2 + 3 > 16
+        out = call(max_new_tokens=2, speculate_k=2, eos_token_id=[])
+        assert torch.equal(out.sequences, fits[:, :14])

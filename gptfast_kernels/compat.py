@@ -57,7 +57,7 @@ from gptfast_kernels.generation.common import (Prompt, check_positions_fit, chec
                                                resolve_special_tokens)
 from gptfast_kernels.generation.generate import generate as _generate
 from gptfast_kernels.generation.speculative import SpeculativeOutput, speculative_generate
-from gptfast_kernels.models.patch import forward_with_cache, is_patched, patch_model
+from gptfast_kernels.models.patch import is_patched, patch_model
 from gptfast_kernels.models.serialization import is_saved_patched, load_patched
 from gptfast_kernels.modules.static_kv_cache import StaticKVCache
 from gptfast_kernels.ops._dispatch import check_int

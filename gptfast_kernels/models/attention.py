@@ -52,10 +52,14 @@ def _plain_attention(query, key, value, attention_mask, scaling, softcap=None, s
     if attention_mask is None:
         T, L = scores.shape[-2:]
         attention_mask = torch.ones(T, L, dtype=torch.bool, device=scores.device).tril(L - T)
+    # masked scores at float32's lowest, not -inf, as transformers' eager attention: a query that may
+    # attend to nothing (a left-padded row's padding) then gets finite weights rather than NaN, which
+    # the next layer's keys and values would carry into every query of the row (0 * NaN)
+    lowest = torch.finfo(scores.dtype).min
     if attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))
+        scores = scores.masked_fill(~attention_mask, lowest)
     else:
-        scores = scores + attention_mask
+        scores = (scores + attention_mask).clamp(min=lowest)
     L = scores.shape[-1]
     if sinks is not None:
         sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)

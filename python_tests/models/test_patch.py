@@ -533,6 +533,24 @@ def test_patch_is_idempotent_and_switchable():
     assert patched.config._attn_implementation == attention.FUSED
 
 
+@pytest.mark.parametrize("family", ["gemma2", "vaultgemma"])
+def test_soft_capped_attention_without_a_cache_takes_left_padding(family):
+    """Without a StaticKVCache a soft-capped model attends in plain PyTorch: a left-padded row's
+    padding queries, which may attend to nothing, got NaN, which the next layer carried into the
+    row's real tokens (transformers' own gave finite logits; its generate on the patched model other
+    tokens). Masked scores are now float32's lowest, as transformers' eager attention has them."""
+    from python_tests.tiny_models import ragged_prompts
+
+    model = tiny_model(family)
+    patched = patched_copy(model, int8=False)
+    ids, mask = ragged_prompts(3, 7, "left")
+    with torch.no_grad():
+        want, got = model(ids, attention_mask=mask).logits, patched(ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert (mask == 0).any() and got[real].isfinite().all()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+
+
 def test_a_backward_through_the_cached_attention_is_a_clear_error():
     """With a StaticKVCache the attention is the fused op, which has no gradient: a backward raises
     (q / k / v projections silently got none). Without a cache the patched model trains as

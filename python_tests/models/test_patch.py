@@ -539,8 +539,6 @@ def test_soft_capped_attention_without_a_cache_takes_left_padding(family):
     padding queries, which may attend to nothing, got NaN, which the next layer carried into the
     row's real tokens (transformers' own gave finite logits; its generate on the patched model other
     tokens). Masked scores are now float32's lowest, as transformers' eager attention has them."""
-    from python_tests.tiny_models import ragged_prompts
-
     model = tiny_model(family)
     patched = patched_copy(model, int8=False)
     ids, mask = ragged_prompts(3, 7, "left")

@@ -124,7 +124,8 @@ def test_checkpoint_and_crop_refuse_what_they_cannot_do(hybrid):
 
     # (unpatched latent attention cannot use the cache at all, nor an unpatched attention-free model: test_patch)
     if model.config.model_type not in LATENT + ATTENTION_FREE:
-        cache = _prefilled(patched, ids, mask, rollback_tokens=2)
+        # (rows of one length: an unpatched model refuses ragged rows, which it would read at the longest's)
+        cache = _prefilled(patched, ids, None, rollback_tokens=2)
         cache.checkpoint()
         with torch.no_grad():  # transformers' model: its recurrent layers do not record their states
             model(new[:, :1], past_key_values=cache)

@@ -132,6 +132,7 @@ class ContinuousBatcher:
     Not for caches with ring-buffer layers or recurrent states, whose first positions do not stay."""
 
     extra_slots = 0  # cache slots per row past max_length (a speculative round's drafts)
+    position_models = ()  # other models whose position tables bound the default max_length (a draft)
 
     def __init__(self, model, *, batch_size: int = 8, max_length: int | None = None,
                  eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
@@ -143,7 +144,7 @@ class ContinuousBatcher:
         self.max_prefill_tokens = None if max_prefill_tokens is None else check_int(
             op, "max_prefill_tokens", max_prefill_tokens, 1)
         if max_length is None:
-            max_length = common.default_max_length([model], self.extra_slots)
+            max_length = common.default_max_length([model, *self.position_models], self.extra_slots)
         self.max_length = check_int(op, "max_length", max_length, 1)
         common.check_flag(op, "compile", compile)
         self.model, self.generator = model, generator

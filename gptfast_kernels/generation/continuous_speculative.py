@@ -102,9 +102,8 @@ class SpeculativeBatcher(ContinuousBatcher):
             _check_draft_model(op, model, draft_model)
         else:
             check_int(op, "max_ngram_size", max_ngram_size, 1)
-        if max_length is None:  # (the draft's position table too)
-            max_length = common.default_max_length([model] + ([draft_model] if draft_model is not None else []),
-                                                   self.k)
+        # (a default max_length leaves room in the draft's position table too)
+        self.position_models = (draft_model,) if draft_model is not None else ()
         super().__init__(model, batch_size=batch_size, max_length=max_length, eos_token_id=eos_token_id,
                          generator=generator, compile=compile, tokenizer=tokenizer,
                          max_prefill_tokens=max_prefill_tokens, reuse_prefixes=reuse_prefixes)

@@ -90,8 +90,7 @@ def speculative_generate(model, draft_model, input_ids: torch.Tensor, attention_
                                                                           rounds.k))
     proposer = MtpProposer if mtp else DraftModelProposer
     if not mtp and rounds.most_new_tokens:
-        common.check_positions_fit(op, "draft_model", draft_model,
-                                   capacity(rounds.prompt, rounds.most_new_tokens, rounds.k), POSITIONS_TAKEN)
+        common.check_positions_fit(op, "draft_model", draft_model, rounds.slots, POSITIONS_TAKEN)
     return rounds.run(lambda capacity, target_cache: proposer(draft_model, rounds.batch_size, capacity, compile,
                                                               rounds.k))
 
@@ -258,17 +257,22 @@ class SpeculativeRounds:
             raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
                              f"per round), got a batch of {prompt.input_ids.shape[0]}")
         o = options
-        if o.most_new_tokens:
-            common.check_positions_fit(op, "model", model, capacity(prompt, o.most_new_tokens, speculate_k),
-                                       POSITIONS_TAKEN)
-        return cls(model, prompt, o.max_new_tokens, o.most_new_tokens, speculate_k, o.temperature, o.top_k, o.top_p,
-                   o.min_p, o.eos, o.pad, generator, compile, streamer, o.repetition_penalty, o.min_new_tokens,
-                   output_logprobs, presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
-                   stop=o.stop)
+        rounds = cls(model, prompt, o.max_new_tokens, o.most_new_tokens, speculate_k, o.temperature, o.top_k, o.top_p,
+                     o.min_p, o.eos, o.pad, generator, compile, streamer, o.repetition_penalty, o.min_new_tokens,
+                     output_logprobs, presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
+                     stop=o.stop)
+        if rounds.most_new_tokens:
+            common.check_positions_fit(op, "model", model, rounds.slots, POSITIONS_TAKEN)
+        return rounds
 
     @property
     def batch_size(self) -> int:
         return self.prompt.input_ids.shape[0]
+
+    @property
+    def slots(self) -> int:
+        """The cache slots per row the call takes (``capacity``)."""
+        return capacity(self.prompt, self.most_new_tokens, self.k)
 
     @property
     def greedy(self) -> bool:
@@ -451,7 +455,7 @@ class SpeculativeRounds:
                 streamer.end()
             return SpeculativeOutput(prompt.input_ids.clone(), zeros, zeros.clone(), 0.0,
                                      zeros.new_zeros(B, 0, dtype=torch.float32) if self.output_logprobs else None)
-        slots = capacity(prompt, self.most_new_tokens, k)
+        slots = self.slots
         target_cache = cache_for(model, B, slots, device, dtype, reuse=self.compile, step_tokens=k + 1)
         proposer = make_proposer(slots, target_cache)
         takes_hidden = getattr(proposer, "takes_target_hidden", False)

@@ -373,6 +373,9 @@ def test_default_max_length_fits_a_learned_position_table():
     assert ContinuousBatcher(patched).max_length == 16
     assert ContinuousBatcher(tiny_patched := patched_copy(tiny_model("llama"), int8=False)).max_length == 2048
     assert SpeculativeBatcher(tiny_patched, speculate_k=3).max_length == 2048
+    # a draft with a smaller table than the target's bounds the default too
+    short_draft = patched_copy(tiny_model("gpt2", n_positions=12), int8=False)
+    assert SpeculativeBatcher(patched, short_draft, speculate_k=3).max_length == 9
     batcher = SpeculativeBatcher(patched, draft, speculate_k=3, eos_token_id=[])
     assert batcher.max_length == 13
     prompt = list(range(3, 11))

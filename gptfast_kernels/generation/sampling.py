@@ -42,9 +42,14 @@ def check_new_token_counts(op: str, max_new_tokens, min_new_tokens, batch_size: 
 
 def _check_temperature(op: str, name: str, value) -> float:
     number = real_number(value)
-    if number is None or not math.isfinite(number) or number < 0:
-        raise ValueError(f"{op}: {name} must be a finite number >= 0 (0 = greedy), got {value!r}")
-    return value
+    if number is None or not 0 <= number <= _FLOAT32_MAX:
+        raise ValueError(f"{op}: {name} must be a number in [0, {_FLOAT32_MAX:.4g}] (float32's largest; "
+                         f"0 = greedy), got {value!r}")
+    # (logits are divided in float32, where one too small for it is 0: greedy)
+    return 0 if float(torch.tensor(number, dtype=torch.float32)) == 0 else value
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _check_top_k(op: str, name: str, value) -> int | None:

@@ -132,14 +132,25 @@ def test_per_row_max_new_tokens_end_each_row_at_its_own_limit(temperature):
 def test_a_tiny_temperature_samples_the_argmax():
     """A temperature so small that a logit over it overflows: the largest took inf and the softmax
     NaN, and every such row emitted token 0 (silently). Now each row's largest logit is brought to 0
-    first: such rows sample the argmax, as the greedy row does."""
-    patched = patched_copy(tiny_model("llama", layers=3), int8=False)
+    first: such rows sample the argmax, as the greedy row does. One below float32's smallest (0 in
+    float32, where logits are divided: 0 / 0) is taken as 0, greedy; the speculative generators and
+    the batcher emitted token 0 for it."""
+    from gptfast_kernels import ContinuousBatcher
+
+    target = tiny_model("llama", layers=3)
+    patched = patched_copy(target, int8=False)
     ids, mask = ragged_prompts(3, P, "left", seed=3)
     greedy = generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[]).sequences
-    for temperature in ([0.0, 1e-30, 1e-40], 1e-45):
-        got = generate(patched, ids, mask, max_new_tokens=6, eos_token_id=[], temperature=temperature,
-                       generator=torch.Generator().manual_seed(0)).sequences
-        assert torch.equal(got, greedy), temperature
+    for name, run in _generators(target, patched).items():
+        for temperature in ([0.0, 1e-30, 1e-40], 1e-45, 1e-46, 1e-300, [1e-300, 1e-46, 0.0]):
+            got = run(ids, mask, max_new_tokens=6, eos_token_id=[], temperature=temperature,
+                      generator=torch.Generator().manual_seed(0)).sequences
+            assert torch.equal(got, greedy), (name, temperature)
+    batcher = ContinuousBatcher(patched, batch_size=3, max_length=16, eos_token_id=[])
+    requests = [batcher.submit(row[m.bool()].tolist(), max_new_tokens=6, temperature=t)
+                for row, m, t in zip(ids, mask, (1e-46, 1e-300, 0.0))]
+    done = batcher.run()
+    assert [done[r] for r in requests] == greedy[:, P:].tolist()
 
 
 def test_rows_ending_early_leave_the_output_as_wide_as_generates():
@@ -201,6 +212,10 @@ def test_one_value_for_every_row_samples_as_that_number():
     (dict(temperature=[0.5, 1.0]), "temperature has 2 values"),
     (dict(temperature=[0.5, -1.0, 1.0]), r"temperature\[1\]"),
     (dict(temperature=[0.5, float("nan"), 1.0]), r"temperature\[1\]"),
+    # (past float32's largest: the scalar crashed in torch.full, a row's became inf and its masked
+    # eos logit -inf / inf = NaN, which emitted token 0)
+    (dict(temperature=1e300), "temperature must be a number in"),
+    (dict(temperature=[1e300, 1.0, 1.0], min_new_tokens=2), r"temperature\[0\]"),
     (dict(temperature=1.0, top_k=[1, 0, 2]), r"top_k\[1\]"),
     (dict(temperature=1.0, top_k=[1, 2.0, 2]), r"top_k\[1\]"),
     (dict(temperature=1.0, top_p=[0.5, 0.5, 1.5]), r"top_p\[2\]"),

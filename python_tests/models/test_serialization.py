@@ -204,6 +204,104 @@ def test_bad_models_and_directories_raise(tmp_path):
         save_patched(model, saved, max_shard_bytes=0)
 
 
+def test_damaged_directories_raise_naming_what_is_wrong(tmp_path):
+    """A hand-edited or damaged directory: each gets load_patched's ValueError naming the file or
+    key (they were JSON, attribute, type, safetensors and file-not-found errors from inside), and a
+    weights map pointing outside the directory is refused rather than followed."""
+    import shutil
+
+    good = tmp_path / "good"
+    save_patched(patch_model(tiny_model("llama")), good)
+    original = json.load(open(good / serialization.PATCH_FILE))
+
+    def damaged(name, edit):
+        directory = tmp_path / name
+        shutil.copytree(good, directory)
+        edit(directory)
+        return directory
+
+    def rewrite(**changes):
+        return lambda d: json.dump({**original, **changes}, open(d / serialization.PATCH_FILE, "w"))
+
+    cases = [
+        (lambda d: (d / serialization.PATCH_FILE).write_text("{oops"), "cannot read .*gptfast_kernels.json"),
+        (lambda d: (d / serialization.PATCH_FILE).write_text("[1, 2]"), "holds a list"),
+        (rewrite(patch=None), "patch must hold"),
+        (rewrite(patch={**original["patch"], "bogus": 1}), "patch must hold"),
+        (rewrite(weights=dict.fromkeys(original["weights"], "../good/model.safetensors")),
+         "names weights file '../good/model.safetensors'"),
+        (rewrite(aliases=[1]), "weights and aliases must map"),
+        (rewrite(rope_state={"model.rotary_emb": {"inv_freq": 1}}), "rope_state"),
+        (rewrite(rope_state={"model.nowhere": {"max_seq_len_cached": 40}}), "RoPE state for 'model.nowhere'"),
+        (lambda d: open(d / serialization.WEIGHTS_FILE, "r+b").truncate(1000), "cannot read .*model.safetensors"),
+        (lambda d: os.remove(d / serialization.WEIGHTS_FILE), "lacks 'model.safetensors'"),
+        (lambda d: os.remove(d / "config.json"), "lacks config.json"),
+    ]
+    for i, (edit, words) in enumerate(cases):
+        with pytest.raises(ValueError, match=words):
+            load_patched(damaged(f"case{i}", edit), device="cpu")
+    with pytest.raises(ValueError, match="is a file"):
+        load_patched(good / serialization.WEIGHTS_FILE, device="cpu")
+    for device, words in (("gpu", "device 'gpu' is not a device"), (object(), "is not a device")):
+        with pytest.raises(ValueError, match=words):
+            load_patched(good, device=device)
+    if not torch.cuda.is_available():
+        for device in ("cuda", 0):
+            with pytest.raises(ValueError, match="torch sees 0 CUDA device"):
+                load_patched(good, device=device)
+
+
+def test_another_checkpoints_directory_is_never_written_over(tmp_path):
+    """save_patched into a directory holding another checkpoint (a PyTorch-format one, an index,
+    a config alone) is refused before it writes: its config.json was replaced silently."""
+    model = patch_model(tiny_model("llama"))
+    for name in ("pytorch_model.bin", "model.safetensors.index.json", "config.json", "tf_model.h5"):
+        directory = tmp_path / name.replace(".", "_")
+        directory.mkdir()
+        (directory / name).write_text("theirs")
+        with pytest.raises(ValueError, match=f"holds '{name}' that save_patched did not write"):
+            save_patched(model, directory)
+        assert sorted(os.listdir(directory)) == [name] and (directory / name).read_text() == "theirs"
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        save_patched(model, tmp_path / "a_file")
+
+
+def test_a_compiled_model_saves_as_the_model_it_compiled(tmp_path):
+    # (torch.compile's wrapper was written with '_orig_mod.' names, which load_patched refused)
+    model = patch_model(tiny_model("llama"))
+    save_patched(torch.compile(model), tmp_path)
+    ids, mask = ragged_prompts(2, 5, "left")
+    assert torch.equal(_decode(load_patched(tmp_path, device="cpu"), ids, mask).logprobs,
+                       _decode(model, ids, mask).logprobs)
+
+
+def test_dynamic_rope_state_and_grown_tables_survive(tmp_path):
+    """State a model grows as it runs: dynamic-NTK RoPE past its table keeps scaled frequencies and
+    the length it grew to (a plain attribute, which was lost: the loaded model kept the scaled
+    frequencies on short inputs, where the saved one resets them, and decoded other tokens); XGLM's
+    sinusoidal table grown past its size (a non-persistent buffer, which load_patched refused)."""
+    model = patch_model(tiny_model("llama", max_position_embeddings=16,
+                                   rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
+    long_ids, short = torch.randint(3, 90, (1, 40)), torch.randint(3, 90, (1, 8))
+    with torch.no_grad():
+        model(long_ids)  # (grows the frequencies' scale to 40 positions)
+    save_patched(model, tmp_path / "dynamic")
+    loaded = load_patched(tmp_path / "dynamic", device="cpu")
+    with torch.no_grad():
+        want, got = model(short).logits, loaded(short).logits
+    assert torch.equal(want, got)
+    xglm = patch_model(tiny_model("xglm"))
+    rows = xglm.model.embed_positions.weights.shape[0]
+    generate(xglm, torch.randint(3, 90, (1, rows - 8)), max_new_tokens=12)  # (a cache past the table)
+    assert xglm.model.embed_positions.weights.shape[0] > rows
+    save_patched(xglm, tmp_path / "xglm")
+    loaded = load_patched(tmp_path / "xglm", device="cpu")
+    assert torch.equal(loaded.model.embed_positions.weights, xglm.model.embed_positions.weights)
+    ids, mask = ragged_prompts(2, 5, "left")
+    assert torch.equal(_decode(loaded, ids, mask).logprobs, _decode(xglm, ids, mask).logprobs)
+
+
 def test_a_tensor_made_at_patch_time_outside_the_buffers_is_named(tmp_path, monkeypatch):
     """A module attribute computed from the weights while patching is meta after a meta build and is not
     in the file: loading names it rather than handing back a model that fails at its first forward."""

@@ -80,11 +80,16 @@ def cmd_quantize(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gptfast_kernels import patch_model, save_patched
+    from gptfast_kernels.models.serialization import is_saved_patched
 
     try:
         device = cli_device("quantize", args.device)
     except ValueError as error:
         print(str(error), file=sys.stderr)
+        return 2
+    problem = _quantize_paths_problem(args.model, args.output, is_saved_patched(args.model))
+    if problem:  # (before loading: a model takes a while to load)
+        print(f"quantize: {problem}", file=sys.stderr)
         return 2
     try:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype],
@@ -94,8 +99,12 @@ def cmd_quantize(args) -> int:
         return 2
     model = model.to(device).eval()
     float_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    patch_model(model, int8=True, int8_skip=tuple(args.int8_skip))
-    save_patched(model, args.output)
+    try:
+        patch_model(model, int8=True, int8_skip=tuple(args.int8_skip))
+        save_patched(model, args.output)
+    except (OSError, ValueError) as error:  # (a family patch_model does not serve, an unwritable output)
+        print(f"quantize: {error}", file=sys.stderr)
+        return 2
     int8_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     print(f"quantize: {args.model} -> {args.output}: {float_bytes / 1e9:.3f} GB of {args.dtype} weights -> "
           f"{int8_bytes / 1e9:.3f} GB (load it with gptfast_kernels.load_patched)")
@@ -104,6 +113,18 @@ def cmd_quantize(args) -> int:
     except (OSError, ValueError) as error:  # a checkpoint without a tokenizer still quantizes
         print(f"quantize: no tokenizer saved ({type(error).__name__}: {error})")
     return 0
+
+
+def _quantize_paths_problem(model: str, output: str, model_is_saved_patched: bool) -> str | None:
+    """What is wrong with quantize's MODEL / OUTPUT pair, or None."""
+    if model_is_saved_patched:  # (from_pretrained finds none of its int8 weights: every layer random)
+        return (f"{model!r} is a directory save_patched wrote (already int8); load it with load_patched, or "
+                "quantize the float checkpoint it came from")
+    if os.path.exists(output) and not os.path.isdir(output):
+        return f"output {output!r} is a file; give a directory"
+    if os.path.isdir(model) and os.path.exists(output) and os.path.samefile(model, output):
+        return f"output {output!r} is the model's own directory; give a new one"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

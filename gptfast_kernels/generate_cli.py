@@ -41,6 +41,13 @@ def cli_device(op: str, name: str | None) -> torch.device:
     return device
 
 
+def _message(error: Exception) -> str:
+    """A library error for the generate command: prefixed with the command's name unless it
+    names it already (``generate: ...``)."""
+    text = str(error)
+    return text if text.startswith("generate: ") else f"generate: {text}"
+
+
 def add_generate_parser(sub):
     parser = sub.add_parser("generate", help="generate text from prompts with a (patched) checkpoint")
     parser.add_argument("model", help="a local checkpoint or hub name, or a directory save_patched wrote")
@@ -109,10 +116,13 @@ def cmd_generate(args) -> int:
         try:
             model = _load("generate", role, name, device=device, trust_remote_code=args.trust_remote_code,
                           dtype=None if is_saved_patched(name) and not args.dtype else dtype)
-        except (OSError, ValueError) as error:
+            if is_patched(model) and args.no_int8 and model._gptfast_patch_options["int8"]:
+                raise ValueError("it is a directory save_patched wrote with int8 weights, and --no-int8 cannot "
+                                 "undo them; give the float checkpoint")
+            loaded[role] = model if is_patched(model) else patch_model(model, int8=not args.no_int8)
+        except (OSError, ValueError) as error:  # (patch_model's: a family it does not serve)
             print(f"generate: cannot load {role} {name!r}: {error}", file=sys.stderr)
             return 2
-        loaded[role] = model if is_patched(model) else patch_model(model, int8=not args.no_int8)
     try:
         tokenizer = padding_tokenizer("generate", "model", args.model, args.trust_remote_code)
     except ValueError as error:
@@ -143,7 +153,7 @@ def cmd_generate(args) -> int:
         else:
             out = generate(loaded["model"], batch.input_ids, batch.attention_mask, **options)
     except (TypeError, ValueError) as error:
-        print(f"generate: {error}", file=sys.stderr)
+        print(_message(error), file=sys.stderr)
         return 2
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -180,7 +190,7 @@ def _continuous(args, model, draft, tokenizer, prompts: list[str], device: torch
                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                            stop_strings=args.stop)
     except (TypeError, ValueError) as error:
-        print(f"generate: {error}", file=sys.stderr)
+        print(_message(error), file=sys.stderr)
         return 2
     out = batcher.run()
     seconds = time.perf_counter() - started

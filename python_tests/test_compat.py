@@ -4,6 +4,7 @@ unpatched target (int8 off) or against our ``generate`` on the same patched mode
 
 import copy
 import io
+import os
 
 import pytest
 import torch
@@ -314,6 +315,46 @@ def test_quantize_command_writes_what_generate_text_fast_loads(checkpoints, tmp_
     assert not isinstance(loaded.lm_head, Int8Linear) and loaded.dtype == torch.bfloat16
     assert main(["quantize", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
     assert "quantize: cannot load model" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_quantize_refuses_what_would_lose_or_overwrite_a_model(checkpoints, tmp_path, capsys):
+    """quantize on a directory save_patched wrote loaded none of its int8 weights (from_pretrained:
+    every layer random) and saved that, over the model itself when OUTPUT was MODEL; an output that
+    is a file or the checkpoint's own directory, or a family patch_model does not serve, were
+    tracebacks. Each is now a message and exit status 2, before anything is written."""
+    from transformers import AutoConfig
+
+    from gptfast_kernels.cli import main
+
+    target, saved = checkpoints["target"], str(tmp_path / "saved")
+    assert main(["quantize", target, saved, "--dtype", "float32"]) == 0
+    weights = open(os.path.join(saved, "model.safetensors"), "rb").read()
+    (tmp_path / "a_file").write_text("x")
+    bert = str(tmp_path / "bert")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "bert", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB,
+        is_decoder=True)).save_pretrained(bert)
+    capsys.readouterr()
+    for model, output, words in ((saved, str(tmp_path / "again"), "is a directory save_patched wrote"),
+                                 (saved, saved, "is a directory save_patched wrote"),
+                                 (target, target, "is the model's own directory"),
+                                 (target, str(tmp_path / "a_file"), "is a file"),
+                                 (bert, str(tmp_path / "q_bert"), "does not support model_type 'bert'")):
+        assert main(["quantize", model, output]) == 2, (model, output)
+        err = capsys.readouterr().err
+        assert f"quantize: {output!r}" in err or words in err, err
+        assert words in err and "Traceback" not in err, err
+    assert not (tmp_path / "again").exists() and not (tmp_path / "q_bert").exists()
+    assert open(os.path.join(saved, "model.safetensors"), "rb").read() == weights
+    # generate: --no-int8 cannot undo a saved model's int8 weights (it was ignored); a library error
+    # names the command once ("generate: generate: ..." before)
+    assert main(["generate", saved, "w3", "--device", "cpu", "--no-int8"]) == 2
+    assert "--no-int8 cannot undo" in capsys.readouterr().err
+    assert main(["generate", bert, "w3", "--device", "cpu"]) == 2
+    assert "does not support model_type 'bert'" in capsys.readouterr().err
+    assert main(["generate", target, "w3", "--device", "cpu", "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "generate: temperature must be" in err and "generate: generate:" not in err, err
 
 
 def _continuation(text: str, prompt: str) -> str:

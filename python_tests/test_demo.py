@@ -135,6 +135,26 @@ def test_demo_names_a_checkpoint_it_cannot_load(tmp_path, capsys):
         assert message.startswith(f"demo: {option} '{bad}' could not be loaded"), message
 
 
+def test_demo_refuses_a_save_patched_directory_and_an_endless_training(tmp_path, capsys):
+    """A directory save_patched wrote, as --model: from_pretrained found none of its int8 weights and
+    the demo ran on random layers. --train-seconds inf passed the option check, then overflowed."""
+    from gptfast_kernels import patch_model, save_patched
+
+    model = build_model({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                         "num_attention_heads": 2, "num_key_value_heads": 2})
+    model.save_pretrained(tmp_path / "float")
+    save_patched(patch_model(model), tmp_path / "saved")
+    for model_dir, draft_dir, option in ((tmp_path / "saved", tmp_path / "float", "--model"),
+                                         (tmp_path / "float", tmp_path / "saved", "--draft")):
+        with pytest.raises(SystemExit) as raised:
+            main(["demo", "--model", str(model_dir), "--draft", str(draft_dir), "--no-progress"])
+        assert str(raised.value.code).startswith(f"demo: {option} ") and "save_patched wrote" in str(
+            raised.value.code)
+    with pytest.raises(SystemExit):
+        main(["demo", "--train-seconds", "inf", "--no-progress"])
+    assert "--train-seconds: must be a finite number > 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("device", ["banana", "mps", f"cuda:{torch.cuda.device_count()}"])
 def test_demo_names_a_device_it_cannot_use(device):
     # (a string that is no device was a traceback from torch; before any training)

@@ -143,7 +143,12 @@ class _HFTokenizer:
 def _load_checkpoints(args, device, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from gptfast_kernels.models.serialization import is_saved_patched
+
     def load(option: str, name: str):
+        if is_saved_patched(name):  # (from_pretrained would find none of its int8 weights: random layers)
+            raise SystemExit(f"demo: --{option} {name!r} is a directory save_patched wrote (already int8); the "
+                             "demo patches a float checkpoint itself, beside its unpatched baseline: give that")
         try:
             return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
         except (OSError, ValueError) as error:  # (no such directory, no config or weights in it, no model class)

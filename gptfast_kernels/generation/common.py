@@ -29,6 +29,17 @@ def check_model(op: str, name: str, model) -> None:
         raise TypeError(f"{op}: {name} must be a transformers causal LM, got {type(model).__name__}")
     if not is_patched(model):
         raise ValueError(f"{op}: {name} is not patched; call gptfast_kernels.patch_model({name}) first")
+    _, dtype = model_device_dtype(model)
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{op}: {name} is {dtype}; the kernels and caches take float16, bfloat16 or float32 "
+                         f"({name}.to(torch.float32))")
+    if name == "model":
+        from gptfast_kernels.generation.assistant import is_gemma4_assistant
+        from gptfast_kernels.generation.mtp import is_mtp_model
+
+        if is_mtp_model(model) or is_gemma4_assistant(model):
+            raise ValueError(f"{op}: model is {type(model).__name__}, a draft that reads another model's hidden "
+                             "states or cache; pass it as speculative_generate's draft_model, beside that model")
 
 
 def check_rollback(op: str, name: str, model) -> None:

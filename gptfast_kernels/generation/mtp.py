@@ -63,6 +63,10 @@ def check_mtp(op: str, model, mtp) -> None:
             raise ValueError(f"{op}: draft_model (an MtpModel) has {name} {ours} but model has {theirs}; build it "
                              "from this model (MtpModel.from_pretrained(model))")
     common.check_same_device(op, model, mtp)
+    (_, dtype), (_, mtp_dtype) = common.model_device_dtype(model), common.model_device_dtype(mtp)
+    if mtp_dtype != dtype:  # (it takes the target's hidden states as they are)
+        raise ValueError(f"{op}: draft_model (an MtpModel) is {mtp_dtype} but model is {dtype}; the MTP layer reads "
+                         f"model's hidden states: give both one dtype (draft_model.to({dtype}))")
 
 
 def _mtp_forward(ids: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, cache, keep: torch.Tensor,

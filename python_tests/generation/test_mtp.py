@@ -132,3 +132,14 @@ def test_bad_drafters_are_refused():
     foreign = patch_model(MtpModel(other, 1).eval(), int8=False)
     with pytest.raises(ValueError, match="draft_model .an MtpModel. has hidden_size 48"):
         speculative_generate(patched, foreign, ids, max_new_tokens=4)
+    # another dtype: a RuntimeError from inside the layer's first matmul (bfloat16), or the cache's
+    # message naming neither the call nor the argument (float64)
+    with pytest.raises(ValueError, match="draft_model .an MtpModel. is torch.bfloat16 but model is torch.float32"):
+        speculative_generate(patched, copy.deepcopy(patched_mtp).to(torch.bfloat16), ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="speculative_generate: draft_model is torch.float64"):
+        speculative_generate(patched, copy.deepcopy(patched_mtp).double(), ids, max_new_tokens=4)
+    # the MtpModel as the target: a TypeError from its forward (it takes the target's hidden states)
+    for run in (lambda: speculative_generate(patched_mtp, patched, ids, max_new_tokens=4),
+                lambda: generate(patched_mtp, ids, max_new_tokens=4)):
+        with pytest.raises(ValueError, match="model is MtpModel, a draft that reads another model"):
+            run()

@@ -257,7 +257,10 @@ class SpeculativeRounds:
             raise ValueError(f"{op}: a streamer takes one prompt (rows advance by different numbers of tokens "
                              f"per round), got a batch of {prompt.input_ids.shape[0]}")
         o = options
-        rounds = cls(model, prompt, o.max_new_tokens, o.most_new_tokens, speculate_k, o.temperature, o.top_k, o.top_p,
+        # (drafts past the tokens a row can still make after its prefill's one are never emitted: k is
+        # capped there, as transformers' assisted generation caps it; they cost a forward column each)
+        k = min(speculate_k, max(1, o.most_new_tokens - 1))
+        rounds = cls(model, prompt, o.max_new_tokens, o.most_new_tokens, k, o.temperature, o.top_k, o.top_p,
                      o.min_p, o.eos, o.pad, generator, compile, streamer, o.repetition_penalty, o.min_new_tokens,
                      output_logprobs, presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
                      stop=o.stop)

@@ -334,6 +334,31 @@ def test_bad_inputs_raise_before_any_work():
         speculative_generate(patched, draft, ids, max_new_tokens=2, min_new_tokens=-3)
     out = speculative_generate(patched, draft, ids, max_new_tokens=0)
     assert torch.equal(out.sequences, ids) and out.acceptance_rate == 0.0
+    # a float64 model: the cache's message named neither the call nor the argument
+    for run, name in ((lambda: speculative_generate(patched, patched_copy(draft).double(), ids, max_new_tokens=2),
+                       "draft_model"),
+                      (lambda: prompt_lookup_generate(patched_copy(patched).double(), ids, max_new_tokens=2), "model"),
+                      (lambda: generate(patched_copy(patched).double(), ids, max_new_tokens=2), "model")):
+        with pytest.raises(ValueError, match=f": {name} is torch.float64; the kernels and caches take"):
+            run()
+
+
+def test_speculate_k_is_capped_by_the_tokens_a_call_can_make():
+    """Drafts past a call's last new token are never emitted: k is capped at max_new_tokens - 1
+    (the prefill makes the first), as transformers' assisted generation caps it. Uncapped, each round
+    drafted and verified all k (k = 300: seconds for 3 tokens, num_proposed 300 a round), and a
+    learned position table refused a call that fits it."""
+    target = tiny_model("gpt2", n_positions=16)
+    patched, draft = patched_copy(target, int8=False), patched_copy(draft_of(target), int8=False)
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8], [9, 10, 11, 9, 10, 11, 9, 10]])
+    want = generate(patched, ids, max_new_tokens=3, eos_token_id=[])
+    for run in (lambda k: prompt_lookup_generate(patched, ids, max_new_tokens=3, speculate_k=k, eos_token_id=[]),
+                lambda k: speculative_generate(patched, draft, ids, max_new_tokens=3, speculate_k=k, eos_token_id=[])):
+        capped, two = run(300), run(2)
+        assert torch.equal(capped.sequences, want.sequences)
+        assert torch.equal(capped.num_proposed, two.num_proposed) and int(capped.num_proposed.max()) <= 4
+    one = prompt_lookup_generate(patched, ids, max_new_tokens=1, speculate_k=5, eos_token_id=[])
+    assert torch.equal(one.sequences, generate(patched, ids, max_new_tokens=1, eos_token_id=[]).sequences)
 
 
 def test_a_compiled_model_drafting_for_itself_keeps_two_caches():

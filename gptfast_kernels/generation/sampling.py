@@ -84,9 +84,9 @@ def number_or_rows(op: str, name: str, value, check, batch_size: int, device):
     """One argument, ``check(op, name, value)`` validating each value -> a number (or None) for every
     row, or a [B] tensor of per-row values (int64 for ints, else float32; None entries as _OFF)."""
     if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.dtype == torch.bool or value.is_complex():
+        if value.dim() != 1 or value.dtype == torch.bool or value.is_complex() or value.is_meta:
             raise ValueError(f"{op}: {name} as a tensor must be 1-D and real, one value per row, got "
-                             f"{tuple(value.shape)} {value.dtype}")
+                             f"{tuple(value.shape)} {value.dtype}{' on the meta device (no values)' * value.is_meta}")
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         return check(op, name, value)

@@ -222,6 +222,7 @@ def test_one_value_for_every_row_samples_as_that_number():
     (dict(temperature=1.0, min_p=[True, 0.1, 0.1]), r"min_p\[0\]"),
     (dict(temperature=torch.ones(3, 1)), "temperature as a tensor must be 1-D"),
     (dict(temperature=torch.ones(3, dtype=torch.bool)), "temperature as a tensor must be 1-D and real"),
+    (dict(temperature=torch.ones(3, device="meta")), "temperature as a tensor .* on the meta device"),
     (dict(repetition_penalty=[1.0, 0.0, 1.0]), r"repetition_penalty\[1\]"),
     (dict(max_new_tokens=[2, -1, 2]), r"max_new_tokens\[1\]"),
     (dict(max_new_tokens=[2, 2]), "max_new_tokens has 2 values"),

@@ -155,6 +155,26 @@ def test_demo_refuses_a_save_patched_directory_and_an_endless_training(tmp_path,
     assert "--train-seconds: must be a finite number > 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model, outputs, noted", [(None, [[32] * 6, [10] * 6], True),
+                                                    (None, [[32] * 6, [97, 98, 99]], False),
+                                                    ("local", [[32] * 6, [10] * 6], False)])
+def test_the_report_notes_a_degenerate_embedded_model(capsys, model, outputs, noted):
+    """Embedded models trained too few steps (busy CPUs) continue every prompt with one repeated
+    byte, and their acceptance rates are a degenerate model's: the report says so, and how to
+    retrain (the cache keeps such weights). A local checkpoint's output is its own business."""
+    import argparse
+    import time
+
+    from gptfast_kernels.demo.run import Side, _report
+
+    sides = [Side(name, None, seconds=1.0, tokens=12, outputs=outputs, extra={"proposed": 8, "accepted": 8})
+             for name in ("baseline: transformers generate, float32", "optimized: int8", "optimized + speculative",
+                          "optimized + prompt lookup")]
+    args = argparse.Namespace(compile=False, no_int8=False, model=model)
+    assert _report(args, ["p1", "p2"], ByteTokenizer(), sides, 0.0, time.perf_counter()) == 0
+    assert ("one character repeated" in capsys.readouterr().out) == noted
+
+
 @pytest.mark.parametrize("device", ["banana", "mps", f"cuda:{torch.cuda.device_count()}"])
 def test_demo_names_a_device_it_cannot_use(device):
     # (a string that is no device was a traceback from torch; before any training)

@@ -362,6 +362,11 @@ def _report(args, prompts, tokenizer, sides, setup_seconds, started) -> int:
     print(f"  prompt      : {prompts[0]!r}")
     print(f"  baseline    : {tokenizer.decode(baseline.outputs[0])!r}")
     print(f"  speculative : {tokenizer.decode(spec.outputs[0])!r}")
+    if args.model is None and all(len(set(tokenizer.decode(ids))) <= 1 for ids in baseline.outputs):
+        # (a minute of training on busy CPUs: too few steps; the cache then keeps those weights)
+        print("\nnote: every continuation is one character repeated: the embedded models got too few training "
+              "steps on this machine (busy CPUs?), and the acceptance rates above are a degenerate model's. "
+              "Rerun with --retrain and a larger --train-seconds.")
     print(f"\n(setup {setup_seconds:.1f} s, total {time.perf_counter() - started:.1f} s)")
     sys.stdout.flush()
     return 0 if own_match == n and lookup_match == n else 1

@@ -253,6 +253,8 @@ def _updated_in_place(args) -> list[torch.Tensor]:
     return buffers
 
 
+@torch.no_grad()  # (the replay calls the compiled steps directly: with grad on they were compiled anew
+# for it, and failed tracing kv_cache_attention's backward; eager, they ran slower than the run)
 def _timed_rounds(h, generate_fn, rows: int, new_tokens: int, prefill_seconds: float) -> tuple[dict, object]:
     """Rounds/s and tokens/s of ``generate_fn`` (best of 2), and the share of a round outside the
     models' forwards -> (row fields, its output), measured two ways:

@@ -85,14 +85,18 @@ mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} GPTFAST_KERNELS_REQUIRE_CUDA=1
 export GPTFAST_COMMIT=${GPTFAST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+[ "$GPTFAST_COMMIT" != unknown ] || echo "warning: no git and no GPTFAST_COMMIT: the results will not name their commit"
 PY=${PYTHON:-python3}
 # Seconds for the whole call (the device tool stops a command at 600 s): each stage gets what is left,
 # so a slow or hung stage is stopped in time for its logs and partial results to come back.
 BUDGET=${BUDGET:-570}
 failed=()
 
-time_left() {  # seconds of the budget a command started now may take (5 s kept for the logs)
-  echo $((BUDGET - SECONDS - 5))
+# Every timeout below sends its signal, then KILL after KILL_AFTER s to a process whose handler never
+# runs (stuck in C: a synchronize on a hung kernel); time_left keeps that margin and 5 s for the logs.
+KILL_AFTER=10
+time_left() {  # seconds of the budget a command started now may take
+  echo $((BUDGET - SECONDS - KILL_AFTER - 5))
 }
 
 has_cuda_kernels() {
@@ -136,7 +140,7 @@ build_with() {  # CXX CC: the extension in place, with those compilers, in the t
   local start=$SECONDS left=$(time_left)
   if [ "$left" -lt 30 ]; then echo "no time left to build with $1"; return 1; fi
   echo "building with $1 / $2"
-  CXX=$1 CC=$2 timeout "$left" "$PY" setup.py -q build_ext --inplace 2>&1 | grep -v "WARNING: Location" | tail -20
+  CXX=$1 CC=$2 timeout -k "$KILL_AFTER" "$left" "$PY" setup.py -q build_ext --inplace 2>&1 | grep -v "WARNING: Location" | tail -20
   echo "build took $((SECONDS - start)) s (rc ${PIPESTATUS[0]})"
 }
 
@@ -151,20 +155,22 @@ stage_tests() {
   [ -n "${TESTS_K:-}" ] && select=(-k "$TESTS_K")
   # TEST_WORKERS (default 8) share the GPU (pytest-xdist, in the device image); a hung test fails alone
   "$PY" -c "import xdist" 2>/dev/null && extra="-n ${TEST_WORKERS:-8}"
-  "$PY" -c "import pytest_timeout" 2>/dev/null && extra="$extra --timeout 300"
+  # TEST_TIMEOUT (default 120 s): a hung test fails alone, well inside a stage's budget
+  "$PY" -c "import pytest_timeout" 2>/dev/null && extra="$extra --timeout ${TEST_TIMEOUT:-120}"
   for part in "${parts[@]}"; do
     left=$(time_left)
     if [ "$left" -lt 20 ]; then echo "tests: no time left for $part" | tee -a "$OUT_DIR/tests.log"; status=1; continue; fi
     echo "== pytest $part" | tee -a "$OUT_DIR/tests.log"
     # shellcheck disable=SC2086  (a part may hold several paths / options)
-    timeout "$left" "$PY" -m pytest $part "${select[@]}" $extra -q -p no:cacheprovider -rfE 2>&1 | tee -a "$OUT_DIR/tests.log" | tail -25
+    # (SIGINT: pytest stopped by the budget still prints which tests failed; TERM lost the summary)
+    timeout -s INT -k "$KILL_AFTER" "$left" "$PY" -m pytest $part "${select[@]}" $extra -q -p no:cacheprovider -rfE 2>&1 | tee -a "$OUT_DIR/tests.log" | tail -25
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
   return $status
 }
 
 stage_sanitize() {
-  SANITIZER_LOG_DIR=$OUT_DIR timeout "$STAGE_TIMEOUT" bash scripts/sanitize.sh 2>&1 | tee "$OUT_DIR/sanitizer.log" | tail -60
+  SANITIZER_LOG_DIR=$OUT_DIR timeout -k "$KILL_AFTER" "$STAGE_TIMEOUT" bash scripts/sanitize.sh 2>&1 | tee "$OUT_DIR/sanitizer.log" | tail -60
 }
 
 # Nsight Compute on one call of each kernel whose tuning is open (bench/profile_kernels.py): the
@@ -172,7 +178,7 @@ stage_sanitize() {
 stage_profile() {
   local ncu
   ncu=$(command -v ncu || echo "$CUDA_HOME/bin/ncu")
-  timeout "$STAGE_TIMEOUT" "$ncu" --clock-control none -k "regex:$("$PY" -m bench.profile_kernels --kernels)" \
+  timeout -k "$KILL_AFTER" "$STAGE_TIMEOUT" "$ncu" --clock-control none -k "regex:$("$PY" -m bench.profile_kernels --kernels)" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     "$PY" -m bench.profile_kernels > "$OUT_DIR/ncu.txt" 2>&1
   local rc=$?
@@ -186,14 +192,14 @@ stage_profile() {
 # (4096 x 14336) goes to tensor cores, whatever GPTFAST_INT8_GEMV says. The untimed shapes first
 # (u4s, u4p), then the default (u4f1) and tensor cores, then the shapes e9ab4ef timed.
 stage_int8_gemv() {
-  local tmp choice left status=0
-  tmp=$(mktemp -d)
+  local tmp="$OUT_DIR/int8_gemv_parts" choice left status=0  # (in OUT_DIR: a run killed from outside keeps them)
+  mkdir -p "$tmp"
   for choice in u4s u4p u4f1 tensor_core u8f1 u16f1 u4f2 u8f2; do
     left=$(time_left)
     if [ "$left" -lt 20 ]; then echo "int8-gemv: no time left for $choice and after"; status=1; break; fi
     if [ "$choice" = tensor_core ]; then set -- GPTFAST_INT8_CUDA_KERNEL=tensor_core
     else set -- GPTFAST_INT8_CUDA_KERNEL=fma GPTFAST_INT8_GEMV="$choice"; fi
-    env "$@" timeout "$left" "$PY" -m bench.run --ops int8_linear --cases layers,one_row \
+    env "$@" timeout -k "$KILL_AFTER" "$left" "$PY" -m bench.run --ops int8_linear --cases layers,one_row \
       --out "$tmp/$choice.json" 2>&1 | tee -a "$OUT_DIR/bench.log" | grep "@graph"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
@@ -219,7 +225,7 @@ PY
 bench() {  # bench <comma-separated benches> [bench.run options], in the budget's time left
   local ops=$1 left=$(time_left); shift
   if [ "$left" -lt 20 ]; then echo "bench $ops $*: no time left" | tee -a "$OUT_DIR/bench.log"; return 1; fi
-  timeout "$left" "$PY" -m bench.run --ops "$ops" --out-dir "$OUT_DIR" "$@" 2>&1 | tee -a "$OUT_DIR/bench.log" | tail -60
+  timeout -k "$KILL_AFTER" "$left" "$PY" -m bench.run --ops "$ops" --out-dir "$OUT_DIR" "$@" 2>&1 | tee -a "$OUT_DIR/bench.log" | tail -60
   return "${PIPESTATUS[0]}"
 }
 
@@ -243,6 +249,10 @@ every() {  # every "command" ...: each run (one failing does not skip the rest);
   "$PY" -c "import torch, triton, transformers, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda,
     'triton', triton.__version__, 'transformers', transformers.__version__, 'pytest', pytest.__version__)"
 } 2>&1 | tee -a "$OUT_DIR/gpu.txt"
+# (without a GPU every stage "passed" on the CPU: the tests skipped, the benches measured nothing or the CPU)
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "torch sees no CUDA device: stopping" | tee -a "$OUT_DIR/gpu.txt"; exit 1
+fi
 
 for stage in $STAGES; do
   STAGE_TIMEOUT=$(time_left)

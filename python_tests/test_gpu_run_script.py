@@ -18,10 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Records each run with the kernel choices it was given; `-m bench.run` writes a results file as
 # bench/run.py names it (one per run) and fails for the benches in FAIL_OPS; `-` with arguments
-# (the int8-gemv stage's merge) runs the real Python; anything else (the extension's check, the
+# (the int8-gemv stage's merge) runs the real Python; the CUDA check fails with FAKE_NO_CUDA; anything else (the extension's check, the
 # version line) succeeds.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 echo "$* | PDL=${GPTFAST_CUDA_PDL:-} KERNEL=${GPTFAST_INT8_CUDA_KERNEL:-} GEMV=${GPTFAST_INT8_GEMV:-}" >> "$FAKE_LOG"
+case "$*" in *cuda.is_available*) [ -z "${FAKE_NO_CUDA:-}" ]; exit $? ;; esac
 if [ "$1" = "-" ] && [ $# -gt 1 ]; then exec "$REAL_PYTHON" "$@"; fi
 [ "$1 $2" = "-m bench.run" ] || exit 0
 shift 2
@@ -92,11 +93,18 @@ def test_few_results_stay_as_they_are(tmp_path):
     assert files[1].startswith("fake_speculative_") and files[2].startswith("fake_step_breakdown_"), files
 
 
+def test_a_machine_without_a_gpu_stops_before_any_stage(tmp_path):
+    # (every stage "passed" there: the tests skipped, the benches measured the CPU or nothing)
+    proc, runs, out, _ = run_stages(tmp_path, "speculative", "int8-gemv", FAKE_NO_CUDA="1")
+    assert proc.returncode == 1 and "torch sees no CUDA device: stopping" in proc.stdout, proc.stdout[-3000:]
+    assert runs == [] and "== build" not in proc.stdout
+
+
 @pytest.mark.parametrize("stage", ["int8-gemv", "pdl"])
 def test_no_run_starts_without_time_left(tmp_path, stage):
     """Each run gets the budget's time left, and none starts with under 20 s of it (`timeout 0`
     would not stop it at all)."""
-    budget = 44  # (a stage starts with at least 30 s left)
+    budget = 59  # (a stage starts with at least 30 s left past the 15 s time_left keeps)
     proc, runs, _, seconds = run_stages(tmp_path, stage, budget=budget, FAKE_SECONDS="5")
     assert seconds < budget, (seconds, proc.stdout[-3000:])
     assert proc.returncode == 1 and "no time left" in proc.stdout, proc.stdout[-3000:]

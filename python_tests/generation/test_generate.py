@@ -666,6 +666,7 @@ def test_calls_past_a_learned_position_table_are_refused_up_front():
     for call in (lambda **kw: speculative_generate(patched, draft, ids, **kw),
                  lambda **kw: prompt_lookup_generate(patched, ids, **kw)):
         with pytest.raises(ValueError, match="speculate_k.*position table"):
-            call(max_new_tokens=2, speculate_k=3, eos_token_id=[])  # 12 + 2 + 3 > 16
-        out = call(max_new_tokens=2, speculate_k=2, eos_token_id=[])
+            call(max_new_tokens=4, speculate_k=3, eos_token_id=[])  # 12 + 4 + 3 > 16
+        # (k is capped at the tokens left after the prefill's: 1 here, 12 + 2 + 1 fits)
+        out = call(max_new_tokens=2, speculate_k=3, eos_token_id=[])
         assert torch.equal(out.sequences, fits[:, :14])

@@ -2,12 +2,13 @@
 
 ``save_patched(model, directory)`` writes transformers' ``config.json`` and ``generation_config.json``,
 ``gptfast_kernels.json`` (how the model was patched, its dtype, the package's version, which file
-holds which tensor, and the numbers a dynamic RoPE module keeps beside its frequencies) and ``model.safetensors`` (or files of at most 5 GiB each,
-``model-00001-of-0000N.safetensors``): every parameter and buffer of the patched model, the int8 ``qweight`` /
-``scales`` of its Int8Linear and Int8Experts included, and its non-persistent buffers too (RoPE
-frequencies, position tables, ALiBi slopes), so that loading needs none of the model's init code to
-recompute them. A tensor that several names share (tied weights that int8 keeps tied) is written
-once, the other names recorded as aliases of it.
+holds which tensor, and the numbers a dynamic RoPE module keeps beside its frequencies) and
+``model.safetensors`` (or files of at most 5 GiB each, ``model-00001-of-0000N.safetensors``): every
+parameter and buffer of the patched model, the int8 ``qweight`` / ``scales`` of its Int8Linear and
+Int8Experts included, and its non-persistent buffers too (RoPE frequencies, position tables, ALiBi
+slopes), so that loading needs none of the model's init code to recompute them. A tensor that
+several names share (tied weights that int8 keeps tied) is written once, the other names recorded
+as aliases of it.
 
 ``load_patched(directory, device=...)`` builds the model from its config on the meta device (no
 memory), patches it the same way (int8 layers of meta tensors), and assigns the saved tensors,
@@ -190,7 +191,8 @@ def _read_patch_file(directory: str) -> dict:
             raise ValueError(f"load_patched: {directory!r} lacks {file!r}, which {PATCH_FILE} names")
     rope_state = saved.get("rope_state", {})  # (absent in files written before it was saved)
     if not isinstance(rope_state, dict) or not all(
-            isinstance(numbers, dict) and all(_ROPE_STATE.fullmatch(str(attribute)) for attribute in numbers)
+            isinstance(numbers, dict) and all(_ROPE_STATE.fullmatch(str(attribute)) and isinstance(value, (int, float))
+                                              and not isinstance(value, bool) for attribute, value in numbers.items())
             for numbers in rope_state.values()):
         raise ValueError(f"load_patched: {path}'s rope_state is not as save_patched writes it")
     return saved

@@ -232,6 +232,7 @@ def test_damaged_directories_raise_naming_what_is_wrong(tmp_path):
          "names weights file '../good/model.safetensors'"),
         (rewrite(aliases=[1]), "weights and aliases must map"),
         (rewrite(rope_state={"model.rotary_emb": {"inv_freq": 1}}), "rope_state"),
+        (rewrite(rope_state={"model.rotary_emb": {"max_seq_len_cached": "40"}}), "rope_state"),
         (rewrite(rope_state={"model.nowhere": {"max_seq_len_cached": 40}}), "RoPE state for 'model.nowhere'"),
         (lambda d: open(d / serialization.WEIGHTS_FILE, "r+b").truncate(1000), "cannot read .*model.safetensors"),
         (lambda d: os.remove(d / serialization.WEIGHTS_FILE), "lacks 'model.safetensors'"),

@@ -280,9 +280,7 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor, directory: str, c
     # (a float tensor may come in another float dtype: the saved model's, after model.to(dtype), is kept;
     # a table the model grows as it goes, a non-persistent buffer such as XGLM's sinusoidal positions,
     # in the size it had grown to)
-    module_name, _, _ = name.rpartition(".")
-    grown = slot is not model.get_submodule(module_name)._parameters and (
-        leaf in model.get_submodule(module_name)._non_persistent_buffers_set)
+    grown = leaf in model.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set
     if (tuple(old.shape) != tuple(tensor.shape) and not (grown and old.dim() == tensor.dim())) or (
             old.dtype != tensor.dtype and not (
             old.dtype.is_floating_point and tensor.dtype.is_floating_point)):
